@@ -1,0 +1,165 @@
+"""Typed views over the LWW-map: the key spaces and the Structs stored under them.
+
+| key               | value      | written by            |
+|-------------------|------------|-----------------------|
+| ``node/<id>``     | NodeCard   | node ``<id>`` only    |
+| ``health/<id>``   | Health     | node ``<id>`` only    |
+| ``instance/<id>`` | Instance   | any node              |
+
+Values are msgpack-encoded Structs; a value that fails to decode is skipped by the
+views (and never crashes a reader), so an old node cannot break a new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Literal, TypeVar
+
+import msgspec
+
+from .lww import LWWMap
+
+NODE = "node/"
+HEALTH = "health/"
+INSTANCE = "instance/"
+
+
+def node_key(node_id: str) -> str:
+    """Key of a node's capability card."""
+    return NODE + node_id
+
+
+def health_key(node_id: str) -> str:
+    """Key of a node's heartbeat."""
+    return HEALTH + node_id
+
+
+def instance_key(instance_id: str) -> str:
+    """Key of a placed model instance."""
+    return INSTANCE + instance_id
+
+
+class NodeCard(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a node can do, written once at start (and when it changes)."""
+
+    id: str
+    name: str
+    #: Random per process start: tells a restart apart, and exposes duplicated ids.
+    incarnation: str
+    cluster: str
+    version: str
+    os: str
+    arch: str
+    cpu_count: int
+    mem_total: int
+    mem_available: int
+    #: Engine backends detected on this machine, e.g. ``llama_cpp-cpu``, ``mlx-metal``.
+    backends: list[str] = []
+    #: Addresses peers may reach this node at, best first.
+    addresses: list[str] = []
+    mesh_port: int
+    pub_port: int
+    api_port: int
+    api_host: str = ""
+    #: Models this node holds on local disk (aliases or paths).
+    models: list[str] = []
+    started_ms: int = 0
+
+
+RunnerStateName = Literal["loading", "ready", "failed", "stopped"]
+
+
+class RunnerStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """State of one runner subprocess, as reported by the node that runs it."""
+
+    instance: str
+    generation: int
+    state: RunnerStateName
+    reason: str = ""
+
+
+HealthState = Literal["up", "stopped"]
+
+
+class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A heartbeat. Liveness is judged by when a reader *received* a newer one."""
+
+    seq: int
+    state: HealthState = "up"
+    mem_available: int = 0
+    load: float = 0.0
+    queue_depth: int = 0
+    tokens_per_s: float = 0.0
+    #: The node's anti-entropy horizon (see ``meshd.crdt.lww.stable_horizon``).
+    synced: int = 0
+    runners: list[RunnerStatus] = []
+
+
+class Stage(msgspec.Struct, kw_only=True, frozen=True):
+    """One pipeline stage: layers ``[start, end)`` of a model on one node."""
+
+    node: str
+    start: int
+    end: int
+    engine: str
+
+
+class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """What a user asked for when placing a model."""
+
+    model: str
+    min_nodes: int = 1
+    nodes: list[str] = []
+    engines: list[str] = []
+
+
+class Instance(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A placed model: its spec, its plan and the plan's generation."""
+
+    id: str
+    spec: InstanceSpec
+    stages: list[Stage]
+    generation: int = 1
+
+
+_encoder = msgspec.msgpack.Encoder()
+T = TypeVar("T", bound=msgspec.Struct)
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def encode(value: msgspec.Struct) -> bytes:
+    """Encode a view Struct as an LWW value."""
+    return _encoder.encode(value)
+
+
+def decode(value: bytes, typ: type[T]) -> T | None:
+    """Decode an LWW value into a view Struct; None if it does not fit the schema."""
+    dec = _decoders.get(typ)
+    if dec is None:
+        dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
+    try:
+        return dec.decode(value)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _view(m: LWWMap, prefix: str, typ: type[T]) -> Iterator[tuple[str, T, str]]:
+    for e in m.live(prefix):
+        v = decode(e.value or b"", typ)
+        if v is not None:
+            yield e.key[len(prefix) :], v, e.writer
+
+
+def cards(m: LWWMap) -> dict[str, NodeCard]:
+    """Node cards by node id. A card not written by its own node is ignored."""
+    return {nid: c for nid, c, w in _view(m, NODE, NodeCard) if w == nid and c.id == nid}
+
+
+def healths(m: LWWMap) -> dict[str, Health]:
+    """Latest heartbeat by node id. A heartbeat not written by its own node is ignored."""
+    return {nid: h for nid, h, w in _view(m, HEALTH, Health) if w == nid}
+
+
+def instances(m: LWWMap) -> dict[str, Instance]:
+    """Placed model instances by instance id."""
+    return {iid: i for iid, i, _ in _view(m, INSTANCE, Instance) if i.id == iid}
