@@ -15,8 +15,8 @@ from typing import Literal
 State = Literal["alive", "suspect", "dead", "left"]
 
 #: Defaults, documented in docs/operations.md.
-SUSPECT_AFTER = 1.5
-DEAD_AFTER = 2.5
+SUSPECT_AFTER = 1.2
+DEAD_AFTER = 2.0
 REVIVE_BEATS = 2
 
 
@@ -46,8 +46,10 @@ class Liveness:
         """
         t = self._nodes.get(node)
         if t is None:
-            t = self._nodes[node] = _Track()
-        elif seq <= t.seq and not stopped:
+            # First word from this node: it is alive as of now (not "silent since 0").
+            t = self._nodes[node] = _Track(last_seen=now)
+        elif seq <= t.seq:
+            # A replayed "stopped" is as stale as any other old beat.
             return
         t.seq = max(seq, t.seq)
         if stopped:

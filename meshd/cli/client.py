@@ -1,0 +1,179 @@
+"""A small typed HTTP client of one meshd node, used by ``meshctl``.
+
+``meshctl`` never re-implements API logic: every command is a request to a node's HTTP
+API, and this module is the one place that makes those requests and turns transport
+failures into errors a user can read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+#: Port a node serves its HTTP API on unless told otherwise.
+DEFAULT_PORT = 7470
+DEFAULT_HOST = "127.0.0.1"
+#: Environment variable that replaces the default node (``--node`` still wins).
+NODE_ENV = "MESHCTL_NODE"
+#: Seconds to wait for a node before calling it unreachable.
+DEFAULT_TIMEOUT = 5.0
+
+
+class MeshctlError(Exception):
+    """Base of the errors ``meshctl`` reports as one line instead of a traceback."""
+
+
+class NodeUnreachable(MeshctlError):
+    """The node did not answer: refused, timed out, unknown host, reset..."""
+
+    def __init__(self, base_url: str, reason: str) -> None:
+        self.base_url = base_url
+        self.reason = reason
+        super().__init__(
+            f"cannot reach meshd node at {base_url}: {reason} — is `meshd up` running?"
+        )
+
+
+class NodeError(MeshctlError):
+    """The node answered, but not with what was asked for (HTTP error, not JSON...)."""
+
+    def __init__(self, base_url: str, path: str, message: str, status: int | None = None):
+        self.base_url = base_url
+        self.path = path
+        self.status = status
+        super().__init__(f"meshd node at {base_url}: GET {path}: {message}")
+
+
+def parse_node(spec: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """Base URL of the node to talk to, from a ``--node`` value.
+
+    Accepts ``host:port``, ``:port`` (local host), ``host`` (default port), a bracketed
+    IPv6 address with or without a port (``[::1]:7470``), a bare IPv6 address, or a full
+    ``http://`` / ``https://`` URL, which is taken as written (its scheme's default port
+    if it names none, its path as a prefix). With no ``spec`` (None or blank), the
+    ``MESHCTL_NODE`` environment variable is used, then ``127.0.0.1:7470``.
+
+    Raises ValueError for a value that cannot name a node (bad port, empty host...).
+    """
+    if spec is None or not spec.strip():
+        environ = os.environ if env is None else env
+        spec = (environ.get(NODE_ENV) or "").strip() or f"{DEFAULT_HOST}:{DEFAULT_PORT}"
+    spec = spec.strip()
+
+    if "://" in spec:
+        parts = urlsplit(spec)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"unsupported scheme in node URL {spec!r} (use http:// or https://)")
+        if not parts.hostname:
+            raise ValueError(f"no host in node URL {spec!r}")
+        try:
+            parts.port  # noqa: B018 -- validates the port
+        except ValueError as exc:
+            raise ValueError(f"bad port in node URL {spec!r}") from exc
+        return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+
+    host, port = _split_host_port(spec)
+    if not host:
+        host = DEFAULT_HOST
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def _split_host_port(spec: str) -> tuple[str, int]:
+    if spec.startswith("["):  # [v6] or [v6]:port
+        end = spec.find("]")
+        if end < 0:
+            raise ValueError(f"unclosed '[' in node address {spec!r}")
+        host, rest = spec[1:end], spec[end + 1 :]
+        if not host:
+            raise ValueError(f"empty IPv6 address in {spec!r}")
+        if not rest:
+            return host, DEFAULT_PORT
+        if not rest.startswith(":"):
+            raise ValueError(f"unexpected {rest!r} after ']' in node address {spec!r}")
+        return host, _port(rest[1:], spec)
+    if spec.count(":") > 1:  # bare IPv6 literal, no port
+        return spec, DEFAULT_PORT
+    host, sep, port = spec.partition(":")
+    if "/" in host or " " in host:
+        raise ValueError(f"bad host in node address {spec!r}")
+    return host, _port(port, spec) if sep else DEFAULT_PORT
+
+
+def _port(text: str, spec: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"bad port {text!r} in node address {spec!r} (want 1-65535)")
+    return int(text)
+
+
+class NodeClient:
+    """Blocking HTTP client of one node's API.
+
+    Every method returns the decoded JSON object, or raises NodeUnreachable when the
+    node cannot be reached and NodeError when it answers with an error or non-JSON.
+    Proxy environment variables are ignored: a node is on the local network.
+    """
+
+    def __init__(self, base_url: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, trust_env=False)
+
+    def __enter__(self) -> NodeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the underlying connection pool."""
+        self._http.close()
+
+    def healthz(self) -> dict[str, Any]:
+        """``GET /healthz``: ``{"status": "ok", "node": "<id>", ...}``."""
+        return self._get_json("/healthz")
+
+    def cluster(self) -> dict[str, Any]:
+        """``GET /v1/cluster``: this node's view of nodes, liveness and instances."""
+        return self._get_json("/v1/cluster")
+
+    def _get_json(self, path: str) -> dict[str, Any]:
+        try:
+            resp = self._http.get(path)
+        except httpx.TransportError as exc:
+            raise NodeUnreachable(self.base_url, _reason(exc)) from exc
+        if resp.status_code >= 400:
+            raise NodeError(
+                self.base_url,
+                path,
+                f"HTTP {resp.status_code}: {_snippet(resp.text)}",
+                status=resp.status_code,
+            )
+        try:
+            body = resp.json()
+        except ValueError as exc:
+            raise NodeError(
+                self.base_url, path, f"answer is not JSON: {_snippet(resp.text)}"
+            ) from exc
+        if not isinstance(body, dict):
+            raise NodeError(
+                self.base_url, path, f"expected a JSON object, got {type(body).__name__}"
+            )
+        return body
+
+
+def _reason(exc: httpx.TransportError) -> str:
+    text = str(exc).strip()
+    if isinstance(exc, httpx.TimeoutException):
+        return f"timed out ({text})" if text and "timed out" not in text else text or "timed out"
+    return text or type(exc).__name__
+
+
+def _snippet(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,168 @@
+"""``meshctl``: talk to a running meshd cluster through any one of its nodes.
+
+Every command is an HTTP request to a node (``--node HOST:PORT``, else the
+``MESHCTL_NODE`` environment variable, else ``127.0.0.1:7470``); nothing here decides
+anything the node's API decides.
+
+Adding a command: write ``_add_<name>(subparsers, common)`` that adds a subparser and
+sets ``func`` to a ``(args, client) -> int`` function, and list it in ``COMMANDS``.
+
+Exit codes: 0 success, 1 the node answered with an error, 2 the node cannot be reached
+or the command line is wrong, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from .client import (
+    DEFAULT_TIMEOUT,
+    NODE_ENV,
+    MeshctlError,
+    NodeClient,
+    NodeUnreachable,
+    parse_node,
+)
+from .top import nodes_table, run_top, stdout_console
+
+EXIT_OK = 0
+EXIT_NODE_ERROR = 1
+EXIT_UNREACHABLE = 2
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+Command = Callable[[argparse.Namespace, NodeClient], int]
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_top(args: argparse.Namespace, client: NodeClient) -> int:
+    """Live view of nodes, memory, runners and instances."""
+    return run_top(client, interval=args.interval, once=args.once)
+
+
+def cmd_nodes(args: argparse.Namespace, client: NodeClient) -> int:
+    """The nodes this node knows, as a table or (``--json``) the raw list."""
+    cluster = client.cluster()
+    if args.json:
+        sys.stdout.write(json.dumps(cluster.get("nodes") or [], indent=2) + "\n")
+        return EXIT_OK
+    console = stdout_console()
+    console.print(nodes_table(cluster, now_ms=int(time.time() * 1000), detail=True))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- parser
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return value
+
+
+def _node(text: str) -> str:
+    try:
+        return parse_node(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_top(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("top", parents=[common], help=cmd_top.__doc__, description=cmd_top.__doc__)
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument(
+        "--interval",
+        type=_positive_float,
+        default=1.0,
+        metavar="S",
+        help="seconds between refreshes (default 1)",
+    )
+    p.set_defaults(func=cmd_top)
+
+
+def _add_nodes(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "nodes", parents=[common], help=cmd_nodes.__doc__, description=cmd_nodes.__doc__
+    )
+    p.add_argument("--json", action="store_true", help="print the raw node list as JSON")
+    p.set_defaults(func=cmd_nodes)
+
+
+#: Subcommands in help order; later: place, ls, rm, chat.
+COMMANDS = [_add_top, _add_nodes]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``meshctl`` argument parser (global options work before or after the command)."""
+    # Global options live in a parent parser so they are accepted on either side of the
+    # subcommand; SUPPRESS keeps a subcommand's absent option from hiding a global one.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--node",
+        type=_node,
+        default=argparse.SUPPRESS,
+        metavar="HOST:PORT",
+        help=f"node to ask: host:port, :port, host or a URL (default ${NODE_ENV}, "
+        "else 127.0.0.1:7470)",
+    )
+    common.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=argparse.SUPPRESS,
+        metavar="S",
+        help=f"seconds to wait for the node (default {DEFAULT_TIMEOUT:g})",
+    )
+    parser = argparse.ArgumentParser(
+        prog="meshctl",
+        parents=[common],
+        description="Inspect and drive a meshd cluster through any of its nodes.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in COMMANDS:
+        add(sub, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``meshctl``; returns the process exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help or a usage error
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        base_url = getattr(args, "node", None) or parse_node(None)
+    except ValueError as exc:  # a bad $MESHCTL_NODE
+        print(f"meshctl: ${NODE_ENV}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    func: Command = args.func
+    try:
+        with NodeClient(base_url, timeout=getattr(args, "timeout", DEFAULT_TIMEOUT)) as client:
+            return func(args, client)
+    except NodeUnreachable as exc:
+        print(f"meshctl: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except MeshctlError as exc:
+        print(f"meshctl: {exc}", file=sys.stderr)
+        return EXIT_NODE_ERROR
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `meshctl nodes --json | head`: the reader left, not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the exit-time flush does not fail again
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

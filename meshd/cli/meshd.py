@@ -1,0 +1,130 @@
+"""``meshd``: the daemon's command line. ``meshd up`` starts a node."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import meshd
+
+from ..node.config import DEFAULT_API_PORT, DEFAULT_CLUSTER, DEFAULT_MESH_PORT, parse_peer
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshd", description="meshd: pool machines into one LLM cluster"
+    )
+    p.add_argument("--version", action="version", version=f"meshd {meshd.__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start a node (no configuration needed)")
+    up.add_argument("--name", help="human name of this node (default: hostname)")
+    up.add_argument(
+        "--cluster", default=DEFAULT_CLUSTER, help="cluster name (default: %(default)s)"
+    )
+    up.add_argument(
+        "--api-host", default="127.0.0.1", help="API listen address (default: %(default)s)"
+    )
+    up.add_argument(
+        "--api-port",
+        type=int,
+        default=DEFAULT_API_PORT,
+        help="API port, 0 = any (default: %(default)s)",
+    )
+    up.add_argument(
+        "--mesh-host", default="0.0.0.0", help="mesh listen address (default: %(default)s)"
+    )
+    up.add_argument(
+        "--mesh-port",
+        type=int,
+        default=DEFAULT_MESH_PORT,
+        help="mesh port, 0 = any (default: %(default)s)",
+    )
+    up.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="HOST:MESH_PORT",
+        help="static seed peer (repeatable)",
+    )
+    up.add_argument(
+        "--data-dir",
+        type=Path,
+        help="where the node id lives (default: $MESHD_DATA_DIR or the user data dir)",
+    )
+    up.add_argument("--no-discovery", action="store_true", help="do not use Bonjour/mDNS")
+    up.add_argument(
+        "--advertise",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="address peers should use (repeatable)",
+    )
+    up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _ready_line(node) -> None:
+    # One machine-readable line on stdout: scripts and tests wait for it.
+    print(
+        f"meshd ready node={node.node_id} name={node.config.name} "
+        f"api=http://{node.config.api_host}:{node.api_port} "
+        f"mesh={node.gossip.mesh_port} pub={node.gossip.pub_port}",
+        flush=True,
+    )
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from ..node.config import NodeConfig
+    from ..node.daemon import Node
+
+    cfg = NodeConfig(
+        cluster=args.cluster,
+        api_host=args.api_host,
+        api_port=args.api_port,
+        mesh_host=args.mesh_host,
+        mesh_port=args.mesh_port,
+        peers=[parse_peer(p) for p in args.peer],
+        discovery=not args.no_discovery,
+        advertise=args.advertise,
+    )
+    if args.name:
+        cfg.name = args.name
+    if args.data_dir:
+        cfg.data_dir = args.data_dir
+    node = Node(cfg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, node.request_stop)
+    return await node.run(on_ready=_ready_line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``meshd`` command."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    try:
+        for p in args.peer:
+            parse_peer(p)
+        return asyncio.run(_up(args))
+    except ValueError as e:
+        print(f"meshd: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"meshd: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        print(f"meshd: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,490 @@
+"""``meshctl top``: a live view of the cluster as one node sees it.
+
+``render`` is pure: it turns the JSON of ``GET /v1/cluster`` into a rich renderable and
+reads no clock and no network, so it can be tested with literal dicts. ``run_top``
+fetches and draws, once or in a ``rich.live.Live`` loop.
+
+Fields a node omits (msgspec ``omit_defaults``) or a ``null`` health are shown as ``-``;
+a malformed field never raises.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rich import box
+from rich.cells import cell_len
+from rich.console import (
+    Console,
+    ConsoleOptions,
+    Group,
+    JustifyMethod,
+    RenderableType,
+    RenderResult,
+)
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from .client import MeshctlError
+
+if TYPE_CHECKING:
+    from .client import NodeClient
+
+LIVENESS_STYLE = {"alive": "green", "suspect": "yellow", "dead": "red", "left": "dim"}
+RUNNER_STYLE = {"ready": "green", "loading": "yellow", "failed": "red", "stopped": "dim"}
+GIB = 1024**3
+BAR_WIDTH = 10
+_EIGHTHS = " ▏▎▍▌▋▊▉"
+#: Width of a frame printed to something that is not a terminal.
+PLAIN_WIDTH = 120
+
+
+# ---------------------------------------------------------------- small readers
+
+
+def _dict(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return value
+
+
+def short_id(node_id: str, n: int = 8) -> str:
+    """The first ``n`` characters of an id, enough to tell nodes apart on screen."""
+    return node_id[:n]
+
+
+def _names(cluster: Mapping[str, Any]) -> dict[str, str]:
+    """Display name by node id."""
+    out = {}
+    for node in _list(cluster.get("nodes")):
+        node = _dict(node)
+        nid = str(node.get("id") or "")
+        name = node.get("name") or _dict(node.get("card")).get("name")
+        if nid:
+            out[nid] = str(name) if name else short_id(nid)
+    return out
+
+
+# ---------------------------------------------------------------- cell formatters
+
+
+def _liveness(state: Any) -> Text:
+    word = str(state) if state else "unknown"
+    return Text(word, style=LIVENESS_STYLE.get(word, ""))
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def mem_figures(used: float | None, total: float | None) -> Text:
+    """``5.2/16.0 GiB``: memory in use out of total, ``-`` when unknown."""
+    if used is None or not total or total <= 0:
+        return Text("-", style="dim")
+    return Text(f"{_gib(max(used, 0))}/{_gib(total)} GiB")
+
+
+def mem_bar(used: float | None, total: float | None, width: int = BAR_WIDTH) -> Text:
+    """``███▌░░░░░░``: the share of memory in use, in eighths of a block; empty if unknown."""
+    if used is None or not total or total <= 0:
+        return Text("")
+    frac = min(max(used / total, 0.0), 1.0)
+    full, part = divmod(round(frac * width * 8), 8)
+    filled = "█" * full + (_EIGHTHS[part] if part else "")
+    text = Text()
+    text.append(filled, style="green" if frac < 0.7 else "yellow" if frac < 0.9 else "red")
+    text.append("░" * (width - len(filled)), style="dim")
+    return text
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h"
+    return f"{seconds / 86400:.0f}d"
+
+
+def _runner_state(state: Any, generation: Any = None) -> Text:
+    word = str(state) if state else "?"
+    text = Text(word, style=RUNNER_STYLE.get(word, ""))
+    if generation is not None:
+        text.append(f" g{generation}", style="dim")
+    return text
+
+
+def _lines(parts: Iterable[Text]) -> Text:
+    parts = list(parts)
+    return Text("\n").join(parts) if parts else Text("-", style="dim")
+
+
+def _each(values: Any) -> Text:
+    return _lines(Text(str(v)) for v in _list(values))
+
+
+# ---------------------------------------------------------------- tables that fit
+
+
+@dataclass
+class Column:
+    """A column of a FitTable. ``priority`` 0 is always shown; higher goes first."""
+
+    header: str
+    priority: int = 0
+    justify: JustifyMethod = "left"
+    style: str = ""
+    no_wrap: bool = True
+
+
+def _width(cell: Text) -> int:
+    return max((cell_len(line) for line in cell.plain.split("\n")), default=0)
+
+
+class FitTable:
+    """A table that drops its least important columns to fit the width it is drawn at.
+
+    Rich squeezes a too-wide table by truncating every column; for a status view it is
+    better to lose the uptime than to lose half of every name.
+    """
+
+    #: Padding and separator around each column of a SIMPLE_HEAD table.
+    GAP = 3
+
+    def __init__(
+        self,
+        title: str,
+        columns: list[Column],
+        rows: list[list[Text]],
+        caption: str | None = None,
+    ) -> None:
+        self.title = title
+        self.columns = columns
+        self.rows = rows
+        self.caption = caption
+
+    def shown(self, width: int | None) -> list[int]:
+        """Indexes of the columns that fit in ``width`` (all of them when None)."""
+        if width is None:
+            return list(range(len(self.columns)))
+        natural = [
+            max([cell_len(col.header)] + [_width(row[i]) for row in self.rows])
+            for i, col in enumerate(self.columns)
+        ]
+        keep, used, cutoff = set(), 0, None
+        for i in sorted(range(len(self.columns)), key=lambda i: (self.columns[i].priority, i)):
+            priority, need = self.columns[i].priority, natural[i] + self.GAP
+            if cutoff is not None and priority > cutoff:
+                break  # a less important column never displaces a more important one
+            if priority == 0 or used + need <= width:
+                keep.add(i)
+                used += need
+            else:
+                cutoff = priority
+        return sorted(keep)
+
+    def table(self, width: int | None = None) -> Table:
+        """A rich Table of the columns that fit in ``width``."""
+        table = Table(
+            title=self.title,
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+            caption=self.caption,
+            caption_justify="left",
+        )
+        shown = self.shown(width)
+        for i in shown:
+            col = self.columns[i]
+            table.add_column(col.header, justify=col.justify, style=col.style, no_wrap=col.no_wrap)
+        for row in self.rows:
+            table.add_row(*(row[i] for i in shown))
+        return table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self.table(options.max_width)
+
+
+# ---------------------------------------------------------------- the views
+
+
+def _sorted_nodes(cluster: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    nodes = [_dict(n) for n in _list(cluster.get("nodes"))]
+    return sorted(nodes, key=lambda n: (str(n.get("name") or ""), str(n.get("id") or "")))
+
+
+def nodes_table(
+    cluster: Mapping[str, Any], now_ms: int | None = None, detail: bool = False
+) -> FitTable:
+    """One row per node: liveness, memory, backends, uptime, heartbeat age, load, runners.
+
+    ``detail`` (``meshctl nodes``) adds platform, CPUs, API address, version, local
+    models, queue depth and tokens/s, and leaves the runners to ``top``. Columns are
+    dropped, least useful first, when the console is too narrow.
+    """
+    cols: dict[str, Column] = {
+        "name": Column("name", 0, style="bold"),
+        "id": Column("id", 2, style="dim"),
+        "liveness": Column("liveness", 0),
+        "memory": Column("memory", 0, justify="right"),
+        "bar": Column("", 5 if detail else 3),
+        "backends": Column("backends", 2),
+    }
+    if detail:
+        cols |= {
+            "platform": Column("platform", 3),
+            "cpus": Column("cpus", 4, justify="right"),
+            "api": Column("api", 2),
+            "version": Column("version", 3),
+            "models": Column("models", 2),
+        }
+    cols |= {
+        "up": Column("up", 5 if detail else 4, justify="right"),
+        "heartbeat": Column("heartbeat", 4 if detail else 1, justify="right"),
+        "load": Column("load", 5 if detail else 1, justify="right"),
+    }
+    if detail:
+        cols |= {
+            "queue": Column("queue", 6, justify="right"),
+            "tok/s": Column("tok/s", 6, justify="right"),
+        }
+    else:
+        cols["runners"] = Column("runners", 0, no_wrap=False)
+
+    rows = []
+    for node in _sorted_nodes(cluster):
+        nid = str(node.get("id") or "")
+        card = _dict(node.get("card"))
+        health = _dict(node.get("health"))
+        total = _num(card.get("mem_total"))
+        avail = _num(health.get("mem_available")) or _num(card.get("mem_available"))
+        used = total - avail if total is not None and avail is not None else None
+        started = _num(card.get("started_ms"))
+        up = (now_ms - started) / 1000 if now_ms is not None and started else None
+        load = _num(health.get("load"))
+        cell = {
+            "name": Text(str(node.get("name") or card.get("name") or short_id(nid) or "?")),
+            "id": Text(short_id(nid)),
+            "liveness": _liveness(node.get("liveness")),
+            "memory": mem_figures(used, total),
+            "bar": mem_bar(used, total),
+            "backends": _each(card.get("backends")),
+            "up": Text(_age(up) if up is not None and up >= 0 else "-"),
+            "heartbeat": Text(_age(_num(node.get("heartbeat_age_s")))),
+            "load": Text(f"{load:.2f}" if load is not None else "-"),
+            "runners": _lines(
+                Text.assemble(f"{r.get('instance', '?')} ", _runner_state(r.get("state")))
+                for r in map(_dict, _list(health.get("runners")))
+            ),
+        }
+        if detail:
+            cpus = _num(card.get("cpu_count"))
+            api_host = card.get("api_host") or next(iter(_list(card.get("addresses"))), "")
+            api_port = card.get("api_port")
+            queue = _num(health.get("queue_depth"))
+            tps = _num(health.get("tokens_per_s"))
+            cell |= {
+                "platform": Text("/".join(str(card[k]) for k in ("os", "arch") if card.get(k))),
+                "cpus": Text(str(cpus) if cpus is not None else "-"),
+                "api": Text(f"{api_host}:{api_port}" if api_host and api_port else "-"),
+                "version": Text(str(card.get("version") or "-")),
+                "models": _each(card.get("models")),
+                # omitted by the node when zero; unknown only without a heartbeat
+                "queue": Text(str(queue if queue is not None else 0) if health else "-"),
+                "tok/s": Text(f"{tps if tps is not None else 0:.1f}" if health else "-"),
+            }
+        rows.append([cell[k] for k in cols])
+    return FitTable("nodes", list(cols.values()), rows)
+
+
+def _stage_state(node: Mapping[str, Any] | None, instance_id: str, generation: Any) -> Text:
+    """State of the runner that a stage's node reports for this instance's generation."""
+    if node is None:
+        return Text("unknown node", style="red")
+    health = _dict(node.get("health"))
+    runners = [_dict(r) for r in _list(health.get("runners"))]
+    mine = [r for r in runners if r.get("instance") == instance_id]
+    current = [r for r in mine if r.get("generation") == generation]
+    if current:
+        r = current[0]
+        text = _runner_state(r.get("state"))
+        if r.get("reason"):
+            text.append(f" ({r['reason']})", style="dim")
+    elif mine:  # the node still runs another generation of the plan
+        r = max(mine, key=lambda r: _num(r.get("generation")) or 0)
+        text = _runner_state(r.get("state"), r.get("generation"))
+        text.append(" stale", style="dim")
+    else:
+        text = Text("pending", style="dim")
+    liveness = node.get("liveness")
+    if liveness and liveness != "alive":
+        text.append(f" (node {liveness})", style=LIVENESS_STYLE.get(str(liveness), ""))
+    return text
+
+
+def instances_table(cluster: Mapping[str, Any]) -> FitTable:
+    """One row per placed instance, one line per stage: ``node[start:end) engine state``."""
+    names = _names(cluster)
+    by_id = {str(_dict(n).get("id")): _dict(n) for n in _list(cluster.get("nodes"))}
+    instances = sorted(
+        (_dict(i) for i in _list(cluster.get("instances"))), key=lambda i: str(i.get("id"))
+    )
+    columns = [
+        Column("id", 0, style="bold"),
+        Column("model", 0, no_wrap=False),
+        Column("gen", 1, justify="right"),
+        Column("stages", 0, no_wrap=False),
+    ]
+    rows = []
+    for inst in instances:
+        iid = str(inst.get("id") or "?")
+        generation = inst.get("generation", 1)
+        stages = []
+        for st in map(_dict, _list(inst.get("stages"))):
+            nid = str(st.get("node") or "?")
+            line = Text(names.get(nid) or short_id(nid))
+            line.append(f"[{st.get('start', '?')}:{st.get('end', '?')})")
+            if st.get("engine"):
+                line.append(f" {st['engine']}", style="cyan")
+            line.append(" ")
+            line.append_text(_stage_state(by_id.get(nid), iid, generation))
+            stages.append(line)
+        model = str(_dict(inst.get("spec")).get("model") or "?")
+        rows.append([Text(iid), Text(model), Text(str(generation)), _lines(stages)])
+    return FitTable(
+        "instances", columns, rows, caption=None if instances else "no instances placed"
+    )
+
+
+def header(cluster: Mapping[str, Any]) -> Text:
+    """``cluster home · 2/3 nodes alive · 1 instance · via mini (1a2b3c4d)``."""
+    nodes = [_dict(n) for n in _list(cluster.get("nodes"))]
+    alive = sum(1 for n in nodes if n.get("liveness") == "alive")
+    n_inst = len(_list(cluster.get("instances")))
+    me = str(cluster.get("self") or "")
+    me_name = _names(cluster).get(me)
+
+    text = Text("cluster ", style="bold")
+    text.append(str(cluster.get("cluster") or "?"), style="bold cyan")
+    text.append(" · ")
+    text.append(f"{alive}/{len(nodes)}", style="green" if alive == len(nodes) else "yellow")
+    text.append(" nodes alive · ")
+    text.append(f"{n_inst} instance{'' if n_inst == 1 else 's'}")
+    if me:
+        text.append(" · via ")
+        text.append(me_name or short_id(me), style="bold")
+        if me_name and me_name != short_id(me):
+            text.append(f" ({short_id(me)})", style="dim")
+    return text
+
+
+def render(cluster: Mapping[str, Any], now_ms: int | None = None) -> RenderableType:
+    """The whole ``top`` frame for one ``GET /v1/cluster`` answer.
+
+    Pure: ``now_ms`` (wall clock, ms) is only used for node uptimes, shown as ``-`` when
+    it is None.
+    """
+    return Group(
+        header(cluster), Text(), nodes_table(cluster, now_ms), Text(), instances_table(cluster)
+    )
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def stdout_console() -> Console:
+    """A Console on stdout: the terminal's width, or 120 plain columns when piped
+    (``$COLUMNS`` still wins)."""
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(width=PLAIN_WIDTH)
+    return console
+
+
+def error_panel(error: Exception, base_url: str, last_ok: float | None, now: float) -> Panel:
+    """What ``top`` shows instead of a traceback while the node cannot be reached."""
+    body = Text(str(error))
+    body.append("\n\nretrying", style="dim")
+    if last_ok is not None:
+        body.append(f" · last update {_age(now - last_ok)} ago", style="dim")
+    body.append(" · Ctrl-C to quit", style="dim")
+    return Panel(body, title=f"meshd node {base_url}", title_align="left", border_style="red")
+
+
+def _frame(client: NodeClient, interval: float) -> RenderableType:
+    now = time.time()
+    cluster = client.cluster()
+    footer = Text(
+        f"{client.base_url} · {time.strftime('%H:%M:%S', time.localtime(now))}"
+        f" · every {interval:g}s · Ctrl-C to quit",
+        style="dim",
+    )
+    return Group(render(cluster, now_ms=int(now * 1000)), footer)
+
+
+def run_top(
+    client: NodeClient, interval: float = 1.0, once: bool = False, console: Console | None = None
+) -> int:
+    """Draw the cluster as ``client``'s node sees it; returns the exit code.
+
+    ``once``: print one frame and return 0; an unreachable node raises NodeUnreachable
+    (and a bad answer NodeError) for the caller to report. Otherwise redraw every
+    ``interval`` seconds in a ``rich.live.Live`` until Ctrl-C (which returns 0); while
+    the node is unreachable an error panel replaces the frame, and the frame returns
+    when the node does. When stdout is not a terminal, frames are printed one after
+    another instead of redrawn.
+    """
+    console = console or stdout_console()
+    if once:
+        console.print(render(client.cluster(), now_ms=int(time.time() * 1000)))
+        return 0
+
+    last_ok: float | None = None
+
+    def frame() -> RenderableType:
+        nonlocal last_ok
+        try:
+            out = _frame(client, interval)
+        except MeshctlError as exc:
+            return error_panel(exc, client.base_url, last_ok, time.time())
+        except Exception as exc:  # a malformed answer must not kill the view
+            return error_panel(
+                MeshctlError(f"cannot draw the cluster view: {exc!r}"),
+                client.base_url,
+                last_ok,
+                time.time(),
+            )
+        last_ok = time.time()
+        return out
+
+    try:
+        if not console.is_terminal:
+            while True:
+                console.print(frame())
+                console.rule(style="dim")
+                time.sleep(interval)
+        with Live(frame(), console=console, auto_refresh=False, transient=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(frame(), refresh=True)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,64 @@
+"""Node settings: every default in one place (documented in docs/operations.md)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshd.crdt import liveness
+from meshd.transport import gossip
+
+from .identity import default_data_dir
+
+#: The OpenAI-compatible HTTP API.
+DEFAULT_API_PORT = 7470
+#: The mesh ROUTER (hello, anti-entropy); what ``--peer HOST:PORT`` names.
+DEFAULT_MESH_PORT = 7471
+DEFAULT_CLUSTER = "default"
+HEARTBEAT_INTERVAL = 0.5
+#: Tombstones are collected this far behind the cluster's stable horizon (clock skew).
+TOMBSTONE_GRACE_MS = 60_000
+
+
+@dataclass
+class NodeConfig:
+    """What ``meshd up`` was asked for."""
+
+    name: str = field(default_factory=socket.gethostname)
+    cluster: str = DEFAULT_CLUSTER
+    api_host: str = "127.0.0.1"
+    api_port: int = DEFAULT_API_PORT
+    mesh_host: str = "0.0.0.0"
+    mesh_port: int = DEFAULT_MESH_PORT
+    peers: list[tuple[str, int]] = field(default_factory=list)
+    data_dir: Path = field(default_factory=default_data_dir)
+    discovery: bool = True
+    #: Addresses to advertise; empty = this host's interface addresses.
+    advertise: list[str] = field(default_factory=list)
+    heartbeat_interval: float = HEARTBEAT_INTERVAL
+    digest_interval: float = gossip.DIGEST_INTERVAL
+    request_timeout: float = gossip.REQUEST_TIMEOUT
+    hello_interval: float = gossip.HELLO_INTERVAL
+    suspect_after: float = liveness.SUSPECT_AFTER
+    dead_after: float = liveness.DEAD_AFTER
+    tombstone_grace_ms: int = TOMBSTONE_GRACE_MS
+
+
+def parse_peer(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``[v6]:PORT``, or ``HOST`` for the default mesh port)."""
+    t = text.strip()
+    if t.startswith("["):
+        host, _, rest = t[1:].partition("]")
+        port = rest.lstrip(":")
+    elif t.count(":") == 1:
+        host, port = t.split(":")
+    else:
+        host, port = t, ""
+    if not host:
+        raise ValueError(f"peer {text!r}: missing host")
+    if not port:
+        return host, DEFAULT_MESH_PORT
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"peer {text!r}: port must be 1-65535")
+    return host, int(port)

@@ -1,0 +1,416 @@
+"""The meshd daemon: wires identity, gossip, discovery, liveness and the API on one loop.
+
+It holds no protocol logic of its own: the CRDT rules live in ``meshd.crdt``, the wire
+in ``meshd.transport``, HTTP in ``meshd.api``. What is here is the glue: which peers to
+point the sockets at, when to beat, when to collect tombstones, how to stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+
+import zmq.asyncio
+
+import meshd
+from meshd.crdt import Liveness, stable_horizon
+from meshd.crdt.hlc import pack
+from meshd.crdt.lww import Entry
+from meshd.crdt.replica import MergeResult, Replica
+from meshd.crdt.views import (
+    HEALTH,
+    NODE,
+    Health,
+    NodeCard,
+    cards,
+    decode,
+    health_key,
+    healths,
+    instances,
+    node_key,
+)
+from meshd.engines.probe import probe
+from meshd.transport import wire
+from meshd.transport.addresses import choose_address, local_addresses
+from meshd.transport.gossip import Endpoint, Gossip
+from meshd.transport.stats import DropCounters
+
+from . import sysinfo
+from .config import NodeConfig
+from .identity import Identity, load_identity
+
+log = logging.getLogger("meshd.node")
+
+_MAX_HELLO_BACKOFF = 30.0
+
+
+class Node:
+    """One meshd process."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.counters = DropCounters()
+        self.liveness = Liveness(config.suspect_after, config.dead_after)
+        self.incarnation = secrets.token_hex(6)
+        self.identity: Identity | None = None
+        self.replica: Replica | None = None
+        self.gossip: Gossip | None = None
+        self.card: NodeCard | None = None
+        self.api_port = 0
+        self.fatal: Exception | None = None
+        self._stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._seq = 0
+        self._own_addrs: list[str] = []
+        #: Address a peer was actually reached at (seed or Bonjour): preferred to guesses.
+        self._hints: dict[str, str] = {}
+        self._seed_ids: dict[tuple[str, int], str] = {}
+        self._next_hello: dict[str, tuple[float, float]] = {}
+        self._liveness_seen: dict[str, str] = {}
+        self._api = None
+        self._discovery = None
+        self._refusals_logged: set[tuple[str, str]] = set()
+        self._greeted = False
+        self.started = time.monotonic()
+
+    @property
+    def node_id(self) -> str:
+        """This node's id."""
+        assert self.identity is not None
+        return self.identity.node_id
+
+    # -- lifecycle -----------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind sockets, publish our card, start loops, discovery and the API."""
+        cfg = self.config
+        self.identity = load_identity(cfg.data_dir)
+        self.replica = Replica(self.identity.node_id)
+        backends = await probe()
+        self.gossip = Gossip(
+            self.replica,
+            ctx=zmq.asyncio.Context.instance(),
+            cluster=wire.cluster_hash(cfg.cluster),
+            incarnation=self.incarnation,
+            own_entries=self._own_entries,
+            on_change=self._on_change,
+            on_refused=self._on_refused,
+            on_fatal=self._on_fatal,
+            counters=self.counters,
+            bind_host=cfg.mesh_host,
+            mesh_port=cfg.mesh_port,
+            digest_interval=cfg.digest_interval,
+            request_timeout=cfg.request_timeout,
+        )
+        from meshd.api.server import ApiServer
+
+        self._api = ApiServer(self)
+        self.api_port = await self._api.start(cfg.api_host, cfg.api_port)
+        self._own_addrs = cfg.advertise or _advertised(cfg.mesh_host)
+        self.card = NodeCard(
+            id=self.node_id,
+            name=cfg.name,
+            incarnation=self.incarnation,
+            cluster=cfg.cluster,
+            version=meshd.__version__,
+            os=sysinfo.os_name(),
+            arch=sysinfo.arch(),
+            cpu_count=sysinfo.cpu_count(),
+            mem_total=sysinfo.mem_total(),
+            mem_available=sysinfo.mem_available(),
+            backends=backends,
+            addresses=self._own_addrs,
+            mesh_port=self.gossip.mesh_port,
+            pub_port=self.gossip.pub_port,
+            api_port=self.api_port,
+            api_host=cfg.api_host,
+            started_ms=int(time.time() * 1000),
+        )
+        self.replica.write(node_key(self.node_id), self.card)
+        self._beat_entry()
+        self.gossip.start()
+        self._tasks = [
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._hello_loop(), name="hello"),
+            asyncio.create_task(self._liveness_loop(), name="liveness"),
+        ]
+        if cfg.discovery:
+            await self._start_discovery()
+        log.info(
+            "node %s (%s) up: api http://%s:%d, mesh port %d, pub port %d, backends %s",
+            cfg.name,
+            self.node_id,
+            cfg.api_host,
+            self.api_port,
+            self.gossip.mesh_port,
+            self.gossip.pub_port,
+            ", ".join(backends) or "none",
+        )
+
+    async def _start_discovery(self) -> None:
+        from meshd.transport.discovery import Discovery
+
+        assert self.gossip is not None
+        self._discovery = Discovery(
+            node_id=self.node_id,
+            name=self.config.name,
+            cluster_hash=wire.cluster_hash(self.config.cluster).hex(),
+            mesh_port=self.gossip.mesh_port,
+            api_port=self.api_port,
+            version=meshd.__version__,
+            addresses=self._own_addrs,
+            on_peer=self._on_discovered,
+        )
+        try:
+            await self._discovery.start()
+        except Exception as e:  # no multicast here: static peers still work
+            log.warning("Bonjour discovery unavailable (%s); use --peer HOST:PORT", e)
+            self._discovery = None
+
+    def request_stop(self) -> None:
+        """Ask the node to stop (signal handlers call this)."""
+        self._stopping.set()
+
+    async def wait(self) -> None:
+        """Until a stop is requested or a fatal error occurs."""
+        await self._stopping.wait()
+
+    async def stop(self) -> None:
+        """Stop cleanly: tell peers we left, then close everything."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.gossip is not None and self.replica is not None and self.fatal is None:
+            e = self.replica.write(health_key(self.node_id), self._health("stopped"))
+            with contextlib.suppress(Exception):
+                await self.gossip.publish([e])
+                # Let the goodbye leave before the PUB socket closes.
+                await asyncio.sleep(0.1)
+        if self._discovery is not None:
+            with contextlib.suppress(Exception):
+                await self._discovery.stop()
+        if self._api is not None:
+            await self._api.stop()
+        if self.gossip is not None:
+            await self.gossip.stop()
+        if self.identity is not None:
+            self.identity.release()
+
+    async def run(self, on_ready: Callable[[Node], None] | None = None) -> int:
+        """Start, serve until asked to stop, stop. Returns the process exit code."""
+        try:
+            await self.start()
+            if on_ready is not None:
+                on_ready(self)
+            await self.wait()
+        finally:
+            await self.stop()
+        return 3 if self.fatal is not None else 0
+
+    # -- state glue ----------------------------------------------------------------
+    def _health(self, state: str = "up") -> Health:
+        self._seq += 1
+        return Health(
+            seq=self._seq,
+            state=state,  # type: ignore[arg-type]
+            mem_available=sysinfo.mem_available(),
+            load=round(sysinfo.load(), 3),
+            synced=self._synced(),
+        )
+
+    def _beat_entry(self) -> Entry:
+        assert self.replica is not None
+        return self.replica.write(health_key(self.node_id), self._health())
+
+    def _own_entries(self) -> list[Entry]:
+        assert self.replica is not None
+        m = self.replica.map
+        return [e for k in (node_key(self.node_id), health_key(self.node_id)) if (e := m.get(k))]
+
+    def _members(self) -> list[str]:
+        """Nodes that count for tombstone collection: known and not gone for good."""
+        assert self.replica is not None
+        now = time.monotonic()
+        return [n for n in cards(self.replica.map) if self.liveness.state(n, now) != "left"]
+
+    def _synced(self) -> int:
+        assert self.replica is not None and self.gossip is not None
+        peers = [n for n in self._members() if n != self.node_id]
+        if not peers:
+            return self.replica.clock.now()
+        return min(self.gossip.synced_from.get(p, 0) for p in peers)
+
+    def _on_change(self, changed: list[Entry]) -> None:
+        now = time.monotonic()
+        for e in changed:
+            if e.key.startswith(HEALTH) and e.value is not None:
+                nid = e.key[len(HEALTH) :]
+                h = decode(e.value, Health)
+                if h is not None and nid != self.node_id:
+                    self.liveness.beat(nid, e.hlc, now, stopped=h.state == "stopped")
+            elif e.key.startswith(NODE) and e.value is not None:
+                nid = e.key[len(NODE) :]
+                card = decode(e.value, NodeCard)
+                if card is not None and nid != self.node_id and card.id == nid:
+                    self._point_at(nid, card)
+
+    def _point_at(self, nid: str, card: NodeCard) -> None:
+        assert self.gossip is not None
+        host = self._hints.get(nid) or choose_address(self._own_addrs, card.addresses)
+        self.gossip.set_peer(nid, Endpoint(host, card.mesh_port, card.pub_port))
+
+    def _on_refused(self, res: MergeResult, source: str) -> None:
+        for reason in res.refused:
+            key = (source.split()[-1], reason)
+            if key not in self._refusals_logged:
+                self._refusals_logged.add(key)
+                log.warning("refused entries (%s) in %s", reason, source)
+
+    def _on_fatal(self, exc: Exception) -> None:
+        self.fatal = exc
+        log.error("stopping: %s. Give one of the machines a fresh data dir.", exc)
+        self._stopping.set()
+
+    def _on_discovered(self, peer) -> None:
+        if peer.node_id == self.node_id:
+            return
+        self._hints.setdefault(peer.node_id, peer.host)
+        t = asyncio.get_running_loop().create_task(self._greet(peer.host, peer.port))
+        self._tasks.append(t)
+
+    async def _greet(self, host: str, port: int) -> str | None:
+        assert self.gossip is not None
+        nid = await self.gossip.hello(Endpoint(host, port))
+        if nid is not None and not self._greeted and self.replica and self.card:
+            # Our card was stamped before we saw any peer's clock: stamp it again now
+            # that the clock has caught up, so no peer can find it below its horizon.
+            self._greeted = True
+            await self.gossip.publish([self.replica.write(node_key(self.node_id), self.card)])
+        if nid is not None and nid != self.node_id:
+            self._hints[nid] = host
+            self._seed_ids[(host, port)] = nid
+            card = cards(self.replica.map).get(nid) if self.replica else None
+            if card is not None:
+                self._point_at(nid, card)
+        return nid
+
+    # -- loops ---------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        assert self.gossip is not None
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval)
+            await self.gossip.publish([self._beat_entry()])
+
+    async def _hello_loop(self) -> None:
+        """Greet seeds until they answer, and peers that went quiet until they return."""
+        assert self.gossip is not None and self.replica is not None
+        while True:
+            now = time.monotonic()
+            jobs = []
+            for host, port in self.config.peers:
+                nid = self._seed_ids.get((host, port))
+                if nid is None or not self.liveness.is_live(nid, now):
+                    jobs.append(self._greet(host, port))
+            for nid, ep in list(self.gossip.peers().items()):
+                if nid.startswith("@") or self.liveness.is_live(nid, now):
+                    self._next_hello.pop(nid, None)
+                    continue
+                due, backoff = self._next_hello.get(nid, (0.0, self.config.hello_interval))
+                if now >= due:
+                    self._next_hello[nid] = (now + backoff, min(backoff * 2, _MAX_HELLO_BACKOFF))
+                    jobs.append(self.gossip.hello(ep, nid))
+            if jobs:
+                await asyncio.gather(*jobs, return_exceptions=True)
+            await asyncio.sleep(self.config.hello_interval)
+
+    async def _liveness_loop(self) -> None:
+        assert self.replica is not None
+        while True:
+            await asyncio.sleep(0.2)
+            now = time.monotonic()
+            for nid in self.liveness.nodes():
+                st = self.liveness.state(nid, now) or "unknown"
+                if self._liveness_seen.get(nid) != st:
+                    if nid in self._liveness_seen or st != "alive":
+                        log.info("node %s is %s", self._label(nid), st)
+                    self._liveness_seen[nid] = st
+            self._collect_tombstones()
+
+    def _collect_tombstones(self) -> None:
+        assert self.replica is not None
+        hs = healths(self.replica.map)
+        members = self._members()
+        synced = {n: hs[n].synced if n in hs else 0 for n in members if n != self.node_id}
+        synced[self.node_id] = self._synced()
+        # The grace keeps the horizon behind every member's wall clock, so a peer whose
+        # clock runs a little slow never writes below it.
+        stable = stable_horizon(synced) - pack(self.config.tombstone_grace_ms, 0)
+        dropped = self.replica.map.collect(stable)
+        if dropped:
+            log.debug("collected %d tombstones", dropped)
+
+    def _label(self, nid: str) -> str:
+        c = cards(self.replica.map).get(nid) if self.replica else None
+        return f"{c.name} ({nid})" if c else nid
+
+    # -- views for the API ---------------------------------------------------------
+    def cluster_view(self) -> dict:
+        """The cluster as this node sees it (the body of ``GET /v1/cluster``)."""
+        import msgspec
+
+        assert self.replica is not None
+        now = time.monotonic()
+        m = self.replica.map
+        hs = healths(m)
+        nodes = []
+        for nid, card in sorted(cards(m).items(), key=lambda kv: (kv[1].name, kv[0])):
+            if nid == self.node_id:
+                live, age = "alive", 0.0
+            else:
+                live = self.liveness.state(nid, now) or "unknown"
+                age = self.liveness.age(nid, now)
+            h = hs.get(nid)
+            nodes.append(
+                {
+                    "id": nid,
+                    "name": card.name,
+                    "liveness": live,
+                    "heartbeat_age_s": None if age is None else round(age, 3),
+                    "card": msgspec.to_builtins(card),
+                    "health": None if h is None else msgspec.to_builtins(h),
+                }
+            )
+        return {
+            "self": self.node_id,
+            "cluster": self.config.cluster,
+            "nodes": nodes,
+            "instances": [msgspec.to_builtins(i) for i in instances(m).values()],
+        }
+
+    def health_view(self) -> dict:
+        """The body of ``GET /healthz``: this node's own vitals and drop counters."""
+        assert self.replica is not None and self.gossip is not None
+        return {
+            "status": "ok",
+            "node": self.node_id,
+            "name": self.config.name,
+            "cluster": self.config.cluster,
+            "version": meshd.__version__,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "mesh_port": self.gossip.mesh_port,
+            "pub_port": self.gossip.pub_port,
+            "api_port": self.api_port,
+            "entries": len(self.replica.map),
+            "dropped": self.counters.snapshot(),
+        }
+
+
+def _advertised(bind_host: str) -> list[str]:
+    if bind_host not in ("0.0.0.0", "", "::"):
+        return [bind_host]
+    return local_addresses()

@@ -1,0 +1,126 @@
+"""A node's stable identity, kept in its data directory.
+
+The id survives restarts so a restarted node rejoins as itself. It must never be shared:
+the identity file records a fingerprint of the machine and of the data directory's
+path; a copy of the directory on another machine (or moved elsewhere) gets a fresh id
+instead of silently impersonating the original. Two processes on one data directory
+are stopped by an exclusive lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import secrets
+import socket
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+log = logging.getLogger("meshd.node")
+
+ID_FILE = "identity.json"
+LOCK_FILE = "meshd.lock"
+
+
+class DataDirLockedError(RuntimeError):
+    """Another meshd process holds this data directory."""
+
+
+def default_data_dir() -> Path:
+    """``$MESHD_DATA_DIR``, else the platform's per-user data folder + ``/meshd``."""
+    env = os.environ.get("MESHD_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "meshd"
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "meshd"
+
+
+def machine_id() -> str:
+    """A best-effort stable id of this machine (not secret, never sent anywhere)."""
+    for p in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            v = Path(p).read_text().strip()
+            if v:
+                return v
+        except OSError:
+            continue
+    return f"{socket.gethostname()}-{uuid.getnode():x}-{platform.system()}"
+
+
+def fingerprint(data_dir: Path) -> str:
+    """Hash of this machine's id and the data directory's absolute path."""
+    raw = f"{machine_id()}|{data_dir.resolve()}".encode()
+    return hashlib.blake2b(raw, digest_size=12).hexdigest()
+
+
+def new_node_id() -> str:
+    """A fresh random node id (16 hex chars)."""
+    return secrets.token_hex(8)
+
+
+@dataclass
+class Identity:
+    """The node id and the open lock that keeps the data directory ours."""
+
+    node_id: str
+    data_dir: Path
+    _lock: IO[str] | None = None
+    #: True when the id was created now (first start, or a copied data directory).
+    fresh: bool = False
+
+    def release(self) -> None:
+        """Release the data directory lock."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+
+def _lock(data_dir: Path) -> IO[str]:
+    f = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held for the process lifetime
+    try:
+        import fcntl
+
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # Windows: no flock; the id fingerprint still guards copies
+        pass
+    except OSError:
+        f.close()
+        raise DataDirLockedError(
+            f"another meshd process is using {data_dir} (lock {data_dir / LOCK_FILE})"
+        ) from None
+    return f
+
+
+def load_identity(data_dir: Path) -> Identity:
+    """Lock ``data_dir`` and return its node id, making a new one when needed."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    lock = _lock(data_dir)
+    fp = fingerprint(data_dir)
+    path = data_dir / ID_FILE
+    try:
+        saved = json.loads(path.read_text())
+        node_id, saved_fp = str(saved["node_id"]), str(saved["fingerprint"])
+    except (OSError, ValueError, KeyError, TypeError):
+        node_id, saved_fp = "", ""
+    if node_id and saved_fp == fp:
+        return Identity(node_id, data_dir, lock)
+    if node_id:
+        log.warning(
+            "data dir %s was copied or moved (fingerprint changed): new node id, "
+            "so this node cannot be mistaken for %s",
+            data_dir,
+            node_id,
+        )
+    node_id = new_node_id()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"node_id": node_id, "fingerprint": fp}))
+    os.replace(tmp, path)
+    return Identity(node_id, data_dir, lock, fresh=True)

@@ -1,0 +1,411 @@
+"""Gossip: deltas on PUB/SUB, digests on a period, anti-entropy pulls over ROUTER/DEALER.
+
+Sockets of one node:
+
+* ROUTER bound on the mesh port (fixed, documented): answers ``Hello`` with ``Welcome``
+  (the whole state) and ``Pull`` with ``PullReply`` (the buckets that differ).
+* PUB bound on an OS-chosen port, advertised in the node card: ``Delta`` at once on
+  every local change, ``Digest`` every ``digest_interval``.
+* SUB connected to every known peer's PUB, subscribed to the cluster topic only.
+* One DEALER per peer for requests, one request in flight per peer, each bounded by
+  ``request_timeout``; a timed-out DEALER is replaced so a late reply cannot be taken
+  for the answer to the next request.
+
+PUB/SUB drops messages to slow joiners by design; digests plus pulls make that
+harmless. Entries learned through a pull or a hello are re-published once, so news also
+spreads epidemically when a PUB link is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from meshd.crdt.lww import Entry
+from meshd.crdt.replica import DuplicateNodeIdError, MergeResult, Replica
+
+from . import wire
+from .stats import DropCounters
+
+log = logging.getLogger("meshd.gossip")
+
+#: Defaults, documented in docs/operations.md.
+DIGEST_INTERVAL = 1.0
+REQUEST_TIMEOUT = 2.0
+HELLO_INTERVAL = 2.0
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a peer's sockets are."""
+
+    host: str
+    mesh_port: int
+    pub_port: int | None = None
+
+    def mesh(self) -> str:
+        """ZeroMQ address of the peer's ROUTER."""
+        return f"tcp://{_bracket(self.host)}:{self.mesh_port}"
+
+    def pub(self) -> str | None:
+        """ZeroMQ address of the peer's PUB, if known."""
+        if self.pub_port is None:
+            return None
+        return f"tcp://{_bracket(self.host)}:{self.pub_port}"
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+@dataclass
+class _Peer:
+    endpoint: Endpoint
+    dealer: zmq.asyncio.Socket | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    sub_addr: str | None = None
+    pulling: bool = False
+
+
+def configure(sock: zmq.Socket) -> None:
+    """Options every mesh socket gets: bounded frames, no linger past shutdown."""
+    sock.setsockopt(zmq.MAXMSGSIZE, wire.ZMQ_MAX_MSG_SIZE)
+    sock.setsockopt(zmq.LINGER, 500)
+
+
+class Gossip:
+    """The control-plane transport of one node. Knows entries, not what they mean."""
+
+    def __init__(
+        self,
+        replica: Replica,
+        *,
+        ctx: zmq.asyncio.Context,
+        cluster: bytes,
+        incarnation: str,
+        own_entries: Callable[[], list[Entry]],
+        on_change: Callable[[list[Entry]], None],
+        on_refused: Callable[[MergeResult, str], None] | None = None,
+        on_fatal: Callable[[Exception], None] | None = None,
+        counters: DropCounters | None = None,
+        bind_host: str = "0.0.0.0",
+        mesh_port: int = 0,
+        digest_interval: float = DIGEST_INTERVAL,
+        request_timeout: float = REQUEST_TIMEOUT,
+    ) -> None:
+        self.replica = replica
+        self.ctx = ctx
+        self.cluster = cluster
+        self.incarnation = incarnation
+        self.own_entries = own_entries
+        self.on_change = on_change
+        self.on_refused = on_refused
+        self.on_fatal = on_fatal
+        self.counters = counters or DropCounters()
+        self.bind_host = bind_host
+        self.digest_interval = digest_interval
+        self.request_timeout = request_timeout
+        #: Peer id -> clock of the peer such that we hold all it held then.
+        self.synced_from: dict[str, int] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._bg: set[asyncio.Task[object]] = set()
+
+        self.router = ctx.socket(zmq.ROUTER)
+        configure(self.router)
+        self.router.bind(f"tcp://{_bracket(bind_host)}:{mesh_port}")
+        self.mesh_port = _port_of(self.router)
+        self.pub = ctx.socket(zmq.PUB)
+        configure(self.pub)
+        self.pub.bind(f"tcp://{_bracket(bind_host)}:0")
+        self.pub_port = _port_of(self.pub)
+        self.sub = ctx.socket(zmq.SUB)
+        configure(self.sub)
+        self.sub.setsockopt(zmq.SUBSCRIBE, cluster)
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self) -> None:
+        """Start the receive loops and the digest timer on the running loop."""
+        self._tasks = [
+            asyncio.create_task(self._router_loop(), name="gossip-router"),
+            asyncio.create_task(self._sub_loop(), name="gossip-sub"),
+            asyncio.create_task(self._digest_loop(), name="gossip-digest"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop loops and close sockets (after the last publish has had its linger)."""
+        for t in [*self._tasks, *self._bg]:
+            t.cancel()
+        for t in [*self._tasks, *self._bg]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for p in self._peers.values():
+            if p.dealer is not None:
+                p.dealer.close(linger=0)
+        self.sub.close(linger=0)
+        self.router.close(linger=0)
+        self.pub.close()
+
+    # -- peers ---------------------------------------------------------------------
+    def set_peer(self, node_id: str, endpoint: Endpoint) -> None:
+        """Point at a peer's sockets (connect, or move if its address changed)."""
+        p = self._peers.get(node_id)
+        if p is None:
+            p = self._peers[node_id] = _Peer(endpoint)
+        elif p.endpoint != endpoint:
+            if p.dealer is not None and p.endpoint.mesh() != endpoint.mesh():
+                p.dealer.close(linger=0)
+                p.dealer = None
+            p.endpoint = endpoint
+        pub = endpoint.pub()
+        if pub != p.sub_addr:
+            if p.sub_addr is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.sub.disconnect(p.sub_addr)
+            if pub is not None:
+                self.sub.connect(pub)
+            p.sub_addr = pub
+
+    def drop_peer(self, node_id: str) -> None:
+        """Forget a peer's sockets."""
+        p = self._peers.pop(node_id, None)
+        if p is None:
+            return
+        if p.sub_addr is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sub.disconnect(p.sub_addr)
+        if p.dealer is not None:
+            p.dealer.close(linger=0)
+        self.synced_from.pop(node_id, None)
+
+    def peers(self) -> dict[str, Endpoint]:
+        """Peers this node currently points at."""
+        return {k: p.endpoint for k, p in self._peers.items()}
+
+    # -- publishing ----------------------------------------------------------------
+    async def publish(self, entries: list[Entry]) -> None:
+        """Publish changed entries to every subscriber (fire and forget)."""
+        if entries:
+            msg = wire.Delta(sender=self.replica.node_id, entries=entries)
+            await self.pub.send_multipart([self.cluster, wire.encode(msg)])
+
+    async def publish_digest(self) -> None:
+        """Publish the per-bucket digest of the whole state."""
+        m = self.replica.map
+        msg = wire.Digest(
+            sender=self.replica.node_id,
+            hlc=self.replica.clock.now(),
+            buckets=list(m.digest()),
+        )
+        await self.pub.send_multipart([self.cluster, wire.encode(msg)])
+
+    # -- requests ------------------------------------------------------------------
+    async def request(self, endpoint: Endpoint, msg: wire.Message, peer: str | None = None):
+        """Send one request to a peer's ROUTER and await its reply (bounded).
+
+        Returns the decoded reply, or None on timeout or an undecodable reply.
+        """
+        key = peer or f"@{endpoint.mesh()}"
+        p = self._peers.get(key)
+        if p is None:
+            p = self._peers[key] = _Peer(endpoint)
+            p.sub_addr = None
+        async with p.lock:
+            if p.dealer is None:
+                p.dealer = self.ctx.socket(zmq.DEALER)
+                configure(p.dealer)
+                p.dealer.connect(p.endpoint.mesh())
+            await p.dealer.send(wire.encode(msg))
+            try:
+                frames = await asyncio.wait_for(
+                    p.dealer.recv_multipart(copy=True), self.request_timeout
+                )
+            except TimeoutError:
+                p.dealer.close(linger=0)
+                p.dealer = None
+                return None
+        if key.startswith("@"):
+            # Anonymous (seed) sockets are one-shot.
+            self._drop_anonymous(key)
+        if len(frames) != 1:
+            self.counters.add("request", "shape")
+            return None
+        try:
+            return wire.decode(frames[0])
+        except wire.FrameError as e:
+            self.counters.add("request", e.reason)
+            return None
+
+    def _drop_anonymous(self, key: str) -> None:
+        p = self._peers.pop(key, None)
+        if p is not None and p.dealer is not None:
+            p.dealer.close(linger=0)
+
+    async def hello(self, endpoint: Endpoint, peer: str | None = None) -> str | None:
+        """Greet a peer at ``endpoint``: give it our entries, take its whole state.
+
+        Returns the peer's node id, or None if it did not answer in time or refused.
+        """
+        msg = wire.Hello(
+            sender=self.replica.node_id,
+            cluster=self.cluster,
+            incarnation=self.incarnation,
+            entries=self.own_entries(),
+        )
+        reply = await self.request(endpoint, msg, peer)
+        if isinstance(reply, wire.Refused):
+            log.warning("peer at %s refused hello: %s", endpoint.mesh(), reply.message)
+            return None
+        if not isinstance(reply, wire.Welcome):
+            return None
+        self._merge(reply.entries, f"welcome from {reply.sender}", republish=True)
+        self.synced_from[reply.sender] = reply.hlc
+        return reply.sender
+
+    async def pull(self, peer: str) -> bool:
+        """Anti-entropy: fetch from ``peer`` every bucket that differs from ours."""
+        p = self._peers.get(peer)
+        if p is None:
+            return False
+        msg = wire.Pull(sender=self.replica.node_id, buckets=list(self.replica.map.digest()))
+        reply = await self.request(p.endpoint, msg, peer)
+        if not isinstance(reply, wire.PullReply):
+            return False
+        self._merge(reply.entries, f"pull from {peer}", republish=True)
+        self.synced_from[peer] = reply.hlc
+        return True
+
+    # -- receive loops ---------------------------------------------------------------
+    async def _router_loop(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart(copy=True)
+            try:
+                reply = self._answer(frames)
+            except Exception:  # a bad request must never take the node down
+                log.exception("error answering a mesh request")
+                self.counters.add("mesh", "error")
+                continue
+            if reply is not None:
+                await self.router.send_multipart([frames[0], wire.encode(reply)])
+
+    def _answer(self, frames: list[bytes]) -> wire.Message | None:
+        if len(frames) < 2:
+            self.counters.add("mesh", "shape")
+            return None
+        try:
+            msg = wire.decode(frames[1])
+        except wire.FrameError as e:
+            self.counters.add("mesh", e.reason)
+            return None
+        m = self.replica.map
+        if isinstance(msg, wire.Hello):
+            if msg.cluster != self.cluster:
+                self.counters.add("mesh", "wrong_cluster")
+                return wire.Refused(code="wrong_cluster", message="not a node of this cluster")
+            self._merge(msg.entries, f"hello from {msg.sender}", republish=True)
+            return wire.Welcome(
+                sender=self.replica.node_id,
+                hlc=self.replica.clock.now(),
+                entries=list(m.entries()),
+            )
+        if isinstance(msg, wire.Pull):
+            try:
+                entries = m.diff(msg.buckets)
+            except ValueError as e:
+                self.counters.add("mesh", "malformed")
+                return wire.Refused(code="bad_digest", message=str(e))
+            return wire.PullReply(
+                sender=self.replica.node_id,
+                hlc=self.replica.clock.now(),
+                entries=entries,
+            )
+        self.counters.add("mesh", "unexpected")
+        return wire.Refused(code="unexpected", message=f"{type(msg).__name__} is not a request")
+
+    async def _sub_loop(self) -> None:
+        while True:
+            frames = await self.sub.recv_multipart(copy=True)
+            try:
+                self._on_gossip(frames)
+            except Exception:
+                log.exception("error handling gossip")
+                self.counters.add("gossip", "error")
+
+    def _on_gossip(self, frames: list[bytes]) -> None:
+        if len(frames) != 2 or frames[0] != self.cluster:
+            self.counters.add("gossip", "shape")
+            return
+        try:
+            msg = wire.decode(frames[1])
+        except wire.FrameError as e:
+            self.counters.add("gossip", e.reason)
+            return
+        if isinstance(msg, wire.Delta):
+            self._merge(msg.entries, f"delta from {msg.sender}", republish=False)
+        elif isinstance(msg, wire.Digest):
+            self._on_digest(msg)
+        else:
+            self.counters.add("gossip", "unexpected")
+
+    def _on_digest(self, msg: wire.Digest) -> None:
+        if msg.sender == self.replica.node_id:
+            return
+        if tuple(msg.buckets) == self.replica.map.digest():
+            self.synced_from[msg.sender] = msg.hlc
+            return
+        p = self._peers.get(msg.sender)
+        if p is None or p.pulling:
+            return
+        p.pulling = True
+        self._spawn(self._pull_then_clear(msg.sender))
+
+    async def _pull_then_clear(self, peer: str) -> None:
+        try:
+            await self.pull(peer)
+        finally:
+            p = self._peers.get(peer)
+            if p is not None:
+                p.pulling = False
+
+    async def _digest_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.digest_interval)
+            try:
+                await self.publish_digest()
+            except zmq.ZMQError:
+                log.exception("could not publish digest")
+
+    # -- helpers -------------------------------------------------------------------
+    def _merge(self, entries: list[Entry], source: str, republish: bool) -> None:
+        try:
+            res = self.replica.merge_remote(entries)
+        except DuplicateNodeIdError as e:
+            log.error("%s (%s)", e, source)
+            if self.on_fatal is not None:
+                self.on_fatal(e)
+            return
+        if res.refused:
+            for reason, n in res.refused.items():
+                self.counters.add("entries", reason, n)
+            if self.on_refused is not None:
+                self.on_refused(res, source)
+        if res.changed:
+            self.on_change(res.changed)
+            if republish:
+                self._spawn(self.publish(res.changed))
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+
+def _port_of(sock: zmq.Socket) -> int:
+    ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return int(ep.rsplit(":", 1)[1])

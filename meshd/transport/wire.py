@@ -1,0 +1,115 @@
+"""Every message on the wire: one tagged union of msgspec Structs, in one place.
+
+A ZeroMQ message is a multipart frame list. Gossip on PUB/SUB is
+``[topic, header]`` where ``topic`` is the cluster's 8-byte hash (SUB filters on it, so
+another cluster's traffic never reaches our decoder). Requests on ROUTER/DEALER are
+``[header, *raw]``: the header is msgpack of one :data:`Message`, and tensors (data
+plane) travel as raw frames beside it, never inside it.
+
+Decoding happens once, at the edge, by :func:`decode`; anything that does not fit the
+schema, or is larger than the socket's limit, is dropped and counted by the caller.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from meshd.crdt.lww import Entry
+
+#: Largest control-plane frame a node accepts (gossip, hello, pulls).
+MAX_CONTROL_FRAME = 4 * 1024 * 1024
+#: Hard ceiling handed to ZeroMQ (ZMQ_MAXMSGSIZE): a peer sending more is disconnected
+#: by libzmq before the bytes reach Python. Between the two limits frames are read,
+#: then dropped and counted.
+ZMQ_MAX_MSG_SIZE = 4 * MAX_CONTROL_FRAME
+
+
+def cluster_hash(name: str) -> bytes:
+    """8-byte id of a cluster name: the gossip topic and the Bonjour TXT ``c`` value."""
+    return hashlib.blake2b(name.encode(), digest_size=8, person=b"meshd-cluster").digest()
+
+
+class Hello(msgspec.Struct, tag=True, kw_only=True):
+    """First request a node sends to a peer's mesh ROUTER: who I am, what I hold."""
+
+    sender: str
+    cluster: bytes
+    incarnation: str
+    #: The sender's own entries (node card, heartbeat) so the peer can reach it at once.
+    entries: list[Entry] = []
+
+
+class Welcome(msgspec.Struct, tag=True, kw_only=True):
+    """Reply to Hello: the peer's whole state, so a joiner catches up in one round trip."""
+
+    sender: str
+    hlc: int
+    entries: list[Entry]
+
+
+class Delta(msgspec.Struct, tag=True, kw_only=True):
+    """Entries that just changed on the sender, published on its PUB socket."""
+
+    sender: str
+    entries: list[Entry]
+
+
+class Digest(msgspec.Struct, tag=True, kw_only=True):
+    """Periodic summary of the sender's whole state (per-bucket hashes)."""
+
+    sender: str
+    hlc: int
+    buckets: list[int]
+
+
+class Pull(msgspec.Struct, tag=True, kw_only=True):
+    """Anti-entropy request: send me your entries in every bucket that differs from mine."""
+
+    sender: str
+    buckets: list[int]
+
+
+class PullReply(msgspec.Struct, tag=True, kw_only=True):
+    """Entries of the differing buckets, stamped with the replier's clock."""
+
+    sender: str
+    hlc: int
+    entries: list[Entry]
+
+
+class Refused(msgspec.Struct, tag=True, kw_only=True):
+    """A typed refusal of a request (wrong cluster, unknown message, ...)."""
+
+    code: str
+    message: str
+
+
+Message = Hello | Welcome | Delta | Digest | Pull | PullReply | Refused
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """Encode one message header."""
+    return _encoder.encode(msg)
+
+
+class FrameError(ValueError):
+    """A frame was dropped; ``reason`` is the counter it goes to."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def decode(frame: bytes | memoryview, limit: int = MAX_CONTROL_FRAME) -> Message:
+    """Decode one header frame, or raise :class:`FrameError` (``oversized``/``malformed``)."""
+    if len(frame) > limit:
+        raise FrameError("oversized", f"{len(frame)} bytes > {limit}")
+    try:
+        return _decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise FrameError("malformed", str(e)) from None

@@ -1,0 +1,394 @@
+"""``meshctl top``'s pure renderer, ``--node`` parsing, and how meshctl fails."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from rich.console import Console
+
+from meshd.cli.client import NodeClient, NodeError, NodeUnreachable, parse_node
+from meshd.cli.meshctl import main
+from meshd.cli.top import mem_bar, render, run_top
+
+GIB = 1024**3
+NOW_MS = 1_700_000_100_000
+
+A = "a1b2c3d4e5f60718"
+B = "b2c3d4e5f6071829"
+C = "c3d4e5f60718293a"
+
+
+def _card(nid: str, name: str, **over: object) -> dict:
+    card = {
+        "id": nid,
+        "name": name,
+        "incarnation": "inc-" + nid[:4],
+        "cluster": "home",
+        "version": "0.1.0",
+        "os": "linux",
+        "arch": "x86_64",
+        "cpu_count": 8,
+        "mem_total": 16 * GIB,
+        "mem_available": 10 * GIB,
+        "backends": ["llama_cpp-cpu"],
+        "addresses": ["192.168.1.10"],
+        "mesh_port": 7471,
+        "pub_port": 7472,
+        "api_port": 7470,
+        "models": ["qwen2.5-0.5b"],
+        "started_ms": NOW_MS - 3_600_000,
+    }
+    card.update(over)
+    return card
+
+
+CLUSTER = {
+    "self": A,
+    "cluster": "home",
+    "nodes": [
+        {
+            "id": A,
+            "name": "studio",
+            "liveness": "alive",
+            "heartbeat_age_s": 0.31,
+            "card": _card(A, "studio", os="darwin", arch="arm64", backends=["mlx-metal"]),
+            "health": {
+                "seq": 42,
+                "state": "up",
+                "mem_available": 4 * GIB,
+                "load": 1.25,
+                "queue_depth": 1,
+                "tokens_per_s": 31.5,
+                "synced": 40,
+                "runners": [{"instance": "llama-70b", "generation": 2, "state": "ready"}],
+            },
+        },
+        {
+            "id": B,
+            "name": "tower",
+            "liveness": "suspect",
+            "heartbeat_age_s": 1.9,
+            "card": _card(B, "tower", backends=["llama_cpp-cpu", "mlx-cuda"]),
+            "health": {
+                "seq": 17,
+                "load": 0.5,
+                "runners": [{"instance": "llama-70b", "generation": 2, "state": "loading"}],
+            },
+        },
+        {
+            "id": C,
+            "name": "laptop",
+            "liveness": "dead",
+            "heartbeat_age_s": 12.0,
+            "card": _card(C, "laptop"),
+            "health": {
+                "seq": 9,
+                "runners": [
+                    {
+                        "instance": "llama-70b",
+                        "generation": 1,
+                        "state": "failed",
+                        "reason": "out of memory",
+                    }
+                ],
+            },
+        },
+    ],
+    "instances": [
+        {
+            "id": "llama-70b",
+            "spec": {"model": "meta-llama/Llama-3.1-70B", "min_nodes": 2},
+            "stages": [
+                {"node": A, "start": 0, "end": 48, "engine": "mlx"},
+                {"node": B, "start": 48, "end": 72, "engine": "llama_cpp"},
+                {"node": C, "start": 72, "end": 80, "engine": "llama_cpp"},
+            ],
+            "generation": 2,
+        }
+    ],
+}
+
+
+def text_of(renderable: object, width: int = 140) -> str:
+    console = Console(record=True, width=width, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+# ---------------------------------------------------------------- render
+
+
+def test_render_shows_every_node_with_its_liveness() -> None:
+    out = text_of(render(CLUSTER, now_ms=NOW_MS))
+    for name in ("studio", "tower", "laptop"):
+        assert name in out
+    for word in ("alive", "suspect", "dead"):
+        assert word in out
+    for nid in (A, B, C):
+        assert nid[:8] in out
+
+
+def test_render_header_names_cluster_alive_count_and_queried_node() -> None:
+    first_line = text_of(render(CLUSTER)).splitlines()[0]
+    assert "home" in first_line
+    assert "1/3" in first_line
+    assert "studio" in first_line
+
+
+def test_render_shows_memory_backends_heartbeat_load_and_runners() -> None:
+    out = text_of(render(CLUSTER, now_ms=NOW_MS))
+    assert "12.0/16.0 GiB" in out  # health's mem_available beats the card's
+    assert "6.0/16.0 GiB" in out  # no health figure: the card's
+    assert "█" in out
+    assert "mlx-metal" in out
+    assert "llama_cpp-cpu" in out and "mlx-cuda" in out
+    assert "0.3s" in out and "12s" in out
+    assert "1.25" in out
+    assert "llama-70b ready" in out
+    assert "llama-70b loading" in out
+    assert "60m" in out  # uptime from started_ms
+
+
+def test_render_shows_instance_model_generation_and_stage_ranges_with_state() -> None:
+    out = text_of(render(CLUSTER, now_ms=NOW_MS))
+    assert "meta-llama/Llama-3.1-70B" in out
+    assert "studio[0:48) mlx ready" in out
+    assert "tower[48:72) llama_cpp loading (node suspect)" in out
+    # laptop only runs generation 1 of the plan: its state is stale, and it is dead.
+    assert "laptop[72:80) llama_cpp failed g1 stale (node dead)" in out
+
+
+def test_stage_with_no_runner_yet_is_pending_and_unknown_node_is_flagged() -> None:
+    cluster = copy.deepcopy(CLUSTER)
+    cluster["nodes"][0]["health"]["runners"] = []
+    cluster["instances"][0]["stages"].append(
+        {"node": "ffffffffffff", "start": 80, "end": 81, "engine": "mlx"}
+    )
+    out = text_of(render(cluster))
+    assert "studio[0:48) mlx pending" in out
+    assert "ffffffff[80:81) mlx unknown node" in out
+
+
+def test_left_node_and_node_with_null_health_render() -> None:
+    cluster = copy.deepcopy(CLUSTER)
+    cluster["nodes"][2]["liveness"] = "left"
+    cluster["nodes"][2]["health"] = None
+    cluster["nodes"][2]["heartbeat_age_s"] = None
+    out = text_of(render(cluster, now_ms=NOW_MS))
+    assert "laptop" in out and "left" in out
+    assert "laptop[72:80) llama_cpp pending (node left)" in out
+
+
+def test_missing_optional_fields_render() -> None:
+    cluster = {
+        "self": "n0",
+        "nodes": [
+            {"id": "n0"},  # no name, liveness, card or health
+            {"id": "n1", "name": "bare", "liveness": "alive", "card": {"id": "n1"}},
+            {
+                "id": "n2",
+                "name": "minimal",
+                "liveness": "alive",
+                "card": {"id": "n2", "name": "minimal", "mem_total": 8 * GIB},
+                "health": {"seq": 1},
+            },
+        ],
+        "instances": [{"id": "i1", "spec": {"model": "tiny"}, "stages": [{"node": "n2"}]}],
+    }
+    out = text_of(render(cluster))
+    assert "bare" in out and "minimal" in out and "unknown" in out
+    assert "tiny" in out
+    assert "minimal[?:?) pending" in out
+
+
+def test_empty_and_malformed_answers_render() -> None:
+    assert "0/0" in text_of(render({}))
+    assert "no instances placed" in text_of(render({"nodes": [], "instances": []}))
+    garbage = {"nodes": [None, 3, {"id": "x", "card": "?", "health": [1]}], "instances": "?"}
+    assert "x" in text_of(render(garbage))
+
+
+def test_markup_in_names_is_shown_literally() -> None:
+    cluster = copy.deepcopy(CLUSTER)
+    cluster["nodes"][0]["name"] = "[bold]studio"
+    assert "[bold]studio" in text_of(render(cluster))
+
+
+def test_mem_bar_fills_in_proportion() -> None:
+    assert mem_bar(8 * GIB, 16 * GIB).plain == "█████░░░░░"
+    assert mem_bar(13 * GIB, 16 * GIB).plain == "████████▏░"
+    assert mem_bar(0, 16 * GIB).plain == "░" * 10
+    assert mem_bar(20 * GIB, 16 * GIB).plain == "█" * 10
+    assert mem_bar(None, None).plain == ""
+
+
+def test_run_top_once_prints_one_frame() -> None:
+    class Stub:
+        base_url = "http://stub:7470"
+
+        def cluster(self) -> dict:
+            return CLUSTER
+
+    console = Console(record=True, width=140, file=io.StringIO())
+    assert run_top(Stub(), interval=1.0, once=True, console=console) == 0  # type: ignore[arg-type]
+    assert "studio[0:48) mlx ready" in console.export_text()
+
+
+class FlakyNode:
+    """Answers, goes away, comes back, then the user presses Ctrl-C."""
+
+    base_url = "http://flaky:7470"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def cluster(self) -> dict:
+        self.calls += 1
+        if self.calls == 2:
+            raise NodeUnreachable(self.base_url, "[Errno 111] Connection refused")
+        if self.calls == 3:
+            raise NodeError(self.base_url, "/v1/cluster", "HTTP 500: boom", status=500)
+        if self.calls >= 5:
+            raise KeyboardInterrupt
+        return CLUSTER
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["live", "piped"])
+def test_run_top_shows_an_error_panel_and_recovers_and_ctrl_c_exits_0(terminal: bool) -> None:
+    node = FlakyNode()
+    console = Console(record=True, width=140, file=io.StringIO(), force_terminal=terminal)
+    assert run_top(node, interval=0.01, console=console) == 0  # type: ignore[arg-type]
+    out = console.export_text()
+    assert node.calls == 5
+    assert "cannot reach meshd node at http://flaky:7470" in out
+    assert "HTTP 500: boom" in out
+    assert "last update" in out
+    assert out.count("studio[0:48) mlx ready") >= 2  # before and after the outage
+    assert "Traceback" not in out
+
+
+# ---------------------------------------------------------------- --node
+
+
+@pytest.mark.parametrize(
+    ("spec", "url"),
+    [
+        ("10.0.0.5:8000", "http://10.0.0.5:8000"),
+        (":9000", "http://127.0.0.1:9000"),
+        ("mini.local", "http://mini.local:7470"),
+        ("http://mini.local:7470", "http://mini.local:7470"),
+        ("https://gw.example/meshd/", "https://gw.example/meshd"),
+        ("[::1]:7000", "http://[::1]:7000"),
+        ("[::1]", "http://[::1]:7470"),
+        ("fe80::1", "http://[fe80::1]:7470"),
+        ("  host:1  ", "http://host:1"),
+    ],
+)
+def test_parse_node_forms(spec: str, url: str) -> None:
+    assert parse_node(spec, env={}) == url
+
+
+def test_parse_node_default_and_env_override() -> None:
+    assert parse_node(None, env={}) == "http://127.0.0.1:7470"
+    assert parse_node("", env={}) == "http://127.0.0.1:7470"
+    assert parse_node(None, env={"MESHCTL_NODE": "mini:7999"}) == "http://mini:7999"
+    assert parse_node(None, env={"MESHCTL_NODE": ""}) == "http://127.0.0.1:7470"
+    # an explicit --node beats the environment
+    assert parse_node("tower", env={"MESHCTL_NODE": "mini:7999"}) == "http://tower:7470"
+
+
+@pytest.mark.parametrize("spec", ["host:0", "host:99999", "host:x", "ftp://h", "http://", "[::1"])
+def test_parse_node_rejects_bad_values(spec: str) -> None:
+    with pytest.raises(ValueError):
+        parse_node(spec, env={})
+
+
+# ---------------------------------------------------------------- failing and real HTTP
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_client_raises_node_unreachable_with_a_clear_message() -> None:
+    port = _free_port()
+    client = NodeClient(f"http://127.0.0.1:{port}", timeout=2)
+    with client, pytest.raises(NodeUnreachable) as err:
+        client.cluster()
+    msg = str(err.value)
+    assert msg.startswith(f"cannot reach meshd node at http://127.0.0.1:{port}: ")
+    assert "is `meshd up` running?" in msg
+
+
+@pytest.mark.parametrize("argv", [["top", "--once"], ["nodes"], ["nodes", "--json"]])
+def test_meshctl_exits_2_without_traceback_when_node_is_unreachable(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    port = _free_port()
+    assert main(["--node", f"127.0.0.1:{port}", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach meshd node" in err
+    assert "Traceback" not in err
+
+
+def test_meshctl_bad_node_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["nodes", "--node", "host:99999"]) == 2
+    assert "bad port" in capsys.readouterr().err
+
+
+@pytest.fixture
+def fake_node() -> Iterator[str]:
+    """A stdlib HTTP server answering /v1/cluster with CLUSTER (a stand-in for a node)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/v1/cluster":
+                body, code = json.dumps(CLUSTER).encode(), 200
+            else:
+                body, code = b'{"detail": "not found"}', 404
+            self.send_response(code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_meshctl_top_once_and_nodes_over_http(
+    fake_node: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["top", "--once", "--node", fake_node]) == 0
+    out = capsys.readouterr().out
+    assert "studio[0:48) mlx ready" in out and "laptop" in out
+
+    assert main(["--node", fake_node, "nodes", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == CLUSTER["nodes"]
+
+    assert main(["--node", fake_node, "nodes"]) == 0
+    out = capsys.readouterr().out
+    assert "darwin/arm64" in out and "tower" in out
+
+
+def test_http_error_from_the_node_is_a_node_error(fake_node: str) -> None:
+    with NodeClient(f"http://{fake_node}") as client, pytest.raises(NodeError, match="HTTP 404"):
+        client.healthz()
