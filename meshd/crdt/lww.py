@@ -51,11 +51,15 @@ class Entry(msgspec.Struct, frozen=True, array_like=True):
 
 def entry_hash(e: Entry) -> int:
     """A 64-bit content hash of an entry (key, clock, writer and value)."""
+    # Key and writer are length-prefixed so that no two distinct entries feed the hash
+    # the same bytes (a writer id ending in b"\x01x" must not read as a value b"x").
+    key, writer = e.key.encode(), e.writer.encode()
     h = hashlib.blake2b(digest_size=8)
-    h.update(e.key.encode())
-    h.update(b"\x00")
+    h.update(len(key).to_bytes(4, "big"))
+    h.update(key)
     h.update(e.hlc.to_bytes(8, "big", signed=False))
-    h.update(e.writer.encode())
+    h.update(len(writer).to_bytes(4, "big"))
+    h.update(writer)
     h.update(b"\x00" if e.value is None else b"\x01" + e.value)
     return int.from_bytes(h.digest(), "big")
 

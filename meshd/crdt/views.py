@@ -139,7 +139,9 @@ def decode(value: bytes, typ: type[T]) -> T | None:
         dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
     try:
         return dec.decode(value)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        # RecursionError: msgspec's answer to a value nested too deep (about 1 KiB of
+        # nested arrays); it must not take the reader down either.
         return None
 
 
