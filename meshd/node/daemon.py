@@ -262,6 +262,9 @@ class Node:
     def _point_at(self, nid: str, card: NodeCard) -> None:
         assert self.gossip is not None
         host = self._hints.get(nid) or choose_address(self._own_addrs, card.addresses)
+        if host == "127.0.0.1" and host not in card.addresses:
+            # Same machine, but the peer bound one interface only: dial what it advertised.
+            host = next((a for a in card.addresses if a in self._own_addrs), host)
         self.gossip.set_peer(nid, Endpoint(host, card.mesh_port, card.pub_port))
 
     def _on_refused(self, res: MergeResult, source: str) -> None:
