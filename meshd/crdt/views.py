@@ -61,6 +61,8 @@ class NodeCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     pub_port: int
     api_port: int
     api_host: str = ""
+    #: ROUTER where this node receives DataChunks for the requests its API owns.
+    data_port: int = 0
     #: Models this node holds on local disk (aliases or paths).
     models: list[str] = []
     started_ms: int = 0
@@ -74,8 +76,12 @@ class RunnerStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     instance: str
     generation: int
+    #: Index of the stage in the instance's plan.
+    stage: int = 0
     state: RunnerStateName
     reason: str = ""
+    #: The runner's ROUTER port (on the node's addresses); 0 until it listens.
+    port: int = 0
 
 
 HealthState = Literal["up", "stopped"]
@@ -104,6 +110,37 @@ class Stage(msgspec.Struct, kw_only=True, frozen=True):
     engine: str
 
 
+class ModelFacts(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """What placement needs to know about a model, read once from its file.
+
+    Stored in the instance, so every node computes the same plan and the same repair
+    without holding the model file itself.
+    """
+
+    #: The name the model was asked for by (alias, path or repo id).
+    name: str
+    sha256: str
+    #: ``gguf`` or ``mlx`` (a config.json + safetensors folder).
+    format: str = "gguf"
+    architecture: str = "llama"
+    n_layers: int
+    hidden_size: int
+    #: Context length the model was trained for.
+    n_ctx_train: int
+    #: Bytes of each block's weights, in layer order (len == n_layers).
+    layer_bytes: list[int]
+    #: Token embedding bytes (every llama.cpp stage carries it).
+    embed_bytes: int = 0
+    #: Final norm + output head bytes (last stage; 0 when tied to the embedding).
+    head_bytes: int = 0
+    #: KV cache bytes per token per layer at the cache type used (K and V together).
+    kv_bytes_per_token_layer: int = 0
+    #: GGUF tensor types present, e.g. ``["F32", "Q4_1", "Q6_K"]``.
+    quant_types: list[str] = []
+    #: Engines that can run this model: ``llama_cpp``, ``mlx``.
+    engines: list[str] = []
+
+
 class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """What a user asked for when placing a model."""
 
@@ -120,6 +157,7 @@ class Instance(msgspec.Struct, kw_only=True, omit_defaults=True):
     spec: InstanceSpec
     stages: list[Stage]
     generation: int = 1
+    facts: ModelFacts | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
