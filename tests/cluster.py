@@ -104,8 +104,12 @@ class Cluster:
         extra_args: list[str] | None = None,
         wait: bool = True,
         timeout: float = 30.0,
+        model: str | None = None,
     ) -> NodeProc:
-        """Start `meshd up --name NAME` seeded with ``peers``; wait for its ready line."""
+        """Start `meshd up --name NAME` seeded with ``peers``; wait for its ready line.
+
+        ``model``: what `meshd up` should make the cluster serve (default: nothing, so
+        control-plane tests load no weights)."""
         data_dir = data_dir or self.tmp / name
         args = [
             sys.executable, "-m", "meshd.cli.meshd", "up",
@@ -118,6 +122,7 @@ class Cluster:
         ]  # fmt: skip
         if not self.discovery:
             args.append("--no-discovery")
+        args += ["--no-model"] if model is None else ["--model", model]
         for p in peers or []:
             args += ["--peer", f"127.0.0.1:{p.mesh_port}"]
         args += extra_args or []
@@ -150,7 +155,7 @@ class Cluster:
         assert not n.alive()
         return self.start(
             n.name, data_dir=n.data_dir, mesh_port=n.mesh_port, timeout=timeout,
-            extra_args=[a for a in _peer_args(n.args)],
+            extra_args=list(_peer_args(n.args)), model=_model_arg(n.args),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -172,6 +177,10 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _model_arg(args: list[str]) -> str | None:
+    return args[args.index("--model") + 1] if "--model" in args else None
 
 
 def _peer_args(args: list[str]) -> Iterator[str]:

@@ -1,4 +1,4 @@
-"""The HTTP API of a node: a Starlette app over a read-only view of the node."""
+"""The HTTP API of a node: a Starlette app over the node's views and services."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ from typing import Protocol
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from . import instances, openai
+from .errors import install_error_handlers
 
 
 class NodeView(Protocol):
@@ -18,7 +21,7 @@ class NodeView(Protocol):
     def health_view(self) -> dict: ...
 
 
-def create_app(node: NodeView) -> Starlette:
+def create_app(node) -> Starlette:
     """Build the app for one node."""
 
     async def healthz(request: Request) -> JSONResponse:
@@ -27,22 +30,27 @@ def create_app(node: NodeView) -> Starlette:
     async def cluster(request: Request) -> JSONResponse:
         return JSONResponse(node.cluster_view())
 
-    async def not_found(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
-            {"error": {"message": f"no route {request.url.path}", "type": "not_found"}},
-            status_code=404,
+    async def metrics(request: Request) -> Response:
+        node.sync_metrics()
+        return Response(
+            node.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
-    async def method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
-            {"error": {"message": f"{request.method} not allowed", "type": "invalid_request"}},
-            status_code=405,
-        )
-
-    return Starlette(
+    chat, completions, models = openai.routes(node)
+    create, list_, get, delete = instances.routes(node)
+    app = Starlette(
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/cluster", cluster, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/instances", list_, methods=["GET"]),
+            Route("/v1/instances", create, methods=["POST"]),
+            Route("/v1/instances/{instance_id}", get, methods=["GET"]),
+            Route("/v1/instances/{instance_id}", delete, methods=["DELETE"]),
         ],
-        exception_handlers={404: not_found, 405: method_not_allowed},
     )
+    install_error_handlers(app)
+    return app

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import meshd
 
+from ..engines.models import DEFAULT_MODEL
 from ..node.config import DEFAULT_API_PORT, DEFAULT_CLUSTER, DEFAULT_MESH_PORT, parse_peer
 
 
@@ -63,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="address peers should use (repeatable)",
     )
+    up.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model the cluster should serve (default: %(default)s; '' for none)",
+    )
+    up.add_argument("--no-model", action="store_true", help="do not place any model")
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -90,6 +97,7 @@ async def _up(args: argparse.Namespace) -> int:
         peers=[parse_peer(p) for p in args.peer],
         discovery=not args.no_discovery,
         advertise=args.advertise,
+        model="" if args.no_model else args.model,
     )
     if args.name:
         cfg.name = args.name

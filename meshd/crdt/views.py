@@ -82,6 +82,8 @@ class RunnerStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     reason: str = ""
     #: The runner's ROUTER port (on the node's addresses); 0 until it listens.
     port: int = 0
+    #: Requests holding a KV sequence on this runner right now.
+    active: int = 0
 
 
 HealthState = Literal["up", "stopped"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshd.crdt import liveness
+from meshd.engines.models import DEFAULT_MODEL
 from meshd.transport import gossip
 
 from .identity import default_data_dir
@@ -43,6 +44,13 @@ class NodeConfig:
     suspect_after: float = liveness.SUSPECT_AFTER
     dead_after: float = liveness.DEAD_AFTER
     tombstone_grace_ms: int = TOMBSTONE_GRACE_MS
+    #: Model to make sure the cluster serves; "" for none.
+    model: str = DEFAULT_MODEL
+    #: Seconds to wait for peers before placing ``model`` (so a joiner does not re-place).
+    settle_s: float = 2.0
+    #: Context (tokens) per request, and requests in flight, per runner.
+    n_ctx: int = 4096
+    n_seq_max: int = 8
 
 
 def parse_peer(text: str) -> tuple[str, int]:

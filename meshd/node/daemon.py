@@ -23,6 +23,7 @@ from meshd.crdt.lww import Entry
 from meshd.crdt.replica import MergeResult, Replica
 from meshd.crdt.views import (
     HEALTH,
+    INSTANCE,
     NODE,
     Health,
     NodeCard,
@@ -33,15 +34,20 @@ from meshd.crdt.views import (
     instances,
     node_key,
 )
+from meshd.engines import models
 from meshd.engines.probe import probe
 from meshd.transport import wire
 from meshd.transport.addresses import choose_address, local_addresses
+from meshd.transport.dataplane import DataPlane
 from meshd.transport.gossip import Endpoint, Gossip
 from meshd.transport.stats import DropCounters
 
 from . import sysinfo
 from .config import NodeConfig
 from .identity import Identity, load_identity
+from .inference import Inference, auto_instance_id
+from .metrics import Metrics
+from .supervisor import Supervisor
 
 log = logging.getLogger("meshd.node")
 
@@ -75,6 +81,13 @@ class Node:
         self._discovery = None
         self._refusals_logged: set[tuple[str, str]] = set()
         self._greeted = False
+        self.metrics = Metrics()
+        self.dataplane: DataPlane | None = None
+        self.supervisor: Supervisor | None = None
+        self.inference: Inference | None = None
+        self._reconcile_pending = False
+        self._beat_pending = False
+        self._bg: set[asyncio.Task] = set()
         self.started = time.monotonic()
 
     @property
@@ -105,11 +118,38 @@ class Node:
             digest_interval=cfg.digest_interval,
             request_timeout=cfg.request_timeout,
         )
+        self._own_addrs = cfg.advertise or _advertised(cfg.mesh_host)
+        ctx = zmq.asyncio.Context.instance()
+        self.dataplane = DataPlane(
+            ctx,
+            node_id=self.node_id,
+            own_addresses=self._own_addrs,
+            bind_host=cfg.mesh_host,
+            counters=self.counters,
+        )
+        self.cache_dir = cfg.data_dir / "cache"
+        self.supervisor = Supervisor(
+            self.node_id,
+            resolve_path=lambda m: models.resolve_model(m).path,
+            cache_dir=self.cache_dir,
+            bind_host=cfg.mesh_host,
+            on_status=self._runners_changed,
+            n_ctx=cfg.n_ctx,
+            n_seq_max=cfg.n_seq_max,
+        )
+        self.inference = Inference(
+            node_id=self.node_id,
+            state=lambda: self.replica.map,
+            write=self._write,
+            delete=self._delete,
+            is_live=self._is_live,
+            dataplane=self.dataplane,
+            metrics=self.metrics,
+        )
         from meshd.api.server import ApiServer
 
         self._api = ApiServer(self)
         self.api_port = await self._api.start(cfg.api_host, cfg.api_port)
-        self._own_addrs = cfg.advertise or _advertised(cfg.mesh_host)
         self.card = NodeCard(
             id=self.node_id,
             name=cfg.name,
@@ -127,11 +167,14 @@ class Node:
             pub_port=self.gossip.pub_port,
             api_port=self.api_port,
             api_host=cfg.api_host,
+            data_port=self.dataplane.port,
+            models=await asyncio.to_thread(models.local_models),
             started_ms=int(time.time() * 1000),
         )
         self.replica.write(node_key(self.node_id), self.card)
         self._beat_entry()
         self.gossip.start()
+        self.dataplane.start()
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._hello_loop(), name="hello"),
@@ -139,6 +182,8 @@ class Node:
         ]
         if cfg.discovery:
             await self._start_discovery()
+        if cfg.model:
+            self._tasks.append(asyncio.create_task(self._ensure_model(cfg.model), name="model"))
         log.info(
             "node %s (%s) up: api http://%s:%d, mesh port %d, pub port %d, backends %s",
             cfg.name,
@@ -196,6 +241,10 @@ class Node:
                 await self._discovery.stop()
         if self._api is not None:
             await self._api.stop()
+        if self.supervisor is not None:
+            await self.supervisor.stop_all()
+        if self.dataplane is not None:
+            await self.dataplane.stop()
         if self.gossip is not None:
             await self.gossip.stop()
         if self.identity is not None:
@@ -221,6 +270,8 @@ class Node:
             mem_available=sysinfo.mem_available(),
             load=round(sysinfo.load(), 3),
             synced=self._synced(),
+            queue_depth=self.dataplane.in_flight() if self.dataplane else 0,
+            runners=self.supervisor.statuses() if self.supervisor else [],
         )
 
     def _beat_entry(self) -> Entry:
@@ -247,6 +298,8 @@ class Node:
 
     def _on_change(self, changed: list[Entry]) -> None:
         now = time.monotonic()
+        if any(e.key.startswith(INSTANCE) for e in changed):
+            self._schedule_reconcile()
         for e in changed:
             if e.key.startswith(HEALTH) and e.value is not None:
                 nid = e.key[len(HEALTH) :]
@@ -301,6 +354,93 @@ class Node:
             if card is not None:
                 self._point_at(nid, card)
         return nid
+
+    # -- writes, runners, models ---------------------------------------------------
+    def _write(self, key: str, value) -> None:
+        assert self.replica is not None and self.gossip is not None
+        e = self.replica.write(key, value)
+        self._spawn(self.gossip.publish([e]))
+        if key.startswith(INSTANCE):
+            self._schedule_reconcile()
+
+    def _delete(self, key: str) -> None:
+        assert self.replica is not None and self.gossip is not None
+        e = self.replica.delete(key)
+        self._spawn(self.gossip.publish([e]))
+        if key.startswith(INSTANCE):
+            self._schedule_reconcile()
+
+    def _is_live(self, nid: str) -> bool:
+        return nid == self.node_id or self.liveness.is_live(nid, time.monotonic())
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    def _schedule_reconcile(self) -> None:
+        if self._reconcile_pending or self.supervisor is None:
+            return
+        self._reconcile_pending = True
+
+        async def run() -> None:
+            await asyncio.sleep(0)  # coalesce a burst of changes
+            self._reconcile_pending = False
+            assert self.supervisor is not None and self.replica is not None
+            await self.supervisor.reconcile(instances(self.replica.map))
+
+        self._spawn(run())
+
+    def _runners_changed(self) -> None:
+        # A runner's state is news for every API node: beat now, not at the next tick
+        # (coalescing a burst of changes into one beat).
+        if self._beat_pending or self.gossip is None or self.replica is None:
+            return
+        self._beat_pending = True
+
+        async def beat() -> None:
+            await asyncio.sleep(0.02)
+            self._beat_pending = False
+            assert self.gossip is not None
+            await self.gossip.publish([self._beat_entry()])
+
+        self._spawn(beat())
+
+    async def _ensure_model(self, model: str) -> None:
+        """Make sure the cluster has an instance of ``model`` (``meshd up``'s default).
+
+        Waits for the first peers to answer so a node joining a cluster that already
+        serves the model does not place it again; the instance id is the same on every
+        node, so nodes starting together converge on one instance.
+        """
+        assert self.inference is not None
+        await asyncio.sleep(self.config.settle_s)
+        if self.inference.find_instance(model) is not None:
+            return
+        try:
+            facts = await self.inference.facts(model, self.cache_dir)
+        except Exception as e:
+            log.warning("not serving %s: %s", model, e)
+            return
+        if self.inference.find_instance(model) is not None:
+            return
+        from meshd.crdt.views import InstanceSpec
+
+        try:
+            await self.inference.create_instance(
+                InstanceSpec(model=models.canonical_name(model)), facts, auto_instance_id(model)
+            )
+        except Exception as e:
+            log.warning("could not place %s: %s", model, e)
+
+    def sync_metrics(self) -> None:
+        """Copy gauges that live elsewhere into the metrics registry."""
+        if self.supervisor is not None:
+            by_state: dict[str, int] = {}
+            for r in self.supervisor.statuses():
+                by_state[r.state] = by_state.get(r.state, 0) + 1
+            for st in ("loading", "ready", "failed"):
+                self.metrics.runners.labels(st).set(by_state.get(st, 0))
 
     # -- loops ---------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
@@ -409,6 +549,8 @@ class Node:
             "pub_port": self.gossip.pub_port,
             "api_port": self.api_port,
             "entries": len(self.replica.map),
+            "data_port": self.dataplane.port if self.dataplane else 0,
+            "requests_in_flight": self.dataplane.in_flight() if self.dataplane else 0,
             "dropped": self.counters.snapshot(),
         }
 

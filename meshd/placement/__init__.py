@@ -1,0 +1,34 @@
+"""Placement: a pure function from (spec, model facts, live nodes, previous plan) to stages.
+
+No I/O, no clocks, no randomness: every node computes the same plan from the same
+inputs, so no node coordinates the others. See :func:`place` for the rules.
+"""
+
+from .errors import PlacementError, Reason, fmt_bytes
+from .place import (
+    DEFAULT_ENGINE_PREFERENCE,
+    Policy,
+    engine_of,
+    next_generation,
+    place,
+    plan_digest,
+    repair_needed,
+    stage_need,
+)
+from .resources import NodeResources, node_resources
+
+__all__ = [
+    "DEFAULT_ENGINE_PREFERENCE",
+    "NodeResources",
+    "PlacementError",
+    "Policy",
+    "Reason",
+    "engine_of",
+    "fmt_bytes",
+    "next_generation",
+    "node_resources",
+    "place",
+    "plan_digest",
+    "repair_needed",
+    "stage_need",
+]

@@ -86,7 +86,145 @@ class Refused(msgspec.Struct, tag=True, kw_only=True):
     message: str
 
 
-Message = Hello | Welcome | Delta | Digest | Pull | PullReply | Refused
+# -- data plane ---------------------------------------------------------------------
+#: Largest data-plane frame (a prefill chunk of activations plus header).
+MAX_DATA_FRAME = 64 * 1024 * 1024
+
+
+class Addr(msgspec.Struct, frozen=True, array_like=True):
+    """Where a socket of some node is: that node's advertised addresses and a port.
+
+    The receiver picks the address itself (``choose_address``), since which one works
+    depends on where it stands, not on where the sender stands.
+    """
+
+    node: str
+    addresses: list[str]
+    port: int
+
+
+class ChatTurn(msgspec.Struct, frozen=True, array_like=True):
+    """One chat message, already flattened to text."""
+
+    role: str
+    content: str
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How the last stage picks tokens and when it stops."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    #: None: until end of sequence or the context is full.
+    max_tokens: int | None = None
+    stop: list[str] = []
+
+
+class Generate(msgspec.Struct, tag=True, kw_only=True):
+    """API node -> stage 0: start a request. Exactly one of messages / prompt is set."""
+
+    req: str
+    instance: str
+    generation: int
+    #: Every stage's runner, in order; each runner reads its neighbours from it.
+    route: list[Addr]
+    #: The API node's data ROUTER, where DataChunks go.
+    reply_to: Addr
+    messages: list[ChatTurn] | None = None
+    prompt: str | None = None
+    sampling: Sampling = Sampling()
+    #: Tokens already streamed to the client (a replay continues after them).
+    resume_tokens: list[int] = []
+
+
+class Start(msgspec.Struct, kw_only=True):
+    """Carried by a request's first Activation: what later stages need to know."""
+
+    route: list[Addr]
+    reply_to: Addr
+    sampling: Sampling
+    n_prompt: int
+
+
+class Activation(msgspec.Struct, tag=True, kw_only=True):
+    """Stage i -> stage i+1: hidden rows at positions [pos, pos + rows); tensor frame beside."""
+
+    req: str
+    instance: str
+    generation: int
+    pos: int
+    rows: int
+    hidden: int
+    dtype: str = "f32"
+    start: Start | None = None
+
+
+class Token(msgspec.Struct, tag=True, kw_only=True):
+    """Last stage -> stage 0: the sampled token, to feed at ``pos`` next."""
+
+    req: str
+    instance: str
+    generation: int
+    token: int
+    pos: int
+
+
+class Release(msgspec.Struct, tag=True, kw_only=True):
+    """Free a request's KV cache on this stage and pass the word down the chain.
+
+    ``reason`` is ``done`` (finished normally) or ``cancel`` (client went away)."""
+
+    req: str
+    instance: str
+    reason: str = "done"
+
+
+class Usage(msgspec.Struct, frozen=True, array_like=True):
+    """Token counts of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ChunkError(msgspec.Struct, frozen=True, kw_only=True):
+    """Why a request ended without a result. ``code`` is stable, ``message`` is for people."""
+
+    code: str
+    message: str
+
+
+class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    """Stage -> API node: a piece of a request's output (or its typed error).
+
+    Stage 0 sends one with ``n_prompt`` set once the prompt is tokenized; the last stage
+    sends text as it is produced and a final chunk with ``finish_reason`` and ``usage``.
+    """
+
+    req: str
+    text: str = ""
+    tokens: list[int] = []
+    n_prompt: int | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: ChunkError | None = None
+
+
+Message = (
+    Hello
+    | Welcome
+    | Delta
+    | Digest
+    | Pull
+    | PullReply
+    | Refused
+    | Generate
+    | Activation
+    | Token
+    | Release
+    | DataChunk
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

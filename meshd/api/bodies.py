@@ -1,0 +1,128 @@
+"""Reading a request body into a typed Struct, with every failure an OpenAI-shaped 4xx.
+
+:func:`parse_body` is the one door from untrusted bytes to typed values: it bounds the
+size (declared and actual), checks the content type, decodes with msgspec, and maps
+every decode or validation failure to :func:`~meshd.api.errors.bad_request` with the
+offending field in ``param`` and msgspec's JSON path in the message.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TypeVar
+
+import msgspec
+from starlette.requests import ClientDisconnect, Request
+
+from .errors import ApiError, bad_request, payload_too_large, unsupported_media_type
+from .schemas import FieldError
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "parse_body", "validation_error"]
+
+#: Default body limit: 8 MiB holds a few hundred thousand tokens of prompt text.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+T = TypeVar("T")
+
+# msgspec appends " - at `$.a.b[0]`" to errors below the root.
+_AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
+_NOT_OBJECT = re.compile(r"^Expected `object`, got `(?P<got>[^`]+)`$")
+
+
+def _join(path: str, field: str) -> str:
+    return f"{path}.{field}" if path else field
+
+
+def validation_error(exc: msgspec.ValidationError) -> ApiError:
+    """Map a msgspec ``ValidationError`` (from decoding a request) to a 400.
+
+    ``param`` is the field's path without the leading ``$.`` (``messages[0].role``);
+    the message keeps msgspec's wording and path (``... - at `$.messages[0].role```).
+    """
+    text = str(exc)
+    m = _AT_PATH.search(text)
+    path = m.group("path").removeprefix(".") if m else ""
+    cause = exc.__cause__
+    if isinstance(cause, FieldError):
+        param = _join(path, cause.param)
+        return bad_request(f"{cause.reason} - at `$.{param}`", param=param, code=cause.code)
+    if m is None and (n := _NOT_OBJECT.match(text)):
+        return bad_request(f"Request body must be a JSON object, got {n.group('got')}.")
+    if missing := _MISSING.match(text):
+        param = _join(path, missing.group("field"))
+        return bad_request(
+            f"Object missing required field `{missing.group('field')}` - at `$.{param}`",
+            param=param,
+        )
+    return bad_request(text, param=path or None)
+
+
+def _check_content_type(request: Request) -> None:
+    raw = request.headers.get("content-type")
+    if raw is None:
+        return  # tolerate clients that send none
+    media = raw.split(";", 1)[0].strip().lower()
+    # `curl -d '{...}'` labels JSON as a form; the body decides, so let it through.
+    if media in ("", "application/json", "text/json", "application/x-www-form-urlencoded"):
+        return
+    if media.endswith("+json"):
+        return
+    raise unsupported_media_type(raw)
+
+
+def _declared_length(request: Request, max_bytes: int) -> None:
+    raw = request.headers.get("content-length")
+    if raw is None:
+        return
+    try:
+        declared = int(raw)
+    except ValueError:
+        raise bad_request(f"Invalid Content-Length header {raw!r}.") from None
+    if declared > max_bytes:
+        raise payload_too_large(max_bytes)
+
+
+async def _read_bounded(request: Request, max_bytes: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise payload_too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise bad_request("Client disconnected while sending the request body.") from None
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, typ: type[T], max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> T:
+    """Read ``request``'s JSON body into ``typ`` (a msgspec Struct, usually).
+
+    Raises :class:`~meshd.api.errors.ApiError`:
+
+    * 413 when ``Content-Length`` or the bytes actually received exceed ``max_bytes``
+      (checked while streaming, so a lying or absent header does not matter);
+    * 415 when ``Content-Type`` is present and not JSON (absent is tolerated);
+    * 400 for an empty body, invalid JSON (or UTF-8), a body that is not an object,
+      nesting too deep, a missing or mistyped field, or a field that breaks a rule.
+
+    Unknown fields are ignored (that is msgspec's default and the Structs keep it).
+    """
+    _check_content_type(request)
+    _declared_length(request, max_bytes)
+    body = await _read_bounded(request, max_bytes)
+    if not body.strip():
+        raise bad_request("Request body is empty; expected a JSON object.")
+    try:
+        return msgspec.json.decode(body, type=typ)
+    except msgspec.ValidationError as e:
+        raise validation_error(e) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"Request body is not valid JSON: {e}.", code="invalid_json") from None
+    except UnicodeDecodeError:
+        # msgspec raises this (not DecodeError) for bad UTF-8 inside a JSON string.
+        raise bad_request("Request body is not valid UTF-8.", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("Request body JSON is nested too deeply.", code="invalid_json") from None

@@ -1,0 +1,304 @@
+"""API errors in OpenAI's shape, and the handlers that make every failure use it.
+
+Route code raises :class:`ApiError` (usually from a factory below); the handlers that
+:func:`install_error_handlers` adds turn it, Starlette's own 404/405, and any
+unexpected exception into ``{"error": {"message", "type", "param", "code"}}`` with
+the right status. The ``openai`` client maps the status to its exception class
+(400 ``BadRequestError``, 404 ``NotFoundError``, 429 ``RateLimitError``, ...) and
+honours ``Retry-After`` on 429 and 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Literal
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .schemas import ErrorDetail, ErrorResponse
+
+__all__ = [
+    "ApiError",
+    "ErrorType",
+    "bad_request",
+    "context_overflow",
+    "install_error_handlers",
+    "internal_error",
+    "model_loading",
+    "model_not_found",
+    "overloaded",
+    "payload_too_large",
+    "unsupported_media_type",
+    "upstream_failed",
+]
+
+log = logging.getLogger("meshd.api")
+
+ErrorType = Literal[
+    "invalid_request_error",
+    "not_found_error",
+    "server_error",
+    "service_unavailable",
+    "rate_limit_error",
+    "authentication_error",
+]
+
+
+class ApiError(Exception):
+    """An error the API answers with, in OpenAI's shape.
+
+    ``retry_after`` (seconds) becomes a ``Retry-After`` header, rounded up to whole
+    seconds.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: ErrorType = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type: ErrorType = type
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+
+    def __repr__(self) -> str:
+        return (
+            f"ApiError({self.status}, {self.message!r}, type={self.type!r}, "
+            f"code={self.code!r}, param={self.param!r})"
+        )
+
+    def body(self) -> ErrorResponse:
+        """The JSON body as a Struct."""
+        return ErrorResponse(
+            error=ErrorDetail(
+                message=self.message, type=self.type, param=self.param, code=self.code
+            )
+        )
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers: ``Retry-After`` when set."""
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(0, math.ceil(self.retry_after)))}
+
+    def to_response(self) -> JSONResponse:
+        """The HTTP response for this error."""
+        return JSONResponse(
+            msgspec.to_builtins(self.body()), status_code=self.status, headers=self.headers()
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# factories
+
+
+def bad_request(msg: str, param: str | None = None, code: str | None = None) -> ApiError:
+    """400: the request is malformed or asks for something unsupported."""
+    return ApiError(400, msg, type="invalid_request_error", param=param, code=code)
+
+
+def context_overflow(
+    n_prompt: int, n_ctx: int, *, n_completion: int | None = None, param: str = "messages"
+) -> ApiError:
+    """400 ``context_length_exceeded``: the prompt (plus ``max_tokens``) does not fit.
+
+    Worded like OpenAI's message, which some clients match on to trim history.
+    """
+    if n_completion is None:
+        detail = f"However, your messages resulted in {n_prompt} tokens."
+    else:
+        detail = (
+            f"However, you requested {n_prompt + n_completion} tokens "
+            f"({n_prompt} in the messages, {n_completion} in the completion)."
+        )
+    return ApiError(
+        400,
+        f"This model's maximum context length is {n_ctx} tokens. {detail} "
+        "Please reduce the length of the messages or completion.",
+        type="invalid_request_error",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def model_not_found(model: str) -> ApiError:
+    """404 ``model_not_found``: no instance of ``model`` is placed in the cluster."""
+    return ApiError(
+        404,
+        f"The model `{model}` does not exist or is not placed in this cluster; "
+        "GET /v1/models lists the ones that are.",
+        type="not_found_error",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def model_loading(model: str, retry_after: float) -> ApiError:
+    """503 ``model_loading``: the model is placed but its runners are not ready yet."""
+    return ApiError(
+        503,
+        f"The model `{model}` is still loading; retry in {max(1, math.ceil(retry_after))}s.",
+        type="service_unavailable",
+        param="model",
+        code="model_loading",
+        retry_after=retry_after,
+    )
+
+
+def upstream_failed(msg: str) -> ApiError:
+    """502 ``upstream_failed``: a runner or peer node failed the request."""
+    return ApiError(502, msg, type="server_error", code="upstream_failed")
+
+
+def overloaded(retry_after: float) -> ApiError:
+    """429 ``overloaded``: too many requests in flight; the client should back off."""
+    return ApiError(
+        429,
+        f"The node is overloaded; retry in {max(1, math.ceil(retry_after))}s.",
+        type="rate_limit_error",
+        code="overloaded",
+        retry_after=retry_after,
+    )
+
+
+def payload_too_large(max_bytes: int) -> ApiError:
+    """413 ``request_too_large``: the body is over the limit."""
+    return ApiError(
+        413,
+        f"Request body is larger than the limit of {max_bytes} bytes.",
+        type="invalid_request_error",
+        code="request_too_large",
+    )
+
+
+def unsupported_media_type(content_type: str) -> ApiError:
+    """415 ``unsupported_media_type``: the body is not declared as JSON."""
+    return ApiError(
+        415,
+        f"Content-Type must be application/json, got {content_type!r} "
+        "(with curl, add -H 'Content-Type: application/json').",
+        type="invalid_request_error",
+        code="unsupported_media_type",
+    )
+
+
+def internal_error() -> ApiError:
+    """500: something unexpected broke; the message says nothing about internals."""
+    return ApiError(
+        500,
+        "The server had an internal error while processing the request; "
+        "the node's log has the details.",
+        type="server_error",
+        code="internal_error",
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# handlers
+
+
+_HTTP_TYPES: dict[int, ErrorType] = {
+    401: "authentication_error",
+    403: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+def _from_http_exception(request: Request, exc: HTTPException) -> ApiError:
+    status = exc.status_code
+    where = f"({request.method} {request.url.path})"
+    if status == 404:
+        message = f"Invalid URL {where}"
+        code = "not_found"
+    elif status == 405:
+        message = f"Invalid method for URL {where}"
+        code = "method_not_allowed"
+    else:
+        message = exc.detail or "HTTP error"
+        code = None
+    default: ErrorType = "server_error" if status >= 500 else "invalid_request_error"
+    return ApiError(status, message, type=_HTTP_TYPES.get(status, default), code=code)
+
+
+async def _api_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.to_response()
+
+
+async def _http_exception_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    response = _from_http_exception(request, exc).to_response()
+    for key, value in (exc.headers or {}).items():  # e.g. Allow on a 405
+        response.headers.setdefault(key, value)
+    return response
+
+
+async def _last_resort_handler(request: Request, exc: Exception) -> Response:
+    # Reached only for exceptions raised outside _CatchUnexpected (in middleware added
+    # after install_error_handlers); Starlette re-raises afterwards so the server logs it.
+    return internal_error().to_response()
+
+
+class _CatchUnexpected:
+    """ASGI middleware: an unexpected exception becomes a logged, opaque 500.
+
+    Unlike Starlette's ServerErrorMiddleware it does not re-raise once the 500 is
+    sent, so the traceback is logged once, here, with the request line. When the
+    response had already started (a stream), it cannot be replaced: the exception is
+    logged and re-raised so the server aborts the connection.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def _send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, _send)
+        except Exception:
+            log.exception(
+                "unhandled error in %s %s", scope.get("method", "?"), scope.get("path", "?")
+            )
+            if started:
+                raise
+            await internal_error().to_response()(scope, receive, send)
+
+
+def install_error_handlers(app: Starlette) -> None:
+    """Make every error ``app`` answers use OpenAI's shape.
+
+    Covers :class:`ApiError`, Starlette's ``HTTPException`` (unknown route 404, wrong
+    method 405, ...) and any other exception (500, logged, no internals in the body).
+    Call it while building the app, before it serves. Handlers keyed by status code
+    (``exception_handlers={404: ...}``) still take precedence over these.
+    """
+    app.add_exception_handler(ApiError, _api_error_handler)
+    app.add_exception_handler(HTTPException, _http_exception_handler)
+    app.add_exception_handler(Exception, _last_resort_handler)
+    app.add_middleware(_CatchUnexpected)

@@ -1,0 +1,211 @@
+"""OpenAI-compatible routes: chat completions, completions, models.
+
+A request names a model; the node finds its instance (placing one if the model is known
+but not placed, and waiting a bounded time for it to load), sends the request to the
+pipeline's first stage and turns the DataChunks that come back into OpenAI responses,
+streamed as SSE or collected. Errors before the first byte are HTTP errors in OpenAI's
+shape; errors after it are an SSE error event followed by ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from meshd.engines.models import AmbiguousModelError, ModelNotFoundError
+from meshd.node.inference import ModelLoading, RequestFailed
+from meshd.placement import PlacementError
+from meshd.transport import wire
+
+from . import schemas
+from .bodies import parse_body
+from .errors import ApiError, model_loading, model_not_found
+from .sse import SSE_DONE, sse_data, sse_error, sse_response
+
+log = logging.getLogger("meshd.api")
+
+#: Retry-After given while a model loads.
+LOADING_RETRY_S = 5.0
+
+
+def _failed(e: RequestFailed) -> ApiError:
+    if e.code == "context_length_exceeded":
+        return ApiError(400, e.message, type="invalid_request_error", param="messages",
+                        code="context_length_exceeded")  # fmt: skip
+    if e.status == 400:
+        return ApiError(400, e.message, type="invalid_request_error", code=e.code)
+    if e.status == 503:
+        return ApiError(503, e.message, type="service_unavailable", code=e.code,
+                        retry_after=LOADING_RETRY_S)  # fmt: skip
+    if e.status == 504:
+        return ApiError(504, e.message, type="server_error", code=e.code)
+    return ApiError(502, e.message, type="server_error", code=e.code)
+
+
+class _Run:
+    """One request on the pipeline, with its first chunk already in hand."""
+
+    def __init__(self, chunks: AsyncIterator[wire.DataChunk], first: wire.DataChunk) -> None:
+        self.chunks = chunks
+        self.first = first
+        self.n_prompt = first.n_prompt or 0
+
+
+def routes(node):
+    """Handlers bound to ``node``."""
+    metrics = node.metrics
+
+    async def instance_for(model: str):
+        try:
+            if not node.inference.is_known(model) and node.inference.find_instance(model) is None:
+                # Not held by any live node: maybe a path or repo id this node can read.
+                await node.inference.facts(model, node.cache_dir)
+            return await node.inference.ensure(model, node.cache_dir)
+        except (ModelNotFoundError, AmbiguousModelError):
+            raise model_not_found(model) from None
+        except ModelLoading:
+            raise model_loading(model, LOADING_RETRY_S) from None
+        except PlacementError as e:
+            raise ApiError(503, f"cannot place {model}: {e}", type="service_unavailable",
+                           code=e.reason, retry_after=LOADING_RETRY_S) from None  # fmt: skip
+        except RequestFailed as e:
+            raise _failed(e) from None
+
+    async def start(inst, **kw) -> _Run:
+        """Send the request and wait for stage 0's acknowledgement (or its error)."""
+        chunks = node.inference.generate(inst, **kw)
+        try:
+            first = await anext(chunks)
+        except RequestFailed as e:
+            await chunks.aclose()
+            raise _failed(e) from None
+        except StopAsyncIteration:
+            raise ApiError(502, "the pipeline ended without output", type="server_error") from None
+        return _Run(chunks, first)
+
+    def sampling(body) -> wire.Sampling:
+        return wire.Sampling(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            max_tokens=body.max_new_tokens,
+            stop=body.stop_sequences,
+        )
+
+    async def pieces(run: _Run, model: str, t0: float) -> AsyncIterator[wire.DataChunk]:
+        """Every chunk after the acknowledgement, with metrics."""
+        last = None
+        n = 0
+        try:
+            async for c in run.chunks:
+                now = time.perf_counter()
+                if c.tokens:
+                    if last is None:
+                        metrics.ttft.labels(model).observe(now - t0)
+                    else:
+                        metrics.itl.labels(model).observe(now - last)
+                    last = now
+                    n += len(c.tokens)
+                yield c
+        finally:
+            metrics.prompt_tokens.labels(model).inc(run.n_prompt)
+            metrics.completion_tokens.labels(model).inc(n)
+
+    async def chat(request: Request) -> Response:
+        body = await parse_body(request, schemas.ChatCompletionRequest)
+        return await _serve(request, body, chat=True)
+
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, schemas.CompletionRequest)
+        return await _serve(request, body, chat=False)
+
+    async def _serve(request: Request, body, chat: bool) -> Response:
+        route = "chat" if chat else "completions"
+        model = body.model
+        t0 = time.perf_counter()
+        try:
+            inst = await instance_for(model)
+            if chat:
+                turns = [wire.ChatTurn(m.role, m.text) for m in body.messages]
+                run = await start(inst, messages=turns, sampling=sampling(body))
+            else:
+                run = await start(inst, prompt=body.prompt_text, sampling=sampling(body))
+        except ApiError as e:
+            metrics.requests.labels(route, model, str(e.status)).inc()
+            raise
+        metrics.in_flight.inc()
+        if body.stream:
+            return sse_response(_stream(run, body, chat, t0, route))
+        try:
+            text, finish, usage = [], "stop", None
+            try:
+                async for c in pieces(run, model, t0):
+                    text.append(c.text)
+                    if c.finish_reason:
+                        finish = c.finish_reason
+                        usage = c.usage
+            except RequestFailed as e:
+                metrics.requests.labels(route, model, str(e.status)).inc()
+                raise _failed(e) from None
+            u = schemas.Usage.of(usage.prompt_tokens, usage.completion_tokens) if usage else (
+                schemas.Usage.of(run.n_prompt, 0))  # fmt: skip
+            metrics.requests.labels(route, model, "200").inc()
+            if chat:
+                resp = schemas.ChatCompletion.single(
+                    model=model, content="".join(text), finish_reason=finish, usage=u
+                )
+            else:
+                resp = schemas.Completion.single(
+                    model=model, text="".join(text), finish_reason=finish, usage=u
+                )
+            return Response(_json(resp), media_type="application/json")
+        finally:
+            metrics.in_flight.dec()
+
+    async def _stream(run: _Run, body, chat: bool, t0: float, route: str) -> AsyncIterator[bytes]:
+        model = body.model
+        s = schemas.ChatStream(model) if chat else schemas.CompletionStream(model)
+        outcome = "200"
+        try:
+            if chat:
+                yield sse_data(s.start())
+            usage = None
+            async with contextlib.aclosing(pieces(run, model, t0)) as it:
+                async for c in it:
+                    if c.text:
+                        yield sse_data(s.content(c.text))
+                    if c.finish_reason:
+                        usage = c.usage
+                        yield sse_data(s.finish(c.finish_reason))
+            if body.include_usage and usage is not None:
+                yield sse_data(
+                    s.usage(schemas.Usage.of(usage.prompt_tokens, usage.completion_tokens))
+                )
+            yield SSE_DONE
+        except RequestFailed as e:
+            outcome = str(e.status)
+            yield sse_error(_failed(e))
+            yield SSE_DONE
+        finally:
+            await run.chunks.aclose()
+            metrics.in_flight.dec()
+            metrics.requests.labels(route, model, outcome).inc()
+
+    async def list_models(request: Request) -> Response:
+        names = node.inference.known_models()
+        data = schemas.ModelList(data=[schemas.Model(id=n) for n in names])
+        return Response(_json(data), media_type="application/json")
+
+    return chat, completions, list_models
+
+
+def _json(obj) -> bytes:
+    import msgspec
+
+    return msgspec.json.encode(obj)

@@ -1,0 +1,182 @@
+"""Chat templates: OpenAI-style messages -> the prompt text a model was trained on.
+
+Models ship a Jinja template (GGUF ``tokenizer.chat_template``, or ``chat_template`` in
+a Hugging Face ``tokenizer_config.json``). They are rendered here the way Hugging Face
+``apply_chat_template`` renders them, so a template written for transformers gives the
+same prompt under meshd: a sandboxed, immutable Jinja environment (a template is code
+that came with a downloaded model), ``trim_blocks``/``lstrip_blocks``, the
+``loopcontrols`` extension, a ``{% generation %}`` block, the ``raise_exception`` and
+``strftime_now`` globals and HF's ``tojson`` (no HTML escaping, non-ASCII kept).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+import jinja2.sandbox
+
+__all__ = ["CHATML_TEMPLATE", "ChatTemplateError", "normalize_messages", "render_chat"]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""Fallback for a model that ships no template: ChatML, the most widely trained format."""
+
+
+class ChatTemplateError(ValueError):
+    """A chat template failed to compile or render, or called ``raise_exception``.
+
+    A ``ValueError`` because the usual cause is a conversation the template rejects
+    (roles out of order, an unsupported role): the API answers it as a bad request.
+    """
+
+
+def normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Copy OpenAI chat messages into the plain dicts that templates expect.
+
+    A content list of parts (``[{"type": "text", "text": ...}, ...]``) becomes one
+    string, the text parts joined by newlines (as vLLM does): most templates concatenate
+    ``message['content']`` as a string. Other keys (``name``, ``tool_calls``, ...) are
+    kept; ``None`` content (an assistant turn that only calls tools) stays ``None``.
+    Raises ``ValueError`` on a message without a string role, on content that is neither
+    a string, a list of parts nor ``None``, and on non-text parts (images, audio): the
+    engines here are text-only.
+    """
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be an object, got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}] needs a non-empty string 'role'")
+        msg = dict(message)
+        content = msg.get("content")
+        if isinstance(content, list):
+            msg["content"] = "\n".join(_part_text(part, i, j) for j, part in enumerate(content))
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(
+                f"messages[{i}].content must be a string or a list of parts, "
+                f"got {type(content).__name__}"
+            )
+        out.append(msg)
+    return out
+
+
+def _part_text(part: object, i: int, j: int) -> str:
+    where = f"messages[{i}].content[{j}]"
+    if isinstance(part, str):  # tolerated: some clients send bare strings as parts
+        return part
+    if not isinstance(part, Mapping):
+        raise ValueError(f"{where} must be an object, got {type(part).__name__}")
+    kind = part.get("type")
+    if kind != "text":
+        raise ValueError(f"{where} has type {kind!r}; only 'text' parts are supported")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ValueError(f"{where} needs a string 'text'")
+    return text
+
+
+def render_chat(
+    template: str,
+    messages: Iterable[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    **extra: Any,
+) -> str:
+    """Render ``messages`` (normalized first) through a Hugging Face style chat template.
+
+    ``extra`` reaches the template as further variables (``tools``, ``documents``,
+    ``enable_thinking``, other special tokens ...); ``tools`` and ``documents`` default
+    to ``None`` as in transformers, since templates test ``tools is not none``.
+    Raises :class:`ChatTemplateError` when the template does not compile, fails while
+    rendering, or rejects the conversation through ``raise_exception``; ``ValueError``
+    for malformed messages (see :func:`normalize_messages`).
+    """
+    compiled = _compile(template)
+    variables: dict[str, Any] = {"tools": None, "documents": None, **extra}
+    try:
+        return compiled.render(
+            variables,
+            messages=normalize_messages(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+    except ChatTemplateError:
+        raise
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"chat template failed: {exc}") from exc
+    except (TypeError, AttributeError, KeyError, IndexError, ArithmeticError) as exc:
+        # What a template expression can raise on data it did not expect, e.g.
+        # `'x' + message['content']` when content is None.
+        raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Same signature as transformers' filter: Jinja's own tojson escapes <, >, & and '
+    # for HTML, which would change the prompt of every tool-calling template.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: renders its body unchanged.
+
+    transformers uses the block to find assistant tokens for training masks; templates
+    written for it would not even compile without the tag.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        """Parse the block body up to ``endgeneration``."""
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    # One compiled template per distinct source: a node serves a handful of models and
+    # compiling costs far more than rendering.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc

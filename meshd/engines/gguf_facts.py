@@ -1,0 +1,262 @@
+"""Read what placement needs to know about a GGUF model from its metadata.
+
+Every number comes from the file itself (``<arch>.block_count``, tensor sizes, ...):
+nothing about a particular model is hard-coded here, so a new GGUF works as soon as
+llama.cpp can load it. The reader memory-maps the file, so only the header is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import gguf
+import msgspec
+
+from meshd.crdt.views import ModelFacts
+
+__all__ = [
+    "MLX_TYPES",
+    "ModelFormatError",
+    "SpecialTokens",
+    "architecture",
+    "chat_template",
+    "file_sha256",
+    "open_gguf",
+    "read_facts",
+    "special_tokens",
+]
+
+#: GGUF tensor types that ``mx.load`` reads with correct values (ENGINE-NOTES): Q4_K
+#: loads with wrong values and Q5_0/Q2_K/Q3_K/IQ4_NL do not load, so a model holding
+#: any other type is not offered to the MLX engine.
+MLX_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q6_K"})
+
+#: f16 K and V cache entries: the type llama.cpp uses by default.
+_KV_ELEMENT_BYTES = 2
+
+_BLK = re.compile(r"^blk\.(\d+)\.")
+
+#: Hash files in 8 MiB reads: large enough that Python overhead vanishes.
+_HASH_CHUNK = 8 << 20
+
+
+class ModelFormatError(ValueError):
+    """The file is not a GGUF model this code can read (bad magic, truncated, ...)."""
+
+
+class SpecialTokens(msgspec.Struct, frozen=True):
+    """Special token ids from the GGUF tokenizer metadata (None where absent)."""
+
+    bos: int | None = None
+    eos: int | None = None
+    eot: int | None = None
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """Open a GGUF file for reading, turning any parse failure into ModelFormatError.
+
+    A missing file raises FileNotFoundError (a caller may want to fetch it); anything
+    that is there but does not parse is a ModelFormatError.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no model file at {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:
+        # GGUFReader reports bad files with ValueError, IndexError, struct and numpy
+        # errors depending on where the bytes stop making sense: one typed error here.
+        raise ModelFormatError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def _required_int(reader: gguf.GGUFReader, key: str, path: Path) -> int:
+    v = _field(reader, key)
+    if v is None:
+        raise ModelFormatError(f"{path}: GGUF metadata lacks {key!r}")
+    return int(max(v) if isinstance(v, list) else v)
+
+
+def _optional_int(reader: gguf.GGUFReader, key: str) -> int | None:
+    v = _field(reader, key)
+    if v is None:
+        return None
+    # Some architectures store per-layer head counts as an array: size for the
+    # largest layer so the KV estimate never comes out short.
+    return int(max(v) if isinstance(v, list) else v)
+
+
+def architecture(reader: gguf.GGUFReader, path: Path | str = "") -> str:
+    """The ``general.architecture`` of an open GGUF file."""
+    arch = _field(reader, "general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise ModelFormatError(f"{path}: GGUF metadata lacks general.architecture")
+    return arch
+
+
+def read_facts(
+    path: Path, name: str, sha256: str | None = None, cache_dir: Path | None = None
+) -> ModelFacts:
+    """Read a GGUF model's placement facts from its metadata.
+
+    ``name`` is what the user asked for (alias, path or repo id). ``sha256`` may be
+    passed when already known; otherwise the file is hashed (cached in ``cache_dir``
+    when given, see :func:`file_sha256`). Raises ModelFormatError for a file that is
+    not a usable GGUF model, FileNotFoundError for a missing one.
+    """
+    path = Path(path)
+    reader = open_gguf(path)
+    arch = architecture(reader, path)
+    n_layers = _required_int(reader, f"{arch}.block_count", path)
+    hidden = _required_int(reader, f"{arch}.embedding_length", path)
+    n_ctx_train = _optional_int(reader, f"{arch}.context_length") or 0
+    n_head = _optional_int(reader, f"{arch}.attention.head_count") or 0
+    # Grouped-query attention: K/V heads default to the query heads when absent.
+    n_head_kv = _optional_int(reader, f"{arch}.attention.head_count_kv") or n_head
+    # key_length/value_length are explicit for models whose head dim is not
+    # hidden / heads (e.g. Gemma); otherwise llama.cpp derives it the same way.
+    head_dim = hidden // n_head if n_head else 0
+    k_len = _optional_int(reader, f"{arch}.attention.key_length") or head_dim
+    v_len = _optional_int(reader, f"{arch}.attention.value_length") or k_len
+
+    layer_bytes = [0] * n_layers
+    embed_bytes = 0
+    head_bytes = 0
+    types: set[str] = set()
+    for t in reader.tensors:
+        types.add(t.tensor_type.name)
+        nbytes = int(t.n_bytes)
+        m = _BLK.match(t.name)
+        if m is not None:
+            i = int(m.group(1))
+            # Tensors past block_count (e.g. next-token-prediction layers) are not
+            # loaded by llama.cpp as layers; leave them out of the layer sizes.
+            if i < n_layers:
+                layer_bytes[i] += nbytes
+        elif t.name in ("output.weight", "output_norm.weight", "output_norm.bias"):
+            head_bytes += nbytes
+        else:
+            # token_embd.weight plus the small global tensors (rope_freqs, ...) that
+            # every llama.cpp slice carries: count them where every stage pays them.
+            embed_bytes += nbytes
+
+    quant_types = sorted(types)
+    engines = ["llama_cpp"]
+    if types <= MLX_TYPES:
+        # Any other type either fails to load in mx.load or, worse (Q4_K), loads
+        # with wrong values: such a model must never be placed on an MLX stage.
+        engines.append("mlx")
+
+    return ModelFacts(
+        name=name,
+        sha256=sha256 if sha256 is not None else file_sha256(path, cache_dir),
+        format="gguf",
+        architecture=arch,
+        n_layers=n_layers,
+        hidden_size=hidden,
+        n_ctx_train=n_ctx_train,
+        layer_bytes=layer_bytes,
+        embed_bytes=embed_bytes,
+        head_bytes=head_bytes,
+        kv_bytes_per_token_layer=n_head_kv * (k_len + v_len) * _KV_ELEMENT_BYTES,
+        quant_types=quant_types,
+        engines=engines,
+    )
+
+
+def chat_template(path: Path) -> str | None:
+    """The default chat template (``tokenizer.chat_template``) in a GGUF, if any."""
+    v = _field(open_gguf(path), "tokenizer.chat_template")
+    return v if isinstance(v, str) and v else None
+
+
+def special_tokens(path: Path) -> SpecialTokens:
+    """bos/eos/eot token ids from a GGUF's tokenizer metadata."""
+    reader = open_gguf(path)
+
+    def tid(key: str) -> int | None:
+        v = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        return None if v is None else int(v)
+
+    return SpecialTokens(bos=tid("bos"), eos=tid("eos"), eot=tid("eot"))
+
+
+def _cache_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def _load_cache(file: Path) -> dict[str, str]:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): str(v) for k, v in data.items()}
+
+
+def _store_cache(file: Path, entries: dict[str, str]) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename: a reader never sees half a JSON file.
+    # Two processes racing may drop each other's new entry; that costs one re-hash.
+    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=".sha256.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=0, sort_keys=True)
+        os.replace(tmp, file)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_sha256(path: Path, cache_dir: Path | None = None) -> str:
+    """sha256 (hex) of a file, cached in ``cache_dir/sha256.json`` when given.
+
+    The cache is keyed by (absolute path, size, mtime_ns): a model is hashed once
+    and re-hashed only when the file changes. Without ``cache_dir`` it always hashes.
+    """
+    path = Path(path)
+    if cache_dir is None:
+        return _hash_file(path)
+    cache_file = Path(cache_dir) / "sha256.json"
+    key = _cache_key(path)
+    entries = _load_cache(cache_file)
+    hit = entries.get(key)
+    if hit is not None:
+        return hit
+    digest = _hash_file(path)
+    # Re-read just before writing so entries another process added meanwhile stay.
+    entries = _load_cache(cache_file)
+    entries[key] = digest
+    _drop_stale(entries, path)
+    _store_cache(cache_file, entries)
+    return digest
+
+
+def _drop_stale(entries: dict[str, str], path: Path) -> None:
+    """Forget older (size, mtime) entries of the same path: they can never hit again."""
+    prefix = f"{path.resolve()}|"
+    current = _cache_key(path)
+    for k in [k for k in entries if k.startswith(prefix) and k != current]:
+        del entries[k]

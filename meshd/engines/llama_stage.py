@@ -1,0 +1,666 @@
+"""One pipeline stage on llama.cpp: the layers of one GGUF slice, in-process.
+
+A stage is built on the low-level llama.cpp API of stock llama-cpp-python (no patch,
+no RPC build). The file it loads is a slice cut by :mod:`meshd.engines.slicing` (or
+the whole model for a one-stage pipeline):
+
+- The first stage takes token ids; the others take hidden rows through
+  ``batch.embd`` (float32, one row per token, at the token's absolute position).
+- A stage that is not last returns the residual stream after its last layer. llama.cpp
+  has no API for it (``llama_get_embeddings`` is taken after the final norm), so the
+  scheduler's ``cb_eval`` callback copies the graph node ``l_out-{n_layer-1}`` out and
+  cancels the rest of the graph (final norm and lm_head, which such a stage does not
+  need anyway).
+- The last stage returns the logits of each request's last row.
+
+Every request is one llama.cpp sequence (``seq_id``) with its own KV cache; all the
+requests handed to :meth:`LlamaStage.forward` go through one ``llama_decode`` call, so
+several requests in flight share each weight read.
+
+A stage is not thread-safe: a runner calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from .gguf_facts import ModelFormatError
+
+__all__ = [
+    "ContextFullError",
+    "LlamaStage",
+    "StageError",
+    "StageInput",
+    "StageInputError",
+    "StageOutput",
+    "configure_threads",
+    "default_threads",
+    "runner_env",
+]
+
+log = logging.getLogger("meshd.engines.llama")
+
+#: OpenMP spin count for runner processes. llama.cpp's CPU backend uses OpenMP, whose
+#: workers spin-wait after each op by default; two runners on the same cores then
+#: burn each other's time (measured 8.0 vs 4.8 ms/token on 2 cores). ~1e4 keeps the
+#: wake-up fast inside one decode and yields soon after it.
+GOMP_SPINCOUNT = 10_000
+
+
+class StageError(RuntimeError):
+    """llama.cpp failed to load the model or to decode a batch."""
+
+
+class StageInputError(ValueError):
+    """A request handed to a stage does not fit it (wrong kind, shape, position...)."""
+
+
+class ContextFullError(StageInputError):
+    """A request would grow past the stage's per-sequence context (``n_ctx``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageInput:
+    """One request's rows for one decode step.
+
+    ``pos`` is the absolute position of the first row; it must equal the number of
+    positions the stage already holds for ``seq`` (see :meth:`LlamaStage.n_past`).
+    A first stage takes ``tokens`` (int32, shape ``(n,)``), any other stage takes
+    ``hidden`` (float32, shape ``(n, hidden_size)``).
+    """
+
+    seq: int
+    pos: int
+    tokens: npt.NDArray[np.int32] | None = None
+    hidden: npt.NDArray[np.float32] | None = None
+
+    @property
+    def n_rows(self) -> int:
+        """Number of positions this input covers."""
+        if self.tokens is not None:
+            return len(self.tokens)
+        if self.hidden is not None:
+            return len(self.hidden)
+        return 0
+
+
+#: What a stage returns for one request, in the order of the inputs: on a stage that
+#: is not last, its hidden rows (float32, ``(n, hidden_size)``, the residual stream
+#: after the stage's last layer); on the last stage, the logits of its last row
+#: (float32, ``(n_vocab,)``). The arrays are the caller's: the stage never writes
+#: into them again.
+StageOutput: TypeAlias = npt.NDArray[np.float32]
+
+
+def default_threads() -> int:
+    """Threads a stage uses when not told: the cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS and Windows have no sched_getaffinity
+        return max(1, os.cpu_count() or 1)
+
+
+def runner_env(
+    base: Mapping[str, str] | None = None, *, spincount: int = GOMP_SPINCOUNT
+) -> dict[str, str]:
+    """Environment for a runner subprocess that will run llama.cpp stages.
+
+    Returns a copy of ``base`` (``os.environ`` when None) with ``GOMP_SPINCOUNT`` set,
+    unless the user set it already. Use it to spawn a runner: libgomp reads the
+    variable once, when it is loaded, so the runner must start with it.
+    """
+    env = dict(os.environ if base is None else base)
+    env.setdefault("GOMP_SPINCOUNT", str(int(spincount)))
+    return env
+
+
+def configure_threads(spincount: int = GOMP_SPINCOUNT) -> bool:
+    """Set sane OpenMP settings in this (runner) process; call before the first stage.
+
+    Sets ``GOMP_SPINCOUNT`` in ``os.environ`` unless the user set it. libgomp reads it
+    when it is loaded, which happens when llama_cpp is first imported: this module
+    imports llama_cpp only when the first stage is built, so calling this before that
+    works. Returns False (and logs) when llama_cpp is already loaded, so the setting
+    cannot take effect any more; spawn with :func:`runner_env` instead.
+    """
+    if "GOMP_SPINCOUNT" in os.environ:
+        return True
+    if "llama_cpp" in sys.modules:
+        log.warning("llama_cpp is already loaded: GOMP_SPINCOUNT would have no effect")
+        return False
+    os.environ["GOMP_SPINCOUNT"] = str(int(spincount))
+    return True
+
+
+def _load_ggml_base(llama: Any) -> Any:
+    """The ggml-base library that libllama itself uses.
+
+    The wheel ships libggml-base under several file names that are copies, not links;
+    loading one by path would map a second copy with its own globals (a second
+    backend registry, tensors it does not know). Importing llama_cpp has already
+    loaded libllama, which pulled ggml in by soname: asking the dynamic loader for that
+    soname returns the copy already mapped. Elsewhere, symbols are looked up through
+    libllama's own handle, which searches the libraries it loaded.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            return ctypes.CDLL("libggml-base.so.0")
+        except OSError:
+            pass
+    return llama.llama_cpp._lib
+
+
+class _Ggml:
+    """The few ggml functions the capture callback needs, typed once."""
+
+    def __init__(self, llama: Any) -> None:
+        lib = _load_ggml_base(llama)
+        self.get_name = lib.ggml_get_name
+        self.get_name.restype = ctypes.c_char_p
+        self.get_name.argtypes = [ctypes.c_void_p]
+        self.nelements = lib.ggml_nelements
+        self.nelements.restype = ctypes.c_int64
+        self.nelements.argtypes = [ctypes.c_void_p]
+        self.nbytes = lib.ggml_nbytes
+        self.nbytes.restype = ctypes.c_size_t
+        self.nbytes.argtypes = [ctypes.c_void_p]
+        self.tensor_get = lib.ggml_backend_tensor_get
+        self.tensor_get.restype = None
+        self.tensor_get.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+        ]
+
+
+class _Backend:
+    """llama_cpp and ggml, loaded once per process on first use."""
+
+    def __init__(self) -> None:
+        # Imported here, not at module import: see configure_threads().
+        import llama_cpp
+
+        self.L: Any = llama_cpp
+        # Held for the life of the process: llama.cpp keeps only the C pointer.
+        self.log_cb = llama_cpp.llama_log_callback(_llama_log)
+        llama_cpp.llama_log_set(self.log_cb, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        self.ggml = _Ggml(llama_cpp)
+
+
+#: ggml_log_level in this llama.cpp: 1 debug, 2 info, 3 warn, 4 error, 5 continuation.
+#: (llama_cpp._logger still maps the older 1 info / 2 warn / 3 error numbering.)
+_LOG_LEVELS = {3: logging.WARNING, 4: logging.ERROR}
+_backend: _Backend | None = None
+
+
+def _llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    # llama.cpp logs every tensor it loads at INFO/DEBUG; a runner keeps only warnings
+    # and errors, in its own log rather than on stderr.
+    py_level = _LOG_LEVELS.get(level)
+    if py_level is not None and text:
+        log.log(py_level, "%s", text.decode("utf-8", "replace").rstrip())
+
+
+def _get_backend() -> _Backend:
+    global _backend
+    if _backend is None:
+        _backend = _Backend()
+    return _backend
+
+
+def _check_gguf_magic(path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"no model file at {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r})")
+
+
+class LlamaStage:
+    """Layers of one GGUF slice, run with llama.cpp's low-level API in this process.
+
+    ``first``: the stage takes token ids (else hidden rows). ``last``: the stage
+    returns logits (else hidden rows). A one-stage pipeline is ``first=last=True``.
+
+    ``n_ctx`` is the context each sequence gets; ``n_seq_max`` how many sequences
+    (requests) the stage holds at once, with ids ``0 .. n_seq_max - 1``. The KV
+    cache is one buffer shared by all sequences (llama.cpp's ``kv_unified``) of
+    ``n_ctx * n_seq_max`` cells (llama.cpp rounds it up to 256), and the stage
+    refuses any request that would pass ``n_ctx`` positions, so every sequence can
+    always grow to ``n_ctx`` whatever the others hold. (Without ``kv_unified`` this
+    llama.cpp splits ``n_ctx`` into ``n_ctx / n_seq_max`` per sequence, and it also
+    reorders the rows of a multi-sequence batch, which the hidden-row capture relies
+    on not happening.)
+
+    ``exact=True`` turns flash attention off and keeps K/V in F32, to match an f32
+    reference to ~1e-7; the default keeps llama.cpp's fast defaults (flash attention
+    where supported, F16 K/V; ~5e-3 drift in logits).
+
+    ``n_batch`` is the most rows one ``llama_decode`` call takes; larger inputs are
+    split into several calls in order. A stage that is not last marks every row as an
+    output (or llama.cpp would drop them before the last layer), so llama.cpp sizes
+    an output buffer of ``n_batch * n_vocab`` floats it never fills: lower ``n_batch``
+    for large vocabularies on memory-tight middle stages.
+    """
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        first: bool,
+        last: bool,
+        n_ctx: int,
+        n_seq_max: int,
+        exact: bool = False,
+        n_threads: int | None = None,
+        n_batch: int = 512,
+    ) -> None:
+        path = Path(path)
+        if n_ctx < 1:
+            raise ValueError(f"n_ctx must be positive, got {n_ctx}")
+        if n_seq_max < 1:
+            raise ValueError(f"n_seq_max must be positive, got {n_seq_max}")
+        if n_batch < 1:
+            raise ValueError(f"n_batch must be positive, got {n_batch}")
+        _check_gguf_magic(path)
+        backend = _get_backend()
+        self._ggml = backend.ggml
+        L = self._L = backend.L
+        self.path = path
+        self.first = first
+        self.last = last
+        self.n_ctx = n_ctx
+        self.n_seq_max = n_seq_max
+        self.exact = exact
+        self.n_threads = n_threads or default_threads()
+
+        max_seqs = int(L.llama_max_parallel_sequences())
+        if n_seq_max > max_seqs:
+            raise ValueError(f"n_seq_max {n_seq_max} is over llama.cpp's {max_seqs}")
+        self._model: Any = None
+        self._ctx: Any = None
+        self._cb_eval: Any = None
+        mparams = L.llama_model_default_params()
+        model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise StageError(f"llama.cpp could not load {path}")
+        self._model = model
+        self._vocab = L.llama_model_get_vocab(model)
+        #: Number of layers in this stage's file (the slice's block_count).
+        self.n_layers = int(L.llama_model_n_layer(model))
+        #: Width of the residual stream: the hidden rows a stage takes and returns.
+        self.hidden_size = int(L.llama_model_n_embd(model))
+        #: Vocabulary size; every slice carries the whole vocabulary.
+        self.n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
+        self._target = f"l_out-{self.n_layers - 1}".encode()
+
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = n_ctx * n_seq_max
+        self.n_batch = min(n_batch, n_ctx * n_seq_max)
+        cparams.n_batch = self.n_batch
+        # One ubatch per decode: the capture sees each decode's rows in one piece.
+        cparams.n_ubatch = self.n_batch
+        cparams.n_seq_max = n_seq_max
+        # See the class docstring: per-sequence room and row order both need this.
+        cparams.kv_unified = True
+        # 0 = no per-sequence cap on output rows: a non-last stage outputs them all.
+        cparams.n_outputs_max_per_seq = 0
+        cparams.n_threads = self.n_threads
+        cparams.n_threads_batch = self.n_threads
+        cparams.embeddings = False
+        cparams.no_perf = True
+        if exact:
+            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            cparams.type_k = L.GGML_TYPE_F32
+            cparams.type_v = L.GGML_TYPE_F32
+        if not last:
+            # Held on self: llama.cpp keeps only the C pointer, and a collected
+            # ctypes callback would be a call into freed memory.
+            self._cb_eval = L.ggml_backend_sched_eval_callback(self._on_eval)
+            cparams.cb_eval = self._cb_eval
+            cparams.cb_eval_user_data = None
+        ctx = L.llama_init_from_model(model, cparams)
+        if not ctx:
+            self.close()
+            raise StageError(f"llama.cpp could not create a context for {path}")
+        self._ctx = ctx
+        self._mem = L.llama_get_memory(ctx)
+
+        # Capture state, set by forward() around each llama_decode.
+        self._cap_dst: npt.NDArray[np.float32] | None = None
+        self._cap_row = 0
+        self._cap_end = 0
+        self._cap_error: str | None = None
+        self._eos: set[int] | None = None
+        self._alloc_batch()
+
+    # -- batch ---------------------------------------------------------------------
+
+    def _alloc_batch(self) -> None:
+        """A llama_batch whose arrays are numpy buffers owned by this stage.
+
+        Built by hand rather than with llama_batch_init so that whole columns are
+        filled with numpy slices (no per-token Python loop) and nothing needs
+        llama_batch_free.
+        """
+        cap = self.n_batch
+        self._b_pos = np.zeros(cap, np.int32)
+        self._b_nseq = np.ones(cap, np.int32)
+        self._b_seq = np.zeros(cap, np.int32)
+        self._b_out = np.zeros(cap, np.int8)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        base = self._b_seq.ctypes.data
+        # seq_id is an array of per-token pointers; each points at that token's
+        # single entry in _b_seq (every token belongs to exactly one sequence).
+        self._b_seq_ptrs = (i32p * cap)(*[ctypes.cast(base + 4 * i, i32p) for i in range(cap)])
+        batch = self._L.llama_batch()
+        batch.n_tokens = 0
+        if self.first:
+            self._b_tok: npt.NDArray[np.int32] | None = np.zeros(cap, np.int32)
+            self._b_embd: npt.NDArray[np.float32] | None = None
+            batch.token = self._b_tok.ctypes.data_as(ctypes.POINTER(self._L.llama_token))
+            batch.embd = None
+        else:
+            self._b_tok = None
+            self._b_embd = np.zeros((cap, self.hidden_size), np.float32)
+            batch.token = None
+            batch.embd = self._b_embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        batch.pos = self._b_pos.ctypes.data_as(ctypes.POINTER(self._L.llama_pos))
+        batch.n_seq_id = self._b_nseq.ctypes.data_as(i32p)
+        batch.seq_id = ctypes.cast(self._b_seq_ptrs, ctypes.POINTER(i32p))
+        batch.logits = self._b_out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = batch
+
+    # -- capture -------------------------------------------------------------------
+
+    def _on_eval(self, t: int, ask: bool, user_data: int) -> bool:
+        """Scheduler callback: observe ``l_out-{n_layer-1}``, then stop the graph.
+
+        With ``ask`` set, llama.cpp asks whether we want to see node ``t``; only the
+        last layer's output is wanted, so the graph runs in one piece up to it. Called
+        again once it is computed: copy its rows out and return False, which cancels
+        the final norm and lm_head that a non-last stage does not need.
+        """
+        g = self._ggml
+        try:
+            if ask:
+                return bool(g.get_name(t) == self._target)
+            dst = self._cap_dst
+            if dst is None:
+                return False
+            n_el = int(g.nelements(t))
+            rows, rem = divmod(n_el, self.hidden_size)
+            if rem or int(g.nbytes(t)) != 4 * n_el:
+                self._cap_error = f"{self._target.decode()} is not f32 rows of {self.hidden_size}"
+                return False
+            if self._cap_row + rows > self._cap_end:
+                self._cap_error = f"captured {self._cap_row + rows} rows, expected {self._cap_end}"
+                return False
+            # Straight into the caller's array: llama.cpp reuses this tensor's memory
+            # on the next decode, so it must be copied before we return.
+            g.tensor_get(t, dst.ctypes.data + self._cap_row * dst.strides[0], 0, 4 * n_el)
+            self._cap_row += rows
+            return False
+        except Exception as e:  # an exception cannot cross into C: record it
+            self._cap_error = f"capture failed: {e!r}"
+            return False
+
+    # -- requests ------------------------------------------------------------------
+
+    def n_past(self, seq: int) -> int:
+        """Positions the stage holds for ``seq`` (the next input's ``pos``)."""
+        self._check_open()
+        return int(self._L.llama_memory_seq_pos_max(self._mem, seq)) + 1
+
+    def free(self, seq: int) -> None:
+        """Release a request's KV cache; its seq id can start a new request at pos 0."""
+        self._check_open()
+        self._check_seq(seq)
+        self._L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def _check_open(self) -> None:
+        if self._ctx is None:
+            raise StageError("stage is closed")
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq_max:
+            raise StageInputError(f"seq {seq} outside [0, {self.n_seq_max})")
+
+    def _validate(self, items: Sequence[StageInput]) -> list[np.ndarray]:
+        """Check every item before anything is decoded; return its input as arrays."""
+        seen: set[int] = set()
+        inputs: list[np.ndarray] = []
+        for it in items:
+            self._check_seq(it.seq)
+            if it.seq in seen:
+                raise StageInputError(f"seq {it.seq} appears twice in one forward")
+            seen.add(it.seq)
+            if self.first:
+                if it.tokens is None or it.hidden is not None:
+                    raise StageInputError("a first stage takes tokens, not hidden rows")
+                arr = np.asarray(it.tokens)
+                if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                    raise StageInputError(f"tokens must be a 1-D int array, got {arr.dtype}")
+                if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= self.n_vocab):
+                    raise StageInputError(f"token id outside [0, {self.n_vocab})")
+                arr = arr.astype(np.int32, copy=False)
+            else:
+                if it.hidden is None or it.tokens is not None:
+                    raise StageInputError("this stage takes hidden rows, not tokens")
+                arr = np.asarray(it.hidden)
+                if arr.ndim != 2 or arr.shape[1] != self.hidden_size:
+                    raise StageInputError(
+                        f"hidden must be (n, {self.hidden_size}), got {arr.shape}"
+                    )
+                # float32 on the way in: f16/bf16 rows cost ~4e-3/1e-2 in logits.
+                arr = arr.astype(np.float32, copy=False)
+            n = len(arr)
+            if n == 0:
+                raise StageInputError(f"seq {it.seq}: empty input")
+            past = self.n_past(it.seq)
+            if it.pos != past:
+                raise StageInputError(f"seq {it.seq}: pos {it.pos} but the stage holds {past}")
+            if it.pos + n > self.n_ctx:
+                raise ContextFullError(
+                    f"seq {it.seq}: {it.pos} + {n} positions exceed n_ctx {self.n_ctx}"
+                )
+            inputs.append(arr)
+        return inputs
+
+    def forward(self, items: Sequence[StageInput]) -> list[StageOutput]:
+        """Run this stage's layers on several requests at once; outputs in item order.
+
+        Each output is a :data:`StageOutput`: hidden rows ``(n, hidden_size)`` on a
+        stage that is not last, the last row's logits ``(n_vocab,)`` on the last one.
+
+        All items go through one ``llama_decode`` call (several when their rows
+        together pass ``n_batch``; then in order, and an item may span two calls).
+        Raises StageInputError (before decoding anything) for an item that does not
+        fit, StageError if llama.cpp fails; then every item's sequence is rolled back
+        to its ``pos`` so the request can be retried or freed.
+        """
+        self._check_open()
+        if not items:
+            return []
+        inputs = self._validate(items)
+        lengths = [len(a) for a in inputs]
+        total = sum(lengths)
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        pos = np.concatenate(
+            [np.arange(it.pos, it.pos + n) for it, n in zip(items, lengths, strict=True)]
+        )
+        seqs = np.repeat(np.array([it.seq for it in items], np.int32), lengths)
+        flat = np.concatenate(inputs) if len(inputs) > 1 else inputs[0]
+        if self.last:
+            # Only each item's last row is sampled from: ask llama.cpp for those.
+            outs = np.zeros(total, np.int8)
+            outs[ends - 1] = 1
+            hidden_out = None
+        else:
+            # Every row goes on to the next stage; rows not marked as outputs are
+            # dropped by llama.cpp before the last layer.
+            outs = np.ones(total, np.int8)
+            hidden_out = np.empty((total, self.hidden_size), np.float32)
+
+        logits: list[npt.NDArray[np.float32] | None] = [None] * len(items)
+        try:
+            for c0 in range(0, total, self.n_batch):
+                c1 = min(total, c0 + self.n_batch)
+                self._decode_chunk(flat, pos, seqs, outs, c0, c1, hidden_out)
+                if self.last:
+                    for k in np.nonzero((ends - 1 >= c0) & (ends - 1 < c1))[0]:
+                        logits[k] = self._logits_row(int(ends[k] - 1 - c0))
+        except BaseException:
+            for it in items:
+                self._L.llama_memory_seq_rm(self._mem, it.seq, it.pos, -1)
+            raise
+
+        if self.last:
+            assert all(lg is not None for lg in logits)
+            return logits  # type: ignore[return-value]
+        assert hidden_out is not None
+        # Views of one array made for this call: nothing else ever writes to it.
+        return [hidden_out[s:e] for s, e in zip(starts, ends, strict=True)]
+
+    def _decode_chunk(
+        self,
+        flat: np.ndarray,
+        pos: np.ndarray,
+        seqs: np.ndarray,
+        outs: np.ndarray,
+        c0: int,
+        c1: int,
+        hidden_out: npt.NDArray[np.float32] | None,
+    ) -> None:
+        n = c1 - c0
+        if self._b_tok is not None:
+            self._b_tok[:n] = flat[c0:c1]
+        else:
+            assert self._b_embd is not None
+            self._b_embd[:n] = flat[c0:c1]
+        self._b_pos[:n] = pos[c0:c1]
+        self._b_seq[:n] = seqs[c0:c1]
+        self._b_out[:n] = outs[c0:c1]
+        self._batch.n_tokens = n
+        self._cap_dst = hidden_out
+        self._cap_row = c0
+        self._cap_end = c1
+        self._cap_error = None
+        try:
+            ret = int(self._L.llama_decode(self._ctx, self._batch))
+        finally:
+            self._cap_dst = None
+        if ret != 0:
+            why = {1: "no KV cache slot", 2: "aborted"}.get(ret, "invalid batch or error")
+            raise StageError(f"llama_decode returned {ret} ({why})")
+        if self._cap_error is not None:
+            raise StageError(self._cap_error)
+        if hidden_out is not None and self._cap_row != c1:
+            raise StageError(
+                f"captured {self._cap_row - c0} hidden rows of {n}: "
+                f"{self._target.decode()} was not seen"
+            )
+
+    def _logits_row(self, i: int) -> npt.NDArray[np.float32]:
+        ptr = self._L.llama_get_logits_ith(self._ctx, i)
+        if not ptr:
+            raise StageError(f"llama.cpp has no logits for batch row {i}")
+        # Copy: llama.cpp overwrites its logits buffer on the next decode.
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    # -- tokenizer -----------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        """Token ids of ``text``; ``add_special`` adds BOS/EOS as the model asks,
+        ``parse_special`` turns special-token text (``<|im_start|>``) into its id."""
+        self._check_open()
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        while True:
+            buf = (self._L.llama_token * n_max)()
+            n = int(
+                self._L.llama_tokenize(
+                    self._vocab, data, len(data), buf, n_max, add_special, parse_special
+                )
+            )
+            if n >= 0:
+                return list(buf[:n])
+            # A negative count is the size the result needs.
+            n_max = -n
+
+    def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
+        """The raw bytes of one token (possibly part of a UTF-8 character).
+
+        ``special`` renders control tokens (``<|im_end|>``) as their text; by default
+        they render as nothing, which is what a chat reply shows.
+        """
+        self._check_open()
+        size = 32
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = int(self._L.llama_token_to_piece(self._vocab, token, buf, size, 0, special))
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
+    def eos_tokens(self) -> set[int]:
+        """Ids that end a generation: eos, eot and every end-of-generation token."""
+        self._check_open()
+        if self._eos is None:
+            eos: set[int] = set()
+            for tid in (
+                self._L.llama_vocab_eos(self._vocab),
+                self._L.llama_vocab_eot(self._vocab),
+            ):
+                if tid >= 0:
+                    eos.add(int(tid))
+            # llama.cpp also marks chat end-of-turn tokens (<|im_end|>, <|eot_id|>...)
+            # found by their text; a vocabulary scan asks it once per stage.
+            is_eog = self._L.llama_vocab_is_eog
+            eos.update(i for i in range(self.n_vocab) if is_eog(self._vocab, i))
+            self._eos = eos
+        return set(self._eos)
+
+    # -- lifetime ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the context and the model. Safe to call twice."""
+        if self._ctx is not None:
+            self._L.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            self._L.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> LlamaStage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        role = (
+            "first+last"
+            if self.first and self.last
+            else "first"
+            if self.first
+            else ("last" if self.last else "middle")
+        )
+        return (
+            f"LlamaStage({self.path.name}, {role}, layers={self.n_layers}, "
+            f"n_ctx={self.n_ctx}, n_seq_max={self.n_seq_max}, exact={self.exact})"
+        )

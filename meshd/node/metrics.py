@@ -1,0 +1,46 @@
+"""Prometheus metrics of one node (its own registry: several nodes may share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class Metrics:
+    """Counters and histograms the API and the data plane update."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "meshd_requests", "Inference requests by route and outcome",
+            ["route", "model", "outcome"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "meshd_prompt_tokens", "Prompt tokens processed", ["model"], registry=r
+        )
+        self.completion_tokens = Counter(
+            "meshd_completion_tokens", "Tokens generated", ["model"], registry=r
+        )
+        self.ttft = Histogram(
+            "meshd_time_to_first_token_seconds", "Request start to first token",
+            ["model"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "meshd_inter_token_seconds", "Time between tokens of one stream",
+            ["model"], buckets=_FAST, registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge("meshd_requests_in_flight", "Requests this node owns", registry=r)
+        self.runners = Gauge(
+            "meshd_runners", "Runner subprocesses on this node by state", ["state"], registry=r
+        )
+        self.dropped = Counter(
+            "meshd_dropped_frames", "Frames dropped by socket and reason",
+            ["socket", "reason"], registry=r,
+        )  # fmt: skip
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,227 @@
+"""Reconcile the runners this node runs with the stages the plans give it.
+
+Desired state: every stage of every instance whose ``node`` is this node. Running
+state: runner subprocesses, each reporting ``loading`` -> ``ready`` | ``failed`` on its
+stdout. A runner whose stage changed range or model is replaced; one whose plan only
+moved to a new generation keeps its weights and is told the new generation. Status
+changes are pushed to the node (which puts them in its heartbeat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from meshd.crdt.views import Instance, RunnerStatus
+from meshd.engines.llama_stage import runner_env
+from meshd.engines.runner import RunnerConfig
+
+log = logging.getLogger("meshd.supervisor")
+
+#: How long a runner gets to exit after SIGTERM before SIGKILL.
+STOP_GRACE_S = 3.0
+
+
+@dataclass(frozen=True)
+class StageKey:
+    """What makes two runners interchangeable (same weights, same place in the chain)."""
+
+    instance: str
+    stage: int
+    n_stages: int
+    start: int
+    end: int
+    model_path: str
+
+
+@dataclass
+class RunnerProc:
+    key: StageKey
+    config: RunnerConfig
+    proc: asyncio.subprocess.Process | None = None
+    state: str = "loading"
+    reason: str = ""
+    port: int = 0
+    generation: int = 0
+    active: int = 0
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def status(self) -> RunnerStatus:
+        return RunnerStatus(
+            instance=self.key.instance,
+            generation=self.generation,
+            stage=self.key.stage,
+            state=self.state,  # type: ignore[arg-type]
+            reason=self.reason,
+            port=self.port,
+            active=self.active,
+        )
+
+
+class Supervisor:
+    """Starts, retunes and stops this node's runner subprocesses."""
+
+    def __init__(
+        self,
+        node_id: str,
+        *,
+        resolve_path: Callable[[str], str],
+        cache_dir: Path,
+        bind_host: str,
+        on_status: Callable[[], None],
+        n_ctx: int = 4096,
+        n_seq_max: int = 8,
+    ) -> None:
+        self.node_id = node_id
+        self.resolve_path = resolve_path
+        self.cache_dir = cache_dir
+        self.bind_host = bind_host
+        self.on_status = on_status
+        self.n_ctx = n_ctx
+        self.n_seq_max = n_seq_max
+        self.runners: dict[tuple[str, int], RunnerProc] = {}
+        self._lock = asyncio.Lock()
+
+    def statuses(self) -> list[RunnerStatus]:
+        """Every runner's state, for the heartbeat."""
+        return [r.status() for _, r in sorted(self.runners.items())]
+
+    async def reconcile(self, instances: dict[str, Instance]) -> None:
+        """Make the running set match the plans (idempotent; serialized)."""
+        async with self._lock:
+            desired: dict[tuple[str, int], tuple[Instance, int]] = {}
+            for inst in instances.values():
+                for i, st in enumerate(inst.stages):
+                    if st.node == self.node_id:
+                        desired[(inst.id, i)] = (inst, i)
+            for k in list(self.runners):
+                if k not in desired:
+                    await self._stop(self.runners.pop(k))
+            for k, (inst, i) in desired.items():
+                st = inst.stages[i]
+                facts = inst.facts
+                try:
+                    path = self.resolve_path(inst.spec.model)
+                except Exception as e:
+                    r = self.runners.get(k)
+                    if r is None or r.state != "failed":
+                        self.runners[k] = _failed(inst, i, f"model not available here: {e}")
+                        self.on_status()
+                    continue
+                key = StageKey(inst.id, i, len(inst.stages), st.start, st.end, path)
+                r = self.runners.get(k)
+                if r is not None and r.key == key:
+                    if r.generation != inst.generation:
+                        self._retune(r, inst.generation)
+                    continue
+                if r is not None:
+                    await self._stop(r)
+                cfg = RunnerConfig(
+                    instance=inst.id,
+                    generation=inst.generation,
+                    stage=i,
+                    n_stages=len(inst.stages),
+                    model_path=path,
+                    sha256=facts.sha256 if facts else "",
+                    start=st.start,
+                    end=st.end,
+                    n_layers=facts.n_layers if facts else st.end,
+                    engine=st.engine,
+                    cache_dir=str(self.cache_dir),
+                    bind_host=self.bind_host,
+                    n_ctx=self.n_ctx,
+                    n_seq_max=self.n_seq_max,
+                )
+                self.runners[k] = await self._start(key, cfg)
+
+    async def _start(self, key: StageKey, cfg: RunnerConfig) -> RunnerProc:
+        r = RunnerProc(key, cfg, generation=cfg.generation)
+        log.info(
+            "starting runner %s stage %d [%d, %d)", key.instance, key.stage, key.start, key.end
+        )
+        r.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "meshd.engines.runner",
+            msgspec.json.encode(cfg).decode(),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            env={**runner_env(), "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        r.tasks.append(asyncio.create_task(self._watch(r)))
+        self.on_status()
+        return r
+
+    async def _watch(self, r: RunnerProc) -> None:
+        assert r.proc is not None and r.proc.stdout is not None
+        while True:
+            line = await r.proc.stdout.readline()
+            if not line:
+                break
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            kind = ev.get("event")
+            if kind == "listening":
+                r.port = int(ev["port"])
+            elif kind == "ready":
+                r.state = "ready"
+                log.info("runner %s stage %d ready on port %d", r.key.instance, r.key.stage, r.port)
+            elif kind == "load":
+                r.active = int(ev.get("active", 0))
+            elif kind == "failed":
+                r.state, r.reason = "failed", str(ev.get("reason", ""))
+                log.warning("runner %s stage %d failed: %s", r.key.instance, r.key.stage, r.reason)
+            self.on_status()
+        code = await r.proc.wait()
+        if r.state != "stopped":
+            r.state = "failed"
+            r.reason = r.reason or f"runner exited with code {code}"
+            log.warning("runner %s stage %d exited: %s", r.key.instance, r.key.stage, r.reason)
+            self.on_status()
+
+    def _retune(self, r: RunnerProc, generation: int) -> None:
+        r.generation = generation
+        if r.proc is not None and r.proc.stdin is not None:
+            r.proc.stdin.write(
+                json.dumps({"cmd": "generation", "value": generation}).encode() + b"\n"
+            )
+        self.on_status()
+
+    async def _stop(self, r: RunnerProc) -> None:
+        r.state = "stopped"
+        p = r.proc
+        if p is not None and p.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+            try:
+                await asyncio.wait_for(p.wait(), STOP_GRACE_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                await p.wait()
+        for t in r.tasks:
+            t.cancel()
+        self.on_status()
+
+    async def stop_all(self) -> None:
+        """Stop every runner (node shutdown)."""
+        async with self._lock:
+            for k in list(self.runners):
+                await self._stop(self.runners.pop(k))
+
+
+def _failed(inst: Instance, i: int, reason: str) -> RunnerProc:
+    st = inst.stages[i]
+    key = StageKey(inst.id, i, len(inst.stages), st.start, st.end, "")
+    cfg = RunnerConfig(
+        instance=inst.id, generation=inst.generation, stage=i, n_stages=len(inst.stages),
+        model_path="", sha256="", start=st.start, end=st.end, n_layers=st.end, cache_dir="",
+    )  # fmt: skip
+    return RunnerProc(key, cfg, state="failed", reason=reason, generation=inst.generation)

@@ -1,0 +1,717 @@
+"""``place()``: a model's layers -> contiguous stages on live nodes. Pure and deterministic.
+
+Every node runs this same function on the same inputs (the instance spec, the model's
+facts, the live nodes' resources, the previous plan) and gets the same plan, with no
+coordination round. Nothing here reads a clock, draws a random number, does I/O or
+depends on the iteration order of a mapping: candidates are ranked by usable memory
+and ties break on node id; shares are exact fractions.
+
+Memory a stage needs on its node (see :func:`stage_need`)::
+
+    ceil(layer bytes x weight_overhead)
+    + token embedding   (every llama.cpp stage; an MLX stage only when it is the
+                         first one, or the last one with a tied output head)
+    + head bytes        (last stage)
+    + KV reservation    (min(kv_tokens, n_ctx_train) x kv_sequences
+                         x kv_bytes_per_token_layer x layers of the stage)
+    + floor_bytes       (kept free on the node)
+
+and it must be at most the node's budget: ``mem_available`` (plus, in a repair, the
+memory the node already holds for this instance's previous stage, see ``Policy``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import msgspec
+
+from meshd.crdt.views import Instance, InstanceSpec, ModelFacts, Stage
+
+from .errors import MiB, PlacementError, fmt_bytes
+from .resources import NodeResources
+
+#: Backends ranked fastest first: a node runs the model on the engine of its
+#: best-ranked backend that the model supports. MLX where it has a GPU (Metal, CUDA),
+#: llama.cpp on a CPU-only machine (MLX's Linux CPU wheel is 7-50x slower).
+DEFAULT_ENGINE_PREFERENCE: tuple[str, ...] = (
+    "mlx-metal",
+    "mlx-cuda",
+    "llama_cpp-metal",
+    "llama_cpp-cuda",
+    "llama_cpp-vulkan",
+    "llama_cpp-gpu",
+    "llama_cpp-cpu",
+    "mlx-cpu",
+)
+
+
+class Policy(msgspec.Struct, frozen=True, kw_only=True):
+    """The knobs of placement. Every node must use the same values.
+
+    - ``weight_overhead`` (1.2): factor on a stage's layer bytes for what loading and
+      running them costs beyond the file bytes (compute buffers, dequantised copies).
+    - ``kv_tokens`` (4096) and ``kv_sequences`` (4): KV cache reserved per stage for
+      ``kv_sequences`` concurrent requests of ``min(kv_tokens, n_ctx_train)`` tokens
+      each, at ``facts.kv_bytes_per_token_layer`` per layer of the stage.
+    - ``floor_bytes`` (512 MiB): memory kept free on every node.
+    - ``engine_preference``: backends ranked fastest first
+      (:data:`DEFAULT_ENGINE_PREFERENCE`); a backend not listed ranks after them, by
+      name.
+    - ``credit_held`` (True): with ``previous`` given, a node that has a stage in the
+      previous plan and reports a runner for that instance (``NodeResources.holds``
+      contains ``previous.id``) gets that stage's footprint (its need less the floor,
+      capped at ``mem_total - mem_available`` when ``mem_total`` is known) added to
+      its budget: its heartbeat no longer counts that memory as available, and a
+      plan must not evict itself.
+    """
+
+    weight_overhead: float = 1.2
+    kv_tokens: int = 4096
+    kv_sequences: int = 4
+    floor_bytes: int = 512 * MiB
+    engine_preference: tuple[str, ...] = DEFAULT_ENGINE_PREFERENCE
+    credit_held: bool = True
+
+
+def engine_of(backend: str) -> str:
+    """``llama_cpp-cpu`` -> ``llama_cpp``; an engine name is returned as it is."""
+    return backend.split("-", 1)[0]
+
+
+def stage_need(
+    facts: ModelFacts, start: int, end: int, engine: str, policy: Policy | None = None
+) -> int:
+    """Bytes a stage running layers ``[start, end)`` of ``facts`` on ``engine`` needs."""
+    return _Model.of(facts, policy or Policy()).need(start, end, engine_of(engine))
+
+
+def plan_digest(stages: Iterable[Stage]) -> str:
+    """A short stable hash of a plan (16 hex chars): equal plans, equal digests."""
+    raw = msgspec.msgpack.encode([[s.node, s.start, s.end, s.engine] for s in stages])
+    return hashlib.blake2b(raw, digest_size=8).hexdigest()
+
+
+def next_generation(previous: Instance | None) -> int:
+    """Generation of a plan that replaces ``previous`` (1 for a first plan)."""
+    return 1 if previous is None else previous.generation + 1
+
+
+def repair_needed(instance: Instance, live_ids: Iterable[str]) -> bool:
+    """True when a stage's node is not live, or the plan is empty or broken."""
+    live = set(live_ids)
+    if not instance.stages or any(s.node not in live for s in instance.stages):
+        return True
+    n = instance.facts.n_layers if instance.facts is not None else instance.stages[-1].end
+    return not _covers(instance.stages, n)
+
+
+def place(
+    spec: InstanceSpec,
+    facts: ModelFacts,
+    nodes: Mapping[str, NodeResources],
+    previous: Instance | None = None,
+    policy: Policy = Policy(),  # noqa: B008 (frozen, immutable)
+) -> list[Stage]:
+    """Stages ``(node, start, end, engine)`` covering ``[0, facts.n_layers)`` in order.
+
+    Raises :class:`PlacementError` when no plan fits.
+
+    **Engine.** A node can run the engines in ``facts.engines`` (when empty: ``mlx``
+    for an MLX folder, ``llama_cpp`` for a GGUF) for which it has a backend
+    ``<engine>-<device>``; it uses the one of its best-ranked backend
+    (``policy.engine_preference``). ``spec.engines`` pins it, per stage, parallel to
+    ``spec.nodes`` (an empty entry leaves that stage free); with no ``spec.nodes``,
+    one entry pins every stage. A node with no usable engine is never chosen.
+
+    **Fresh plan.** Candidates are ranked by usable memory (budget less the floor),
+    most first, ties on node id. For k = ``spec.min_nodes``, k + 1, ..., the top k
+    candidates, in rank order, get the layers split in proportion to usable memory
+    (averaged with the share of measured tokens/s when every one of them has one),
+    rounded by largest remainder (ties to the earlier stage), every stage >= 1 layer;
+    then each boundary, left to right, is moved to the nearest position (ties: the
+    lower one) for which this stage fits its node and the stages after it can still
+    fit theirs. The first k that fits wins: one node when the model fits on one.
+
+    **Pinned nodes.** ``spec.nodes`` (ids or names, in stage order) are used as they
+    are, split as above; a name or id that is not live raises ``unknown_node``.
+
+    **Repair (``previous`` given).** ``previous.stages`` is ignored when it does not
+    cover ``[0, n_layers)`` contiguously with distinct nodes. Otherwise a previous
+    stage *survives* when its node is live, still runs its engine for this model, and
+    the stage fits its budget (with the credit of ``Policy.credit_held``).
+
+    1. Every stage survives and there are at least ``min_nodes`` of them: the previous
+       stages are returned unchanged (a join never moves a model).
+    2. Otherwise consecutive non-surviving stages form gaps. Gaps are filled left to
+       right; each takes its cheapest feasible option, cost compared as (stages that
+       must (re)load, layers they (re)load; a stage whose range changes reloads all of
+       its layers), then in this order:
+
+       - *new*: the gap, unchanged, on the best-ranked node not in the plan that fits
+         it, else split over the fewest such nodes (top-ranked first, as above);
+       - *left*: the surviving stage before the gap extends its end over it;
+       - *right*: the surviving stage after the gap extends its start over it;
+       - *both*: the two neighbours share it (boundary nearest the split in
+         proportion to their usable memory, ties lower).
+
+       Surviving stages keep their node, order and engine, and their range except for
+       the extension they take on. A node of the previous plan whose stage did not
+       survive is not reused by the repair.
+    3. If a gap has no feasible option, or the result has fewer than ``min_nodes``
+       stages, the plan is made fresh (budgets still credited), as if no previous.
+
+    With ``spec.nodes``, the previous stages are returned unchanged when they are on
+    exactly those nodes (and pinned engines) and still fit; otherwise a fresh pinned
+    plan is made.
+    """
+    m = _Model.of(facts, policy)
+    res = _by_id(nodes)
+    if spec.min_nodes < 1:
+        raise PlacementError("bad_spec", f"min_nodes must be >= 1, not {spec.min_nodes}")
+    if spec.min_nodes > m.n:
+        raise PlacementError(
+            "bad_spec",
+            f"min_nodes={spec.min_nodes} but model {m.name!r} has only {m.n} layer(s)",
+        )
+    prev = _previous_stages(previous, m.n)
+    credit = {}
+    if prev is not None and previous is not None and policy.credit_held:
+        credit = _credits(previous.id, prev, m, res)
+
+    if spec.nodes:
+        return _place_pinned(spec, m, res, credit, prev)
+
+    pin = _single_engine_pin(spec, m)
+    allowed = m.engines if pin is None else (pin,)
+    if not res:
+        raise PlacementError("no_nodes", f"no live node to place model {m.name!r} on")
+    if len(res) < spec.min_nodes:
+        raise PlacementError(
+            "no_nodes",
+            f"model {m.name!r} asks for at least {spec.min_nodes} nodes "
+            f"but only {len(res)} are live",
+        )
+    cands = {
+        nid: c for nid in sorted(res) if (c := _candidate(res[nid], allowed, m, credit)) is not None
+    }
+    if len(cands) < spec.min_nodes or not cands:
+        raise PlacementError(
+            "no_backend",
+            f"model {m.name!r} needs a node with a backend for {' or '.join(allowed)}; "
+            f"{len(cands)} of {len(res)} live node(s) have one"
+            + (f", {spec.min_nodes} needed" if spec.min_nodes > 1 else ""),
+        )
+    ranked = sorted(cands.values(), key=lambda c: (-c.usable, c.id))
+
+    if prev is not None:
+        alive = [_survives(s, cands, m) for s in prev]
+        if all(alive) and len(prev) >= spec.min_nodes:
+            return list(prev)
+        repaired = _repair(m, prev, alive, cands, ranked, spec.min_nodes)
+        if repaired is not None:
+            return repaired
+    return _place_fresh(m, ranked, spec.min_nodes)
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class _Model:
+    name: str
+    n: int
+    prefix: tuple[int, ...]  # prefix[i] = bytes of layers [0, i)
+    embed: int
+    head: int
+    kv_layer: int  # KV reservation per layer
+    overhead: float
+    floor: int
+    engines: tuple[str, ...]
+    preference: tuple[str, ...]
+
+    @staticmethod
+    def of(facts: ModelFacts, policy: Policy) -> _Model:
+        name = facts.name
+        if facts.n_layers < 1:
+            raise PlacementError("bad_spec", f"model {name!r} has n_layers={facts.n_layers}")
+        if len(facts.layer_bytes) != facts.n_layers:
+            raise PlacementError(
+                "bad_spec",
+                f"model {name!r} has n_layers={facts.n_layers} "
+                f"but {len(facts.layer_bytes)} layer sizes",
+            )
+        sizes = [*facts.layer_bytes, facts.embed_bytes, facts.head_bytes]
+        if min(sizes) < 0 or facts.kv_bytes_per_token_layer < 0:
+            raise PlacementError("bad_spec", f"model {name!r} has a negative size")
+        if not (policy.weight_overhead > 0 and math.isfinite(policy.weight_overhead)):
+            raise PlacementError("bad_spec", f"bad weight_overhead {policy.weight_overhead}")
+        if policy.kv_tokens < 0 or policy.kv_sequences < 0 or policy.floor_bytes < 0:
+            raise PlacementError("bad_spec", "policy sizes must be >= 0")
+        prefix = [0]
+        for b in facts.layer_bytes:
+            prefix.append(prefix[-1] + b)
+        tokens = policy.kv_tokens
+        if facts.n_ctx_train > 0:
+            tokens = min(tokens, facts.n_ctx_train)
+        engines = tuple(dict.fromkeys(engine_of(e) for e in facts.engines if e))
+        if not engines:
+            engines = ("mlx",) if facts.format == "mlx" else ("llama_cpp",)
+        return _Model(
+            name=name,
+            n=facts.n_layers,
+            prefix=tuple(prefix),
+            embed=facts.embed_bytes,
+            head=facts.head_bytes,
+            kv_layer=tokens * policy.kv_sequences * facts.kv_bytes_per_token_layer,
+            overhead=policy.weight_overhead,
+            floor=policy.floor_bytes,
+            engines=engines,
+            preference=tuple(policy.engine_preference),
+        )
+
+    def need(self, start: int, end: int, engine: str) -> int:
+        first, last = start == 0, end == self.n
+        extra = self.head if last else 0
+        # llama.cpp demands token_embd in every slice; MLX embeds on the first stage
+        # and uses the embedding as the output head on the last one when it is tied.
+        if engine != "mlx" or first or (last and self.head == 0):
+            extra += self.embed
+        weights = math.ceil((self.prefix[end] - self.prefix[start]) * self.overhead)
+        return weights + extra + self.kv_layer * (end - start) + self.floor
+
+
+# ------------------------------------------------------------------------ candidates
+
+
+@dataclass(frozen=True)
+class _Cand:
+    id: str
+    name: str
+    engines: tuple[str, ...]  # engines usable here, best first
+    budget: int  # mem_available (+ credit)
+    usable: int  # budget - floor
+    tps: float
+
+    @property
+    def engine(self) -> str:
+        return self.engines[0]
+
+
+def _by_id(nodes: Mapping[str, NodeResources]) -> dict[str, NodeResources]:
+    out: dict[str, NodeResources] = {}
+    for key in sorted(nodes):
+        r = nodes[key]
+        if r.id != key:
+            raise PlacementError("bad_spec", f"node resources keyed {key!r} carry id {r.id!r}")
+        out[key] = r
+    return out
+
+
+def _backend_rank(backend: str, preference: tuple[str, ...]) -> tuple[int, str]:
+    try:
+        return (preference.index(backend), backend)
+    except ValueError:
+        return (len(preference), backend)
+
+
+def _node_engines(r: NodeResources, allowed: Sequence[str], pref: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    for b in sorted(set(r.backends), key=lambda b: _backend_rank(b, pref)):
+        e = engine_of(b)
+        if e in allowed and e not in out:
+            out.append(e)
+    return out
+
+
+def _candidate(
+    r: NodeResources, allowed: Sequence[str], m: _Model, credit: Mapping[str, int]
+) -> _Cand | None:
+    engines = _node_engines(r, allowed, m.preference)
+    if not engines:
+        return None
+    budget = r.mem_available + credit.get(r.id, 0)
+    tps = r.tokens_per_s if math.isfinite(r.tokens_per_s) and r.tokens_per_s > 0 else 0.0
+    return _Cand(r.id, r.name, tuple(engines), budget, budget - m.floor, tps)
+
+
+def _label(c: _Cand) -> str:
+    return f"node {c.name!r} ({c.id[:8]})" if c.name else f"node {c.id!r}"
+
+
+# ----------------------------------------------------------------------------- split
+
+
+def _shares(members: Sequence[_Cand]) -> list[Fraction]:
+    k = len(members)
+    usable = [max(0, c.usable) for c in members]
+    total = sum(usable)
+    shares = [Fraction(u, total) if total else Fraction(1, k) for u in usable]
+    if k > 1 and all(c.tps > 0 for c in members):
+        speeds = [Fraction(c.tps) for c in members]
+        fast = sum(speeds)
+        shares = [(s + v / fast) / 2 for s, v in zip(shares, speeds, strict=True)]
+    return shares
+
+
+def _targets(lo: int, hi: int, members: Sequence[_Cand]) -> list[int]:
+    """Proportional boundaries over ``[lo, hi)``, largest remainder, >= 1 layer each."""
+    n, k = hi - lo, len(members)
+    quotas = [n * s for s in _shares(members)]
+    counts = [math.floor(q) for q in quotas]
+    for i in sorted(range(k), key=lambda i: (counts[i] - quotas[i], i))[: n - sum(counts)]:
+        counts[i] += 1
+    while 0 in counts:
+        donor = min(range(k), key=lambda i: (-counts[i], i))
+        counts[donor] -= 1
+        counts[counts.index(0)] += 1
+    bounds = [lo]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    return bounds
+
+
+def _split(
+    m: _Model, lo: int, hi: int, members: Sequence[_Cand], engines: Sequence[str]
+) -> list[Stage] | None:
+    """Layers ``[lo, hi)`` over ``members`` in this order, each within budget, or None."""
+    k = len(members)
+    if k == 0 or hi - lo < k:
+        return None
+    target = _targets(lo, hi, members)
+
+    def maxend(i: int, s: int) -> int:
+        """Largest end for stage i starting at s that fits (s if none)."""
+        budget, eng = members[i].budget, engines[i]
+        if i == k - 1:
+            return hi if m.need(s, hi, eng) <= budget else s
+        a, b = s, hi - (k - 1 - i)
+        while a < b:
+            mid = (a + b + 1) // 2
+            if m.need(s, mid, eng) <= budget:
+                a = mid
+            else:
+                b = mid - 1
+        return a
+
+    # ok[i][s]: stages i..k-1 can cover [s, hi).
+    ok = [[False] * (hi + 2) for _ in range(k + 1)]
+    ok[k][hi] = True
+    for i in range(k - 1, -1, -1):
+        nxt = [hi + 1] * (hi + 2)  # nxt[e]: smallest e' >= e with ok[i+1][e']
+        for e in range(hi, lo - 1, -1):
+            nxt[e] = e if ok[i + 1][e] else nxt[e + 1]
+        first_s = lo if i == 0 else lo + i
+        last_s = lo if i == 0 else hi - (k - i)
+        for s in range(first_s, last_s + 1):
+            me = maxend(i, s)
+            ok[i][s] = me > s and nxt[s + 1] <= me
+    if not ok[0][lo]:
+        return None
+    bounds = [lo]
+    for i in range(k - 1):
+        s = bounds[-1]
+        feasible = [e for e in range(s + 1, maxend(i, s) + 1) if ok[i + 1][e]]
+        bounds.append(min(feasible, key=lambda e: (abs(e - target[i + 1]), e)))
+    bounds.append(hi)
+    return [
+        Stage(node=c.id, start=bounds[i], end=bounds[i + 1], engine=engines[i])
+        for i, c in enumerate(members)
+    ]
+
+
+_MAX_LISTED = 6  # nodes named in an error message (``shortfalls`` has them all)
+
+
+def _insufficient(m: _Model, members: Sequence[_Cand], engines: Sequence[str]) -> PlacementError:
+    """The error for ``members`` not holding the model: shortfalls of the target split."""
+    bounds = _targets(0, m.n, members)
+    shortfalls: dict[str, int] = {}
+    parts: list[str] = []
+    total_need = 0
+    for i, c in enumerate(members):
+        a, b = bounds[i], bounds[i + 1]
+        need = m.need(a, b, engines[i])
+        total_need += need - m.floor
+        short = need - c.budget
+        if short > 0:
+            shortfalls[c.id] = short
+            layers = f"layer {a}" if b - a == 1 else f"layers {a}-{b - 1}"
+            parts.append(
+                f"{_label(c)} needs {fmt_bytes(need - m.floor)} for {layers} "
+                f"but has {fmt_bytes(max(0, c.usable))} usable: {fmt_bytes(short)} short"
+            )
+    if not parts:  # cannot happen (a fitting target split would have been found)
+        c = members[0]
+        shortfalls[c.id] = 1
+        parts.append(f"{_label(c)} cannot take its share")
+    if len(parts) > _MAX_LISTED:
+        parts[_MAX_LISTED:] = [f"and {len(parts) - _MAX_LISTED} more node(s) short"]
+    usable = sum(max(0, c.usable) for c in members)
+    where = f"{len(members)} node{'s' if len(members) > 1 else ''}"
+    return PlacementError(
+        "insufficient_memory",
+        f"model {m.name!r} does not fit on {where} ({fmt_bytes(total_need)} needed, "
+        f"{fmt_bytes(usable)} usable): " + "; ".join(parts),
+        shortfalls,
+    )
+
+
+def _place_fresh(m: _Model, ranked: Sequence[_Cand], min_nodes: int) -> list[Stage]:
+    top = min(len(ranked), m.n)
+    # A plan needs at least every layer, the embedding and head once, a floor per node.
+    least = m.n * m.kv_layer + m.embed + m.head
+    least += math.floor(m.prefix[-1] * m.overhead) - m.n  # - n: float rounding, stay low
+    budgets = 0
+    for k in range(1, top + 1):
+        budgets += ranked[k - 1].usable
+        if k < min_nodes or least > budgets:
+            continue
+        members = ranked[:k]
+        plan = _split(m, 0, m.n, members, [c.engine for c in members])
+        if plan is not None:
+            return plan
+    members = ranked[: max(min_nodes, top)]
+    raise _insufficient(m, members, [c.engine for c in members])
+
+
+# ---------------------------------------------------------------------------- pinned
+
+
+def _single_engine_pin(spec: InstanceSpec, m: _Model) -> str | None:
+    pins = [engine_of(e) for e in spec.engines if e]
+    if len(spec.engines) > 1:
+        raise PlacementError(
+            "bad_spec", "spec.engines lists engines per stage: it needs spec.nodes beside it"
+        )
+    if not pins:
+        return None
+    if pins[0] not in m.engines:
+        raise PlacementError(
+            "bad_spec",
+            f"model {m.name!r} runs on {', '.join(m.engines)}, not on {pins[0]!r}",
+        )
+    return pins[0]
+
+
+def _resolve(refs: Sequence[str], res: Mapping[str, NodeResources]) -> list[str]:
+    by_name: dict[str, list[str]] = {}
+    for nid in sorted(res):
+        by_name.setdefault(res[nid].name, []).append(nid)
+    ids: list[str] = []
+    for ref in refs:
+        if ref in res:
+            ids.append(ref)
+        elif len(by_name.get(ref, [])) == 1:
+            ids.append(by_name[ref][0])
+        elif ref in by_name:
+            raise PlacementError(
+                "bad_spec", f"node name {ref!r} is ambiguous: ids {', '.join(by_name[ref])}"
+            )
+        else:
+            live = ", ".join(sorted(f"{r.name or '?'} ({nid[:8]})" for nid, r in res.items()))
+            raise PlacementError(
+                "unknown_node",
+                f"spec names node {ref!r}, which is not a live node (live: {live or 'none'})",
+            )
+    if len(set(ids)) != len(ids):
+        raise PlacementError("bad_spec", "spec.nodes lists the same node twice")
+    return ids
+
+
+def _place_pinned(
+    spec: InstanceSpec,
+    m: _Model,
+    res: Mapping[str, NodeResources],
+    credit: Mapping[str, int],
+    prev: tuple[Stage, ...] | None,
+) -> list[Stage]:
+    if spec.engines and len(spec.engines) != len(spec.nodes):
+        raise PlacementError(
+            "bad_spec",
+            f"spec.engines has {len(spec.engines)} entries for {len(spec.nodes)} nodes",
+        )
+    if len(spec.nodes) > m.n:
+        raise PlacementError(
+            "bad_spec", f"{len(spec.nodes)} nodes for a model of only {m.n} layer(s)"
+        )
+    if spec.min_nodes > len(spec.nodes):
+        raise PlacementError(
+            "bad_spec", f"min_nodes={spec.min_nodes} but spec.nodes lists {len(spec.nodes)}"
+        )
+    ids = _resolve(spec.nodes, res)
+    members: list[_Cand] = []
+    for i, nid in enumerate(ids):
+        pin = engine_of(spec.engines[i]) if spec.engines and spec.engines[i] else None
+        if pin is not None and pin not in m.engines:
+            raise PlacementError(
+                "bad_spec", f"model {m.name!r} runs on {', '.join(m.engines)}, not on {pin!r}"
+            )
+        c = _candidate(res[nid], m.engines if pin is None else (pin,), m, credit)
+        if c is None:
+            r = res[nid]
+            want = pin or " or ".join(m.engines)
+            raise PlacementError(
+                "no_backend",
+                f"node {r.name!r} ({nid[:8]}) has no backend for {want} "
+                f"(it has {', '.join(r.backends) or 'none'})",
+            )
+        members.append(c)
+    if (
+        prev is not None
+        and [s.node for s in prev] == ids
+        and all(
+            s.engine in c.engines and m.need(s.start, s.end, s.engine) <= c.budget
+            for s, c in zip(prev, members, strict=True)
+        )
+    ):
+        return list(prev)
+    engines = [c.engine for c in members]
+    plan = _split(m, 0, m.n, members, engines)
+    if plan is None:
+        raise _insufficient(m, members, engines)
+    return plan
+
+
+# ---------------------------------------------------------------------------- repair
+
+
+def _covers(stages: Sequence[Stage], n: int) -> bool:
+    pos = 0
+    for s in stages:
+        if s.start != pos or s.end <= s.start:
+            return False
+        pos = s.end
+    return pos == n
+
+
+def _previous_stages(previous: Instance | None, n: int) -> tuple[Stage, ...] | None:
+    if previous is None:
+        return None
+    stages = tuple(previous.stages)
+    if not _covers(stages, n) or len({s.node for s in stages}) != len(stages):
+        return None
+    return stages
+
+
+def _credits(
+    instance: str, prev: Sequence[Stage], m: _Model, res: Mapping[str, NodeResources]
+) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in prev:
+        r = res.get(s.node)
+        if r is None or instance not in r.holds:
+            continue
+        held = m.need(s.start, s.end, engine_of(s.engine)) - m.floor
+        if r.mem_total > 0:
+            held = min(held, r.mem_total - r.mem_available)
+        out[s.node] = max(0, held)
+    return out
+
+
+def _survives(s: Stage, cands: Mapping[str, _Cand], m: _Model) -> bool:
+    c = cands.get(s.node)
+    return c is not None and s.engine in c.engines and m.need(s.start, s.end, s.engine) <= c.budget
+
+
+def _fill_new(m: _Model, a: int, b: int, fresh: Sequence[_Cand]) -> list[Stage] | None:
+    """The gap ``[a, b)`` on nodes outside the plan: one if one fits, else the fewest."""
+    for c in fresh:
+        if m.need(a, b, c.engine) <= c.budget:
+            return [Stage(node=c.id, start=a, end=b, engine=c.engine)]
+    for j in range(2, min(len(fresh), b - a) + 1):
+        members = fresh[:j]
+        plan = _split(m, a, b, members, [c.engine for c in members])
+        if plan is not None:
+            return plan
+    return None
+
+
+def _repair(
+    m: _Model,
+    prev: tuple[Stage, ...],
+    alive: list[bool],
+    cands: Mapping[str, _Cand],
+    ranked: Sequence[_Cand],
+    min_nodes: int,
+) -> list[Stage] | None:
+    if not any(alive):
+        return None
+    # Segments in order: ("keep", stage index) or ("gap", start, end).
+    segs: list[tuple[str, int, int]] = []
+    for i, s in enumerate(prev):
+        if alive[i]:
+            segs.append(("keep", i, 0))
+        elif segs and segs[-1][0] == "gap":
+            segs[-1] = ("gap", segs[-1][1], s.end)
+        else:
+            segs.append(("gap", s.start, s.end))
+    rng = {i: (prev[i].start, prev[i].end) for i in range(len(prev)) if alive[i]}
+    moved: set[int] = set()
+    used = {s.node for s in prev}
+    fills: dict[int, list[Stage]] = {}
+
+    def fits(i: int, start: int, end: int) -> bool:
+        return m.need(start, end, prev[i].engine) <= cands[prev[i].node].budget
+
+    for j, (kind, a, b) in enumerate(segs):
+        if kind != "gap":
+            continue
+        left = segs[j - 1][1] if j > 0 else None
+        right = segs[j + 1][1] if j + 1 < len(segs) else None
+        # (stages reloaded, layers reloaded, option order, option, payload)
+        options: list[tuple[int, int, int, str, object]] = []
+        new = _fill_new(m, a, b, [c for c in ranked if c.id not in used])
+        if new is not None:
+            options.append((len(new), b - a, 0, "new", new))
+        l_cost = (0, 0)
+        if left is not None:
+            ls, _ = rng[left]
+            l_cost = (0, 0) if left in moved else (1, a - ls)
+            if fits(left, ls, b):
+                options.append((l_cost[0], l_cost[1] + b - a, 1, "left", None))
+        if right is not None:
+            _, re_ = rng[right]
+            if fits(right, a, re_):
+                options.append((1, re_ - a, 2, "right", None))
+        if left is not None and right is not None and b - a >= 2:
+            ls, re_ = rng[left][0], rng[right][1]
+            ul, ur = cands[prev[left].node].usable, cands[prev[right].node].usable
+            share = Fraction(max(0, ul), max(0, ul) + max(0, ur)) if ul + ur > 0 else Fraction(1, 2)
+            aim = a + (b - a) * share
+            xs = [x for x in range(a + 1, b) if fits(left, ls, x) and fits(right, x, re_)]
+            if xs:
+                x = min(xs, key=lambda x: (abs(x - aim), x))
+                options.append((l_cost[0] + 1, l_cost[1] + re_ - a, 3, "both", x))
+        if not options:
+            return None
+        _, _, _, choice, payload = min(options, key=lambda o: o[:3])
+        if choice == "new":
+            fills[j] = payload  # type: ignore[assignment]
+            used.update(s.node for s in fills[j])
+        if choice in ("left", "both") and left is not None:
+            end = b if choice == "left" else payload
+            rng[left] = (rng[left][0], end)  # type: ignore[assignment]
+            moved.add(left)
+        if choice in ("right", "both") and right is not None:
+            start = a if choice == "right" else payload
+            rng[right] = (start, rng[right][1])  # type: ignore[assignment]
+            moved.add(right)
+
+    out: list[Stage] = []
+    for j, (kind, i, _) in enumerate(segs):
+        if kind == "keep":
+            start, end = rng[i]
+            out.append(Stage(node=prev[i].node, start=start, end=end, engine=prev[i].engine))
+        else:
+            out.extend(fills.get(j, []))
+    if len(out) < min_nodes or not _covers(out, m.n):
+        return None
+    for s in out:
+        if m.need(s.start, s.end, s.engine) > cands[s.node].budget:
+            return None
+    return out

@@ -1,0 +1,67 @@
+"""What placement knows about a node: a small, flat view of its card and heartbeat."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import msgspec
+
+from meshd.crdt.views import Health, NodeCard
+
+
+class NodeResources(msgspec.Struct, frozen=True):
+    """One live node as placement sees it.
+
+    ``backends`` are engine backends such as ``llama_cpp-cpu`` or ``mlx-metal``
+    (``<engine>-<device>``). ``mem_available`` and ``mem_total`` are bytes.
+    ``tokens_per_s`` is the node's measured decode speed; 0 means not measured.
+    ``holds`` lists the instances this node has a runner loading or ready for: the
+    memory those runners hold is no longer in ``mem_available``, and a repair credits
+    it back (see ``Policy.credit_held``).
+    """
+
+    id: str
+    name: str
+    backends: list[str]
+    mem_available: int
+    mem_total: int = 0
+    tokens_per_s: float = 0.0
+    holds: list[str] = []
+
+
+def node_resources(
+    cards: Mapping[str, NodeCard],
+    healths: Mapping[str, Health],
+    live: Iterable[str],
+) -> dict[str, NodeResources]:
+    """The resources of every live node that has a card, by node id (sorted by id).
+
+    ``mem_available`` and ``tokens_per_s`` come from the node's heartbeat when it has
+    one that reports them (a heartbeat's 0 means "not reported"), else from its card
+    (``tokens_per_s`` is then 0, unmeasured). A live id without a card is skipped:
+    placement cannot know what it runs.
+    """
+    out: dict[str, NodeResources] = {}
+    for nid in sorted(set(live)):
+        card = cards.get(nid)
+        if card is None:
+            continue
+        health = healths.get(nid)
+        mem = card.mem_available
+        tps = 0.0
+        holds: set[str] = set()
+        if health is not None:
+            if health.mem_available > 0:
+                mem = health.mem_available
+            tps = health.tokens_per_s
+            holds = {r.instance for r in health.runners if r.state in ("loading", "ready")}
+        out[nid] = NodeResources(
+            id=nid,
+            name=card.name,
+            backends=sorted(set(card.backends)),
+            mem_available=mem,
+            mem_total=card.mem_total,
+            tokens_per_s=tps,
+            holds=sorted(holds),
+        )
+    return out

@@ -1,0 +1,112 @@
+"""Model facts read from GGUF metadata, and the sha256 cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import gguf
+import msgspec
+import pytest
+
+from meshd.crdt.views import ModelFacts
+from meshd.engines.gguf_facts import (
+    ModelFormatError,
+    chat_template,
+    file_sha256,
+    read_facts,
+    special_tokens,
+)
+
+from .conftest import MODEL_SHA256
+
+
+@pytest.mark.timeout(60)
+def test_default_model_facts_come_from_its_metadata(model_path: Path, tmp_path: Path) -> None:
+    facts = read_facts(model_path, "smollm2", cache_dir=tmp_path)
+    assert facts.name == "smollm2"
+    assert facts.sha256 == MODEL_SHA256
+    assert facts.format == "gguf"
+    assert facts.architecture == "llama"
+    assert facts.n_layers == 30
+    assert facts.hidden_size == 576
+    assert facts.n_ctx_train == 8192
+    assert len(facts.layer_bytes) == 30
+    assert len(set(facts.layer_bytes)) == 1  # every block has the same shapes
+    # Tied embeddings: no output.weight, so the head is the final norm alone (f32).
+    assert facts.head_bytes == 576 * 4
+    # token_embd is Q8_0: 34 bytes per block of 32 values.
+    assert facts.embed_bytes == 49152 * 576 // 32 * 34
+    # 3 KV heads of 64 dims, K and V, f16.
+    assert facts.kv_bytes_per_token_layer == 2 * 3 * 64 * 2
+    assert facts.quant_types == ["F32", "Q4_1", "Q8_0"]
+    assert facts.engines == ["llama_cpp", "mlx"]
+
+    reader = gguf.GGUFReader(model_path)
+    tensor_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    assert sum(facts.layer_bytes) + facts.embed_bytes + facts.head_bytes == tensor_bytes
+
+    # The facts travel in the CRDT: they must round-trip through msgpack.
+    wire = msgspec.msgpack.encode(facts)
+    assert msgspec.msgpack.decode(wire, type=ModelFacts) == facts
+
+
+@pytest.mark.timeout(60)
+def test_sha256_is_hashed_once_and_again_only_when_the_file_changes(
+    model_path: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "model.gguf"
+    shutil.copyfile(model_path, model)
+    cache = tmp_path / "cache"
+
+    assert file_sha256(model, cache) == MODEL_SHA256
+    entries = json.loads((cache / "sha256.json").read_text())
+    (key,) = entries
+    assert key.startswith(str(model.resolve()))
+    assert entries[key] == MODEL_SHA256
+
+    # Plant a different digest under the same key: a second call that returns it
+    # read the cache instead of hashing the file again.
+    planted = "f" * 64
+    (cache / "sha256.json").write_text(json.dumps({key: planted}))
+    assert file_sha256(model, cache) == planted
+    assert read_facts(model, "m", cache_dir=cache).sha256 == planted
+
+    # A changed mtime is a changed file: hashed again, and the stale entry dropped.
+    st = model.stat()
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert file_sha256(model, cache) == MODEL_SHA256
+    entries = json.loads((cache / "sha256.json").read_text())
+    assert list(entries.values()) == [MODEL_SHA256]
+
+
+@pytest.mark.timeout(30)
+def test_known_sha256_is_taken_as_given(model_path: Path) -> None:
+    assert read_facts(model_path, "m", sha256="abc").sha256 == "abc"
+
+
+@pytest.mark.timeout(30)
+def test_chat_template_and_special_tokens(model_path: Path) -> None:
+    template = chat_template(model_path)
+    assert template is not None and "<|im_start|>" in template
+    tokens = special_tokens(model_path)
+    assert (tokens.bos, tokens.eos) == (1, 2)
+
+
+@pytest.mark.timeout(30)
+def test_non_gguf_files_raise_model_format_error(tmp_path: Path, model_path: Path) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("this is not a model\n" * 10)
+    with pytest.raises(ModelFormatError):
+        read_facts(text, "x", sha256="0")
+
+    truncated = tmp_path / "truncated.gguf"
+    with open(model_path, "rb") as f:
+        truncated.write_bytes(f.read(100_000))
+    with pytest.raises(ModelFormatError):
+        read_facts(truncated, "x", sha256="0")
+
+    with pytest.raises(FileNotFoundError):
+        read_facts(tmp_path / "missing.gguf", "x", sha256="0")

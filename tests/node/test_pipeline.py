@@ -1,0 +1,223 @@
+"""A real model split across real nodes on loopback, served from any node's API."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from meshd.engines.models import DEFAULT_MODEL, resolve_model
+from tests.cluster import Cluster, NodeProc, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [
+    "Once upon a time",
+    "Voilà l'été à Zürich: ñandú, 日本語のテキスト, emoji 🚀 and",
+    # A long prompt (several hundred tokens) exercises a big prefill through every stage.
+    " ".join(
+        f"Paragraph {i}: the quick brown fox jumps over the lazy dog near the river bank."
+        for i in range(30)
+    )
+    + " In summary,",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, str]:
+    """Greedy completions of llama-cpp-python running the whole GGUF, same settings.
+
+    Runners use llama.cpp's CPU defaults (flash attention on, F16 K/V) and
+    ``default_threads()``; the high-level class turns flash attention off and uses half
+    the cores unless asked. Either moves near-ties (the order of float sums changes).
+    """
+    from llama_cpp import Llama
+
+    from meshd.engines.llama_stage import default_threads
+
+    t = default_threads()
+    llm = Llama(
+        resolve_model(DEFAULT_MODEL).path, n_ctx=4096, flash_attn=True,
+        n_threads=t, n_threads_batch=t, verbose=False,
+    )  # fmt: skip
+    out = {}
+    for p in PROMPTS:
+        r = llm(p, max_tokens=MAX_TOKENS, temperature=0.0, repeat_penalty=1.0)
+        out[p] = r["choices"][0]["text"]
+    llm.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProc]]:
+    """Three nodes on loopback, none serving anything yet."""
+    with Cluster(tmp_path_factory.mktemp("trio")) as c:
+        a = c.start("a")
+        b = c.start("b", peers=[a], wait=False)
+        cc = c.start("c", peers=[a], wait=False)
+        c.wait_ready(b)
+        c.wait_ready(cc)
+        nodes = [a, b, cc]
+        wait_for(lambda: all(len(n.cluster()["nodes"]) == 3 for n in nodes), 10)
+        yield nodes
+
+
+def place(via: NodeProc, nodes: list[NodeProc]) -> dict:
+    """Place the default model on ``nodes`` (stage order) and wait until it serves."""
+    r = httpx.post(
+        via.api + "/v1/instances",
+        json={"model": DEFAULT_MODEL, "nodes": [n.name for n in nodes]},
+        timeout=30,
+    )
+    assert r.status_code == 201, r.text
+    inst = r.json()
+    assert [s["node"] for s in inst["stages"]] == [n.node_id for n in nodes]
+
+    def ready() -> bool:
+        got = via.get(f"/v1/instances/{inst['id']}")
+        return all(s["state"] == "ready" for s in got["stages"])
+
+    wait_for(ready, 60, interval=0.2)
+    return inst
+
+
+def remove(via: NodeProc, inst: dict, nodes: list[NodeProc]) -> None:
+    """Delete an instance and wait until no node runs any of its stages."""
+    r = httpx.delete(f"{via.api}/v1/instances/{inst['id']}", timeout=10)
+    assert r.status_code == 200, r.text
+
+    def gone() -> bool:
+        for n in nodes:
+            for m in n.cluster()["nodes"]:
+                if any(x["instance"] == inst["id"] for x in (m["health"] or {}).get("runners", [])):
+                    return False
+        return True
+
+    wait_for(gone, 15, interval=0.2)
+
+
+def complete(via: NodeProc, prompt: str, **kw) -> dict:
+    body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0, **kw}  # fmt: skip
+    r = httpx.post(via.api + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 3])
+def test_greedy_output_of_a_pipeline_equals_llama_cpp_on_the_whole_model(
+    trio: list[NodeProc], reference: dict[str, str], n_stages: int
+) -> None:
+    holders = trio[:n_stages]
+    via = trio[-1]  # with 1 or 2 stages, a node holding no stage serves the API
+    inst = place(trio[0], holders)
+    try:
+        assert len(inst["stages"]) == n_stages
+        for p in PROMPTS:
+            got = complete(via, p)
+            assert got["choices"][0]["text"] == reference[p], p
+            assert got["usage"]["completion_tokens"] == MAX_TOKENS
+    finally:
+        remove(trio[0], inst, trio)
+
+
+def test_two_requests_at_once_through_two_stages_both_complete(
+    trio: list[NodeProc], reference: dict[str, str]
+) -> None:
+    inst = place(trio[0], trio[:2])
+    try:
+        results: dict[str, str] = {}
+
+        def run(p: str) -> None:
+            results[p] = complete(trio[2], p)["choices"][0]["text"]
+
+        threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS[:2]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert results == {p: reference[p] for p in PROMPTS[:2]}
+    finally:
+        remove(trio[0], inst, trio)
+
+
+def _active(nodes: list[NodeProc], instance: str) -> int:
+    n_active = 0
+    for m in nodes[0].cluster()["nodes"]:
+        for r in (m["health"] or {}).get("runners", []):
+            if r["instance"] == instance:
+                n_active += r.get("active", 0)
+    return n_active
+
+
+def test_client_disconnect_mid_stream_frees_the_kv_on_every_stage(
+    trio: list[NodeProc],
+) -> None:
+    inst = place(trio[0], trio)
+    try:
+        body = {"model": DEFAULT_MODEL, "prompt": "Write a very long story.",
+                "max_tokens": 2000, "temperature": 0, "stream": True}  # fmt: skip
+        with httpx.stream("POST", trio[1].api + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    got += 1
+                    if got == 5:
+                        break
+            # Mid-stream: every stage holds the request.
+            wait_for(lambda: _active(trio, inst["id"]) == 3, 5, interval=0.05)
+        t0 = time.monotonic()
+        wait_for(lambda: _active(trio, inst["id"]) == 0, 5, interval=0.05)
+        assert time.monotonic() - t0 < 5
+    finally:
+        remove(trio[0], inst, trio)
+
+
+def test_openai_client_against_a_node_that_holds_no_stage(trio: list[NodeProc]) -> None:
+    openai = pytest.importorskip("openai")
+    inst = place(trio[0], trio[:2])
+    try:
+        client = openai.OpenAI(base_url=trio[2].api + "/v1", api_key="unused", timeout=60)
+        models = [m.id for m in client.models.list()]
+        assert DEFAULT_MODEL in models
+        msgs = [{"role": "user", "content": "Name a colour."}]
+        whole = client.chat.completions.create(
+            model=DEFAULT_MODEL, messages=msgs, max_tokens=16, temperature=0
+        )
+        text = whole.choices[0].message.content
+        assert text and whole.usage.completion_tokens <= 16
+        stream = client.chat.completions.create(
+            model=DEFAULT_MODEL, messages=msgs, max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        parts, usage = [], None
+        for ev in stream:
+            if ev.choices and ev.choices[0].delta.content:
+                parts.append(ev.choices[0].delta.content)
+            if ev.usage is not None:
+                usage = ev.usage
+        assert "".join(parts) == text
+        assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="no-such-model", messages=msgs, max_tokens=4)
+    finally:
+        remove(trio[0], inst, trio)
+
+
+def test_prompt_over_the_context_is_a_400_and_changes_nothing(trio: list[NodeProc]) -> None:
+    inst = place(trio[0], trio[:1])
+    try:
+        long = "word " * 5000
+        r = httpx.post(trio[1].api + "/v1/completions",
+                       json={"model": DEFAULT_MODEL, "prompt": long, "max_tokens": 4},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        assert complete(trio[1], PROMPTS[0])["choices"][0]["text"]
+    finally:
+        remove(trio[0], inst, trio)
