@@ -96,6 +96,7 @@ def routes(node):
             seed=body.seed,
             max_tokens=body.max_new_tokens,
             stop=body.stop_sequences,
+            ignore_eos=body.ignore_eos,
         )
 
     async def pieces(run: _Run, model: str, t0: float) -> AsyncIterator[wire.DataChunk]:

@@ -214,6 +214,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float | None = None
     #: Only empty (or absent) is accepted.
     logit_bias: dict[str, float] | None = None
+    #: Extension (vLLM): keep generating past end-of-sequence until ``max_tokens``
+    #: (benchmarks and tests need a fixed length).
+    ignore_eos: bool = False
 
     @property
     def stop_sequences(self) -> list[str]:

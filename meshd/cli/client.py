@@ -7,8 +7,9 @@ failures into errors a user can read.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -142,29 +143,80 @@ class NodeClient:
         """``GET /v1/cluster``: this node's view of nodes, liveness and instances."""
         return self._get_json("/v1/cluster")
 
-    def _get_json(self, path: str) -> dict[str, Any]:
+    def instances(self) -> dict[str, Any]:
+        """``GET /v1/instances``."""
+        return self._get_json("/v1/instances")
+
+    def place(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/instances``: place a model; returns the instance."""
+        # Placing reads the model's header (and hashes it the first time): allow time.
+        return self._send("POST", "/v1/instances", body, timeout=max(self.timeout, 120.0))
+
+    def remove(self, instance_id: str) -> dict[str, Any]:
+        """``DELETE /v1/instances/ID``."""
+        return self._send("DELETE", f"/v1/instances/{instance_id}")
+
+    def chat_stream(self, body: dict[str, Any], timeout: float = 600.0) -> Iterator[str]:
+        """``POST /v1/chat/completions`` with ``stream``: yield the text deltas."""
+        body = {**body, "stream": True}
         try:
-            resp = self._http.get(path)
+            with self._http.stream(
+                "POST", "/v1/chat/completions", json=body, timeout=timeout
+            ) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise NodeError(
+                        self.base_url, "/v1/chat/completions", _error_text(resp),
+                        status=resp.status_code,
+                    )  # fmt: skip
+                for line in resp.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    if "error" in ev:
+                        err = ev["error"]
+                        msg = err.get("message", "error") if isinstance(err, dict) else str(err)
+                        raise NodeError(self.base_url, "/v1/chat/completions", msg)
+                    for choice in ev.get("choices") or []:
+                        text = (choice.get("delta") or {}).get("content")
+                        if text:
+                            yield text
+        except httpx.TransportError as exc:
+            raise NodeUnreachable(self.base_url, _reason(exc)) from exc
+
+    def _get_json(self, path: str) -> dict[str, Any]:
+        return self._send("GET", path)
+
+    def _send(
+        self, method: str, path: str, body: Any = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        try:
+            resp = self._http.request(method, path, json=body, timeout=timeout or self.timeout)
         except httpx.TransportError as exc:
             raise NodeUnreachable(self.base_url, _reason(exc)) from exc
         if resp.status_code >= 400:
-            raise NodeError(
-                self.base_url,
-                path,
-                f"HTTP {resp.status_code}: {_snippet(resp.text)}",
-                status=resp.status_code,
-            )
+            raise NodeError(self.base_url, path, _error_text(resp), status=resp.status_code)
         try:
-            body = resp.json()
+            out = resp.json()
         except ValueError as exc:
             raise NodeError(
                 self.base_url, path, f"answer is not JSON: {_snippet(resp.text)}"
             ) from exc
-        if not isinstance(body, dict):
+        if not isinstance(out, dict):
             raise NodeError(
-                self.base_url, path, f"expected a JSON object, got {type(body).__name__}"
+                self.base_url, path, f"expected a JSON object, got {type(out).__name__}"
             )
-        return body
+        return out
+
+
+def _error_text(resp: httpx.Response) -> str:
+    """``HTTP 404: <message>``, reading OpenAI's error shape when the body has it."""
+    try:
+        err = resp.json().get("error")
+        msg = err.get("message") if isinstance(err, dict) else None
+    except (ValueError, AttributeError):
+        msg = None
+    return f"HTTP {resp.status_code}: {msg or _snippet(resp.text)}"
 
 
 def _reason(exc: httpx.TransportError) -> str:

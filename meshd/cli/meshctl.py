@@ -58,6 +58,90 @@ def cmd_nodes(args: argparse.Namespace, client: NodeClient) -> int:
     return EXIT_OK
 
 
+def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
+    """Place a model on the cluster and print the plan."""
+    body: dict = {"model": args.model}
+    if args.nodes:
+        body["nodes"] = [n.strip() for n in args.nodes.split(",") if n.strip()]
+    if args.engines:
+        body["engines"] = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if args.min_nodes:
+        body["min_nodes"] = args.min_nodes
+    inst = client.place(body)
+    _print_instances([inst], client)
+    return EXIT_OK
+
+
+def cmd_ls(args: argparse.Namespace, client: NodeClient) -> int:
+    """List the placed instances and the state of each stage."""
+    data = client.instances().get("data") or []
+    if args.json:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        return EXIT_OK
+    _print_instances(data, client)
+    return EXIT_OK
+
+
+def cmd_rm(args: argparse.Namespace, client: NodeClient) -> int:
+    """Remove an instance (its runners stop on every node)."""
+    client.remove(args.instance)
+    print(f"removed {args.instance}")
+    return EXIT_OK
+
+
+def _print_instances(data: list, client: NodeClient) -> None:
+    from rich.table import Table
+
+    names = {n["id"]: n["name"] for n in client.cluster().get("nodes") or []}
+    t = Table(box=None, header_style="bold")
+    for col in ("id", "model", "gen", "stages"):
+        t.add_column(col)
+    for inst in data:
+        stages = "\n".join(
+            f"{names.get(s['node'], s['node'][:8])}[{s['start']}:{s['end']}) {s['engine']} "
+            f"{s.get('state', '')}{' (' + s['reason'] + ')' if s.get('reason') else ''}"
+            for s in inst.get("stages") or []
+        )
+        t.add_row(inst["id"], inst["model"], str(inst.get("generation", "")), stages)
+    if not data:
+        print("no instances placed")
+        return
+    stdout_console().print(t)
+
+
+def cmd_chat(args: argparse.Namespace, client: NodeClient) -> int:
+    """One-shot chat with PROMPT, or an interactive session without it."""
+    base = {"model": args.model, "max_tokens": args.max_tokens}
+    if args.temperature is not None:
+        base["temperature"] = args.temperature
+    history: list[dict] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+
+    def ask(text: str) -> None:
+        history.append({"role": "user", "content": text})
+        reply = []
+        for piece in client.chat_stream({**base, "messages": history}):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            reply.append(piece)
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+    if args.prompt:
+        ask(" ".join(args.prompt))
+        return EXIT_OK
+    print(f"chatting with {args.model} via {client.base_url} (Ctrl-D to quit)")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return EXIT_OK
+        if line.strip():
+            ask(line)
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -100,7 +184,40 @@ def _add_nodes(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
 
 
 #: Subcommands in help order; later: place, ls, rm, chat.
-COMMANDS = [_add_top, _add_nodes]
+def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("place", parents=[common], help="Place a model (split across nodes).")
+    p.add_argument("model", help="alias (smollm2-135m), path to a .gguf, or HF repo id")
+    p.add_argument("--nodes", help="comma-separated node names or ids, in stage order")
+    p.add_argument("--engines", help="comma-separated engine per stage (llama_cpp, mlx)")
+    p.add_argument("--min-nodes", type=int, help="split over at least this many nodes")
+    p.set_defaults(func=cmd_place)
+
+
+def _add_ls(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("ls", parents=[common], help="List placed instances.")
+    p.add_argument("--json", action="store_true", help="print the raw instance list")
+    p.set_defaults(func=cmd_ls)
+
+
+def _add_rm(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("rm", parents=[common], help="Remove an instance.")
+    p.add_argument("instance", help="instance id (see `meshctl ls`)")
+    p.set_defaults(func=cmd_rm)
+
+
+def _add_chat(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    from meshd.engines.models import DEFAULT_MODEL
+
+    p = sub.add_parser("chat", parents=[common], help="Chat with a model (one-shot or REPL).")
+    p.add_argument("prompt", nargs="*", help="one-shot prompt; none starts a session")
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="model (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--system", help="system prompt")
+    p.set_defaults(func=cmd_chat)
+
+
+COMMANDS = [_add_top, _add_nodes, _add_place, _add_ls, _add_rm, _add_chat]
 
 
 def build_parser() -> argparse.ArgumentParser:

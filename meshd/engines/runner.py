@@ -381,7 +381,7 @@ class Runner:
         r.n_generated += 1
         finish = None
         text = ""
-        if tok in self.eos:
+        if tok in self.eos and not r.sampling.ignore_eos:
             finish = "stop"
         else:
             piece = r.detok.push(tok)  # type: ignore[attr-defined]

@@ -120,6 +120,8 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: None: until end of sequence or the context is full.
     max_tokens: int | None = None
     stop: list[str] = []
+    #: Keep going past end-of-sequence tokens (until max_tokens or the context ends).
+    ignore_eos: bool = False
 
 
 class Generate(msgspec.Struct, tag=True, kw_only=True):

@@ -159,8 +159,10 @@ def test_client_disconnect_mid_stream_frees_the_kv_on_every_stage(
 ) -> None:
     inst = place(trio[0], trio)
     try:
-        body = {"model": DEFAULT_MODEL, "prompt": "Write a very long story.",
-                "max_tokens": 2000, "temperature": 0, "stream": True}  # fmt: skip
+        body = {
+            "model": DEFAULT_MODEL, "prompt": "Write a very long story.", "max_tokens": 2000,
+            "temperature": 0, "stream": True, "ignore_eos": True,
+        }  # fmt: skip
         with httpx.stream("POST", trio[1].api + "/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             got = 0
