@@ -107,10 +107,16 @@ def routes(node):
             async for c in run.chunks:
                 now = time.perf_counter()
                 if c.tokens:
+                    for i, sec in enumerate(c.compute):
+                        metrics.stage_compute.labels(model, str(i)).observe(sec)
                     if last is None:
                         metrics.ttft.labels(model).observe(now - t0)
                     else:
                         metrics.itl.labels(model).observe(now - last)
+                        hops = len(c.compute)  # n stages: n-1 forward hops + 1 back
+                        if hops:
+                            extra = max(0.0, now - last - sum(c.compute))
+                            metrics.hop_overhead.labels(model).observe(extra / hops)
                     last = now
                     n += len(c.tokens)
                 yield c

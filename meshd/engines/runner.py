@@ -95,6 +95,8 @@ class Work:
     tokens: np.ndarray | None = None
     hidden: np.ndarray | None = None
     start: wire.Start | None = None
+    #: Compute seconds of the stages before this one, for this step.
+    compute: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -323,7 +325,7 @@ class Runner:
             self.report_load()
             if self.last:
                 self.init_last(r)
-        self.work.append(Work(a.req, a.pos, hidden=hidden, start=a.start))
+        self.work.append(Work(a.req, a.pos, hidden=hidden, start=a.start, compute=a.compute))
 
     def init_last(self, r: Request) -> None:
         from .detok import IncrementalDetokenizer, StopMatcher
@@ -362,7 +364,7 @@ class Runner:
         ]
         t0 = time.perf_counter()
         outs = self.stage.forward(items)
-        self.compute_s = time.perf_counter() - t0
+        spent = round(time.perf_counter() - t0, 6)
         for w, out in zip(batch, outs, strict=True):
             r = self.reqs[w.req]
             n = len(w.tokens) if w.tokens is not None else len(w.hidden)  # type: ignore[arg-type]
@@ -371,12 +373,13 @@ class Runner:
                 act = wire.Activation(
                     req=r.req, instance=self.cfg.instance, generation=self.generation,
                     pos=w.pos, rows=rows.shape[0], hidden=rows.shape[1], start=w.start,
+                    compute=[*w.compute, spent],
                 )  # fmt: skip
                 self.send(r.route[self.cfg.stage + 1], act, memoryview(rows))
             else:
-                self.sample(r, out, w.pos + n)
+                self.sample(r, out, w.pos + n, [*w.compute, spent])
 
-    def sample(self, r: Request, logits: np.ndarray, next_pos: int) -> None:
+    def sample(self, r: Request, logits: np.ndarray, next_pos: int, compute: list[float]) -> None:
         tok = int(r.sampler.sample(logits))  # type: ignore[attr-defined]
         r.n_generated += 1
         finish = None
@@ -401,7 +404,7 @@ class Runner:
             )
             self.release(r.req, "done")
             return
-        self.chunk(r, r.reply_to, r.req, text=text, tokens=[tok])
+        self.chunk(r, r.reply_to, r.req, text=text, tokens=[tok], compute=compute)
         if self.first:
             self.work.append(Work(r.req, next_pos, tokens=np.array([tok], np.int32)))
         else:

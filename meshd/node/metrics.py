@@ -32,6 +32,16 @@ class Metrics:
             "meshd_inter_token_seconds", "Time between tokens of one stream",
             ["model"], buckets=_FAST, registry=r,
         )  # fmt: skip
+        self.stage_compute = Histogram(
+            "meshd_stage_compute_seconds", "Engine time of one step on one stage",
+            ["model", "stage"], buckets=_FAST, registry=r,
+        )  # fmt: skip
+        self.hop_overhead = Histogram(
+            "meshd_pipeline_overhead_seconds",
+            "Per token: time between tokens minus the stages' compute (network hops, "
+            "wake-ups, HTTP), divided by the number of hops",
+            ["model"], buckets=_FAST, registry=r,
+        )  # fmt: skip
         self.in_flight = Gauge("meshd_requests_in_flight", "Requests this node owns", registry=r)
         self.runners = Gauge(
             "meshd_runners", "Runner subprocesses on this node by state", ["state"], registry=r

@@ -161,6 +161,8 @@ class Activation(msgspec.Struct, tag=True, kw_only=True):
     hidden: int
     dtype: str = "f32"
     start: Start | None = None
+    #: Compute seconds of each stage so far for this step (metrics).
+    compute: list[float] = []
 
 
 class Token(msgspec.Struct, tag=True, kw_only=True):
@@ -211,6 +213,8 @@ class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     finish_reason: str | None = None
     usage: Usage | None = None
     error: ChunkError | None = None
+    #: Compute seconds of each stage for the step that made this chunk (metrics).
+    compute: list[float] = []
 
 
 Message = (
