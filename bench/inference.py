@@ -1,0 +1,1310 @@
+"""Inference speed of meshd against llama-cpp-python, measured in one run on one machine.
+
+    python bench/inference.py                 # 3 repeats, 128 tokens, 8 streams
+    python bench/inference.py --quick         # 2 repeats, 64 tokens, 1 start-up repeat
+    python bench/inference.py --repeats 5 --tokens 256
+
+Everything runs on loopback with OS-chosen ports, on the same GGUF (the default model
+unless ``--model``), and every figure is a ratio against a baseline measured in the
+same run, interleaved with it repeat by repeat (paired ratios: median, min-max):
+
+1. decode tok/s of one meshd stage / direct llama-cpp-python in process (goal >= 0.97)
+2. two meshd stages on loopback (two nodes) / one stage (goal >= 0.90)
+3. aggregate tok/s of 8 concurrent streams / 1 stream on one node (goal >= 2), and
+   meshd / llama-cpp-python's own OpenAI server at 8 streams (goal >= 2)
+4. seconds from starting ``meshd up`` (it places the default model itself) to the
+   first streamed token of a chat request (goal <= 5 s)
+
+It is a benchmark, not a test: it prints figures and exits 0 whatever they are. See
+bench/README.md for what each figure measures and how to read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_MODEL = "smollm2-135m"
+PROMPT = "Write a long story about a robot who learns to paint."
+#: The llama_cpp.server options that match meshd's runners (n_ctx per request).
+N_CTX = 4096
+READY = re.compile(
+    r"meshd ready node=(?P<id>\S+) name=(?P<name>\S+) api=(?P<api>\S+) "
+    r"mesh=(?P<mesh>\d+) pub=(?P<pub>\d+)"
+)
+UVICORN_READY = re.compile(r"Uvicorn running on http://(?P<host>[^:]+):(?P<port>\d+)")
+
+# -- processes ---------------------------------------------------------------------
+
+_PROCS: list[subprocess.Popen] = []
+
+
+def _stop(p: subprocess.Popen, grace: float = 8.0) -> None:
+    """SIGTERM, then SIGKILL; then kill what is left of its process group (runners).
+
+    Every child is started in its own session, so its group id is its pid and holds
+    only what it started."""
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, signal.SIGKILL)
+    with contextlib.suppress(ValueError):
+        _PROCS.remove(p)
+
+
+def _stop_all() -> None:
+    for p in list(_PROCS):
+        with contextlib.suppress(Exception):
+            _stop(p, grace=3.0)
+
+
+atexit.register(_stop_all)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+class Proc:
+    """A child process whose output lines are read (and timestamped) by a thread."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        log_path: Path,
+        *,
+        env: dict[str, str] | None = None,
+        stdin: int | None = subprocess.DEVNULL,
+    ) -> None:
+        self.args = list(args)
+        self.log_path = log_path
+        self.t_start = time.perf_counter()
+        self.proc = subprocess.Popen(
+            self.args,
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        _PROCS.append(self.proc)
+        self.lines: list[tuple[float, str]] = []
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with open(self.log_path, "w") as log:
+            for raw in self.proc.stdout:
+                t = time.perf_counter()
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                log.write(line + "\n")
+                log.flush()
+                with self._cv:
+                    self.lines.append((t, line))
+                    self._cv.notify_all()
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait_line(self, pattern: re.Pattern[str], timeout: float) -> tuple[float, re.Match[str]]:
+        """The first line matching ``pattern`` (its arrival time and match)."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._cv:
+            while True:
+                for t, line in self.lines[seen:]:
+                    m = pattern.search(line)
+                    if m:
+                        return t, m
+                seen = len(self.lines)
+                if self.proc.poll() is not None and not self._thread.is_alive():
+                    raise RuntimeError(
+                        f"{self.args[:4]} exited {self.proc.returncode}:\n{self.tail()}"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.args[:4]}: no {pattern.pattern!r}:\n{self.tail()}")
+                self._cv.wait(min(left, 0.5))
+
+    def first_line(self, pattern: str) -> float | None:
+        """Arrival time of the first line matching ``pattern``, if any yet."""
+        rx = re.compile(pattern)
+        with self._cv:
+            return next((t for t, line in self.lines if rx.search(line)), None)
+
+    def tail(self, n: int = 30) -> str:
+        with self._cv:
+            return "\n".join(line for _, line in self.lines[-n:])
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+def meshd_command() -> list[str]:
+    """``meshd`` as a user runs it (the console script), else ``python -m``."""
+    exe = shutil.which("meshd")
+    return [exe] if exe else [sys.executable, "-m", "meshd.cli.meshd"]
+
+
+@dataclass
+class Node:
+    name: str
+    proc: Proc
+    api: str
+    mesh_port: int
+
+
+def start_node(
+    tmp: Path,
+    name: str,
+    cluster: str,
+    peers: Sequence[Node] = (),
+    timeout: float = 60.0,
+) -> Node:
+    """``meshd up --no-model`` on loopback, OS-chosen ports; wait for its ready line."""
+    args = [
+        *meshd_command(), "up", "--name", name, "--cluster", cluster, "--no-model",
+        "--no-discovery", "--api-port", "0", "--mesh-port", "0", "--mesh-host", "127.0.0.1",
+        "--data-dir", str(tmp / f"data-{name}"),
+    ]  # fmt: skip
+    for p in peers:
+        args += ["--peer", f"127.0.0.1:{p.mesh_port}"]
+    proc = Proc(args, tmp / f"node-{name}.log")
+    _, m = proc.wait_line(READY, timeout)
+    return Node(name, proc, m["api"], int(m["mesh"]))
+
+
+# -- HTTP ----------------------------------------------------------------------------
+
+
+def http_client(timeout: float = 300.0) -> httpx.Client:
+    # trust_env=False: a proxy from the environment must never sit on loopback.
+    return httpx.Client(timeout=httpx.Timeout(timeout, connect=5.0), trust_env=False)
+
+
+@dataclass
+class Stream:
+    """One streamed request as the client saw it (perf_counter times)."""
+
+    t_sent: float
+    t_first: float
+    t_last: float
+    t_end: float
+    tokens: int
+    events: int
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first / time from the first token to the last."""
+        dt = self.t_last - self.t_first
+        return (self.tokens - 1) / dt if self.tokens > 1 and dt > 0 else float("nan")
+
+    @property
+    def ttft(self) -> float:
+        return self.t_first - self.t_sent
+
+
+class HttpError(RuntimeError):
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:300]}")
+        self.status = status
+
+
+def stream_chat(client: httpx.Client, base: str, payload: dict[str, Any]) -> Stream:
+    """POST a streaming chat completion; time its content events.
+
+    Tokens are the usage's ``completion_tokens`` when the server sends it (meshd),
+    else the number of content events (llama_cpp.server sends one per token)."""
+    t_sent = time.perf_counter()
+    t_first = t_last = 0.0
+    events = 0
+    usage: int | None = None
+    with client.stream("POST", base + "/v1/chat/completions", json=payload) as r:
+        if r.status_code != 200:
+            raise HttpError(r.status_code, r.read().decode("utf-8", "replace"))
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            now = time.perf_counter()
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(f"stream error: {obj['error']}")
+            for ch in obj.get("choices") or ():
+                if (ch.get("delta") or {}).get("content"):
+                    events += 1
+                    if not t_first:
+                        t_first = now
+                    t_last = now
+                elif ch.get("finish_reason") and t_first:
+                    t_last = now  # the last token may carry no text of its own
+            if obj.get("usage"):
+                usage = int(obj["usage"]["completion_tokens"])
+    t_end = time.perf_counter()
+    if not t_first:
+        raise RuntimeError("the stream carried no content")
+    return Stream(t_sent, t_first, t_last, t_end, usage if usage is not None else events, events)
+
+
+def chat_payload(model: str, tokens: int, *, meshd: bool) -> dict[str, Any]:
+    p: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "stream": True,
+        "max_tokens": tokens,
+        "temperature": 0,
+    }
+    if meshd:
+        p["ignore_eos"] = True
+        p["stream_options"] = {"include_usage": True}
+    else:
+        # llama_cpp.server has no ignore_eos; min_tokens masks EOS until max_tokens.
+        p["min_tokens"] = tokens
+    return p
+
+
+@dataclass
+class Concurrent:
+    streams: list[Stream]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.streams)
+
+    @property
+    def wall(self) -> float:
+        return max(s.t_end for s in self.streams) - min(s.t_sent for s in self.streams)
+
+    @property
+    def agg_tok_s(self) -> float:
+        """Every stream's tokens / wall time from the first request sent to the last end."""
+        return self.tokens / self.wall
+
+
+def run_concurrent(base: str, payload: dict[str, Any], n: int) -> Concurrent:
+    """``n`` streams at once (one connection each), started together."""
+    barrier = threading.Barrier(n)
+    out: list[Stream | BaseException | None] = [None] * n
+
+    def one(i: int) -> None:
+        try:
+            with http_client() as c:
+                barrier.wait(30)
+                out[i] = stream_chat(c, base, payload)
+        except BaseException as e:  # reported below
+            out[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [e for e in out if isinstance(e, BaseException)]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {n} streams failed: {errors[0]}")
+    return Concurrent([s for s in out if isinstance(s, Stream)])
+
+
+def wait_instance_ready(client: httpx.Client, node: Node, iid: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.get(f"{node.api}/v1/instances/{iid}")
+        r.raise_for_status()
+        stages = r.json()["stages"]
+        if all(s["state"] == "ready" for s in stages):
+            return
+        failed = [s for s in stages if s["state"] == "failed"]
+        if failed:
+            raise RuntimeError(f"instance {iid}: stage failed: {failed[0].get('reason')}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"instance {iid} not ready: {stages}")
+        time.sleep(0.1)
+
+
+def place(client: httpx.Client, node: Node, model: str, nodes: list[str]) -> str:
+    r = client.post(f"{node.api}/v1/instances", json={"model": model, "nodes": nodes})
+    if r.status_code >= 300:
+        raise HttpError(r.status_code, r.text)
+    iid = r.json()["id"]
+    wait_instance_ready(client, node, iid, 120.0)
+    return iid
+
+
+def wait_live(client: httpx.Client, node: Node, names: set[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = client.get(f"{node.api}/v1/cluster").json()["nodes"]
+        live = {n["name"] for n in nodes if n.get("liveness") == "alive"}
+        if names <= live:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nodes {names - live} not alive in {node.name}'s view")
+        time.sleep(0.1)
+
+
+# -- meshd's own metrics (where time goes) -------------------------------------------
+
+_METRIC = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$")
+
+
+def scrape(client: httpx.Client, node: Node) -> dict[tuple[str, frozenset], float]:
+    """Prometheus text from ``/metrics`` as {(name, labels): value} (empty if none)."""
+    try:
+        r = client.get(node.api + "/metrics", timeout=5.0)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    out: dict[tuple[str, frozenset], float] = {}
+    for line in r.text.splitlines():
+        m = _METRIC.match(line)
+        if not m or line.startswith("#"):
+            continue
+        labels = frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m["labels"] or ""))
+        with contextlib.suppress(ValueError):
+            out[(m["name"], labels)] = float(m["value"])
+    return out
+
+
+def metric_delta(before: dict, after: dict, name: str, **labels: str) -> tuple[float, float] | None:
+    """(sum, count) of histogram ``name`` between two scrapes, for matching labels."""
+    want = set(labels.items())
+    s = c = 0.0
+    found = False
+    for (n, ls), v in after.items():
+        if want <= ls and n in (name + "_sum", name + "_count"):
+            found = True
+            d = v - before.get((n, ls), 0.0)
+            if n.endswith("_sum"):
+                s += d
+            else:
+                c += d
+    return (s, c) if found and c > 0 else None
+
+
+@dataclass
+class MetricSeries:
+    """Accumulated (sum, count) per histogram over the measured runs."""
+
+    sums: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, key: str, sc: tuple[float, float] | None) -> None:
+        if sc is not None:
+            acc = self.sums.setdefault(key, [0.0, 0.0])
+            acc[0] += sc[0]
+            acc[1] += sc[1]
+
+    def mean_ms(self, key: str) -> float | None:
+        acc = self.sums.get(key)
+        return 1000 * acc[0] / acc[1] if acc and acc[1] else None
+
+
+# -- direct llama-cpp-python (a worker process) ---------------------------------------
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """Load the GGUF in this process and answer timing commands on stdin, one JSON a line.
+
+    Commands: ``generate`` (llama-cpp-python's own Llama.generate loop, greedy, n_threads
+    = --threads), ``generate1`` (the same with one thread fewer), ``stageK`` (meshd's
+    LlamaStage.forward + greedy Sampler + detokenizer on K sequences batched: the runner's
+    engine path with no IPC), ``quit``. Each answers {"tok_s": decode rate from the first
+    token to the last, "agg": tokens / time from before the prefill}."""
+    import numpy as np
+
+    from meshd.engines.chat import render_chat
+    from meshd.engines.detok import IncrementalDetokenizer
+    from meshd.engines.gguf_facts import chat_template
+    from meshd.engines.llama_stage import LlamaStage, StageInput
+    from meshd.engines.runner import _CHATML
+    from meshd.engines.sampling import Sampler, SamplingParams
+
+    path, n, threads = args.worker_model, args.tokens, args.worker_threads
+    text = render_chat(
+        chat_template(Path(path)) or _CHATML,
+        [{"role": "user", "content": PROMPT}],
+        add_generation_prompt=True,
+    )
+    import llama_cpp
+
+    def llama(t: int) -> Any:
+        return llama_cpp.Llama(
+            path, n_ctx=N_CTX, n_threads=t, n_threads_batch=t, flash_attn=True, verbose=False
+        )
+
+    llms = {"generate": llama(threads)}
+    if threads > 1:
+        llms["generate1"] = llama(threads - 1)
+    stage = LlamaStage(path, first=True, last=True, n_ctx=N_CTX, n_seq_max=8, n_threads=threads)
+    prompt = stage.tokenize(text, add_special=True, parse_special=True)
+
+    def run_generate(llm: Any) -> dict[str, float]:
+        llm.reset()  # no prefix reuse: a full prefill, as meshd does
+        t0 = time.perf_counter()
+        ts: list[float] = []
+        for tok in llm.generate(prompt, temp=0.0, reset=True):
+            llm.detokenize([tok])  # text per token, as a stream needs
+            ts.append(time.perf_counter())
+            if len(ts) >= n:
+                break
+        return {"tok_s": (len(ts) - 1) / (ts[-1] - ts[0]), "agg": len(ts) / (ts[-1] - t0)}
+
+    def run_stage(k: int) -> dict[str, float]:
+        """``k`` sequences of the same prompt, every step one batched forward."""
+        samplers = [Sampler(SamplingParams(temperature=0.0)) for _ in range(k)]
+        detoks = [IncrementalDetokenizer(stage.token_to_piece) for _ in range(k)]
+        t0 = time.perf_counter()
+        first = np.asarray(prompt, np.int32)
+        outs = stage.forward([StageInput(seq=i, pos=0, tokens=first) for i in range(k)])
+        pos = len(prompt)
+        ts: list[float] = []
+        while True:
+            toks = [sm.sample(lg) for sm, lg in zip(samplers, outs, strict=True)]
+            for d, tok in zip(detoks, toks, strict=True):
+                d.push(tok)
+            ts.append(time.perf_counter())
+            if len(ts) >= n:
+                break
+            outs = stage.forward(
+                [
+                    StageInput(seq=i, pos=pos, tokens=np.array([tok], np.int32))
+                    for i, tok in enumerate(toks)
+                ]
+            )
+            pos += 1
+        for i in range(k):
+            stage.free(i)
+        return {"tok_s": k * (len(ts) - 1) / (ts[-1] - ts[0]), "agg": k * len(ts) / (ts[-1] - t0)}
+
+    ready = {"ready": True, "n_prompt": len(prompt), "n_layers": stage.n_layers}
+    print(json.dumps(ready), flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "quit":
+            break
+        stage_k = int(cmd[5:] or 1) if cmd.startswith("stage") else 0
+        out = run_stage(stage_k) if stage_k else run_generate(llms[cmd])
+        print(json.dumps(out), flush=True)
+    return 0
+
+
+class Direct:
+    """The worker process: llama-cpp-python in process, same GGUF, same settings."""
+
+    def __init__(self, tmp: Path, model_path: str, tokens: int, threads: int) -> None:
+        from meshd.engines.llama_stage import runner_env
+
+        args = [
+            sys.executable, str(Path(__file__).resolve()), "--worker",
+            "--worker-model", model_path, "--worker-threads", str(threads),
+            "--tokens", str(tokens),
+        ]  # fmt: skip
+        # The runners' environment (GOMP_SPINCOUNT): the same OpenMP behaviour.
+        self.p = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=open(tmp / "direct.log", "wb"), env=runner_env(),  # noqa: SIM115
+            start_new_session=True, text=True,
+        )  # fmt: skip
+        _PROCS.append(self.p)
+        self.info = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"direct worker exited {self.p.wait()}")
+        return json.loads(line)
+
+    def run(self, cmd: str) -> dict[str, float]:
+        """``generate``, ``generate1``, ``stage`` or ``stageK`` (K sequences batched)."""
+        assert self.p.stdin is not None
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            assert self.p.stdin is not None
+            self.p.stdin.write("quit\n")
+            self.p.stdin.flush()
+            self.p.wait(5)
+        _stop(self.p)
+
+
+class BareRunner:
+    """meshd's runner process (one stage: the whole model) driven over ZeroMQ by this
+    script, as a node would drive it: no node, no asyncio, no HTTP, no SSE."""
+
+    def __init__(self, tmp: Path, model_path: str, n_layers: int) -> None:
+        import msgspec
+        import zmq
+
+        from meshd.engines.llama_stage import runner_env
+        from meshd.engines.runner import RunnerConfig
+
+        cfg = RunnerConfig(
+            instance="bench", generation=1, stage=0, n_stages=1, model_path=model_path,
+            sha256="0" * 64, start=0, end=n_layers, n_layers=n_layers,
+            cache_dir=str(tmp / "bare-cache"), bind_host="127.0.0.1",
+        )  # fmt: skip
+        args = [sys.executable, "-m", "meshd.engines.runner", msgspec.json.encode(cfg).decode()]
+        # stdin stays open: the runner exits when it closes.
+        self.proc = Proc(args, tmp / "bare-runner.log", env=runner_env(), stdin=subprocess.PIPE)
+        _, m = self.proc.wait_line(re.compile(r'"event": "listening", "port": (\d+)'), 60.0)
+        self.port = int(m[1])
+        self.proc.wait_line(re.compile(r'"event": "ready"'), 120.0)
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.reply_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.connect(f"tcp://127.0.0.1:{self.port}")
+
+    def run(self, tokens: int) -> float:
+        """Decode tok/s of one greedy ignore_eos request, timed where chunks arrive."""
+        import secrets
+
+        import zmq
+
+        from meshd.transport import wire
+
+        req = secrets.token_hex(8)
+        g = wire.Generate(
+            req=req, instance="bench", generation=1,
+            route=[wire.Addr(node="runner", addresses=["127.0.0.1"], port=self.port)],
+            reply_to=wire.Addr(node="bench", addresses=["127.0.0.1"], port=self.reply_port),
+            messages=[wire.ChatTurn("user", PROMPT)],
+            sampling=wire.Sampling(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+        )  # fmt: skip
+        self.dealer.send(wire.encode(g))
+        ts: list[float] = []
+        while True:
+            if not self.router.poll(60_000, zmq.POLLIN):
+                raise TimeoutError("the bare runner sent nothing for 60 s")
+            frames = self.router.recv_multipart()
+            now = time.perf_counter()
+            msg = wire.decode(frames[-1])
+            if not isinstance(msg, wire.DataChunk) or msg.req != req:
+                continue
+            if msg.error is not None:
+                raise RuntimeError(f"runner: {msg.error.code}: {msg.error.message}")
+            if msg.tokens:
+                ts.append(now)
+            if msg.finish_reason is not None:
+                break
+        return (len(ts) - 1) / (ts[-1] - ts[0])
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.dealer.close(0)
+            self.router.close(0)
+            self.ctx.term()
+        self.proc.stop()
+
+
+def start_llama_server(tmp: Path, model_path: str, threads: int) -> tuple[Proc, str]:
+    """``python -m llama_cpp.server`` on loopback, an OS-chosen port, same settings.
+
+    ``--interrupt_requests False``: by default it cuts the stream in progress whenever
+    another request arrives, which would end 7 of 8 concurrent streams early."""
+    from meshd.engines.llama_stage import runner_env
+
+    args = [
+        sys.executable, "-m", "llama_cpp.server", "--model", model_path,
+        "--n_ctx", str(N_CTX), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+        "--flash_attn", "True", "--host", "127.0.0.1", "--port", "0",
+        "--interrupt_requests", "False", "--verbose", "False",
+    ]  # fmt: skip
+    proc = Proc(args, tmp / "llama-server.log", env=runner_env())
+    _, m = proc.wait_line(UVICORN_READY, 120.0)
+    return proc, f"http://{m['host']}:{m['port']}"
+
+
+def llama_server_missing() -> str | None:
+    """Why llama_cpp.server cannot run here (None when it can)."""
+    import importlib.util
+
+    missing = [
+        m
+        for m in ("fastapi", "sse_starlette", "starlette_context", "pydantic_settings", "uvicorn")
+        if importlib.util.find_spec(m) is None
+    ]
+    if missing:
+        return f"llama_cpp.server needs {', '.join(missing)} (pip install them by name)"
+    return None
+
+
+# -- time to first token from `meshd up` -----------------------------------------------
+
+
+@dataclass
+class Startup:
+    total: float
+    ready: float | None = None
+    marks: dict[str, float] = field(default_factory=dict)
+
+
+def startup_once(tmp: Path, data_dir: Path, model: str, tag: str) -> Startup:
+    """Start ``meshd up`` with its defaults (it places the default model itself), then
+    stream a chat request as soon as the API answers; seconds to the first token."""
+    args = [
+        *meshd_command(), "up", "--no-discovery", "--api-port", "0", "--mesh-port", "0",
+        "--mesh-host", "127.0.0.1", "--data-dir", str(data_dir),
+    ]  # fmt: skip
+    if model != DEFAULT_MODEL:
+        args += ["--model", model]
+    proc = Proc(args, tmp / f"startup-{tag}.log")
+    t0 = proc.t_start
+    try:
+        t_ready, m = proc.wait_line(READY, 60.0)
+        base = m["api"]
+        payload = chat_payload(model, 8, meshd=True)
+        deadline = time.monotonic() + 120.0
+        t_asked = time.perf_counter()
+        with http_client() as c:
+            while True:
+                try:
+                    s = stream_chat(c, base, payload)
+                    break
+                except (httpx.TransportError, HttpError) as e:
+                    # Not answering yet, or 503 while loading past the API's own wait.
+                    if isinstance(e, HttpError) and e.status not in (502, 503):
+                        raise
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+        marks = {}
+        for label, rx in (
+            ("node up", r"node .* up: api"),
+            ("placed", r"placed "),
+            ("runner started", r"starting runner"),
+            ("runner ready", r"runner .* ready on port"),
+        ):
+            t = proc.first_line(rx)
+            if t is not None:
+                marks[label] = t - t0
+        marks["ready line"] = t_ready - t0
+        marks["chat request sent"] = t_asked - t0
+        marks["first token"] = s.t_first - t0
+        return Startup(total=s.t_first - t0, ready=t_ready - t0, marks=marks)
+    finally:
+        proc.stop()
+
+
+# -- statistics and output ---------------------------------------------------------------
+
+
+def med(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: Sequence[float], fmt: str = "{:.3f}") -> str:
+    if not xs:
+        return "-"
+    return f"{fmt.format(min(xs))}-{fmt.format(max(xs))}"
+
+
+@dataclass
+class Series:
+    """Raw samples of one measured quantity, in repeat order."""
+
+    label: str
+    unit: str = "tok/s"
+    xs: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class Figure:
+    name: str
+    ratios: list[float]
+    goal: str
+    met: Callable[[float], bool]
+    fmt: str = "{:.3f}"
+    note: str = ""
+
+    def row(self) -> list[str]:
+        if not self.ratios:
+            return [self.name, "-", "-", self.goal, "not measured", self.note]
+        v = med(self.ratios)
+        return [
+            self.name,
+            self.fmt.format(v),
+            spread(self.ratios, self.fmt),
+            self.goal,
+            "met" if self.met(v) else "NOT met",
+            self.note,
+        ]
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = "  ".join("-" * w for w in widths)
+
+    def fmt(r: list[str]) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+
+    return "\n".join([fmt(header), line, *(fmt(r) for r in rows)])
+
+
+def paired(a: Series, b: Series) -> list[float]:
+    """a[i] / b[i] for the repeats where both were measured."""
+    return [x / y for x, y in zip(a.xs, b.xs, strict=False) if y and y == y and x == x]
+
+
+def cpu_busy(seconds: float = 1.0) -> float:
+    """Share of all CPUs busy over ``seconds`` (from /proc/stat), or NaN."""
+
+    def snap() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)
+        return sum(v), idle
+
+    try:
+        t0, i0 = snap()
+        time.sleep(seconds)
+        t1, i1 = snap()
+        return 1.0 - (i1 - i0) / max(1, t1 - t0)
+    except OSError:
+        return float("nan")
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- the run ----------------------------------------------------------------------------
+
+
+def cpu_ns(pids: Sequence[int]) -> int:
+    """CPU time (ns, every thread) the processes ``pids`` have used so far (Linux)."""
+    total = 0
+    for pid in pids:
+        if pid == os.getpid():
+            total += time.process_time_ns()  # counts threads that have ended, too
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    total += int(f.read().split()[0])
+    return total
+
+
+def preemptions(pids: Sequence[int]) -> int:
+    """Involuntary context switches of every thread of ``pids`` so far (Linux)."""
+    total = 0
+    for pid in pids:
+        if pid == os.getpid():
+            import resource
+
+            total += resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/status") as f:
+                    for line in f:
+                        if line.startswith("nonvoluntary_ctxt_switches"):
+                            total += int(line.split()[1])
+    return total
+
+
+def runner_pids(node_pid: int, instance: str) -> dict[int, int]:
+    """Stage -> pid of the runners of ``instance`` that ``node_pid`` started."""
+    out: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                if ppid != node_pid:
+                    continue
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read().split(b"\0")
+                if b"meshd.engines.runner" not in cmd:
+                    continue
+                cfg = json.loads(cmd[cmd.index(b"meshd.engines.runner") + 1])
+                if cfg.get("instance") == instance:
+                    out[int(cfg["stage"])] = int(d)
+    return out
+
+
+class CpuMeter:
+    """CPU ms per generated token, per named process group, accumulated over runs."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, int] = {}
+        self.nivcsw: dict[str, int] = {}
+        self.tokens: dict[str, int] = {}
+        self.wall: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def run(self, scope: str, groups: dict[str, Sequence[int]]):
+        """Measure the body; it must return its token count through ``box[0]``."""
+        start = {g: (cpu_ns(p), preemptions(p)) for g, p in groups.items()}
+        t0 = time.perf_counter()
+        box: list[int] = [0]
+        yield box
+        wall = time.perf_counter() - t0
+        for g, p in groups.items():
+            key = f"{scope}|{g}"
+            self.ns[key] = self.ns.get(key, 0) + cpu_ns(p) - start[g][0]
+            self.nivcsw[key] = self.nivcsw.get(key, 0) + preemptions(p) - start[g][1]
+            self.tokens[key] = self.tokens.get(key, 0) + box[0]
+        self.wall[scope] = self.wall.get(scope, 0.0) + wall
+        self.tokens[scope] = self.tokens.get(scope, 0) + box[0]
+
+    def ms(self, scope: str, group: str) -> float | None:
+        key = f"{scope}|{group}"
+        n = self.tokens.get(key, 0)
+        return self.ns[key] / 1e6 / n if n else None
+
+    def preempted(self, scope: str, group: str) -> float | None:
+        key = f"{scope}|{group}"
+        n = self.tokens.get(key, 0)
+        return self.nivcsw[key] / n if n else None
+
+    def groups(self, scope: str) -> list[str]:
+        return [k.split("|", 1)[1] for k in self.ns if k.startswith(scope + "|")]
+
+    def wall_ms(self, scope: str) -> float | None:
+        n = self.tokens.get(scope, 0)
+        return 1000 * self.wall[scope] / n if n else None
+
+
+def measure(args: argparse.Namespace, tmp: Path) -> int:
+    from meshd.engines.llama_stage import default_threads
+    from meshd.engines.models import resolve_model
+
+    t_run = time.perf_counter()
+    model = args.model
+    model_path = str(resolve_model(model).path)
+    threads = default_threads()
+    k = args.streams
+    load_start = os.getloadavg()
+    busy = cpu_busy(1.0)
+
+    labels = {
+        "direct": "llama-cpp-python in process, Llama.generate (baseline of 1.)",
+        "direct_t1": f"the same with n_threads={threads - 1}",
+        "stage": "meshd's LlamaStage + Sampler in process, 1 sequence (no IPC)",
+        "bare": "meshd's runner process alone, driven over ZeroMQ (no node, no HTTP)",
+        "m1": "meshd, 1 stage, 1 stream",
+        "m2": "meshd, 2 stages on loopback, 1 stream",
+        "srv1": "llama_cpp.server, 1 stream",
+        "agg1": "meshd, 1 stage, 1 stream (baseline of 3a.)",
+        "agg8": f"meshd, 1 stage, {k} streams",
+        "srv8": f"llama_cpp.server, {k} streams (baseline of 3b.)",
+        "stage1_agg": "meshd's LlamaStage in process, 1 sequence",
+        "stage8_agg": f"meshd's LlamaStage in process, {k} sequences batched",
+        "ttft": "meshd up -> first token, fresh data dir",
+        "ttft_warm": "meshd up -> first token, data dir of an earlier start",
+    }
+    if threads < 2:
+        del labels["direct_t1"]
+    S = {key: Series(v, "s" if key.startswith("ttft") else "tok/s") for key, v in labels.items()}
+    metrics = {0: MetricSeries(), 1: MetricSeries(), 2: MetricSeries()}
+    cpu = CpuMeter()
+    startups: list[Startup] = []
+    notes: list[str] = []
+    n_prompt: object = "?"
+
+    direct: Direct | None = None
+    bare: BareRunner | None = None
+    server: Proc | None = None
+    server_url = ""
+    nodes: list[Node] = []
+    cluster = f"bench-{os.getpid()}-{time.monotonic_ns()}"
+    client = http_client()
+    me = [os.getpid()]
+    try:
+        # ---- setup: direct worker, two nodes, two instances, llama_cpp.server -------
+        log(f"loading {model_path} in a llama-cpp-python worker ({threads} threads)")
+        direct = Direct(tmp, model_path, args.tokens, threads)
+        n_prompt = direct.info.get("n_prompt", "?")
+        log("starting a bare meshd runner")
+        try:
+            bare = BareRunner(tmp, model_path, int(direct.info["n_layers"]))
+        except Exception as e:
+            S["bare"].error = f"{type(e).__name__}: {e}".splitlines()[0]
+        log("starting meshd nodes a and b on loopback")
+        a = start_node(tmp, "a", cluster)
+        b = start_node(tmp, "b", cluster, peers=[a])
+        nodes = [a, b]
+        wait_live(client, a, {"a", "b"}, 30.0)
+        # The same GGUF under two names: the alias on one stage, the file's path on two
+        # stages, so both instances live side by side and interleave repeat by repeat.
+        log("placing 1 stage on a, 2 stages on a+b")
+        i1 = place(client, a, model, ["a"])
+        i2 = place(client, a, model_path, ["a", "b"])
+        r1 = runner_pids(a.proc.proc.pid, i1)
+        r2 = {**runner_pids(a.proc.proc.pid, i2), **runner_pids(b.proc.proc.pid, i2)}
+        why = llama_server_missing()
+        if why is None:
+            log("starting llama_cpp.server")
+            try:
+                server, server_url = start_llama_server(tmp, model_path, threads)
+            except Exception as e:
+                why = f"llama_cpp.server did not start: {e}".splitlines()[0]
+        if why:
+            S["srv1"].error = S["srv8"].error = why + "; row skipped"
+
+        p1 = chat_payload(model, args.tokens, meshd=True)
+        p2 = chat_payload(model_path, args.tokens, meshd=True)
+        ps = chat_payload("bench", args.tokens, meshd=False)
+
+        log("warm-up")
+        direct.run("generate")
+        direct.run(f"stage{k}")
+        if bare is not None:
+            bare.run(args.tokens)
+        stream_chat(client, a.api, p1)
+        stream_chat(client, a.api, p2)
+        run_concurrent(a.api, p1, k)
+        p1_collected = {key: v for key, v in p1.items() if key not in ("stream", "stream_options")}
+        if server is not None:
+            stream_chat(client, server_url, ps)
+
+        # ---- repeats, interleaved ----------------------------------------------------
+        for i in range(args.repeats):
+            log(f"repeat {i + 1}/{args.repeats}")
+            with cpu.run("direct", {"llama-cpp-python process": [direct.p.pid]}) as box:
+                S["direct"].xs.append(direct.run("generate")["tok_s"])
+                box[0] = args.tokens
+            if "direct_t1" in S:
+                S["direct_t1"].xs.append(direct.run("generate1")["tok_s"])
+            out = direct.run("stage1")
+            S["stage"].xs.append(out["tok_s"])
+            S["stage1_agg"].xs.append(out["agg"])
+            S["stage8_agg"].xs.append(direct.run(f"stage{k}")["agg"])
+
+            if bare is not None:
+                try:
+                    bare_groups = {"runner": [bare.proc.proc.pid], "client (zmq)": me}
+                    with cpu.run("bare", bare_groups) as box:
+                        S["bare"].xs.append(bare.run(args.tokens))
+                        box[0] = args.tokens
+                except Exception as e:
+                    S["bare"].error = f"{type(e).__name__}: {e}".splitlines()[0]
+                    bare.close()
+                    bare = None
+
+            before = scrape(client, a)
+            groups = {"runner": list(r1.values()), "node a (API)": [a.proc.proc.pid], "client": me}
+            with cpu.run("m1", groups) as box:
+                s = stream_chat(client, a.api, p1)
+                box[0] = s.tokens
+            after = scrape(client, a)
+            S["m1"].xs.append(s.decode_tok_s)
+            S["agg1"].xs.append(s.tokens / (s.t_end - s.t_sent))
+            record(metrics[1], before, after, model, 1)
+
+            # The same request not streamed: the node still gets every chunk, but
+            # writes no SSE event and the client parses nothing until the end.
+            with cpu.run("m1c", groups) as box:
+                r = client.post(a.api + "/v1/chat/completions", json=p1_collected)
+                r.raise_for_status()
+                box[0] = int(r.json()["usage"]["completion_tokens"])
+            before, after = after, scrape(client, a)
+            record(metrics[0], before, after, model, 1)
+
+            groups = {
+                "runner stage 0 (node a)": [r2.get(0, 0)],
+                "runner stage 1 (node b)": [r2.get(1, 0)],
+                "node a (API)": [a.proc.proc.pid],
+                "node b": [b.proc.proc.pid],
+                "client": me,
+            }
+            with cpu.run("m2", groups) as box:
+                s = stream_chat(client, a.api, p2)
+                box[0] = s.tokens
+            before, after = after, scrape(client, a)
+            S["m2"].xs.append(s.decode_tok_s)
+            record(metrics[2], before, after, model_path, 2)
+
+            groups = {"runner": list(r1.values()), "node a (API)": [a.proc.proc.pid], "client": me}
+            with cpu.run("m8", groups) as box:
+                c8 = run_concurrent(a.api, p1, k)
+                box[0] = c8.tokens
+            S["agg8"].xs.append(c8.agg_tok_s)
+
+            if server is not None:
+                try:
+                    S["srv1"].xs.append(stream_chat(client, server_url, ps).decode_tok_s)
+                    S["srv8"].xs.append(run_concurrent(server_url, ps, k).agg_tok_s)
+                except Exception as e:
+                    S["srv1"].error = S["srv8"].error = f"failed: {e}".splitlines()[0]
+                    server.stop()
+                    server = None
+    except Exception as e:
+        notes.append(f"throughput phase stopped early: {type(e).__name__}: {e}".splitlines()[0])
+        log(notes[-1])
+    finally:
+        if direct is not None:
+            direct.close()
+        if bare is not None:
+            bare.close()
+        if server is not None:
+            server.stop()
+        for n in nodes:
+            n.proc.stop()
+
+    # ---- start-up to first token (nothing else of ours running) -----------------------
+    warm_dir = tmp / "startup-warm"
+    for i in range(args.startup_repeats):
+        for key, data_dir in (("ttft", tmp / f"startup-fresh-{i}"), ("ttft_warm", warm_dir)):
+            log(f"start-up {'fresh' if key == 'ttft' else 'reused'} data dir {i + 1}")
+            try:
+                if key == "ttft_warm" and not warm_dir.exists():
+                    startup_once(tmp, warm_dir, model, "warm-prime")  # fills its cache
+                st = startup_once(tmp, data_dir, model, f"{key}-{i}")
+                S[key].xs.append(st.total)
+                if key == "ttft":
+                    startups.append(st)
+            except Exception as e:
+                S[key].error = f"{type(e).__name__}: {e}".splitlines()[0]
+                log(S[key].error)
+    client.close()
+
+    # ---- report ---------------------------------------------------------------------
+    load_end = os.getloadavg()
+    print()
+    print("meshd inference benchmark")
+    print("=========================")
+    print(
+        f"machine   {cpu_model()}, {os.cpu_count()} CPUs ({threads} usable by this process), "
+        f"{platform.system()} {platform.release()}"
+    )
+    print(
+        f"load      load average at start {load_start[0]:.2f} {load_start[1]:.2f} "
+        f"{load_start[2]:.2f} (all CPUs {100 * busy:.0f}% busy in the second before); "
+        f"at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}"
+    )
+    print(
+        f"software  python {platform.python_version()}, meshd {version('meshd')}, "
+        f"llama-cpp-python {version('llama_cpp_python')}, fastapi {version('fastapi')}"
+    )
+    size = Path(model_path).stat().st_size / 2**20
+    print(f"model     {model} = {model_path} ({size:.0f} MiB)")
+    print(
+        f"settings  {args.tokens} tokens after a {n_prompt}-token chat prompt, greedy, "
+        f"ignore_eos (llama_cpp.server: min_tokens), flash_attn, n_threads={threads}, "
+        f"n_ctx={N_CTX}, GOMP_SPINCOUNT as meshd's runners; {args.repeats} repeats "
+        f"interleaved, {args.startup_repeats} start-up(s) of each kind"
+    )
+    print()
+
+    figures = [
+        Figure("1. decode: meshd 1 stage / llama-cpp-python in process",
+               paired(S["m1"], S["direct"]), ">= 0.97", lambda v: v >= 0.97),
+        Figure("2. decode: meshd 2 stages (loopback) / 1 stage",
+               paired(S["m2"], S["m1"]), ">= 0.90", lambda v: v >= 0.90),
+        Figure(f"3a. aggregate: meshd {k} streams / 1 stream",
+               paired(S["agg8"], S["agg1"]), ">= 2x", lambda v: v >= 2.0, "{:.2f}"),
+        Figure(f"3b. aggregate at {k} streams: meshd / llama_cpp.server",
+               paired(S["agg8"], S["srv8"]), ">= 2x", lambda v: v >= 2.0, "{:.2f}",
+               S["srv8"].error or ""),
+        Figure("4. meshd up -> first streamed token, seconds",
+               S["ttft"].xs, "<= 5 s", lambda v: v <= 5.0, "{:.2f}",
+               S["ttft"].error or "fresh data dir"),
+    ]  # fmt: skip
+    print("Figures (value = median over repeats of the paired ratio; spread = min-max)")
+    print(
+        table(
+            [f.row() for f in figures],
+            ["figure", "value", "spread", "goal", "result", "note"],
+        )
+    )
+
+    def raw(keys: list[str], title: str) -> None:
+        rows = []
+        for key in keys:
+            if key not in S:
+                continue
+            s = S[key]
+            if not s.xs:
+                rows.append([s.label, "-", "-", s.error or "not measured"])
+                continue
+            f = "{:.2f}" if s.unit == "s" else "{:.1f}"
+            rows.append([s.label, f.format(med(s.xs)), spread(s.xs, f), s.error or ""])
+        print()
+        print(title)
+        print(table(rows, ["what", "median", "min-max", "note"]))
+
+    raw(
+        ["direct", "direct_t1", "stage", "bare", "m1", "m2", "srv1"],
+        "Decode rate, tok/s: tokens after the first / time from the first to the last, "
+        "at the client",
+    )
+    raw(
+        ["agg1", "agg8", "srv8", "stage1_agg", "stage8_agg"],
+        "Aggregate, tok/s: every stream's tokens / time from the first request to the last token",
+    )
+    raw(["ttft", "ttft_warm"], "Start-up to first streamed token, seconds")
+
+    # ---- where time goes ---------------------------------------------------------------
+    def per_tok(series: Series) -> str:
+        v = med(series.xs)
+        return f"{1000 / v:.2f}" if series.xs and v > 0 else "-"
+
+    def mm(x: float | None) -> str:
+        return f"{x:.2f}" if x is not None else "-"
+
+    print()
+    print("Where the time per token goes, 1 stream (ms/token)")
+    rows = [["llama-cpp-python Llama.generate, in process", per_tok(S["direct"]), ""]]
+    if "direct_t1" in S:
+        rows.append(["  the same, one thread fewer", per_tok(S["direct_t1"]), ""])
+    rows.append(["meshd's LlamaStage + Sampler, in process", per_tok(S["stage"]), ""])
+    rows.append(["meshd's runner alone over ZeroMQ, at the zmq client", per_tok(S["bare"]), ""])
+    nostream = metrics[0].mean_ms("itl")
+    rows.append(["meshd 1 stage, not streamed: inter-token time at the API node", mm(nostream), ""])
+    for n_st in (1, 2):
+        m = metrics[n_st]
+        itl, over = m.mean_ms("itl"), m.mean_ms("overhead")
+        compute = itl - n_st * over if itl is not None and over is not None else None
+        rows += [
+            [f"meshd {n_st} stage(s): runner engine compute (ITL at API node - overhead)",
+             mm(compute), "summed over stages"],
+            [f"meshd {n_st} stage(s): overhead per hop, from /metrics", mm(over),
+             f"{n_st} hop(s) per token"],
+            [f"meshd {n_st} stage(s): inter-token time at the API node", mm(itl), ""],
+            [f"meshd {n_st} stage(s): inter-token time at the client",
+             per_tok(S["m1" if n_st == 1 else "m2"]), ""],
+        ]  # fmt: skip
+    print(table(rows, ["where", "ms/token", "note"]))
+
+    print()
+    print(
+        f"CPU time per generated token, all threads of each process (ms/token; "
+        f"{threads} cores = {threads} ms of CPU per ms of wall time)"
+    )
+    rows = []
+    for scope, title in (
+        ("direct", "llama-cpp-python in process"),
+        ("bare", "meshd runner alone over ZeroMQ"),
+        ("m1", "meshd 1 stage, 1 stream"),
+        ("m1c", "meshd 1 stage, 1 request not streamed"),
+        ("m2", "meshd 2 stages, 1 stream"),
+        ("m8", f"meshd 1 stage, {k} streams"),
+    ):
+        wall = cpu.wall_ms(scope)
+        if wall is None:
+            continue
+        total = 0.0
+        for g in cpu.groups(scope):
+            v = cpu.ms(scope, g)
+            total += v or 0.0
+            pre = cpu.preempted(scope, g)
+            rows.append([title, g, mm(v), f"{pre:.2f}" if pre is not None else "-"])
+        rows.append([title, "all of the above", mm(total), ""])
+        rows.append([title, f"wall time x {threads} cores", mm(wall * threads), ""])
+    print(table(rows, ["run", "process", "CPU ms/token", "preempted/token"]))
+
+    if startups:
+        print()
+        print("Start-up timeline, fresh data dir (seconds after exec of meshd up; median)")
+        keys = [key for key in startups[0].marks if all(key in s.marks for s in startups)]
+        keys.sort(key=lambda key: med([s.marks[key] for s in startups]))
+        print(
+            table(
+                [[key, f"{med([s.marks[key] for s in startups]):.2f}"] for key in keys],
+                ["event (arrival of its log line)", "s"],
+            )
+        )
+    for n in notes:
+        print(f"note: {n}")
+    kept = f"; logs in {tmp}" if args.keep_logs else ""
+    print(f"\ntotal run time {time.perf_counter() - t_run:.0f} s{kept}")
+    return 0
+
+
+def record(m: MetricSeries, before: dict, after: dict, model: str, n_stages: int) -> None:
+    """Add one request's histograms (between two scrapes) to ``m``."""
+    m.add("itl", metric_delta(before, after, "meshd_inter_token_seconds", model=model))
+    m.add("overhead", metric_delta(before, after, "meshd_pipeline_overhead_seconds", model=model))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3, help="repeats per figure (default 3)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per request (default 128)")
+    p.add_argument("--streams", type=int, default=8, help="concurrent streams (default 8)")
+    p.add_argument("--startup-repeats", type=int, help="start-ups timed (default --repeats)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model (default %(default)s)")
+    p.add_argument("--quick", action="store_true", help="2 repeats, 64 tokens, 1 start-up")
+    p.add_argument("--keep-logs", action="store_true", help="keep the temporary dir")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-model", help=argparse.SUPPRESS)
+    p.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    if args.quick:
+        args.repeats, args.tokens = min(args.repeats, 2), min(args.tokens, 64)
+        args.startup_repeats = args.startup_repeats or 1
+    args.repeats = max(1, args.repeats)
+    args.startup_repeats = max(1, args.startup_repeats or args.repeats)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    tmp = Path(tempfile.mkdtemp(prefix="meshd-bench-"))
+    try:
+        return measure(args, tmp)
+    except Exception as e:  # a benchmark reports, it does not fail
+        print(f"benchmark stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        return 0
+    finally:
+        _stop_all()
+        if not args.keep_logs:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
