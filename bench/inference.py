@@ -206,7 +206,7 @@ def start_node(
 # -- HTTP ----------------------------------------------------------------------------
 
 
-def http_client(timeout: float = 300.0) -> httpx.Client:
+def http_client(timeout: float = 120.0) -> httpx.Client:
     # trust_env=False: a proxy from the environment must never sit on loopback.
     return httpx.Client(timeout=httpx.Timeout(timeout, connect=5.0), trust_env=False)
 

@@ -87,6 +87,7 @@ class Node:
         self.inference: Inference | None = None
         self._reconcile_pending = False
         self._beat_pending = False
+        self._last_repair = 0.0
         self._bg: set[asyncio.Task] = set()
         self.started = time.monotonic()
 
@@ -143,6 +144,7 @@ class Node:
             write=self._write,
             delete=self._delete,
             is_live=self._is_live,
+            is_alive=self._is_alive,
             dataplane=self.dataplane,
             metrics=self.metrics,
         )
@@ -373,6 +375,10 @@ class Node:
     def _is_live(self, nid: str) -> bool:
         return nid == self.node_id or self.liveness.is_live(nid, time.monotonic())
 
+    def _is_alive(self, nid: str) -> bool:
+        """Alive and not even suspect (stricter than :meth:`_is_live`)."""
+        return nid == self.node_id or self.liveness.state(nid, time.monotonic()) == "alive"
+
     def _spawn(self, coro) -> None:
         t = asyncio.get_running_loop().create_task(coro)
         self._bg.add(t)
@@ -483,6 +489,9 @@ class Node:
                         log.info("node %s is %s", self._label(nid), st)
                     self._liveness_seen[nid] = st
             self._collect_tombstones()
+            if self.inference is not None and now - self._last_repair >= 0.5:
+                self._last_repair = now
+                self.inference.repair()
 
     def _collect_tombstones(self) -> None:
         assert self.replica is not None

@@ -30,7 +30,7 @@ from meshd.crdt.views import (
     instances,
 )
 from meshd.engines import models
-from meshd.placement import PlacementError, node_resources, place
+from meshd.placement import PlacementError, node_resources, place, repair_needed
 from meshd.transport import wire
 from meshd.transport.dataplane import DataPlane
 
@@ -41,6 +41,9 @@ LOAD_WAIT_S = 60.0
 FIRST_CHUNK_TIMEOUT_S = 30.0
 CHUNK_TIMEOUT_S = 30.0
 LIVENESS_POLL_S = 0.2
+#: A stage whose node is merely *suspect* ends a request that has also been silent
+#: this long: a healthy pipeline keeps producing, so both together mean it is gone.
+SUSPECT_SILENCE_S = 1.0
 
 
 class RequestFailed(Exception):
@@ -90,6 +93,7 @@ class Inference:
         write: Callable[[str, object], None],
         delete: Callable[[str], None],
         is_live: Callable[[str], bool],
+        is_alive: Callable[[str], bool],
         dataplane: DataPlane,
         metrics=None,
         load_wait: float = LOAD_WAIT_S,
@@ -100,11 +104,13 @@ class Inference:
         self._write = write
         self._delete = delete
         self._is_live = is_live
+        self._is_alive = is_alive
         self.dataplane = dataplane
         self.metrics = metrics
         self.load_wait = load_wait
         self.chunk_timeout = chunk_timeout
         self._facts: dict[str, ModelFacts] = {}
+        self._unrepairable: set[tuple[str, int]] = set()
         self._facts_lock = asyncio.Lock()
 
     # -- models --------------------------------------------------------------------
@@ -175,6 +181,59 @@ class Inference:
             ", ".join(f"{s.node}[{s.start}:{s.end}) {s.engine}" for s in stages),
         )  # fmt: skip
         return inst
+
+    def repair(self) -> list[Instance]:
+        """Re-place every instance with a stage on a node that is gone or gave up.
+
+        Every survivor runs this on its own and, ``place`` being pure and sticky,
+        computes the same plan; it is written with ``generation + 1`` and concurrent
+        identical writes converge through the LWW map. Returns what this node wrote.
+        """
+        from .supervisor import gave_up
+
+        m = self._state()
+        cs, hs = cards(m), healths(m)
+        live = {n for n in cs if self._is_live(n)}
+        wrote = []
+        for inst in instances(m).values():
+            if inst.facts is None:
+                continue
+            excluded = set()
+            for i, st in enumerate(inst.stages):
+                h = hs.get(st.node)
+                for r in h.runners if h else []:
+                    if r.instance == inst.id and r.stage == i and gave_up(r):
+                        excluded.add(st.node)
+            if not repair_needed(inst, live - excluded):
+                continue
+            nodes = {
+                k: v for k, v in self.live_resources(inst.facts, inst.spec.model).items()
+                if k not in excluded
+            }  # fmt: skip
+            # Pins and min_nodes shaped the first plan; a repair keeps what survives
+            # where it is and serves with what is left rather than not at all.
+            relaxed = InstanceSpec(model=inst.spec.model)
+            try:
+                stages = place(relaxed, inst.facts, nodes, previous=inst)
+            except PlacementError as e:
+                key = (inst.id, inst.generation)
+                if key not in self._unrepairable:
+                    self._unrepairable.add(key)
+                    log.warning("instance %s cannot be repaired: %s", inst.id, e)
+                continue
+            if stages == inst.stages:
+                continue
+            new = Instance(
+                id=inst.id, spec=inst.spec, stages=stages,
+                generation=inst.generation + 1, facts=inst.facts,
+            )  # fmt: skip
+            self._write(instance_key(inst.id), new)
+            wrote.append(new)
+            log.info(
+                "repaired %s (generation %d): %s", inst.id, new.generation,
+                ", ".join(f"{s.node}[{s.start}:{s.end})" for s in stages),
+            )  # fmt: skip
+        return wrote
 
     def delete_instance(self, instance_id: str) -> bool:
         """Delete an instance; False if there is none with that id."""
@@ -303,20 +362,26 @@ class Inference:
 
     async def _next(self, q: asyncio.Queue[wire.DataChunk], inst: Instance, timeout: float):
         """Next chunk, watching the stages: a dead node or runner ends the wait at once."""
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         while True:
             try:
                 return await asyncio.wait_for(q.get(), LIVENESS_POLL_S)
             except TimeoutError:
                 pass
+            now = time.monotonic()
             for s in self.stage_states(inst):
-                if s.state in ("unavailable", "failed", "stopped"):
+                if s.state != "ready":
                     raise RequestFailed(
                         "stage_lost",
                         f"stage on node {s.node} went away: {s.reason or s.state}",
                         502,
                     )
-            if time.monotonic() >= deadline:
+                if now - t0 >= SUSPECT_SILENCE_S and not self._is_alive(s.node):
+                    raise RequestFailed(
+                        "stage_lost", f"node {s.node} stopped answering mid-request", 502
+                    )
+            if now >= deadline:
                 raise RequestFailed(
                     "timeout", f"no output from the pipeline in {timeout:.0f} s", 504
                 )

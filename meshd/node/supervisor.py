@@ -28,6 +28,21 @@ log = logging.getLogger("meshd.supervisor")
 
 #: How long a runner gets to exit after SIGTERM before SIGKILL.
 STOP_GRACE_S = 3.0
+#: Crash-loop breaker: more than this many unexpected exits within the window and the
+#: runner is given up (``failed``, reason ``crash loop``); placement then moves it.
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
+#: First restart delay, doubled at each restart.
+RESTART_BACKOFF_S = 0.5
+CRASH_LOOP = "crash loop"
+
+
+MODEL_MISSING = "model not available here"
+
+
+def gave_up(status: RunnerStatus) -> bool:
+    """True when a runner will not come back on its own: placement should move it."""
+    return status.state == "failed" and status.reason.startswith((CRASH_LOOP, MODEL_MISSING))
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,8 @@ class RunnerProc:
     generation: int = 0
     active: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    #: Monotonic times of unexpected exits (crash-loop breaker).
+    crashes: list[float] = field(default_factory=list)
 
     def status(self) -> RunnerStatus:
         return RunnerStatus(
@@ -113,7 +130,7 @@ class Supervisor:
                 except Exception as e:
                     r = self.runners.get(k)
                     if r is None or r.state != "failed":
-                        self.runners[k] = _failed(inst, i, f"model not available here: {e}")
+                        self.runners[k] = _failed(inst, i, f"{MODEL_MISSING}: {e}")
                         self.on_status()
                     continue
                 key = StageKey(inst.id, i, len(inst.stages), st.start, st.end, path)
@@ -144,6 +161,12 @@ class Supervisor:
 
     async def _start(self, key: StageKey, cfg: RunnerConfig) -> RunnerProc:
         r = RunnerProc(key, cfg, generation=cfg.generation)
+        await self._spawn(r)
+        return r
+
+    async def _spawn(self, r: RunnerProc) -> None:
+        key, cfg = r.key, msgspec.structs.replace(r.config, generation=r.generation)
+        r.state, r.port, r.active = "loading", 0, 0
         log.info(
             "starting runner %s stage %d [%d, %d)", key.instance, key.stage, key.start, key.end
         )
@@ -155,7 +178,6 @@ class Supervisor:
         )  # fmt: skip
         r.tasks.append(asyncio.create_task(self._watch(r)))
         self.on_status()
-        return r
 
     async def _watch(self, r: RunnerProc) -> None:
         assert r.proc is not None and r.proc.stdout is not None
@@ -180,11 +202,29 @@ class Supervisor:
                 log.warning("runner %s stage %d failed: %s", r.key.instance, r.key.stage, r.reason)
             self.on_status()
         code = await r.proc.wait()
-        if r.state != "stopped":
+        if r.state == "stopped":
+            return
+        reason = r.reason if r.state == "failed" and r.reason else f"exited with code {code}"
+        now = asyncio.get_running_loop().time()
+        r.crashes = [t for t in r.crashes if now - t < RESTART_WINDOW_S] + [now]
+        if len(r.crashes) > MAX_RESTARTS:
             r.state = "failed"
-            r.reason = r.reason or f"runner exited with code {code}"
-            log.warning("runner %s stage %d exited: %s", r.key.instance, r.key.stage, r.reason)
+            r.reason = (
+                f"{CRASH_LOOP}: {len(r.crashes)} exits in {RESTART_WINDOW_S:.0f} s ({reason})"
+            )
+            log.error("runner %s stage %d given up: %s", r.key.instance, r.key.stage, r.reason)
             self.on_status()
+            return
+        delay = RESTART_BACKOFF_S * 2 ** (len(r.crashes) - 1)
+        log.warning(
+            "runner %s stage %d %s; restarting in %.1f s",
+            r.key.instance, r.key.stage, reason, delay,
+        )  # fmt: skip
+        r.state, r.reason = "loading", f"restarting after: {reason}"
+        self.on_status()
+        await asyncio.sleep(delay)
+        if r.state != "stopped" and self.runners.get((r.key.instance, r.key.stage)) is r:
+            await self._spawn(r)
 
     def _retune(self, r: RunnerProc, generation: int) -> None:
         r.generation = generation

@@ -1,0 +1,771 @@
+"""One pipeline stage on MLX: a layer range of a llama-architecture GGUF, in-process.
+
+The counterpart of :mod:`meshd.engines.llama_stage` with the same contract
+(:class:`~meshd.engines.llama_stage.StageInput` in, float32 hidden rows or logits out,
+the same errors), so a pipeline may mix the two engines: stages exchange float32
+residual-stream rows at the same absolute positions whichever engine ran them.
+
+- Weights: ``mx.load`` reads the whole GGUF; Q4_0, Q4_1 and Q8_0 tensors arrive as
+  MLX affine-quantized weights (group 32), Q6_K as f16, F32/F16/BF16 as they are. The
+  stage keeps only what it needs (its layers; the embedding on a first stage; the
+  final norm and the output head, or the tied embedding, on a last stage) and drops
+  the rest. Any other tensor type is refused before anything is loaded
+  (:class:`UnsupportedQuantError`): Q4_K loads with wrong values and Q5_0, Q2_K,
+  Q3_K, IQ4_NL fail to load in this MLX.
+- Model: mlx-lm's llama ``Model`` built with ``end - start`` layers and
+  ``rope_traditional=True`` (GGUF stores Q/K rows permuted for llama.cpp's rope).
+  On the CPU the quantization scales and biases are cast to float32: MLX's CPU
+  quantized matmul is ~1000x slower with f16 scales, and f32 keeps the residual
+  stream in f32 like llama.cpp's exact mode.
+- Requests: one mlx-lm ``KVCache`` per layer per request (``seq``). A forward call
+  batches its items ragged: the token-wise work (norms, projections, MLP, head) runs
+  once on the rows of every item concatenated, and only attention (rope offset,
+  cache, causal mask) runs per item.
+- Tokenizer: the GGUF's own vocabulary through llama.cpp (``vocab_only``), so token
+  ids and pieces are the ones the llama.cpp stages use.
+
+A stage is not thread-safe: a runner calls it from one thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .gguf_facts import MLX_TYPES, ModelFormatError, architecture, open_gguf
+from .llama_stage import (
+    ContextFullError,
+    StageError,
+    StageInput,
+    StageInputError,
+    StageOutput,
+    _get_backend,
+)
+
+__all__ = [
+    "MLX_ARCHITECTURES",
+    "MlxStage",
+    "UnsupportedModelError",
+    "UnsupportedQuantError",
+    "check_gguf_for_mlx",
+]
+
+log = logging.getLogger("meshd.engines.mlx")
+
+#: GGUF architectures this stage builds (mlx-lm's llama model). Mistral, TinyLlama,
+#: SmolLM, Llama 2/3 GGUFs all declare ``llama``.
+MLX_ARCHITECTURES = frozenset({"llama"})
+
+#: Group size of every GGUF block quant that ``mx.load`` turns into affine weights.
+_GROUP_SIZE = 32
+
+#: GGUF tensor name (inside ``blk.N.``) -> mlx-lm module path (inside ``model.layers.N.``).
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+#: Suffixes mx.load gives a GGUF tensor: the weight (packed uint32 when quantized),
+#: its affine scales and biases, and a layer's own bias.
+_SUFFIXES = ("weight", "scales", "biases", "bias")
+
+
+class UnsupportedModelError(ModelFormatError):
+    """A GGUF model that the MLX engine cannot run (architecture, rope, quant type)."""
+
+
+class UnsupportedQuantError(UnsupportedModelError):
+    """The GGUF holds tensor types that MLX loads wrong or not at all.
+
+    ``types`` lists the offending GGUF type names (``Q4_K``, ``Q5_0``, ``IQ4_NL``...),
+    ``examples`` one tensor of each.
+    """
+
+    def __init__(self, path: Path | str, examples: dict[str, str]) -> None:
+        self.path = str(path)
+        self.types = sorted(examples)
+        self.examples = dict(examples)
+        listed = ", ".join(f"{t} (e.g. {examples[t]})" for t in self.types)
+        super().__init__(
+            f"{path}: GGUF tensor type(s) {listed} cannot run on MLX "
+            f"(mx.load reads only {', '.join(sorted(MLX_TYPES))} correctly); "
+            "use the llama_cpp engine or a Q4_0/Q4_1/Q8_0 file"
+        )
+
+
+# -- GGUF inspection ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _GgufModel:
+    """What the stage needs to know about a GGUF before loading its tensors."""
+
+    n_layers: int
+    hidden_size: int
+    intermediate_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scale: float  # linear rope scaling factor (1.0 = none)
+    context_length: int | None
+    vocab_rows: int  # rows of the output head (logits per row)
+    tied: bool  # no output.weight: the head is token_embd
+    has_rope_freqs: bool  # llama 3.1-style per-dimension rope factors
+    attention_bias: bool
+    mlp_bias: bool
+
+
+def _meta(reader: Any, key: str) -> Any:
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def _meta_int(reader: Any, key: str, path: Path, default: int | None = None) -> int:
+    v = _meta(reader, key)
+    if v is None:
+        if default is None:
+            raise ModelFormatError(f"{path}: GGUF metadata lacks {key!r}")
+        return default
+    if isinstance(v, list):
+        if len(set(v)) != 1:
+            raise UnsupportedModelError(f"{path}: per-layer {key} ({v}) is not supported")
+        v = v[0]
+    return int(v)
+
+
+def _inspect_gguf(path: Path) -> _GgufModel:
+    """Read and check a GGUF's header (memory-mapped: no tensor data is read).
+
+    Raises UnsupportedQuantError, UnsupportedModelError or ModelFormatError.
+    """
+    reader = open_gguf(path)
+    bad: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for t in reader.tensors:
+        name = t.tensor_type.name
+        if name not in MLX_TYPES:
+            bad.setdefault(name, t.name)
+        shapes[t.name] = tuple(int(d) for d in t.shape)
+    if bad:
+        raise UnsupportedQuantError(path, bad)
+
+    arch = architecture(reader, path)
+    if arch not in MLX_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{path}: GGUF architecture {arch!r} is not supported by the MLX engine "
+            f"(supported: {', '.join(sorted(MLX_ARCHITECTURES))})"
+        )
+    n_layers = _meta_int(reader, f"{arch}.block_count", path)
+    hidden = _meta_int(reader, f"{arch}.embedding_length", path)
+    n_heads = _meta_int(reader, f"{arch}.attention.head_count", path)
+    n_kv_heads = _meta_int(reader, f"{arch}.attention.head_count_kv", path, n_heads)
+    head_dim = _meta_int(reader, f"{arch}.attention.key_length", path, hidden // n_heads)
+    v_dim = _meta_int(reader, f"{arch}.attention.value_length", path, head_dim)
+    rope_dims = _meta_int(reader, f"{arch}.rope.dimension_count", path, head_dim)
+    if v_dim != head_dim or rope_dims != head_dim:
+        raise UnsupportedModelError(
+            f"{path}: key/value/rope dims {head_dim}/{v_dim}/{rope_dims} differ"
+        )
+    scaling = _meta(reader, f"{arch}.rope.scaling.type")
+    factor = _meta(reader, f"{arch}.rope.scaling.factor")
+    rope_scale = 1.0
+    if scaling in (None, "none") or (scaling == "linear" and factor in (None, 1.0)):
+        pass
+    elif scaling == "linear":
+        rope_scale = float(factor)
+    else:
+        raise UnsupportedModelError(f"{path}: rope scaling {scaling!r} is not supported")
+
+    embd = shapes.get("token_embd.weight")
+    if embd is None:
+        raise ModelFormatError(f"{path}: no token_embd.weight")
+    head = shapes.get("output.weight", embd)
+    # GGUF shapes are (columns, rows): ne[0] is the hidden size.
+    if embd[0] != hidden or head[0] != hidden:
+        raise ModelFormatError(f"{path}: embedding width {embd[0]} is not {hidden}")
+    ctx = _meta(reader, f"{arch}.context_length")
+    return _GgufModel(
+        n_layers=n_layers,
+        hidden_size=hidden,
+        intermediate_size=_meta_int(reader, f"{arch}.feed_forward_length", path),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5),
+        rope_theta=float(_meta(reader, f"{arch}.rope.freq_base") or 10000.0),
+        rope_scale=rope_scale,
+        context_length=None if ctx is None else int(ctx),
+        vocab_rows=int(head[1]),
+        tied="output.weight" not in shapes,
+        has_rope_freqs="rope_freqs.weight" in shapes,
+        attention_bias="blk.0.attn_q.bias" in shapes,
+        mlp_bias="blk.0.ffn_up.bias" in shapes,
+    )
+
+
+def check_gguf_for_mlx(path: Path | str) -> None:
+    """Raise if the MLX engine cannot run this GGUF; return None if it can.
+
+    Reads only the header. Raises :class:`UnsupportedQuantError` naming the tensor
+    types MLX cannot load correctly (Q4_K, Q5_0, Q2_K, Q3_K, IQ*...),
+    :class:`UnsupportedModelError` for an architecture or rope variant the engine
+    does not build, ModelFormatError for a file that is not a usable GGUF model and
+    FileNotFoundError for a missing one.
+    """
+    _inspect_gguf(Path(path))
+
+
+# -- tokenizer ---------------------------------------------------------------------
+
+
+class _LlamaVocab:
+    """The GGUF's vocabulary through llama.cpp (``vocab_only``: no tensor is read).
+
+    Same calls as :class:`~meshd.engines.llama_stage.LlamaStage` makes, so token ids,
+    pieces and end-of-generation ids are identical on both engines.
+    """
+
+    def __init__(self, path: Path) -> None:
+        backend = _get_backend()
+        L = self._L = backend.L
+        params = L.llama_model_default_params()
+        params.vocab_only = True
+        model = L.llama_model_load_from_file(str(path).encode(), params)
+        if not model:
+            raise StageError(f"llama.cpp could not read the vocabulary of {path}")
+        self._model: Any = model
+        self._vocab = L.llama_model_get_vocab(model)
+        self.n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
+        self._eos: set[int] | None = None
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        while True:
+            buf = (self._L.llama_token * n_max)()
+            n = int(
+                self._L.llama_tokenize(
+                    self._vocab, data, len(data), buf, n_max, add_special, parse_special
+                )
+            )
+            if n >= 0:
+                return list(buf[:n])
+            n_max = -n  # a negative count is the size the result needs
+
+    def token_to_piece(self, token: int, special: bool) -> bytes:
+        size = 32
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = int(self._L.llama_token_to_piece(self._vocab, token, buf, size, 0, special))
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
+    def eos_tokens(self) -> set[int]:
+        if self._eos is None:
+            L, v = self._L, self._vocab
+            eos = {int(t) for t in (L.llama_vocab_eos(v), L.llama_vocab_eot(v)) if t >= 0}
+            eos.update(i for i in range(self.n_vocab) if L.llama_vocab_is_eog(v, i))
+            self._eos = eos
+        return set(self._eos)
+
+    def close(self) -> None:
+        if self._model is not None:
+            self._L.llama_model_free(self._model)
+            self._model = None
+
+
+# -- weights -----------------------------------------------------------------------
+
+
+def _mlx_name(gguf_name: str, start: int, end: int) -> str | None:
+    """mlx-lm parameter path for a tensor from ``mx.load``; None if not this stage's.
+
+    Layer ``start + i`` of the file is layer ``i`` of the stage's model.
+    """
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in _SUFFIXES:
+        return None
+    if base.startswith("blk."):
+        _, idx, part = base.split(".", 2)
+        i = int(idx)
+        if not start <= i < end:
+            return None
+        mapped = _LAYER_NAMES.get(part)
+        if mapped is None:
+            raise UnsupportedModelError(f"unknown layer tensor {gguf_name!r}")
+        return f"model.layers.{i - start}.{mapped}.{suffix}"
+    mapped = _GLOBAL_NAMES.get(base)
+    return None if mapped is None else f"{mapped}.{suffix}"
+
+
+class _FactorRoPE:
+    """Rope with per-dimension frequency factors (GGUF ``rope_freqs.weight``).
+
+    llama.cpp divides each rotation frequency by its factor; MLX's ``freqs`` are
+    periods, so they are the base periods multiplied by the factors.
+    """
+
+    def __init__(self, dims: int, base: float, scale: float, factors: Any) -> None:
+        import mlx.core as mx
+
+        self.dims = dims
+        self.scale = scale
+        periods = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+        self.freqs = periods * factors.astype(mx.float32)
+
+    def __call__(self, x: Any, offset: int = 0) -> Any:
+        import mlx.core as mx
+
+        return mx.fast.rope(
+            x,
+            self.dims,
+            traditional=True,
+            base=None,
+            scale=self.scale,
+            offset=offset,
+            freqs=self.freqs,
+        )
+
+
+# -- the stage ---------------------------------------------------------------------
+
+
+class MlxStage:
+    """Layers ``[start, end)`` of a llama-architecture GGUF, run with MLX in-process.
+
+    ``path`` is the whole model's GGUF (not a slice). ``first``: the stage takes token
+    ids (requires ``start == 0``), else hidden rows. ``last``: the stage returns
+    logits (requires ``end`` = the model's layer count), else hidden rows.
+
+    ``n_ctx`` is the context each sequence gets; ``n_seq_max`` how many sequences
+    (requests) the stage holds at once, with ids ``0 .. n_seq_max - 1``. Caches grow
+    as requests grow (mlx-lm allocates K/V in steps of 256 positions), they are not
+    reserved up front.
+
+    ``exact`` keeps every weight scale and the activations in float32 on any device;
+    on the CPU that is always the case (f16 scales are ~1000x slower there). On a
+    GPU the default keeps the scales as loaded (f16) for speed.
+
+    ``n_batch`` is the most rows one evaluation takes; longer inputs (prefills) are
+    run in chunks in order, which bounds the attention's memory.
+    """
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        start: int,
+        end: int,
+        first: bool,
+        last: bool,
+        n_ctx: int,
+        n_seq_max: int,
+        exact: bool = False,
+        n_batch: int = 512,
+    ) -> None:
+        path = Path(path)
+        if n_ctx < 1:
+            raise ValueError(f"n_ctx must be positive, got {n_ctx}")
+        if n_seq_max < 1:
+            raise ValueError(f"n_seq_max must be positive, got {n_seq_max}")
+        if n_batch < 1:
+            raise ValueError(f"n_batch must be positive, got {n_batch}")
+        if path.is_dir():
+            raise UnsupportedModelError(
+                f"{path}: MLX model folders are not supported yet; give a GGUF file"
+            )
+        # Header only: refuses an unusable file before mx.load reads any tensor.
+        spec = _inspect_gguf(path)
+        if not 0 <= start < end <= spec.n_layers:
+            raise ValueError(f"layer range [{start}, {end}) is outside the model's {spec.n_layers}")
+        if first and start != 0:
+            raise ValueError(f"a first stage starts at layer 0, not {start}")
+        if last and end != spec.n_layers:
+            raise ValueError(f"a last stage ends at layer {spec.n_layers}, not {end}")
+
+        import mlx.core as mx
+
+        self._mx = mx
+        self.path = path
+        self.start = start
+        self.end = end
+        self.first = first
+        self.last = last
+        self.n_ctx = n_ctx
+        self.n_seq_max = n_seq_max
+        self.n_batch = n_batch
+        self.exact = exact
+        #: Number of layers this stage runs (``end - start``), like a slice's count.
+        self.n_layers = end - start
+        #: Width of the residual stream: the hidden rows a stage takes and returns.
+        self.hidden_size = spec.hidden_size
+        self._caches: dict[int, list[Any]] = {}
+        self._vocab: _LlamaVocab | None = _LlamaVocab(path)
+        #: Vocabulary size (the tokenizer's; the output head has as many rows).
+        self.n_vocab = self._vocab.n_vocab
+        if last and spec.vocab_rows != self.n_vocab:
+            self.close()
+            raise ModelFormatError(
+                f"{path}: output head has {spec.vocab_rows} rows, vocabulary {self.n_vocab}"
+            )
+        try:
+            self._load(spec)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- loading -------------------------------------------------------------------
+
+    def _load(self, spec: _GgufModel) -> None:
+        import mlx.nn as nn
+        from mlx.utils import tree_flatten
+        from mlx_lm.models.llama import Model, ModelArgs
+
+        mx = self._mx
+        f32_scales = self.exact or mx.default_device() == mx.cpu
+        raw, _meta = mx.load(str(self.path), return_metadata=True)
+        want_embed = self.first or (self.last and spec.tied)
+        weights: dict[str, Any] = {}
+        rope_factors = raw.get("rope_freqs.weight")
+        for name in list(raw):
+            arr = raw.pop(name)  # drop our reference as we go: unused tensors are freed
+            target = _mlx_name(name, self.start, self.end)
+            if target is None:
+                continue
+            if target.startswith("model.embed_tokens.") and not want_embed:
+                continue
+            if target.startswith(("model.norm.", "lm_head.")) and not self.last:
+                continue
+            if target.endswith((".scales", ".biases")) and f32_scales:
+                arr = arr.astype(mx.float32)
+            weights[target] = arr
+        del raw
+
+        args = ModelArgs(
+            model_type="llama",
+            hidden_size=spec.hidden_size,
+            num_hidden_layers=self.n_layers,
+            intermediate_size=spec.intermediate_size,
+            num_attention_heads=spec.n_heads,
+            num_key_value_heads=spec.n_kv_heads,
+            head_dim=spec.head_dim,
+            rms_norm_eps=spec.rms_norm_eps,
+            vocab_size=spec.vocab_rows,
+            max_position_embeddings=spec.context_length,
+            rope_theta=spec.rope_theta,
+            rope_traditional=True,
+            rope_scaling=(
+                {"type": "linear", "factor": spec.rope_scale} if spec.rope_scale != 1.0 else None
+            ),
+            attention_bias=spec.attention_bias,
+            mlp_bias=spec.mlp_bias,
+            tie_word_embeddings=spec.tied,
+        )
+        # Parameters are created lazily: modules this stage never loads or runs (the
+        # embedding of a middle stage) never allocate memory.
+        model = Model(args)
+
+        # Quantized modules get their bits from the packed width of their weight:
+        # bits = 32 * packed_cols / (scale_cols * group) = packed_cols / scale_cols.
+        qbits: dict[str, int] = {}
+        for k, v in weights.items():
+            if k.endswith(".scales"):
+                mod = k[: -len(".scales")]
+                packed = weights.get(f"{mod}.weight")
+                if packed is None or v.shape[-1] == 0 or packed.shape[-1] % v.shape[-1]:
+                    raise ModelFormatError(f"{self.path}: bad quantized tensor {mod}")
+                qbits[mod] = packed.shape[-1] // v.shape[-1]
+
+        def quantized(p: str, _m: Any) -> bool | dict[str, Any]:
+            bits = qbits.get(p)
+            if bits is None:
+                return False
+            return {"group_size": _GROUP_SIZE, "bits": bits, "mode": "affine"}
+
+        nn.quantize(model, class_predicate=quantized)
+
+        params = dict(tree_flatten(model.parameters()))
+        for k, v in weights.items():
+            have = params.get(k)
+            if have is None:
+                raise ModelFormatError(f"{self.path}: tensor for {k} has no place in the model")
+            if tuple(have.shape) != tuple(v.shape):
+                raise ModelFormatError(
+                    f"{self.path}: {k} has shape {tuple(v.shape)}, the model wants "
+                    f"{tuple(have.shape)}"
+                )
+        prefixes = ["model.layers."]
+        if want_embed:
+            prefixes.append("model.embed_tokens.")
+        if self.last:
+            prefixes.append("model.norm.")
+            if not spec.tied:
+                prefixes.append("lm_head.")
+        missing = sorted(k for k in params if k.startswith(tuple(prefixes)) and k not in weights)
+        if missing:
+            raise ModelFormatError(f"{self.path}: no tensor for {', '.join(missing[:5])}")
+        model.load_weights(list(weights.items()), strict=False)
+        mx.eval(list(weights.values()))
+
+        if spec.has_rope_freqs:
+            if rope_factors is None:
+                raise ModelFormatError(f"{self.path}: rope_freqs.weight did not load")
+            rope = _FactorRoPE(spec.head_dim, spec.rope_theta, 1.0 / spec.rope_scale, rope_factors)
+            mx.eval(rope.freqs)
+            for layer in model.model.layers:
+                layer.self_attn.rope = rope
+
+        self._model = model
+        self._layers = list(model.model.layers)
+        self._embed = model.model.embed_tokens if self.first else None
+        if self.last:
+            self._norm = model.model.norm
+            self._head = model.model.embed_tokens.as_linear if spec.tied else model.lm_head
+        self._KVCache = _kv_cache_class()
+
+    # -- requests ------------------------------------------------------------------
+
+    def n_past(self, seq: int) -> int:
+        """Positions the stage holds for ``seq`` (the next input's ``pos``)."""
+        self._check_open()
+        caches = self._caches.get(seq)
+        return 0 if caches is None else int(caches[0].offset)
+
+    def free(self, seq: int) -> None:
+        """Release a request's KV cache; its seq id can start a new request at pos 0."""
+        self._check_open()
+        self._check_seq(seq)
+        self._caches.pop(seq, None)
+
+    def _check_open(self) -> None:
+        if self._vocab is None:
+            raise StageError("stage is closed")
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq_max:
+            raise StageInputError(f"seq {seq} outside [0, {self.n_seq_max})")
+
+    def _validate(self, items: Sequence[StageInput]) -> list[np.ndarray]:
+        """Check every item before anything runs; return its input as arrays."""
+        seen: set[int] = set()
+        inputs: list[np.ndarray] = []
+        for it in items:
+            self._check_seq(it.seq)
+            if it.seq in seen:
+                raise StageInputError(f"seq {it.seq} appears twice in one forward")
+            seen.add(it.seq)
+            if self.first:
+                if it.tokens is None or it.hidden is not None:
+                    raise StageInputError("a first stage takes tokens, not hidden rows")
+                arr = np.asarray(it.tokens)
+                if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                    raise StageInputError(f"tokens must be a 1-D int array, got {arr.dtype}")
+                if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= self.n_vocab):
+                    raise StageInputError(f"token id outside [0, {self.n_vocab})")
+                arr = arr.astype(np.int32, copy=False)
+            else:
+                if it.hidden is None or it.tokens is not None:
+                    raise StageInputError("this stage takes hidden rows, not tokens")
+                arr = np.asarray(it.hidden)
+                if arr.ndim != 2 or arr.shape[1] != self.hidden_size:
+                    raise StageInputError(
+                        f"hidden must be (n, {self.hidden_size}), got {arr.shape}"
+                    )
+                arr = arr.astype(np.float32, copy=False)
+            n = len(arr)
+            if n == 0:
+                raise StageInputError(f"seq {it.seq}: empty input")
+            past = self.n_past(it.seq)
+            if it.pos != past:
+                raise StageInputError(f"seq {it.seq}: pos {it.pos} but the stage holds {past}")
+            if it.pos + n > self.n_ctx:
+                raise ContextFullError(
+                    f"seq {it.seq}: {it.pos} + {n} positions exceed n_ctx {self.n_ctx}"
+                )
+            inputs.append(arr)
+        return inputs
+
+    def forward(self, items: Sequence[StageInput]) -> list[StageOutput]:
+        """Run this stage's layers on several requests at once; outputs in item order.
+
+        Each output is a float32 array: hidden rows ``(n, hidden_size)`` (the residual
+        stream after the stage's last layer) on a stage that is not last, the last
+        row's logits ``(n_vocab,)`` on the last one.
+
+        The rows of all items run together (ragged batch: attention per item, all
+        other work on the concatenated rows), in chunks of at most ``n_batch`` rows.
+        Raises StageInputError (before running anything) for an item that does not
+        fit; if MLX fails, every item's sequence is rolled back to its ``pos``.
+        """
+        self._check_open()
+        if not items:
+            return []
+        inputs = self._validate(items)
+        mx = self._mx
+        lengths = [len(a) for a in inputs]
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        total = int(ends[-1])
+        flat = np.concatenate(inputs) if len(inputs) > 1 else inputs[0]
+        caches = [self._cache(it.seq) for it in items]
+
+        out_rows: list[Any] = []  # per chunk: hidden rows (non-last) or logits rows
+        logits_of: list[tuple[int, int]] = []  # (chunk, row) of each item's logits
+        try:
+            for c0 in range(0, total, self.n_batch):
+                c1 = min(total, c0 + self.n_batch)
+                spans: list[tuple[int, int, list[Any]]] = []
+                last_rows: list[int] = []
+                for k in range(len(items)):
+                    s, e = max(int(starts[k]), c0), min(int(ends[k]), c1)
+                    if s < e:
+                        spans.append((s - c0, e - c0, caches[k]))
+                        if e == int(ends[k]):
+                            logits_of.append((len(out_rows), len(last_rows)))
+                            last_rows.append(e - 1 - c0)
+                y = self._run(flat[c0:c1], spans, last_rows)
+                # One evaluation per chunk: the next chunk reads these K/V entries.
+                mx.eval(y)
+                out_rows.append(y)
+        except BaseException:
+            for it, cache in zip(items, caches, strict=True):
+                for c in cache:
+                    c.trim(c.offset - it.pos)
+            raise
+
+        if self.last:
+            chunks = [np.array(y, dtype=np.float32) for y in out_rows]
+            return [chunks[ci][ri].copy() for ci, ri in logits_of]
+        hidden = np.concatenate([np.array(y, dtype=np.float32) for y in out_rows])
+        # Views of one array made for this call: nothing else ever writes to it.
+        return [hidden[s:e] for s, e in zip(starts, ends, strict=True)]
+
+    def _cache(self, seq: int) -> list[Any]:
+        caches = self._caches.get(seq)
+        if caches is None:
+            caches = self._caches[seq] = [self._KVCache() for _ in self._layers]
+        return caches
+
+    def _run(self, x: np.ndarray, spans: list[tuple[int, int, list[Any]]], last_rows: list[int]) -> Any:
+        """The lazy graph of one chunk: rows ``x`` through every layer (and the head)."""
+        mx = self._mx
+        if self.first:
+            assert self._embed is not None
+            h = self._embed(mx.array(x)).astype(mx.float32)[None]
+        else:
+            h = mx.array(x)[None]
+        for i, layer in enumerate(self._layers):
+            h = self._layer(layer, h, [(s, e, c[i]) for s, e, c in spans])
+        if not self.last:
+            return h[0]
+        rows = h[0][mx.array(np.asarray(last_rows, np.int32))]
+        return self._head(self._norm(rows))
+
+    def _layer(self, layer: Any, h: Any, spans: list[tuple[int, int, Any]]) -> Any:
+        """One transformer block of mlx-lm's llama, ragged over several requests."""
+        mx = self._mx
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        outs = []
+        for s, e, cache in spans:
+            n = e - s
+            qi = q[:, s:e].reshape(1, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
+            ki = k[:, s:e].reshape(1, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            vi = v[:, s:e].reshape(1, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            qi = attn.rope(qi, offset=cache.offset)
+            ki = attn.rope(ki, offset=cache.offset)
+            ki, vi = cache.update_and_fetch(ki, vi)
+            # "causal" aligns the rows to the end of the keys (offset = cached rows).
+            o = mx.fast.scaled_dot_product_attention(
+                qi, ki, vi, scale=attn.scale, mask="causal" if n > 1 else None
+            )
+            outs.append(o.transpose(0, 2, 1, 3).reshape(1, n, -1))
+        o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+        h = h + attn.o_proj(o)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    # -- tokenizer -----------------------------------------------------------------
+
+    def _vocab_open(self) -> _LlamaVocab:
+        if self._vocab is None:
+            raise StageError("stage is closed")
+        return self._vocab
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        """Token ids of ``text``; ``add_special`` adds BOS/EOS as the model asks,
+        ``parse_special`` turns special-token text (``<|im_start|>``) into its id."""
+        return self._vocab_open().tokenize(text, add_special, parse_special)
+
+    def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
+        """The raw bytes of one token (possibly part of a UTF-8 character).
+
+        ``special`` renders control tokens (``<|im_end|>``) as their text; by default
+        they render as nothing, which is what a chat reply shows.
+        """
+        return self._vocab_open().token_to_piece(token, special)
+
+    def eos_tokens(self) -> set[int]:
+        """Ids that end a generation: eos, eot and every end-of-generation token."""
+        return self._vocab_open().eos_tokens()
+
+    # -- lifetime ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop the weights, the caches and the vocabulary. Safe to call twice."""
+        self._caches = {}
+        self._model = None
+        self._layers = []
+        self._embed = None
+        self._norm = None
+        self._head = None
+        if self._vocab is not None:
+            self._vocab.close()
+            self._vocab = None
+
+    def __enter__(self) -> MlxStage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        role = (
+            "first+last"
+            if self.first and self.last
+            else "first"
+            if self.first
+            else ("last" if self.last else "middle")
+        )
+        return (
+            f"MlxStage({self.path.name}, {role}, layers=[{self.start}, {self.end}), "
+            f"n_ctx={self.n_ctx}, n_seq_max={self.n_seq_max})"
+        )
+
+
+def _kv_cache_class() -> Any:
+    from mlx_lm.models.cache import KVCache
+
+    return KVCache
+
