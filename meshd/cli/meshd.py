@@ -12,7 +12,7 @@ from pathlib import Path
 import meshd
 
 from ..engines.models import DEFAULT_MODEL
-from ..node.config import DEFAULT_API_PORT, DEFAULT_CLUSTER, DEFAULT_MESH_PORT, parse_peer
+from ..node.config import DEFAULT_API_PORT, DEFAULT_CLUSTER, DEFAULT_MESH_PORT, parse_peer, parse_size
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
         help="model the cluster should serve (default: %(default)s; '' for none)",
     )
     up.add_argument("--no-model", action="store_true", help="do not place any model")
+    up.add_argument(
+        "--max-memory",
+        type=parse_size,
+        default=0,
+        metavar="SIZE",
+        help="most memory this node offers the cluster, e.g. 8G (default: all it has)",
+    )
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -98,6 +105,7 @@ async def _up(args: argparse.Namespace) -> int:
         discovery=not args.no_discovery,
         advertise=args.advertise,
         model="" if args.no_model else args.model,
+        max_memory=args.max_memory,
     )
     if args.name:
         cfg.name = args.name

@@ -254,18 +254,21 @@ class Runner:
     # -- stage 0 -------------------------------------------------------------------
     def admit(self, g: wire.Generate) -> None:
         try:
-            tokens = self.tokenize(g)
+            prompt = self.tokenize(g)
         except Exception as e:
             self.fail(g.reply_to, g.req, "bad_prompt", f"cannot tokenize the prompt: {e}")
             return
-        n = len(tokens)
+        n = len(prompt)
         if n == 0:
             self.fail(g.reply_to, g.req, "bad_prompt", "the prompt is empty")
             return
-        if n >= self.cfg.n_ctx:
+        # A replay re-prefills the prompt plus the tokens the client already has.
+        resume = list(g.resume_tokens)
+        total = n + len(resume)
+        if total >= self.cfg.n_ctx:
             self.fail(
                 g.reply_to, g.req, "context_length_exceeded",
-                f"this model's context is {self.cfg.n_ctx} tokens; the prompt has {n}",
+                f"this model's context is {self.cfg.n_ctx} tokens; the prompt has {total}",
             )  # fmt: skip
             return
         seq = self.free_seqs.pop()
@@ -273,10 +276,13 @@ class Runner:
         self.reqs[g.req] = r
         self.report_load()
         self.chunk(r, g.reply_to, g.req, n_prompt=n)
-        start = wire.Start(route=r.route, reply_to=r.reply_to, sampling=r.sampling, n_prompt=n)
+        start = wire.Start(
+            route=r.route, reply_to=r.reply_to, sampling=r.sampling, n_prompt=n, resume=resume
+        )
         if self.last:
-            self.init_last(r)
-        self.work.append(Work(g.req, 0, tokens=np.asarray(tokens, np.int32), start=start))
+            self.init_last(r, resume)
+        tokens = np.asarray(prompt + resume, np.int32)
+        self.work.append(Work(g.req, 0, tokens=tokens, start=start))
 
     def tokenize(self, g: wire.Generate) -> list[int]:
         if g.messages is not None:
@@ -324,10 +330,12 @@ class Runner:
             self.reqs[a.req] = r
             self.report_load()
             if self.last:
-                self.init_last(r)
+                self.init_last(r, s.resume)
         self.work.append(Work(a.req, a.pos, hidden=hidden, start=a.start, compute=a.compute))
 
-    def init_last(self, r: Request) -> None:
+    def init_last(self, r: Request, resume: list[int]) -> None:
+        """Sampling state of a request; a replay primes it with the tokens already sent,
+        so held-back UTF-8 bytes and partial stop strings continue exactly."""
         from .detok import IncrementalDetokenizer, StopMatcher
         from .sampling import Sampler, SamplingParams
 
@@ -337,6 +345,9 @@ class Runner:
         )
         r.detok = IncrementalDetokenizer(self.stage.token_to_piece)
         r.stopper = StopMatcher(list(s.stop))
+        for tok in resume:
+            r.stopper.push(r.detok.push(tok))
+        r.n_generated = len(resume)
 
     # -- compute -------------------------------------------------------------------
     def step(self) -> None:

@@ -51,6 +51,25 @@ class NodeConfig:
     #: Context (tokens) per request, and requests in flight, per runner.
     n_ctx: int = 4096
     n_seq_max: int = 8
+    #: Most memory (bytes) this node offers the cluster; 0 = what the machine has.
+    max_memory: int = 0
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``512M``, ``8GiB``, ``1.5g`` or a plain byte count -> bytes (binary units)."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    num = t.rstrip("kmgt")
+    unit = t[len(num) :]
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"size {text!r}: expected a number with an optional K/M/G/T") from None
+    if value < 0 or unit not in _UNITS:
+        raise ValueError(f"size {text!r}: expected a number with an optional K/M/G/T")
+    return int(value * _UNITS[unit])
 
 
 def parse_peer(text: str) -> tuple[str, int]:

@@ -161,8 +161,8 @@ class Node:
             os=sysinfo.os_name(),
             arch=sysinfo.arch(),
             cpu_count=sysinfo.cpu_count(),
-            mem_total=sysinfo.mem_total(),
-            mem_available=sysinfo.mem_available(),
+            mem_total=self._capped(sysinfo.mem_total()),
+            mem_available=self._capped(sysinfo.mem_available()),
             backends=backends,
             addresses=self._own_addrs,
             mesh_port=self.gossip.mesh_port,
@@ -269,12 +269,16 @@ class Node:
         return Health(
             seq=self._seq,
             state=state,  # type: ignore[arg-type]
-            mem_available=sysinfo.mem_available(),
+            mem_available=self._capped(sysinfo.mem_available()),
             load=round(sysinfo.load(), 3),
             synced=self._synced(),
             queue_depth=self.dataplane.in_flight() if self.dataplane else 0,
             runners=self.supervisor.statuses() if self.supervisor else [],
         )
+
+    def _capped(self, n: int) -> int:
+        cap = self.config.max_memory
+        return min(n, cap) if cap > 0 else n
 
     def _beat_entry(self) -> Entry:
         assert self.replica is not None

@@ -44,6 +44,8 @@ LIVENESS_POLL_S = 0.2
 #: A stage whose node is merely *suspect* ends a request that has also been silent
 #: this long: a healthy pipeline keeps producing, so both together mean it is gone.
 SUSPECT_SILENCE_S = 1.0
+#: How long a broken request waits for its instance to be repaired before giving up.
+REPLAY_WAIT_S = 60.0
 
 
 class RequestFailed(Exception):
@@ -308,13 +310,47 @@ class Inference:
         messages: list[wire.ChatTurn] | None = None,
         prompt: str | None = None,
         sampling: wire.Sampling,
+        replay: bool = True,
     ) -> AsyncIterator[wire.DataChunk]:
         """Run one request on ``inst``; yield its chunks until the final one.
 
         The first chunk carries ``n_prompt``; the last one ``finish_reason``. Raises
         :class:`RequestFailed` with a typed code when the request cannot complete.
         Closing the iterator early cancels the request on every stage.
+
+        With ``replay``, a pipeline that breaks mid-request (a stage's node or runner
+        gone) is not the end: if the cluster can re-place the instance, the request is
+        sent again on the repaired plan with the tokens already produced, which are
+        re-prefilled, and the output continues where it stopped (greedy output is the
+        same as without the failure). If no repair is possible, it fails at once.
         """
+        sent: list[int] = []
+        acked = False
+        while True:
+            try:
+                async for c in self._attempt(inst, messages, prompt, sampling, sent):
+                    if c.n_prompt is not None and not c.tokens and c.finish_reason is None:
+                        if acked:
+                            continue  # a replay's acknowledgement: the client has one
+                        acked = True
+                    sent.extend(c.tokens)
+                    yield c
+                return
+            except RequestFailed as e:
+                if e.code != "stage_lost" or not replay or not acked:
+                    raise
+                log.warning("request on %s lost a stage (%s); replaying", inst.id, e.message)
+                inst = await self._repaired(inst, e)
+
+    async def _attempt(
+        self,
+        inst: Instance,
+        messages: list[wire.ChatTurn] | None,
+        prompt: str | None,
+        sampling: wire.Sampling,
+        resume: list[int],
+    ) -> AsyncIterator[wire.DataChunk]:
+        """One try of a request on one plan."""
         states = self.stage_states(inst)
         route = [s.addr for s in states]
         if any(a is None for a in route):
@@ -329,6 +365,7 @@ class Inference:
                     req=req, instance=inst.id, generation=inst.generation,
                     route=route, reply_to=self.dataplane.reply_addr(),  # type: ignore[arg-type]
                     messages=messages, prompt=prompt, sampling=sampling,
+                    resume_tokens=list(resume),
                 ),
             )  # fmt: skip
             timeout = FIRST_CHUNK_TIMEOUT_S
@@ -337,12 +374,10 @@ class Inference:
                 timeout = self.chunk_timeout
                 if chunk.error is not None:
                     finished = True
-                    status = (
-                        400
-                        if chunk.error.code in ("context_length_exceeded", "bad_prompt")
-                        else 502
+                    bad_input = chunk.error.code in ("context_length_exceeded", "bad_prompt")
+                    raise RequestFailed(
+                        chunk.error.code, chunk.error.message, 400 if bad_input else 502
                     )
-                    raise RequestFailed(chunk.error.code, chunk.error.message, status)
                 if chunk.finish_reason is not None:
                     finished = True
                 yield chunk
@@ -359,6 +394,30 @@ class Inference:
                     )
                 except Exception:
                     log.debug("could not send cancel for %s", req)
+
+    async def _repaired(self, inst: Instance, cause: RequestFailed) -> Instance:
+        """The instance serving again after a lost stage, or RequestFailed at once if
+        the nodes still answering cannot hold it."""
+        if inst.facts is not None:
+            nodes = {
+                k: v for k, v in self.live_resources(inst.facts, inst.spec.model).items()
+                if self._is_alive(k)
+            }  # fmt: skip
+            try:
+                place(InstanceSpec(model=inst.spec.model), inst.facts, nodes, previous=inst)
+            except PlacementError as e:
+                raise RequestFailed(
+                    "stage_lost", f"{cause.message}; no repair possible: {e}"
+                ) from None
+        deadline = time.monotonic() + REPLAY_WAIT_S
+        while time.monotonic() < deadline:
+            cur = instances(self._state()).get(inst.id)
+            if cur is None:
+                raise RequestFailed("instance_deleted", f"instance {inst.id} was deleted", 503)
+            if self.is_ready(cur) and all(self._is_alive(s.node) for s in cur.stages):
+                return cur
+            await asyncio.sleep(0.1)
+        raise RequestFailed("stage_lost", f"{cause.message}; not repaired in {REPLAY_WAIT_S} s")
 
     async def _next(self, q: asyncio.Queue[wire.DataChunk], inst: Instance, timeout: float):
         """Next chunk, watching the stages: a dead node or runner ends the wait at once."""

@@ -148,6 +148,8 @@ class Start(msgspec.Struct, kw_only=True):
     reply_to: Addr
     sampling: Sampling
     n_prompt: int
+    #: Tokens already streamed before a replay (the last stage primes its state).
+    resume: list[int] = []
 
 
 class Activation(msgspec.Struct, tag=True, kw_only=True):
