@@ -12,7 +12,13 @@ from pathlib import Path
 import meshd
 
 from ..engines.models import DEFAULT_MODEL
-from ..node.config import DEFAULT_API_PORT, DEFAULT_CLUSTER, DEFAULT_MESH_PORT, parse_peer, parse_size
+from ..node.config import (
+    DEFAULT_API_PORT,
+    DEFAULT_CLUSTER,
+    DEFAULT_MESH_PORT,
+    parse_peer,
+    parse_size,
+)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -86,7 +86,7 @@ class RunnerStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     active: int = 0
 
 
-HealthState = Literal["up", "stopped"]
+HealthState = Literal["up", "draining", "stopped"]
 
 
 class Health(msgspec.Struct, kw_only=True, omit_defaults=True):

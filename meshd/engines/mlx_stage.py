@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from .gguf_facts import MLX_TYPES, ModelFormatError, architecture, open_gguf
 from .llama_stage import (
@@ -128,12 +127,12 @@ class _GgufModel:
     rope_theta: float
     rope_scale: float  # linear rope scaling factor (1.0 = none)
     context_length: int | None
+    embed_rows: int  # rows of token_embd (token ids it can embed)
     vocab_rows: int  # rows of the output head (logits per row)
     tied: bool  # no output.weight: the head is token_embd
     has_rope_freqs: bool  # llama 3.1-style per-dimension rope factors
     attention_bias: bool
     mlp_bias: bool
-    types: dict[str, str]  # GGUF tensor name -> GGUF type name (Q4_1, F32...)
 
 
 def _meta(reader: Any, key: str) -> Any:
@@ -162,13 +161,11 @@ def _inspect_gguf(path: Path) -> _GgufModel:
     reader = open_gguf(path)
     bad: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    types: dict[str, str] = {}
     for t in reader.tensors:
         name = t.tensor_type.name
         if name not in MLX_TYPES:
             bad.setdefault(name, t.name)
         shapes[t.name] = tuple(int(d) for d in t.shape)
-        types[t.name] = name
     if bad:
         raise UnsupportedQuantError(path, bad)
 
@@ -218,12 +215,12 @@ def _inspect_gguf(path: Path) -> _GgufModel:
         rope_theta=float(_meta(reader, f"{arch}.rope.freq_base") or 10000.0),
         rope_scale=rope_scale,
         context_length=None if ctx is None else int(ctx),
+        embed_rows=int(embd[1]),
         vocab_rows=int(head[1]),
         tied="output.weight" not in shapes,
         has_rope_freqs="rope_freqs.weight" in shapes,
         attention_bias="blk.0.attn_q.bias" in shapes,
         mlp_bias="blk.0.ffn_up.bias" in shapes,
-        types=types,
     )
 
 
@@ -352,60 +349,6 @@ class _FactorRoPE:
         )
 
 
-# -- llama.cpp CPU numerics ----------------------------------------------------------
-
-#: GGUF weight type -> how llama.cpp's CPU backend rounds the activations it multiplies
-#: with such a weight (its ``vec_dot_type``): Q4_0/Q8_0 dot with Q8_0 blocks, Q4_1 with
-#: Q8_1 blocks (Q8_0 plus an f16 block sum), K-quants with Q8_K blocks of 256, F16 and
-#: BF16 weights with activations rounded to that type. F32 weights take f32 as is.
-_LLAMA_CPU_ACTIVATIONS = {
-    "Q4_0": "q8_0",
-    "Q8_0": "q8_0",
-    "Q4_1": "q8_1",
-    "Q6_K": "q8_K",
-    "F16": "f16",
-    "BF16": "bf16",
-}
-
-
-def _llama_cpu_linear(mx: Any, fn: Any, mod: Any, x: Any, kind: str) -> Any:
-    """``fn(x)`` (a linear layer) computed the way llama.cpp's CPU backend does.
-
-    llama.cpp never multiplies a quantized weight by f32 activations: it quantizes
-    the activations first, per row, in blocks of 32 (to int8 with an f16 scale
-    ``d = amax / 127``). Rounding ``x`` the same way before MLX's matmul gives
-    llama.cpp's result up to summation order. Q4_1 weights also use the block sums
-    ``s = f16(d * sum(q))`` for their offsets ``m``; the difference from the exact
-    sums is added back through ``m`` (the affine biases of the MLX weight).
-    """
-    if kind == "f16":
-        return fn(x.astype(mx.float16).astype(mx.float32))
-    if kind == "bf16":
-        return fn(x.astype(mx.bfloat16).astype(mx.float32))
-    shape = x.shape
-    if kind == "q8_K":
-        # Q8_K: blocks of 256, scale from the signed element of largest magnitude,
-        # f32 scale, the extreme maps to -127 and values clip at 127.
-        g = x.reshape(*shape[:-1], -1, 256)
-        peak = mx.take_along_axis(g, mx.argmax(mx.abs(g), axis=-1, keepdims=True), axis=-1)
-        iscale = mx.where(peak != 0, -127.0 / peak, 0.0)
-        q = mx.minimum(mx.round(g * iscale), 127.0)
-        d = mx.where(peak != 0, 1.0 / iscale, 0.0)
-        return fn((q * d).reshape(shape))
-    g = x.reshape(*shape[:-1], -1, 32)
-    amax = mx.max(mx.abs(g), axis=-1, keepdims=True)
-    d = amax / 127.0
-    # x86 (AVX) rounds to nearest even with 127 / amax, as mx.round does.
-    q = mx.round(g * mx.where(amax > 0, 127.0 / amax, 0.0))
-    d16 = d.astype(mx.float16).astype(mx.float32)
-    y = fn((q * d16).reshape(shape))
-    if kind == "q8_1":
-        qsum = mx.sum(q, axis=-1)
-        s16 = (d[..., 0] * qsum).astype(mx.float16).astype(mx.float32)
-        y = y + (s16 - d16[..., 0] * qsum) @ mod.biases.T
-    return y
-
-
 # -- the stage ---------------------------------------------------------------------
 
 
@@ -425,13 +368,6 @@ class MlxStage:
     on the CPU that is always the case (f16 scales are ~1000x slower there). On a
     GPU the default keeps the scales as loaded (f16) for speed.
 
-    ``llama_cpu_numerics`` rounds the activations entering every matmul the way
-    llama.cpp's CPU backend does (int8 blocks for quantized weights, see
-    :func:`_llama_cpu_linear`), so the stage's rows and logits match a llama.cpp
-    stage in exact mode to ~1e-5 instead of differing by ~1 in logits; use it where
-    a pipeline mixes the engines and must give the tokens of a llama.cpp-only one.
-    Not for speed: it adds work to every matmul. Implies ``exact``.
-
     ``n_batch`` is the most rows one evaluation takes; longer inputs (prefills) are
     run in chunks in order, which bounds the attention's memory.
     """
@@ -447,7 +383,6 @@ class MlxStage:
         n_ctx: int,
         n_seq_max: int,
         exact: bool = False,
-        llama_cpu_numerics: bool = False,
         n_batch: int = 512,
     ) -> None:
         path = Path(path)
@@ -481,8 +416,7 @@ class MlxStage:
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
         self.n_batch = n_batch
-        self.exact = exact or llama_cpu_numerics
-        self.llama_cpu_numerics = llama_cpu_numerics
+        self.exact = exact
         #: Number of layers this stage runs (``end - start``), like a slice's count.
         self.n_layers = end - start
         #: Width of the residual stream: the hidden rows a stage takes and returns.
@@ -491,11 +425,12 @@ class MlxStage:
         self._vocab: _LlamaVocab | None = _LlamaVocab(path)
         #: Vocabulary size (the tokenizer's; the output head has as many rows).
         self.n_vocab = self._vocab.n_vocab
-        if last and spec.vocab_rows != self.n_vocab:
-            self.close()
-            raise ModelFormatError(
-                f"{path}: output head has {spec.vocab_rows} rows, vocabulary {self.n_vocab}"
-            )
+        for role, rows in (("embedding", spec.embed_rows), ("output head", spec.vocab_rows)):
+            if (first if role == "embedding" else last) and rows != self.n_vocab:
+                self.close()
+                raise ModelFormatError(
+                    f"{path}: {role} has {rows} rows for a vocabulary of {self.n_vocab}"
+                )
         try:
             self._load(spec)
         except BaseException:
@@ -608,30 +543,16 @@ class MlxStage:
         self._embed = model.model.embed_tokens if self.first else None
         if self.last:
             self._norm = model.model.norm
-            if spec.tied:
-                self._head_mod, self._head_fn = model.model.embed_tokens, None
-            else:
-                self._head_mod = model.lm_head
-                self._head_fn = model.lm_head
-            head_name = "token_embd.weight" if spec.tied else "output.weight"
-        # id(module) -> activation rounding of llama.cpp's CPU backend for its weight.
-        self._act: dict[int, str] = {}
-        if self.llama_cpu_numerics:
-            for i, layer in enumerate(self._layers):
-                for part, sub in _LAYER_NAMES.items():
-                    kind = _LLAMA_CPU_ACTIVATIONS.get(
-                        spec.types[f"blk.{self.start + i}.{part}.weight"]
-                    )
-                    if kind is not None and "norm" not in part:
-                        self._act[id(_submodule(layer, sub))] = kind
-            if self.last:
-                kind = _LLAMA_CPU_ACTIVATIONS.get(spec.types[head_name])
-                if kind is not None:
-                    self._act[id(self._head_mod)] = kind
+            # A tied head is the embedding used as a linear layer.
+            self._head = model.model.embed_tokens.as_linear if spec.tied else model.lm_head
         self._KVCache = _kv_cache_class()
-        from mlx_lm.models.activations import swiglu
 
-        self._swiglu = swiglu
+    @property
+    def mlx_model(self) -> Any:
+        """The mlx-lm llama ``Model`` holding this stage's layers (``end - start`` of
+        them) and, where the stage uses them, the embedding, final norm and head."""
+        self._check_open()
+        return self._model
 
     # -- requests ------------------------------------------------------------------
 
@@ -771,23 +692,14 @@ class MlxStage:
         if not self.last:
             return h[0]
         rows = self._norm(h[0][mx.array(np.asarray(last_rows, np.int32))])
-        fn = self._head_fn if self._head_fn is not None else self._head_mod.as_linear
-        return self._linear(self._head_mod, rows, fn)
-
-    def _linear(self, mod: Any, x: Any, fn: Any = None) -> Any:
-        """``mod(x)`` (or ``fn(x)``), with llama.cpp's rounding where asked."""
-        fn = mod if fn is None else fn
-        kind = self._act.get(id(mod)) if self._act else None
-        if kind is None:
-            return fn(x)
-        return _llama_cpu_linear(self._mx, fn, mod, x, kind)
+        return self._head(rows)
 
     def _layer(self, layer: Any, h: Any, spans: list[tuple[int, int, Any]]) -> Any:
         """One transformer block of mlx-lm's llama, ragged over several requests."""
         mx = self._mx
-        attn, mlp, lin = layer.self_attn, layer.mlp, self._linear
+        attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q, k, v = lin(attn.q_proj, x), lin(attn.k_proj, x), lin(attn.v_proj, x)
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         outs = []
         for s, e, cache in spans:
             n = e - s
@@ -803,9 +715,8 @@ class MlxStage:
             )
             outs.append(o.transpose(0, 2, 1, 3).reshape(1, n, -1))
         o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
-        h = h + lin(attn.o_proj, o)
-        x = layer.post_attention_layernorm(h)
-        return h + lin(mlp.down_proj, self._swiglu(lin(mlp.gate_proj, x), lin(mlp.up_proj, x)))
+        h = h + attn.o_proj(o)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     # -- tokenizer -----------------------------------------------------------------
 
@@ -840,8 +751,7 @@ class MlxStage:
         self._layers = []
         self._embed = None
         self._norm = None
-        self._head_mod = self._head_fn = None
-        self._act = {}
+        self._head = None
         if self._vocab is not None:
             self._vocab.close()
             self._vocab = None
@@ -864,12 +774,6 @@ class MlxStage:
             f"MlxStage({self.path.name}, {role}, layers=[{self.start}, {self.end}), "
             f"n_ctx={self.n_ctx}, n_seq_max={self.n_seq_max})"
         )
-
-
-def _submodule(root: Any, path: str) -> Any:
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root
 
 
 def _kv_cache_class() -> Any:

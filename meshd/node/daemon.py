@@ -52,6 +52,8 @@ from .supervisor import Supervisor
 log = logging.getLogger("meshd.node")
 
 _MAX_HELLO_BACKOFF = 30.0
+#: How long a stopping node waits for its stages to move and its requests to finish.
+DRAIN_TIMEOUT_S = 30.0
 
 
 class Node:
@@ -69,6 +71,8 @@ class Node:
         self.api_port = 0
         self.fatal: Exception | None = None
         self._stopping = asyncio.Event()
+        self._hurry = asyncio.Event()
+        self._draining = False
         self._tasks: list[asyncio.Task[None]] = []
         self._seq = 0
         self._own_addrs: list[str] = []
@@ -218,8 +222,44 @@ class Node:
             self._discovery = None
 
     def request_stop(self) -> None:
-        """Ask the node to stop (signal handlers call this)."""
+        """Ask the node to stop (signal handlers call this). The first request drains
+        (stages move to other nodes, owned requests finish); a second one hurries."""
+        if self._stopping.is_set():
+            self._hurry.set()
         self._stopping.set()
+
+    async def drain(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
+        """Move this node's stages elsewhere and let the requests it owns finish.
+
+        Peers see the ``draining`` heartbeat and re-place (sticky) every instance with
+        a stage here; streams cut by the move are replayed on the new plan. Instances
+        the rest of the cluster cannot hold stay until the node exits. Bounded.
+        """
+        assert self.replica is not None and self.gossip is not None and self.inference
+        self._draining = True
+        await self.gossip.publish([self._beat_entry()])
+        mine = [
+            i for i in instances(self.replica.map).values()
+            if any(s.node == self.node_id for s in i.stages)
+            and self.inference.relocatable(i, without=self.node_id)
+        ]  # fmt: skip
+        if mine:
+            log.info("draining: moving %s to other nodes", ", ".join(i.id for i in mine))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._hurry.is_set():
+            insts = instances(self.replica.map)
+            pending = [
+                i.id for i in mine
+                if i.id in insts and (
+                    any(s.node == self.node_id for s in insts[i.id].stages)
+                    or not self.inference.is_ready(insts[i.id])
+                )
+            ]  # fmt: skip
+            owned = self.dataplane.in_flight() if self.dataplane else 0
+            if not pending and owned == 0:
+                return
+            await asyncio.sleep(0.1)
+        log.warning("drain ended after %.0f s with work left", timeout)
 
     async def wait(self) -> None:
         """Until a stop is requested or a fatal error occurs."""
@@ -259,6 +299,8 @@ class Node:
             if on_ready is not None:
                 on_ready(self)
             await self.wait()
+            if self.fatal is None and not self._hurry.is_set():
+                await self.drain()
         finally:
             await self.stop()
         return 3 if self.fatal is not None else 0
@@ -266,6 +308,8 @@ class Node:
     # -- state glue ----------------------------------------------------------------
     def _health(self, state: str = "up") -> Health:
         self._seq += 1
+        if state == "up" and self._draining:
+            state = "draining"
         return Health(
             seq=self._seq,
             state=state,  # type: ignore[arg-type]

@@ -152,17 +152,37 @@ class Inference:
         found.sort(key=lambda i: (not self.is_ready(i), i.id))
         return found[0]
 
+    def serving(self, nid: str) -> bool:
+        """Live and not draining: a node placement may give stages to."""
+        h = healths(self._state()).get(nid)
+        return self._is_live(nid) and (h is None or h.state == "up")
+
     def live_resources(self, facts: ModelFacts, model: str):
-        """Resources of the live nodes that hold ``model`` (placement's input)."""
+        """Resources of the serving nodes that hold ``model`` (placement's input)."""
         m = self._state()
-        cs = cards(m)
+        cs, hs = cards(m), healths(m)
         canon = models.canonical_name(model)
         holders = [
             nid for nid, c in cs.items()
-            if self._is_live(nid) and (canon in {models.canonical_name(x) for x in c.models}
-                                       or "/" in model or model.endswith(".gguf"))
+            if self._is_live(nid) and (nid not in hs or hs[nid].state == "up")
+            and (canon in {models.canonical_name(x) for x in c.models}
+                 or "/" in model or model.endswith(".gguf"))
         ]  # fmt: skip
-        return node_resources(cs, healths(m), holders)
+        return node_resources(cs, hs, holders)
+
+    def relocatable(self, inst: Instance, without: str) -> bool:
+        """Whether the serving nodes other than ``without`` can hold ``inst``."""
+        if inst.facts is None:
+            return False
+        nodes = {
+            k: v for k, v in self.live_resources(inst.facts, inst.spec.model).items()
+            if k != without
+        }  # fmt: skip
+        try:
+            place(InstanceSpec(model=inst.spec.model), inst.facts, nodes, previous=inst)
+        except PlacementError:
+            return False
+        return True
 
     async def create_instance(
         self, spec: InstanceSpec, facts: ModelFacts, instance_id: str | None = None
@@ -195,7 +215,7 @@ class Inference:
 
         m = self._state()
         cs, hs = cards(m), healths(m)
-        live = {n for n in cs if self._is_live(n)}
+        live = {n for n in cs if self._is_live(n) and (n not in hs or hs[n].state == "up")}
         wrote = []
         for inst in instances(m).values():
             if inst.facts is None:

@@ -132,3 +132,27 @@ def test_killed_stage_with_no_possible_repair_ends_the_stream_within_2s(
     # A request now gets a clean error too, not a hang.
     r = _complete(a)
     assert r.status_code in (502, 503), r.text
+
+
+def test_sigterm_drain_moves_the_stage_and_the_stream_completes(cluster: Cluster) -> None:
+    a = cluster.start("a")
+    b = cluster.start("b", peers=[a])
+    c = cluster.start("c", peers=[a])
+    wait_for(lambda: all(len(n.cluster()["nodes"]) == 3 for n in (a, b, c)), 10)
+    inst = place(a, [a, b])
+    reference: list[tuple[float, str]] = []
+    _stream(c, reference, 300)
+
+    events: list[tuple[float, str]] = []
+    t = threading.Thread(target=_stream, args=(c, events, 300))
+    t.start()
+    wait_for(lambda: len(events) >= 20, 30, interval=0.02)
+    assert b.terminate(timeout=60) == 0
+    t.join(90)
+    assert not t.is_alive()
+    assert events[-1][1] == "data: [DONE]"
+    assert not any('"error"' in line for _, line in events), events[-3:]
+    assert _text(events) == _text(reference)
+    after = a.get(f"/v1/instances/{inst['id']}")
+    assert b.node_id not in {s["node"] for s in after["stages"]}
+    assert "draining" in b.log()
