@@ -956,6 +956,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
     startups: list[Startup] = []
     notes: list[str] = []
     n_prompt: object = "?"
+    interrupted = False
 
     direct: Direct | None = None
     bare: BareRunner | None = None
@@ -1014,8 +1015,17 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
             stream_chat(client, server_url, ps)
 
         # ---- repeats, interleaved ----------------------------------------------------
+        t_rep = 0.0
         for i in range(args.repeats):
+            used = time.perf_counter() - t_run
+            if i and used + t_rep > args.budget * 0.75:
+                notes.append(
+                    f"only {i} of {args.repeats} repeats: the machine is slow now and "
+                    f"--budget is {args.budget:.0f} s"
+                )
+                break
             log(f"repeat {i + 1}/{args.repeats}")
+            t_rep = time.perf_counter()
             with cpu.run("direct", {"llama-cpp-python process": [direct.p.pid]}) as box:
                 S["direct"].xs.append(direct.run("generate")["tok_s"])
                 box[0] = args.tokens
@@ -1084,9 +1094,11 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
                     S["srv1"].error = S["srv8"].error = f"failed: {e}".splitlines()[0]
                     server.stop()
                     server = None
-    except Exception as e:
+            t_rep = time.perf_counter() - t_rep
+    except (Exception, KeyboardInterrupt, SystemExit) as e:
         notes.append(f"throughput phase stopped early: {type(e).__name__}: {e}".splitlines()[0])
         log(notes[-1])
+        interrupted = not isinstance(e, Exception)
     finally:
         if direct is not None:
             direct.close()
@@ -1099,7 +1111,10 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
 
     # ---- start-up to first token (nothing else of ours running) -----------------------
     warm_dir = tmp / "startup-warm"
-    for i in range(args.startup_repeats):
+    for i in range(0 if interrupted else args.startup_repeats):
+        if i and time.perf_counter() - t_run > args.budget:
+            notes.append(f"only {i} start-up(s) of each kind: --budget is {args.budget:.0f} s")
+            break
         for key, data_dir in (("ttft", tmp / f"startup-fresh-{i}"), ("ttft_warm", warm_dir)):
             log(f"start-up {'fresh' if key == 'ttft' else 'reused'} data dir {i + 1}")
             try:
@@ -1109,9 +1124,14 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
                 S[key].xs.append(st.total)
                 if key == "ttft":
                     startups.append(st)
-            except Exception as e:
+            except (Exception, KeyboardInterrupt, SystemExit) as e:
                 S[key].error = f"{type(e).__name__}: {e}".splitlines()[0]
                 log(S[key].error)
+                if not isinstance(e, Exception):
+                    interrupted = True
+                    break
+        if interrupted:
+            break
     client.close()
 
     # ---- report ---------------------------------------------------------------------
@@ -1280,6 +1300,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=8, help="concurrent streams (default 8)")
     p.add_argument("--startup-repeats", type=int, help="start-ups timed (default --repeats)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model (default %(default)s)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=420.0,
+        help="seconds: start no repeat that would end past 3/4 of it, no start-up past "
+        "it (default %(default)s; a loaded machine then gets fewer repeats, noted)",
+    )
     p.add_argument("--quick", action="store_true", help="2 repeats, 64 tokens, 1 start-up")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary dir")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

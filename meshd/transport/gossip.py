@@ -73,10 +73,25 @@ class _Peer:
     pulling: bool = False
 
 
+#: ZMTP heartbeats: a connection silent this long is dropped and redialled, so a healed
+#: network is used again at once instead of after TCP's retransmission backoff.
+HEARTBEAT_IVL_MS = 500
+HEARTBEAT_TIMEOUT_MS = 2000
+#: Redial quickly, and give up on a connect attempt that hangs (SYN lost in a partition).
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 1000
+CONNECT_TIMEOUT_MS = 1000
+
+
 def configure(sock: zmq.Socket) -> None:
-    """Options every mesh socket gets: bounded frames, no linger past shutdown."""
+    """Options every mesh socket gets: bounded frames, heartbeats, quick redial."""
     sock.setsockopt(zmq.MAXMSGSIZE, wire.ZMQ_MAX_MSG_SIZE)
     sock.setsockopt(zmq.LINGER, 500)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
 
 
 class Gossip:
