@@ -31,14 +31,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
-from .gguf_facts import MLX_TYPES, ModelFormatError, architecture, open_gguf
+from .gguf_facts import MLX_TYPES, ModelFormatError
 from .llama_stage import (
     ContextFullError,
     StageError,
@@ -135,13 +138,108 @@ class _GgufModel:
     mlp_bias: bool
 
 
-def _meta(reader: Any, key: str) -> Any:
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
+#: GGUF value types with a fixed size: type id -> struct format.
+_GGUF_SCALARS = {
+    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
+}  # fmt: skip
+_GGUF_STRING = 8
+_GGUF_ARRAY = 9
+#: Numeric arrays up to this length are read (per-layer head counts); longer ones
+#: (token types, scores) and string arrays (the vocabulary) are skipped.
+_GGUF_ARRAY_READ_MAX = 4096
 
 
-def _meta_int(reader: Any, key: str, path: Path, default: int | None = None) -> int:
-    v = _meta(reader, key)
+@dataclass(frozen=True, slots=True)
+class _Header:
+    """A GGUF header: key/values (big arrays left out) and tensor descriptors."""
+
+    kv: dict[str, Any]
+    #: name -> (GGUF type name such as ``Q4_1``, shape with ``ne[0]`` first).
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+
+
+def _read_header(path: Path) -> _Header:
+    """Read a GGUF header with plain struct calls.
+
+    ``gguf.GGUFReader`` builds numpy views of every vocabulary string (2-4 s on a
+    49k-token vocabulary); this skips them (~0.1 s), cheap enough to refuse a model
+    on the API path. Raises ModelFormatError for a file that is not GGUF v2/v3 or is
+    truncated, FileNotFoundError for a missing one.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"no model file at {path}")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ModelFormatError(f"{path} is not a GGUF file (magic {bytes(buf[:4])!r})")
+        # The version is a small number, so its byte order gives the file's.
+        order = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"
+        version = struct.unpack_from(order + "I", buf, 4)[0]
+        if version not in (2, 3):
+            raise ModelFormatError(f"{path}: unsupported GGUF version {version}")
+        pos = 8
+
+        def scalar(kind: int) -> Any:
+            nonlocal pos
+            fmt = order + _GGUF_SCALARS[kind]
+            (v,) = struct.unpack_from(fmt, buf, pos)
+            pos += struct.calcsize(fmt)
+            return v
+
+        def string() -> str:
+            nonlocal pos
+            n = scalar(10)
+            text = bytes(buf[pos : pos + n]).decode("utf-8", "replace")
+            pos += n
+            return text
+
+        def value(kind: int) -> Any:
+            nonlocal pos
+            if kind == _GGUF_STRING:
+                return string()
+            if kind != _GGUF_ARRAY:
+                if kind not in _GGUF_SCALARS:
+                    raise ModelFormatError(f"{path}: unknown GGUF value type {kind}")
+                return scalar(kind)
+            item, count = scalar(4), scalar(10)
+            fmt = _GGUF_SCALARS.get(item)
+            if fmt is not None:
+                size = count * struct.calcsize(fmt)
+                if count > _GGUF_ARRAY_READ_MAX:
+                    pos += size
+                    return None
+                items = list(struct.unpack_from(f"{order}{count}{fmt}", buf, pos))
+                pos += size
+                return items
+            for _ in range(count):
+                value(item)
+            return None
+
+        try:
+            n_tensors, n_kv = scalar(10), scalar(10)
+            kv: dict[str, Any] = {}
+            for _ in range(n_kv):
+                key = string()
+                kv[key] = value(scalar(4))
+            tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+            for _ in range(n_tensors):
+                name = string()
+                shape = tuple(scalar(10) for _ in range(scalar(4)))
+                kind = scalar(4)
+                scalar(10)  # data offset
+                try:
+                    type_name = gguf.GGMLQuantizationType(kind).name
+                except ValueError:
+                    type_name = f"type {kind}"
+                tensors[name] = (type_name, shape)
+        except (struct.error, IndexError, ValueError) as e:
+            if isinstance(e, ModelFormatError):
+                raise
+            raise ModelFormatError(f"{path}: truncated or corrupt GGUF header ({e})") from e
+    return _Header(kv=kv, tensors=tensors)
+
+
+def _meta_int(header: _Header, key: str, path: Path, default: int | None = None) -> int:
+    v = header.kv.get(key)
     if v is None:
         if default is None:
             raise ModelFormatError(f"{path}: GGUF metadata lacks {key!r}")
@@ -158,36 +256,38 @@ def _inspect_gguf(path: Path) -> _GgufModel:
 
     Raises UnsupportedQuantError, UnsupportedModelError or ModelFormatError.
     """
-    reader = open_gguf(path)
+    header = _read_header(path)
     bad: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for t in reader.tensors:
-        name = t.tensor_type.name
-        if name not in MLX_TYPES:
-            bad.setdefault(name, t.name)
-        shapes[t.name] = tuple(int(d) for d in t.shape)
+    for name, (type_name, shape) in header.tensors.items():
+        if type_name not in MLX_TYPES:
+            bad.setdefault(type_name, name)
+        shapes[name] = shape
     if bad:
         raise UnsupportedQuantError(path, bad)
 
-    arch = architecture(reader, path)
+    kv = header.kv
+    arch = kv.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise ModelFormatError(f"{path}: GGUF metadata lacks general.architecture")
     if arch not in MLX_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{path}: GGUF architecture {arch!r} is not supported by the MLX engine "
             f"(supported: {', '.join(sorted(MLX_ARCHITECTURES))})"
         )
-    n_layers = _meta_int(reader, f"{arch}.block_count", path)
-    hidden = _meta_int(reader, f"{arch}.embedding_length", path)
-    n_heads = _meta_int(reader, f"{arch}.attention.head_count", path)
-    n_kv_heads = _meta_int(reader, f"{arch}.attention.head_count_kv", path, n_heads)
-    head_dim = _meta_int(reader, f"{arch}.attention.key_length", path, hidden // n_heads)
-    v_dim = _meta_int(reader, f"{arch}.attention.value_length", path, head_dim)
-    rope_dims = _meta_int(reader, f"{arch}.rope.dimension_count", path, head_dim)
+    n_layers = _meta_int(header, f"{arch}.block_count", path)
+    hidden = _meta_int(header, f"{arch}.embedding_length", path)
+    n_heads = _meta_int(header, f"{arch}.attention.head_count", path)
+    n_kv_heads = _meta_int(header, f"{arch}.attention.head_count_kv", path, n_heads)
+    head_dim = _meta_int(header, f"{arch}.attention.key_length", path, hidden // n_heads)
+    v_dim = _meta_int(header, f"{arch}.attention.value_length", path, head_dim)
+    rope_dims = _meta_int(header, f"{arch}.rope.dimension_count", path, head_dim)
     if v_dim != head_dim or rope_dims != head_dim:
         raise UnsupportedModelError(
             f"{path}: key/value/rope dims {head_dim}/{v_dim}/{rope_dims} differ"
         )
-    scaling = _meta(reader, f"{arch}.rope.scaling.type")
-    factor = _meta(reader, f"{arch}.rope.scaling.factor")
+    scaling = kv.get(f"{arch}.rope.scaling.type")
+    factor = kv.get(f"{arch}.rope.scaling.factor")
     rope_scale = 1.0
     if scaling in (None, "none") or (scaling == "linear" and factor in (None, 1.0)):
         pass
@@ -200,19 +300,21 @@ def _inspect_gguf(path: Path) -> _GgufModel:
     if embd is None:
         raise ModelFormatError(f"{path}: no token_embd.weight")
     head = shapes.get("output.weight", embd)
+    if len(embd) != 2 or len(head) != 2:
+        raise ModelFormatError(f"{path}: token_embd/output are not matrices")
     # GGUF shapes are (columns, rows): ne[0] is the hidden size.
     if embd[0] != hidden or head[0] != hidden:
         raise ModelFormatError(f"{path}: embedding width {embd[0]} is not {hidden}")
-    ctx = _meta(reader, f"{arch}.context_length")
+    ctx = kv.get(f"{arch}.context_length")
     return _GgufModel(
         n_layers=n_layers,
         hidden_size=hidden,
-        intermediate_size=_meta_int(reader, f"{arch}.feed_forward_length", path),
+        intermediate_size=_meta_int(header, f"{arch}.feed_forward_length", path),
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5),
-        rope_theta=float(_meta(reader, f"{arch}.rope.freq_base") or 10000.0),
+        rms_norm_eps=float(kv.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5),
+        rope_theta=float(kv.get(f"{arch}.rope.freq_base") or 10000.0),
         rope_scale=rope_scale,
         context_length=None if ctx is None else int(ctx),
         embed_rows=int(embd[1]),

@@ -535,6 +535,11 @@ class Node:
                 if self._liveness_seen.get(nid) != st:
                     if nid in self._liveness_seen or st != "alive":
                         log.info("node %s is %s", self._label(nid), st)
+                    if st == "alive" and self._liveness_seen.get(nid) in ("dead", "left"):
+                        # Back from a partition or a restart: reconcile state now rather
+                        # than at the next digest.
+                        assert self.gossip is not None
+                        self._spawn(self.gossip.pull(nid))
                     self._liveness_seen[nid] = st
             self._collect_tombstones()
             if self.inference is not None and now - self._last_repair >= 0.5:

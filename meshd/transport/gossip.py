@@ -79,8 +79,8 @@ HEARTBEAT_IVL_MS = 500
 HEARTBEAT_TIMEOUT_MS = 2000
 #: Redial quickly, and give up on a connect attempt that hangs (SYN lost in a partition).
 RECONNECT_IVL_MS = 100
-RECONNECT_IVL_MAX_MS = 1000
-CONNECT_TIMEOUT_MS = 1000
+RECONNECT_IVL_MAX_MS = 500
+CONNECT_TIMEOUT_MS = 500
 
 
 def configure(sock: zmq.Socket) -> None:
