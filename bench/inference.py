@@ -63,7 +63,7 @@ def _stop(p: subprocess.Popen, grace: float = 8.0) -> None:
     """SIGTERM, then SIGKILL; then kill what is left of its process group (runners).
 
     Every child is started in its own session, so its group id is its pid and holds
-    only what it started."""
+    only what it started; those are killed one by one, by pid."""
     if p.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             p.send_signal(signal.SIGTERM)
@@ -74,10 +74,25 @@ def _stop(p: subprocess.Popen, grace: float = 8.0) -> None:
                 p.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(5)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(p.pid, signal.SIGKILL)
+    for pid in _group_members(p.pid):  # runners a killed node left behind
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ValueError):
         _PROCS.remove(p)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids of the live processes in process group ``pgid`` (Linux /proc)."""
+    out = []
+    with contextlib.suppress(OSError):
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    with open(f"/proc/{d}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    if int(fields[2]) == pgid and fields[0] != "Z":
+                        out.append(int(d))
+    return out
 
 
 def _stop_all() -> None:
@@ -1136,6 +1151,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
 
     # ---- report ---------------------------------------------------------------------
     load_end = os.getloadavg()
+    done = max((len(S[key].xs) for key in ("direct", "m1", "agg8")), default=0)
     print()
     print("meshd inference benchmark")
     print("=========================")
@@ -1157,9 +1173,16 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
     print(
         f"settings  {args.tokens} tokens after a {n_prompt}-token chat prompt, greedy, "
         f"ignore_eos (llama_cpp.server: min_tokens), flash_attn, n_threads={threads}, "
-        f"n_ctx={N_CTX}, GOMP_SPINCOUNT as meshd's runners; {args.repeats} repeats "
-        f"interleaved, {args.startup_repeats} start-up(s) of each kind"
+        f"n_ctx={N_CTX}, GOMP_SPINCOUNT as meshd's runners; {done} of {args.repeats} "
+        f"repeats measured (interleaved), {len(S['ttft'].xs)} of {args.startup_repeats} "
+        f"start-up(s) of each kind"
     )
+    if busy > 0.5 or load_start[0] > threads / 2:
+        print(
+            f"WARNING   the machine was busy before the run started ({100 * busy:.0f}% of "
+            f"its CPUs); llama.cpp's {threads} threads share the cores with that load, so "
+            f"rates are low and ratios unreliable"
+        )
     print()
 
     figures = [

@@ -54,12 +54,31 @@ def instance_view(node, inst) -> dict:
     }
 
 
+async def _check_mlx(model: str) -> None:
+    import asyncio
+
+    from meshd.engines.mlx_stage import UnsupportedModelError, check_gguf_for_mlx
+    from meshd.engines.models import resolve_model
+
+    path = resolve_model(model).path
+    try:
+        await asyncio.to_thread(check_gguf_for_mlx, path)
+    except UnsupportedModelError as e:
+        raise ApiError(
+            400, f"{model} cannot run on MLX: {e}", type="invalid_request_error",
+            param="engines", code="unsupported_quant",
+        ) from None  # fmt: skip
+
+
 def routes(node):
     """Handlers bound to ``node``."""
 
     async def create(request: Request) -> Response:
         body = await parse_body(request, PlaceRequest)
         try:
+            if "mlx" in body.engines:
+                # Refuse quant types MLX reads wrongly or not at all, before anything runs.
+                await _check_mlx(body.model)
             facts = await node.inference.facts(body.model, node.cache_dir)
         except (ModelNotFoundError, AmbiguousModelError) as e:
             raise ApiError(404, str(e), type="not_found_error", code="model_not_found") from None

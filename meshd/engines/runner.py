@@ -485,25 +485,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load_stage(cfg: RunnerConfig):
-    """Cut (or reuse) this stage's slice and load it in the engine."""
+    """Load this stage's layers in its engine (a llama.cpp slice, or MLX on the GGUF)."""
     from pathlib import Path
 
+    first, last = cfg.stage == 0, cfg.stage == cfg.n_stages - 1
+    if cfg.engine == "mlx":
+        from .mlx_stage import MlxStage
+
+        return MlxStage(
+            Path(cfg.model_path), start=cfg.start, end=cfg.end, first=first, last=last,
+            n_ctx=cfg.n_ctx, n_seq_max=cfg.n_seq_max, exact=cfg.exact,
+        )  # fmt: skip
+    if cfg.engine != "llama_cpp":
+        raise ValueError(f"engine {cfg.engine!r} is not available in this runner")
     from .llama_stage import LlamaStage, configure_threads
     from .slicing import slice_gguf
 
-    if cfg.engine != "llama_cpp":
-        raise ValueError(f"engine {cfg.engine!r} is not available in this runner")
     configure_threads()
     path = slice_gguf(Path(cfg.model_path), cfg.start, cfg.end, Path(cfg.cache_dir), cfg.sha256)
     return LlamaStage(
-        path,
-        first=cfg.stage == 0,
-        last=cfg.stage == cfg.n_stages - 1,
-        n_ctx=cfg.n_ctx,
-        n_seq_max=cfg.n_seq_max,
-        exact=cfg.exact,
-        n_threads=cfg.n_threads,
-    )
+        path, first=first, last=last, n_ctx=cfg.n_ctx, n_seq_max=cfg.n_seq_max,
+        exact=cfg.exact, n_threads=cfg.n_threads,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

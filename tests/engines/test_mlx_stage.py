@@ -9,13 +9,14 @@ Numerics, measured on SmolLM2-135M Q4_1 (see the tests for the figures they pin)
   quantized weights: its CPU backend rounds the activations to int8 blocks (Q8_0 /
   Q8_1) before every quantized matmul (~0.1 off after the first layer). That
   rounding is discontinuous, so even copying it in MLX does not converge (a last-bit
-  difference flips an int8); whole-model logits of the two engines differ by ~1 on
-  this model, and so do mixed chains. On F32 weights, where llama.cpp does no such
-  rounding, mixed chains match llama.cpp to ~1e-4.
+  difference flips an int8); whole-model logits of the two engines differ by 1.2-1.6
+  on this model (logits reach ~37) and mixed chains by up to 2.2. On F32 weights,
+  where llama.cpp does no such rounding, mixed chains match llama.cpp to ~1e-4.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,14 +44,18 @@ from meshd.engines.slicing import slice_gguf
 from .conftest import MODEL_SHA256
 
 N_CTX = 256
+#: llama.cpp threads in these tests: MLX's CPU backend computes on this thread, and
+#: llama.cpp's OpenMP workers spinning beside it (or fighting other processes on a
+#: busy 2-core box) slowed the mixed tests 5x. One thread gives the same numbers.
+LLAMA_THREADS = 1
 N_GEN = 20
 #: MLX chain vs MLX whole model: the same float32 operations on the same rows.
 CHAIN_TOL = 1e-5
 #: Mixed chains vs the whole llama.cpp model on F32 weights (logits reach ~66).
 F32_TOL = 3e-4
 #: Mixed chains vs the whole llama.cpp model on Q4_1 weights: llama.cpp's int8
-#: rounding of activations (module docstring); measured up to ~1.2 (logits ~18).
-Q4_TOL = 2.5
+#: rounding of activations (module docstring); measured up to 2.2 (logits reach ~37).
+Q4_TOL = 3.0
 
 PROMPTS = {
     "short": "Once upon a time",
@@ -112,7 +117,13 @@ def mlx_whole(model_path: Path) -> Iterator[MlxStage]:
 @pytest.fixture(scope="module")
 def llama_whole(model_path: Path) -> Iterator[LlamaStage]:
     with LlamaStage(
-        model_path, first=True, last=True, n_ctx=N_CTX, n_seq_max=2, exact=True
+        model_path,
+        first=True,
+        last=True,
+        n_ctx=N_CTX,
+        n_seq_max=2,
+        exact=True,
+        n_threads=LLAMA_THREADS,
     ) as s:
         yield s
 
@@ -217,6 +228,16 @@ def test_other_architectures_and_non_gguf_files_are_refused(tmp_path: Path) -> N
     path = tmp_path / "qwen.gguf"
     _write_gguf(path, "qwen2", {"token_embd.weight": (np.zeros((16, 32), np.float32), None)})
     with pytest.raises(UnsupportedModelError, match="qwen2"):
+        check_gguf_for_mlx(path)
+    # A llama variant with tensors a llama layer has no place for (QK norms).
+    path = tmp_path / "qknorm.gguf"
+    f32 = np.zeros((16, 32), np.float32)
+    _write_gguf(
+        path,
+        "llama",
+        {"token_embd.weight": (f32, None), "blk.0.attn_q_norm.weight": (f32[0], None)},
+    )
+    with pytest.raises(UnsupportedModelError, match="attn_q_norm"):
         check_gguf_for_mlx(path)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a model at all")
@@ -333,7 +354,7 @@ def test_first_layer_matches_a_float64_reference(model_path: Path) -> None:
 def test_mlx_chain_matches_the_whole_model(
     model_path: Path, whole_runs: Any, bounds: tuple[int, ...]
 ) -> None:
-    ranges = list(zip(bounds, bounds[1:], strict=False))
+    ranges = list(itertools.pairwise(bounds))
     stages = [
         MlxStage(
             model_path,
@@ -386,8 +407,8 @@ def test_ragged_batch_and_chunked_prefill_match_each_request_alone(
         for s in (0, 1):
             assert stage.n_past(s) == len(prompts[s]) + n - 1
             assert state[s][2] == alone[s][0][:n]
-            # Rows of other requests in the same matmul change the summation blocking.
-            assert _worst(state[s][3], alone[s][1][:n]) <= 1e-3
+            # Measured 0 on the CPU: a row's result does not depend on its neighbours.
+            assert _worst(state[s][3], alone[s][1][:n]) <= CHAIN_TOL
         stage.free(0)
         assert stage.n_past(0) == 0 and stage.n_past(1) > 0
 
@@ -438,12 +459,12 @@ def test_mixed_chains_give_a_whole_models_tokens(
     hi = slice_gguf(model_path, 15, 30, slice_dir, MODEL_SHA256)
     chains = {
         "llama->mlx": [
-            LlamaStage(lo, first=True, last=False, exact=True, **kw),
+            LlamaStage(lo, first=True, last=False, exact=True, n_threads=LLAMA_THREADS, **kw),
             MlxStage(model_path, start=15, end=30, first=False, last=True, **kw),
         ],
         "mlx->llama": [
             MlxStage(model_path, start=0, end=15, first=True, last=False, **kw),
-            LlamaStage(hi, first=False, last=True, exact=True, **kw),
+            LlamaStage(hi, first=False, last=True, exact=True, n_threads=LLAMA_THREADS, **kw),
         ],
     }
     try:
@@ -479,7 +500,7 @@ def test_mixed_chains_match_llama_cpp_within_1e_4_on_f32_weights(
     f32_model: Path, slice_dir: Path
 ) -> None:
     kw: dict[str, Any] = {"n_ctx": 64, "n_seq_max": 1}
-    sha = f"f32-{f32_model.stat().st_size:012d}-{f32_model.parent.name}"
+    sha = f32_model.parent.name.ljust(64, "0")  # one slice folder per variant
     lo = slice_gguf(f32_model, 0, 1, slice_dir, sha)
     hi = slice_gguf(f32_model, 2, 3, slice_dir, sha)
     stages: list[Stage] = []
@@ -489,7 +510,9 @@ def test_mixed_chains_match_llama_cpp_within_1e_4_on_f32_weights(
         return stages[-1]
 
     def llama(path: Path, first: bool, last: bool) -> LlamaStage:
-        stages.append(LlamaStage(path, first=first, last=last, exact=True, **kw))
+        stages.append(
+            LlamaStage(path, first=first, last=last, exact=True, n_threads=LLAMA_THREADS, **kw)
+        )
         return stages[-1]
 
     try:

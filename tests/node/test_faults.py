@@ -16,7 +16,7 @@ from meshd.engines.models import DEFAULT_MODEL
 from tests.cluster import Cluster, NodeProc, wait_for
 from tests.node.test_pipeline import place
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(900)
 
 
 def _runner_pids(instance: str) -> list[int]:
@@ -156,3 +156,30 @@ def test_sigterm_drain_moves_the_stage_and_the_stream_completes(cluster: Cluster
     after = a.get(f"/v1/instances/{inst['id']}")
     assert b.node_id not in {s["node"] for s in after["stages"]}
     assert "draining" in b.log()
+
+
+def test_sigkill_middle_stage_20_times_no_hang_and_no_wrong_text(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests import faultlab
+
+    a = cluster.start("a")
+    b = cluster.start("b", peers=[a])
+    c = cluster.start("c", peers=[a])
+    wait_for(lambda: all(len(n.cluster()["nodes"]) == 3 for n in (a, b, c)), 10)
+    inst = faultlab.place(a, [a, b, c])
+    ref_events: list[tuple[float, str]] = []
+    faultlab.stream(a, ref_events, 200)
+    reference = faultlab.text_of(ref_events)
+    httpx.delete(f"{a.api}/v1/instances/{inst['id']}", timeout=10)
+    nodes = [a, b, c]
+    trials = [faultlab.kill_middle(cluster, nodes, reference, 200) for _ in range(TRIALS)]
+    with capsys.disabled():
+        print("\n" + faultlab.summary(trials))
+    assert not [t for t in trials if t.outcome == "hang"]
+    assert all(t.text_ok for t in trials)
+    # A stream that could not continue ended with a typed error within 2 s.
+    assert all(t.ended_or_resumed_s < 2.0 for t in trials if t.outcome == "error")
+
+
+TRIALS = 20

@@ -1,0 +1,121 @@
+"""MLX stages and mixed MLX + llama.cpp pipelines, through real runners on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import httpx
+import numpy as np
+import pytest
+
+from meshd.engines.models import DEFAULT_MODEL, resolve_model
+from tests.cluster import Cluster, NodeProc, wait_for
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPT = "The capital of France is"
+N = 6
+
+
+def _greedy_whole(engine: str) -> str:
+    """Greedy text of the whole model in one in-process stage of ``engine``."""
+    from meshd.engines.llama_stage import LlamaStage, StageInput, default_threads
+    from meshd.engines.mlx_stage import MlxStage
+
+    path = Path(resolve_model(DEFAULT_MODEL).path)
+    if engine == "mlx":
+        stage = MlxStage(path, start=0, end=30, first=True, last=True, n_ctx=512, n_seq_max=1)
+    else:
+        stage = LlamaStage(path, first=True, last=True, n_ctx=512, n_seq_max=1,
+                           n_threads=default_threads())  # fmt: skip
+    with stage:
+        cur = np.asarray(stage.tokenize(PROMPT, add_special=True, parse_special=False), np.int32)
+        pos, out = 0, []
+        for _ in range(N):
+            logits = stage.forward([StageInput(seq=0, pos=pos, tokens=cur)])[0]
+            pos += len(cur)
+            tok = int(np.argmax(logits))
+            out.append(tok)
+            cur = np.array([tok], np.int32)
+        return b"".join(stage.token_to_piece(t) for t in out).decode("utf-8", "replace")
+
+
+@pytest.fixture(scope="module")
+def wholes() -> dict[str, str]:
+    return {e: _greedy_whole(e) for e in ("llama_cpp", "mlx")}
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProc]]:
+    with Cluster(tmp_path_factory.mktemp("mixed")) as c:
+        a = c.start("a")
+        b = c.start("b", peers=[a])
+        cc = c.start("c", peers=[a])
+        wait_for(lambda: all(len(n.cluster()["nodes"]) == 3 for n in (a, b, cc)), 10)
+        yield [a, b, cc]
+
+
+def _run(via: NodeProc, nodes: list[NodeProc], engines: list[str]) -> str:
+    r = httpx.post(via.api + "/v1/instances", timeout=60, json={
+        "model": DEFAULT_MODEL, "nodes": [n.name for n in nodes], "engines": engines})  # fmt: skip
+    assert r.status_code == 201, r.text
+    inst = r.json()
+    assert [s["engine"] for s in inst["stages"]] == engines
+    try:
+        wait_for(lambda: all(s["state"] == "ready"
+                             for s in via.get(f"/v1/instances/{inst['id']}")["stages"]),
+                 120, interval=0.2)  # fmt: skip
+        r = httpx.post(via.api + "/v1/completions", timeout=300, json={
+            "model": DEFAULT_MODEL, "prompt": PROMPT, "max_tokens": N, "temperature": 0,
+            "ignore_eos": True})  # fmt: skip
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    finally:
+        httpx.delete(f"{via.api}/v1/instances/{inst['id']}", timeout=10)
+
+
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_mlx_pipeline_gives_the_whole_mlx_models_greedy_tokens(
+    trio: list[NodeProc], wholes: dict[str, str], n_stages: int
+) -> None:
+    assert _run(trio[0], trio[:n_stages], ["mlx"] * n_stages) == wholes["mlx"]
+
+
+@pytest.mark.parametrize("engines", [["llama_cpp", "mlx"], ["mlx", "llama_cpp"]])
+def test_mixed_pipeline_gives_a_whole_models_greedy_tokens(
+    trio: list[NodeProc], wholes: dict[str, str], engines: list[str]
+) -> None:
+    got = _run(trio[2], trio[:2], engines)
+    assert got in (wholes["mlx"], wholes["llama_cpp"]), (got, wholes)
+
+
+def test_refused_quant_type_gets_a_clear_error_and_changes_nothing(
+    trio: list[NodeProc], tmp_path: Path
+) -> None:
+    path = tmp_path / "q4k.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    kind = gguf.GGMLQuantizationType.Q4_K
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((1, 256 // block * size), np.uint8),
+                 raw_dtype=kind)  # fmt: skip
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    a = trio[0]
+    before = a.get("/v1/instances")["data"]
+    r = httpx.post(a.api + "/v1/instances", timeout=30,
+                   json={"model": str(path), "nodes": ["a"], "engines": ["mlx"]})  # fmt: skip
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "unsupported_quant" and "Q4_K" in err["message"]
+    assert a.get("/v1/instances")["data"] == before
