@@ -429,19 +429,18 @@ def metric_delta(before: dict, after: dict, name: str, **labels: str) -> tuple[f
 
 @dataclass
 class MetricSeries:
-    """Accumulated (sum, count) per histogram over the measured runs."""
+    """Per-repeat means of histograms (one request's sum / count each)."""
 
-    sums: dict[str, list[float]] = field(default_factory=dict)
+    means: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, key: str, sc: tuple[float, float] | None) -> None:
-        if sc is not None:
-            acc = self.sums.setdefault(key, [0.0, 0.0])
-            acc[0] += sc[0]
-            acc[1] += sc[1]
+        if sc is not None and sc[1]:
+            self.means.setdefault(key, []).append(sc[0] / sc[1])
 
     def mean_ms(self, key: str) -> float | None:
-        acc = self.sums.get(key)
-        return 1000 * acc[0] / acc[1] if acc and acc[1] else None
+        """Median over repeats of the per-request mean, in ms."""
+        xs = self.means.get(key)
+        return 1000 * med(xs) if xs else None
 
 
 # -- direct llama-cpp-python (a worker process) ---------------------------------------
@@ -893,46 +892,45 @@ def runner_pids(node_pid: int, instance: str) -> dict[int, int]:
 
 
 class CpuMeter:
-    """CPU ms per generated token, per named process group, accumulated over runs."""
+    """CPU ms and preemptions per generated token, per named process group; one sample
+    per run, reported as the median over runs."""
 
     def __init__(self) -> None:
-        self.ns: dict[str, int] = {}
-        self.nivcsw: dict[str, int] = {}
-        self.tokens: dict[str, int] = {}
-        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, list[float]] = {}
+        self.pre: dict[str, list[float]] = {}
+        self.wall: dict[str, list[float]] = {}
 
     @contextlib.contextmanager
     def run(self, scope: str, groups: dict[str, Sequence[int]]):
-        """Measure the body; it must return its token count through ``box[0]``."""
+        """Measure the body; it hands its token count back through ``box[0]``."""
         start = {g: (cpu_ns(p), preemptions(p)) for g, p in groups.items()}
         t0 = time.perf_counter()
         box: list[int] = [0]
         yield box
         wall = time.perf_counter() - t0
+        n = box[0]
+        if n <= 0:
+            return
         for g, p in groups.items():
             key = f"{scope}|{g}"
-            self.ns[key] = self.ns.get(key, 0) + cpu_ns(p) - start[g][0]
-            self.nivcsw[key] = self.nivcsw.get(key, 0) + preemptions(p) - start[g][1]
-            self.tokens[key] = self.tokens.get(key, 0) + box[0]
-        self.wall[scope] = self.wall.get(scope, 0.0) + wall
-        self.tokens[scope] = self.tokens.get(scope, 0) + box[0]
+            self.cpu.setdefault(key, []).append((cpu_ns(p) - start[g][0]) / 1e6 / n)
+            self.pre.setdefault(key, []).append((preemptions(p) - start[g][1]) / n)
+        self.wall.setdefault(scope, []).append(1000 * wall / n)
 
     def ms(self, scope: str, group: str) -> float | None:
-        key = f"{scope}|{group}"
-        n = self.tokens.get(key, 0)
-        return self.ns[key] / 1e6 / n if n else None
+        xs = self.cpu.get(f"{scope}|{group}")
+        return med(xs) if xs else None
 
     def preempted(self, scope: str, group: str) -> float | None:
-        key = f"{scope}|{group}"
-        n = self.tokens.get(key, 0)
-        return self.nivcsw[key] / n if n else None
+        xs = self.pre.get(f"{scope}|{group}")
+        return med(xs) if xs else None
 
     def groups(self, scope: str) -> list[str]:
-        return [k.split("|", 1)[1] for k in self.ns if k.startswith(scope + "|")]
+        return [k.split("|", 1)[1] for k in self.cpu if k.startswith(scope + "|")]
 
     def wall_ms(self, scope: str) -> float | None:
-        n = self.tokens.get(scope, 0)
-        return 1000 * self.wall[scope] / n if n else None
+        xs = self.wall.get(scope)
+        return med(xs) if xs else None
 
 
 def measure(args: argparse.Namespace, tmp: Path) -> int:
@@ -1242,7 +1240,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
         return f"{x:.2f}" if x is not None else "-"
 
     print()
-    print("Where the time per token goes, 1 stream (ms/token)")
+    print("Where the time per token goes, 1 stream (ms/token, median over repeats)")
     rows = [["llama-cpp-python Llama.generate, in process", per_tok(S["direct"]), ""]]
     if "direct_t1" in S:
         rows.append(["  the same, one thread fewer", per_tok(S["direct_t1"]), ""])
@@ -1267,8 +1265,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
 
     print()
     print(
-        f"CPU time per generated token, all threads of each process (ms/token; "
-        f"{threads} cores = {threads} ms of CPU per ms of wall time)"
+        f"CPU time per generated token, all threads of each process (ms/token, median "
+        f"over repeats; {threads} cores give {threads} ms of CPU per ms of wall time)"
     )
     rows = []
     for scope, title in (

@@ -103,7 +103,11 @@ StageOutput: TypeAlias = npt.NDArray[np.float32]
 
 
 def default_threads() -> int:
-    """Threads a stage uses when not told: the cores this process may run on."""
+    """Threads a stage uses when not told: ``$MESHD_THREADS``, else the cores this
+    process may run on."""
+    env = os.environ.get("MESHD_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # macOS and Windows have no sched_getaffinity

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,3 +37,16 @@ def model_path() -> Path:
 def slice_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A slice cache shared by the tests of one session (cutting costs seconds)."""
     return tmp_path_factory.mktemp("slices")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_stage() -> Iterator[None]:
+    """In-process stages share this process's cores: several OpenMP pools on 2 cores
+    spin against each other (40x slower). One thread each keeps the tests fast."""
+    old = os.environ.get("MESHD_THREADS")
+    os.environ["MESHD_THREADS"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("MESHD_THREADS", None)
+    else:
+        os.environ["MESHD_THREADS"] = old
