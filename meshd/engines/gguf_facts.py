@@ -116,6 +116,53 @@ def read_facts(
     not a usable GGUF model, FileNotFoundError for a missing one.
     """
     path = Path(path)
+    cached = _cached_facts(path, cache_dir)
+    if cached is not None:
+        return msgspec.structs.replace(cached, name=name)
+    facts = _read_facts(path, name, sha256, cache_dir)
+    _cache_facts(path, cache_dir, facts)
+    return facts
+
+
+_FACTS_FILE = "facts.json"
+
+
+def _facts_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def _cached_facts(path: Path, cache_dir: Path | None) -> ModelFacts | None:
+    """Facts parsed before for this very file (same path, size and mtime)."""
+    if cache_dir is None:
+        return None
+    try:
+        table = json.loads((Path(cache_dir) / _FACTS_FILE).read_text())
+        raw = table.get(_facts_key(path))
+        return None if raw is None else msgspec.convert(raw, ModelFacts)
+    except (OSError, ValueError, msgspec.ValidationError):
+        return None
+
+
+def _cache_facts(path: Path, cache_dir: Path | None, facts: ModelFacts) -> None:
+    if cache_dir is None:
+        return
+    f = Path(cache_dir) / _FACTS_FILE
+    try:
+        table = json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, ValueError):
+        table = {}
+    key = _facts_key(path)
+    prefix = key.rsplit("|", 2)[0] + "|"
+    table = {k: v for k, v in table.items() if not k.startswith(prefix)}
+    table[key] = msgspec.to_builtins(facts)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table))
+    os.replace(tmp, f)
+
+
+def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | None) -> ModelFacts:
     reader = open_gguf(path)
     arch = architecture(reader, path)
     n_layers = _required_int(reader, f"{arch}.block_count", path)
@@ -176,8 +223,16 @@ def read_facts(
 
 
 def chat_template(path: Path) -> str | None:
-    """The default chat template (``tokenizer.chat_template``) in a GGUF, if any."""
-    v = _field(open_gguf(path), "tokenizer.chat_template")
+    """The default chat template (``tokenizer.chat_template``) in a GGUF, if any.
+
+    Read with the header-only reader: gguf-py's parses the whole vocabulary first."""
+    from .models import read_gguf_metadata
+
+    key = "tokenizer.chat_template"
+    try:
+        v = read_gguf_metadata(path, keys=[key]).get(key)
+    except ValueError as e:
+        raise ModelFormatError(str(e)) from None
     return v if isinstance(v, str) and v else None
 
 

@@ -30,6 +30,7 @@ import select
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -107,7 +108,14 @@ class Counters:
 class Runner:
     """The message loop around one engine stage."""
 
-    def __init__(self, cfg: RunnerConfig, stage, ctx: zmq.Context, router: zmq.Socket) -> None:
+    def __init__(
+        self,
+        cfg: RunnerConfig,
+        stage,
+        ctx: zmq.Context,
+        router: zmq.Socket,
+        template: str | None = None,
+    ) -> None:
         self.cfg = cfg
         self.stage = stage
         self.first = cfg.stage == 0
@@ -122,18 +130,18 @@ class Runner:
         self.work: collections.deque[Work] = collections.deque()
         self.dealers: dict[str, zmq.Socket] = {}
         self.counters = Counters()
-        self.template: str | None = None
+        self.template = template
+        self._endpoints: dict[wire.Addr, str] = {}
         self.bos_text = ""
         self.eos_text = ""
         self.eos: set[int] = set(stage.eos_tokens()) if self.last else set()
-        if self.first:
-            from .gguf_facts import chat_template
-
-            self.template = chat_template(cfg.model_path)
 
     # -- sockets -------------------------------------------------------------------
     def send(self, addr: wire.Addr, msg: wire.Message, *frames) -> None:
-        ep = endpoint(addr, self.own)
+        ep = self._endpoints.get(addr)
+        if ep is None:
+            # Resolved once per address, not per token.
+            ep = self._endpoints[addr] = endpoint(addr, self.own)
         d = self.dealers.get(ep)
         if d is None:
             d = self.ctx.socket(zmq.DEALER)
@@ -470,13 +478,18 @@ def main(argv: list[str] | None = None) -> int:
     emit("listening", port=port)
     try:
         stage = load_stage(cfg)
+        template = None
+        if cfg.stage == 0:
+            from .gguf_facts import chat_template
+
+            template = chat_template(Path(cfg.model_path))
     except Exception as e:
         log.exception("could not load the stage")
         emit("failed", reason=f"{type(e).__name__}: {e}")
         return 1
     emit("ready")
     try:
-        Runner(cfg, stage, ctx, router).serve()
+        Runner(cfg, stage, ctx, router, template).serve()
     except KeyboardInterrupt:
         pass
     finally:
@@ -486,8 +499,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def load_stage(cfg: RunnerConfig):
     """Load this stage's layers in its engine (a llama.cpp slice, or MLX on the GGUF)."""
-    from pathlib import Path
-
     first, last = cfg.stage == 0, cfg.stage == cfg.n_stages - 1
     if cfg.engine == "mlx":
         from .mlx_stage import MlxStage

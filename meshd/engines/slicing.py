@@ -53,6 +53,15 @@ def slice_gguf(src: Path, start: int, end: int, out_dir: Path, sha256: str) -> P
         # Only ever renamed into place whole, so existing means complete.
         return dest
 
+    # The whole range is the source itself: answer from the header alone (gguf-py's
+    # reader parses the whole vocabulary, seconds on a big one).
+    from .models import read_gguf_metadata
+
+    meta = read_gguf_metadata(src)
+    n_total = meta.get(f"{meta.get('general.architecture', '')}.block_count")
+    if start == 0 and isinstance(n_total, int) and end == n_total:
+        return src
+
     reader = open_gguf(src)
     arch = architecture(reader, src)
     count_key = f"{arch}.block_count"

@@ -468,13 +468,15 @@ class Node:
         node, so nodes starting together converge on one instance.
         """
         assert self.inference is not None
+        # Read the model's facts while peers answer: the first request needs them too.
+        reading = asyncio.ensure_future(self.inference.facts(model, self.cache_dir))
         await asyncio.sleep(self.config.settle_s)
-        if self.inference.find_instance(model) is not None:
-            return
         try:
-            facts = await self.inference.facts(model, self.cache_dir)
+            facts = await reading
         except Exception as e:
             log.warning("not serving %s: %s", model, e)
+            return
+        if self.inference.find_instance(model) is not None:
             return
         if self.inference.find_instance(model) is not None:
             return
