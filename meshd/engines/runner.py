@@ -131,17 +131,18 @@ class Runner:
         self.dealers: dict[str, zmq.Socket] = {}
         self.counters = Counters()
         self.template = template
-        self._endpoints: dict[wire.Addr, str] = {}
+        self._endpoints: dict[tuple, str] = {}
         self.bos_text = ""
         self.eos_text = ""
         self.eos: set[int] = set(stage.eos_tokens()) if self.last else set()
 
     # -- sockets -------------------------------------------------------------------
     def send(self, addr: wire.Addr, msg: wire.Message, *frames) -> None:
-        ep = self._endpoints.get(addr)
+        key = (addr.port, *addr.addresses)
+        ep = self._endpoints.get(key)
         if ep is None:
             # Resolved once per address, not per token.
-            ep = self._endpoints[addr] = endpoint(addr, self.own)
+            ep = self._endpoints[key] = endpoint(addr, self.own)
         d = self.dealers.get(ep)
         if d is None:
             d = self.ctx.socket(zmq.DEALER)

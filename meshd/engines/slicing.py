@@ -57,7 +57,10 @@ def slice_gguf(src: Path, start: int, end: int, out_dir: Path, sha256: str) -> P
     # reader parses the whole vocabulary, seconds on a big one).
     from .models import read_gguf_metadata
 
-    meta = read_gguf_metadata(src)
+    try:
+        meta = read_gguf_metadata(src)
+    except ValueError as e:
+        raise ModelFormatError(str(e)) from None
     n_total = meta.get(f"{meta.get('general.architecture', '')}.block_count")
     if start == 0 and isinstance(n_total, int) and end == n_total:
         return src
