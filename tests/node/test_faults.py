@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import httpx
 import pytest
 
 from meshd.engines.models import DEFAULT_MODEL
+from tests import faultlab
 from tests.cluster import Cluster, NodeProc, wait_for
 from tests.node.test_pipeline import place
 
@@ -52,22 +52,8 @@ def test_sigkilled_runner_is_restarted_and_the_node_stays_up(cluster: Cluster) -
     assert a.alive()
 
 
-def _stream(via: NodeProc, events: list[tuple[float, str]], max_tokens: int) -> None:
-    body = {"model": DEFAULT_MODEL, "prompt": "Tell a story.", "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
-    with httpx.stream("POST", via.api + "/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append((time.monotonic(), line))
-
-
-def _text(events: list[tuple[float, str]]) -> str:
-    out = []
-    for _, line in events:
-        if line.startswith("data: {"):
-            ev = json.loads(line[6:])
-            out += [c.get("text", "") for c in ev.get("choices") or []]
-    return "".join(out)
+_stream = faultlab.stream
+_text = faultlab.text_of
 
 
 def test_killed_middle_node_stream_continues_on_the_repaired_plan_with_the_same_text(
@@ -161,8 +147,6 @@ def test_sigterm_drain_moves_the_stage_and_the_stream_completes(cluster: Cluster
 def test_sigkill_middle_stage_20_times_no_hang_and_no_wrong_text(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests import faultlab
-
     a = cluster.start("a")
     b = cluster.start("b", peers=[a])
     c = cluster.start("c", peers=[a])
