@@ -29,7 +29,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -231,6 +231,66 @@ def _check_gguf_magic(path: Path) -> None:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r})")
+
+
+class _StageShape(Protocol):
+    first: bool
+    n_vocab: int
+    hidden_size: int
+    n_ctx: int
+    n_seq_max: int
+
+    def n_past(self, seq: int) -> int: ...
+
+
+def check_seq(seq: int, n_seq_max: int) -> None:
+    """Raise StageInputError for a seq id outside ``[0, n_seq_max)``."""
+    if not 0 <= seq < n_seq_max:
+        raise StageInputError(f"seq {seq} outside [0, {n_seq_max})")
+
+
+def validate_inputs(stage: _StageShape, items: Sequence[StageInput]) -> list[np.ndarray]:
+    """Check every item for ``stage`` before anything runs; return its input as arrays.
+
+    One rule book for every engine: tokens on a first stage, ``(n, hidden)`` rows
+    elsewhere, each seq once, ``pos`` equal to what the stage holds, within ``n_ctx``.
+    """
+    seen: set[int] = set()
+    inputs: list[np.ndarray] = []
+    for it in items:
+        check_seq(it.seq, stage.n_seq_max)
+        if it.seq in seen:
+            raise StageInputError(f"seq {it.seq} appears twice in one forward")
+        seen.add(it.seq)
+        if stage.first:
+            if it.tokens is None or it.hidden is not None:
+                raise StageInputError("a first stage takes tokens, not hidden rows")
+            arr = np.asarray(it.tokens)
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise StageInputError(f"tokens must be a 1-D int array, got {arr.dtype}")
+            if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= stage.n_vocab):
+                raise StageInputError(f"token id outside [0, {stage.n_vocab})")
+            arr = arr.astype(np.int32, copy=False)
+        else:
+            if it.hidden is None or it.tokens is not None:
+                raise StageInputError("this stage takes hidden rows, not tokens")
+            arr = np.asarray(it.hidden)
+            if arr.ndim != 2 or arr.shape[1] != stage.hidden_size:
+                raise StageInputError(f"hidden must be (n, {stage.hidden_size}), got {arr.shape}")
+            # float32 on the way in: f16/bf16 rows cost ~4e-3/1e-2 in logits.
+            arr = arr.astype(np.float32, copy=False)
+        n = len(arr)
+        if n == 0:
+            raise StageInputError(f"seq {it.seq}: empty input")
+        past = stage.n_past(it.seq)
+        if it.pos != past:
+            raise StageInputError(f"seq {it.seq}: pos {it.pos} but the stage holds {past}")
+        if it.pos + n > stage.n_ctx:
+            raise ContextFullError(
+                f"seq {it.seq}: {it.pos} + {n} positions exceed n_ctx {stage.n_ctx}"
+            )
+        inputs.append(arr)
+    return inputs
 
 
 class LlamaStage:
@@ -440,49 +500,10 @@ class LlamaStage:
             raise StageError("stage is closed")
 
     def _check_seq(self, seq: int) -> None:
-        if not 0 <= seq < self.n_seq_max:
-            raise StageInputError(f"seq {seq} outside [0, {self.n_seq_max})")
+        check_seq(seq, self.n_seq_max)
 
     def _validate(self, items: Sequence[StageInput]) -> list[np.ndarray]:
-        """Check every item before anything is decoded; return its input as arrays."""
-        seen: set[int] = set()
-        inputs: list[np.ndarray] = []
-        for it in items:
-            self._check_seq(it.seq)
-            if it.seq in seen:
-                raise StageInputError(f"seq {it.seq} appears twice in one forward")
-            seen.add(it.seq)
-            if self.first:
-                if it.tokens is None or it.hidden is not None:
-                    raise StageInputError("a first stage takes tokens, not hidden rows")
-                arr = np.asarray(it.tokens)
-                if arr.ndim != 1 or arr.dtype.kind not in "iu":
-                    raise StageInputError(f"tokens must be a 1-D int array, got {arr.dtype}")
-                if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= self.n_vocab):
-                    raise StageInputError(f"token id outside [0, {self.n_vocab})")
-                arr = arr.astype(np.int32, copy=False)
-            else:
-                if it.hidden is None or it.tokens is not None:
-                    raise StageInputError("this stage takes hidden rows, not tokens")
-                arr = np.asarray(it.hidden)
-                if arr.ndim != 2 or arr.shape[1] != self.hidden_size:
-                    raise StageInputError(
-                        f"hidden must be (n, {self.hidden_size}), got {arr.shape}"
-                    )
-                # float32 on the way in: f16/bf16 rows cost ~4e-3/1e-2 in logits.
-                arr = arr.astype(np.float32, copy=False)
-            n = len(arr)
-            if n == 0:
-                raise StageInputError(f"seq {it.seq}: empty input")
-            past = self.n_past(it.seq)
-            if it.pos != past:
-                raise StageInputError(f"seq {it.seq}: pos {it.pos} but the stage holds {past}")
-            if it.pos + n > self.n_ctx:
-                raise ContextFullError(
-                    f"seq {it.seq}: {it.pos} + {n} positions exceed n_ctx {self.n_ctx}"
-                )
-            inputs.append(arr)
-        return inputs
+        return validate_inputs(self, items)
 
     def forward(self, items: Sequence[StageInput]) -> list[StageOutput]:
         """Run this stage's layers on several requests at once; outputs in item order.

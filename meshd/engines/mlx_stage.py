@@ -49,12 +49,12 @@ import numpy as np
 
 from .gguf_facts import MLX_TYPES, ModelFormatError
 from .llama_stage import (
-    ContextFullError,
     StageError,
     StageInput,
-    StageInputError,
     StageOutput,
     _get_backend,
+    check_seq,
+    validate_inputs,
 )
 
 __all__ = [
@@ -693,48 +693,10 @@ class MlxStage:
             raise StageError("stage is closed")
 
     def _check_seq(self, seq: int) -> None:
-        if not 0 <= seq < self.n_seq_max:
-            raise StageInputError(f"seq {seq} outside [0, {self.n_seq_max})")
+        check_seq(seq, self.n_seq_max)
 
     def _validate(self, items: Sequence[StageInput]) -> list[np.ndarray]:
-        """Check every item before anything runs; return its input as arrays."""
-        seen: set[int] = set()
-        inputs: list[np.ndarray] = []
-        for it in items:
-            self._check_seq(it.seq)
-            if it.seq in seen:
-                raise StageInputError(f"seq {it.seq} appears twice in one forward")
-            seen.add(it.seq)
-            if self.first:
-                if it.tokens is None or it.hidden is not None:
-                    raise StageInputError("a first stage takes tokens, not hidden rows")
-                arr = np.asarray(it.tokens)
-                if arr.ndim != 1 or arr.dtype.kind not in "iu":
-                    raise StageInputError(f"tokens must be a 1-D int array, got {arr.dtype}")
-                if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= self.n_vocab):
-                    raise StageInputError(f"token id outside [0, {self.n_vocab})")
-                arr = arr.astype(np.int32, copy=False)
-            else:
-                if it.hidden is None or it.tokens is not None:
-                    raise StageInputError("this stage takes hidden rows, not tokens")
-                arr = np.asarray(it.hidden)
-                if arr.ndim != 2 or arr.shape[1] != self.hidden_size:
-                    raise StageInputError(
-                        f"hidden must be (n, {self.hidden_size}), got {arr.shape}"
-                    )
-                arr = arr.astype(np.float32, copy=False)
-            n = len(arr)
-            if n == 0:
-                raise StageInputError(f"seq {it.seq}: empty input")
-            past = self.n_past(it.seq)
-            if it.pos != past:
-                raise StageInputError(f"seq {it.seq}: pos {it.pos} but the stage holds {past}")
-            if it.pos + n > self.n_ctx:
-                raise ContextFullError(
-                    f"seq {it.seq}: {it.pos} + {n} positions exceed n_ctx {self.n_ctx}"
-                )
-            inputs.append(arr)
-        return inputs
+        return validate_inputs(self, items)
 
     def forward(self, items: Sequence[StageInput]) -> list[StageOutput]:
         """Run this stage's layers on several requests at once; outputs in item order.
