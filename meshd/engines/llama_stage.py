@@ -293,6 +293,76 @@ def validate_inputs(stage: _StageShape, items: Sequence[StageInput]) -> list[np.
     return inputs
 
 
+class LlamaVocab:
+    """A GGUF's vocabulary through llama.cpp: tokenize, pieces, end-of-generation ids.
+
+    Every engine tokenizes through this, so token ids, pieces and stop ids agree across
+    llama.cpp and MLX stages. :meth:`load` reads only the vocabulary of a file
+    (``vocab_only``); a LlamaStage passes the vocabulary of the model it loaded.
+    """
+
+    def __init__(self, L: Any, vocab: Any, model: Any = None) -> None:
+        self._L = L
+        self._vocab = vocab
+        #: Owned vocab-only model, freed by :meth:`close` (None when borrowed).
+        self._model = model
+        self.n_vocab = int(L.llama_vocab_n_tokens(vocab))
+        self._eos: set[int] | None = None
+
+    @classmethod
+    def load(cls, path: Path) -> LlamaVocab:
+        """The vocabulary of the GGUF at ``path``, without reading any tensor."""
+        L = _get_backend().L
+        params = L.llama_model_default_params()
+        params.vocab_only = True
+        model = L.llama_model_load_from_file(str(path).encode(), params)
+        if not model:
+            raise StageError(f"llama.cpp could not read the vocabulary of {path}")
+        return cls(L, L.llama_model_get_vocab(model), model)
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        """Token ids of ``text`` (see :meth:`LlamaStage.tokenize`)."""
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        while True:
+            buf = (self._L.llama_token * n_max)()
+            n = int(
+                self._L.llama_tokenize(
+                    self._vocab, data, len(data), buf, n_max, add_special, parse_special
+                )
+            )
+            if n >= 0:
+                return list(buf[:n])
+            # A negative count is the size the result needs.
+            n_max = -n
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        """The raw bytes of one token (see :meth:`LlamaStage.token_to_piece`)."""
+        size = 32
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = int(self._L.llama_token_to_piece(self._vocab, token, buf, size, 0, special))
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
+    def eos_tokens(self) -> set[int]:
+        """eos, eot and every token llama.cpp marks end-of-generation (scanned once)."""
+        if self._eos is None:
+            L, v = self._L, self._vocab
+            eos = {int(t) for t in (L.llama_vocab_eos(v), L.llama_vocab_eot(v)) if t >= 0}
+            # Chat end-of-turn tokens (<|im_end|>, <|eot_id|>...) are found by their text.
+            eos.update(i for i in range(self.n_vocab) if L.llama_vocab_is_eog(v, i))
+            self._eos = eos
+        return set(self._eos)
+
+    def close(self) -> None:
+        """Free an owned vocab-only model. Safe to call twice."""
+        if self._model is not None:
+            self._L.llama_model_free(self._model)
+            self._model = None
+
+
 class LlamaStage:
     """Layers of one GGUF slice, run with llama.cpp's low-level API in this process.
 
@@ -408,7 +478,7 @@ class LlamaStage:
         self._cap_row = 0
         self._cap_end = 0
         self._cap_error: str | None = None
-        self._eos: set[int] | None = None
+        self._tok = LlamaVocab(L, self._vocab)
         self._alloc_batch()
 
     # -- batch ---------------------------------------------------------------------
@@ -613,19 +683,7 @@ class LlamaStage:
         """Token ids of ``text``; ``add_special`` adds BOS/EOS as the model asks,
         ``parse_special`` turns special-token text (``<|im_start|>``) into its id."""
         self._check_open()
-        data = text.encode("utf-8")
-        n_max = len(data) + 8
-        while True:
-            buf = (self._L.llama_token * n_max)()
-            n = int(
-                self._L.llama_tokenize(
-                    self._vocab, data, len(data), buf, n_max, add_special, parse_special
-                )
-            )
-            if n >= 0:
-                return list(buf[:n])
-            # A negative count is the size the result needs.
-            n_max = -n
+        return self._tok.tokenize(text, add_special, parse_special)
 
     def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
         """The raw bytes of one token (possibly part of a UTF-8 character).
@@ -634,31 +692,12 @@ class LlamaStage:
         they render as nothing, which is what a chat reply shows.
         """
         self._check_open()
-        size = 32
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = int(self._L.llama_token_to_piece(self._vocab, token, buf, size, 0, special))
-            if n >= 0:
-                return buf.raw[:n]
-            size = -n
+        return self._tok.token_to_piece(token, special)
 
     def eos_tokens(self) -> set[int]:
         """Ids that end a generation: eos, eot and every end-of-generation token."""
         self._check_open()
-        if self._eos is None:
-            eos: set[int] = set()
-            for tid in (
-                self._L.llama_vocab_eos(self._vocab),
-                self._L.llama_vocab_eot(self._vocab),
-            ):
-                if tid >= 0:
-                    eos.add(int(tid))
-            # llama.cpp also marks chat end-of-turn tokens (<|im_end|>, <|eot_id|>...)
-            # found by their text; a vocabulary scan asks it once per stage.
-            is_eog = self._L.llama_vocab_is_eog
-            eos.update(i for i in range(self.n_vocab) if is_eog(self._vocab, i))
-            self._eos = eos
-        return set(self._eos)
+        return self._tok.eos_tokens()
 
     # -- lifetime ------------------------------------------------------------------
 

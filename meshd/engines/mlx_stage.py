@@ -33,7 +33,6 @@ A stage is not thread-safe: a runner calls it from one thread.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import re
@@ -49,10 +48,10 @@ import numpy as np
 
 from .gguf_facts import MLX_TYPES, ModelFormatError
 from .llama_stage import (
+    LlamaVocab,
     StageError,
     StageInput,
     StageOutput,
-    _get_backend,
     check_seq,
     validate_inputs,
 )
@@ -353,66 +352,6 @@ def check_gguf_for_mlx(path: Path | str) -> None:
     _inspect_gguf(Path(path))
 
 
-# -- tokenizer ---------------------------------------------------------------------
-
-
-class _LlamaVocab:
-    """The GGUF's vocabulary through llama.cpp (``vocab_only``: no tensor is read).
-
-    Same calls as :class:`~meshd.engines.llama_stage.LlamaStage` makes, so token ids,
-    pieces and end-of-generation ids are identical on both engines.
-    """
-
-    def __init__(self, path: Path) -> None:
-        backend = _get_backend()
-        L = self._L = backend.L
-        params = L.llama_model_default_params()
-        params.vocab_only = True
-        model = L.llama_model_load_from_file(str(path).encode(), params)
-        if not model:
-            raise StageError(f"llama.cpp could not read the vocabulary of {path}")
-        self._model: Any = model
-        self._vocab = L.llama_model_get_vocab(model)
-        self.n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
-        self._eos: set[int] | None = None
-
-    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        data = text.encode("utf-8")
-        n_max = len(data) + 8
-        while True:
-            buf = (self._L.llama_token * n_max)()
-            n = int(
-                self._L.llama_tokenize(
-                    self._vocab, data, len(data), buf, n_max, add_special, parse_special
-                )
-            )
-            if n >= 0:
-                return list(buf[:n])
-            n_max = -n  # a negative count is the size the result needs
-
-    def token_to_piece(self, token: int, special: bool) -> bytes:
-        size = 32
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = int(self._L.llama_token_to_piece(self._vocab, token, buf, size, 0, special))
-            if n >= 0:
-                return buf.raw[:n]
-            size = -n
-
-    def eos_tokens(self) -> set[int]:
-        if self._eos is None:
-            L, v = self._L, self._vocab
-            eos = {int(t) for t in (L.llama_vocab_eos(v), L.llama_vocab_eot(v)) if t >= 0}
-            eos.update(i for i in range(self.n_vocab) if L.llama_vocab_is_eog(v, i))
-            self._eos = eos
-        return set(self._eos)
-
-    def close(self) -> None:
-        if self._model is not None:
-            self._L.llama_model_free(self._model)
-            self._model = None
-
-
 # -- weights -----------------------------------------------------------------------
 
 
@@ -539,7 +478,7 @@ class MlxStage:
         #: Width of the residual stream: the hidden rows a stage takes and returns.
         self.hidden_size = spec.hidden_size
         self._caches: dict[int, list[Any]] = {}
-        self._vocab: _LlamaVocab | None = _LlamaVocab(path)
+        self._vocab: LlamaVocab | None = LlamaVocab.load(path)
         #: Vocabulary size (the tokenizer's; the output head has as many rows).
         self.n_vocab = self._vocab.n_vocab
         for role, rows in (("embedding", spec.embed_rows), ("output head", spec.vocab_rows)):
@@ -807,7 +746,7 @@ class MlxStage:
 
     # -- tokenizer -----------------------------------------------------------------
 
-    def _vocab_open(self) -> _LlamaVocab:
+    def _vocab_open(self) -> LlamaVocab:
         if self._vocab is None:
             raise StageError("stage is closed")
         return self._vocab
