@@ -165,14 +165,16 @@ def test_client_disconnect_mid_stream_frees_the_kv_on_every_stage(
         }  # fmt: skip
         with httpx.stream("POST", trio[1].api + "/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
+            # Keep the line iterator referenced: dropping a half-read httpx iterator
+            # closes the connection, which is the disconnect this test makes below.
+            lines = r.iter_lines()
             got = 0
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
+            while got < 5:
+                if next(lines).startswith("data: {"):
                     got += 1
-                    if got == 5:
-                        break
             # Mid-stream: every stage holds the request.
             wait_for(lambda: _active(trio, inst["id"]) == 3, 5, interval=0.05)
+            r.close()
         t0 = time.monotonic()
         wait_for(lambda: _active(trio, inst["id"]) == 0, 5, interval=0.05)
         assert time.monotonic() - t0 < 5
