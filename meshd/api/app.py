@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import instances, openai
+from .auth import BearerAuth
 from .errors import install_error_handlers
 
 
@@ -53,4 +54,7 @@ def create_app(node) -> Starlette:
         ],
     )
     install_error_handlers(app)
+    key = getattr(getattr(node, "config", None), "api_key", None)
+    if key:
+        app.add_middleware(BearerAuth, key=key)
     return app

@@ -12,25 +12,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from meshd.engines.models import AmbiguousModelError, ModelNotFoundError
+from meshd.node.config import DEFAULT_MAX_REQUESTS, DEFAULT_MAX_TOKENS
 from meshd.node.inference import ModelLoading, RequestFailed
 from meshd.placement import PlacementError
 from meshd.transport import wire
 
 from . import schemas
 from .bodies import parse_body
-from .errors import ApiError, model_loading, model_not_found
+from .errors import ApiError, bad_request, model_loading, model_not_found, overloaded
+from .limits import Admission, Ticket
 from .sse import SSE_DONE, sse_data, sse_error, sse_response
 
 log = logging.getLogger("meshd.api")
 
 #: Retry-After given while a model loads.
 LOADING_RETRY_S = 5.0
+#: Retry-After given when the node carries its limit of requests.
+OVERLOADED_RETRY_S = 1.0
 
 
 def _failed(e: RequestFailed) -> ApiError:
@@ -59,6 +64,9 @@ class _Run:
 def routes(node):
     """Handlers bound to ``node``."""
     metrics = node.metrics
+    cfg = getattr(node, "config", None)
+    admission = Admission(getattr(cfg, "max_requests", DEFAULT_MAX_REQUESTS))
+    max_tokens: int = getattr(cfg, "max_tokens", DEFAULT_MAX_TOKENS)
 
     async def instance_for(model: str):
         try:
@@ -89,12 +97,20 @@ def routes(node):
         return _Run(chunks, first)
 
     def sampling(body) -> wire.Sampling:
+        n = body.max_new_tokens
+        if n is not None and n > max_tokens:
+            raise bad_request(
+                f"max_tokens is too large: {n}. This node generates at most {max_tokens} "
+                "tokens per request (meshd up --max-tokens).",
+                param="max_tokens",
+                code="max_tokens_too_large",
+            )
         return wire.Sampling(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
             seed=body.seed,
-            max_tokens=body.max_new_tokens,
+            max_tokens=max_tokens if n is None else n,
             stop=body.stop_sequences,
             ignore_eos=body.ignore_eos,
         )
@@ -136,19 +152,38 @@ def routes(node):
         route = "chat" if chat else "completions"
         model = body.model
         t0 = time.perf_counter()
+        ticket = admission.enter()
+        if ticket is None:
+            metrics.requests.labels(route, model, "429").inc()
+            raise overloaded(OVERLOADED_RETRY_S)
+        streaming = False
         try:
-            inst = await instance_for(model)
-            if chat:
-                turns = [wire.ChatTurn(m.role, m.text) for m in body.messages]
-                run = await start(inst, messages=turns, sampling=sampling(body))
-            else:
-                run = await start(inst, prompt=body.prompt_text, sampling=sampling(body))
-        except ApiError as e:
-            metrics.requests.labels(route, model, str(e.status)).inc()
-            raise
-        metrics.in_flight.inc()
-        if body.stream:
-            return sse_response(_stream(run, body, chat, t0, route))
+            try:
+                params = sampling(body)
+                inst = await instance_for(model)
+                if chat:
+                    turns = [wire.ChatTurn(m.role, m.text) for m in body.messages]
+                    run = await start(inst, messages=turns, sampling=params)
+                else:
+                    run = await start(inst, prompt=body.prompt_text, sampling=params)
+            except ApiError as e:
+                metrics.requests.labels(route, model, str(e.status)).inc()
+                raise
+            metrics.in_flight.inc()
+            if body.stream:
+                events = _stream(run, body, chat, t0, route, ticket)
+                # Backstop: a stream the server never starts (client gone before the
+                # first byte) never runs its finally; its slot comes back when freed.
+                weakref.finalize(events, ticket.release)
+                streaming = True
+                return sse_response(events)
+            return await _whole(run, body, chat, t0, route)
+        finally:
+            if not streaming:
+                ticket.release()
+
+    async def _whole(run: _Run, body, chat: bool, t0: float, route: str) -> Response:
+        model = body.model
         try:
             text, finish, usage = [], "stop", None
             try:
@@ -175,7 +210,9 @@ def routes(node):
         finally:
             metrics.in_flight.dec()
 
-    async def _stream(run: _Run, body, chat: bool, t0: float, route: str) -> AsyncIterator[bytes]:
+    async def _stream(
+        run: _Run, body, chat: bool, t0: float, route: str, ticket: Ticket
+    ) -> AsyncIterator[bytes]:
         model = body.model
         s = schemas.ChatStream(model) if chat else schemas.CompletionStream(model)
         outcome = "200"
@@ -200,6 +237,7 @@ def routes(node):
             yield sse_error(_failed(e))
             yield SSE_DONE
         finally:
+            ticket.release()
             await run.chunks.aclose()
             metrics.in_flight.dec()
             metrics.requests.labels(route, model, outcome).inc()

@@ -120,10 +120,15 @@ class NodeClient:
     Proxy environment variables are ignored: a node is on the local network.
     """
 
-    def __init__(self, base_url: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self, base_url: str, timeout: float = DEFAULT_TIMEOUT, api_key: str | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, trust_env=False)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(
+            base_url=self.base_url, timeout=timeout, trust_env=False, headers=headers
+        )
 
     def __enter__(self) -> NodeClient:
         return self

@@ -1,8 +1,9 @@
 """``meshctl``: talk to a running meshd cluster through any one of its nodes.
 
-Every command is an HTTP request to a node (``--node HOST:PORT``, else the
-``MESHCTL_NODE`` environment variable, else ``127.0.0.1:7470``); nothing here decides
-anything the node's API decides.
+Every command but ``secret`` is an HTTP request to a node (``--node HOST:PORT``, else
+the ``MESHCTL_NODE`` environment variable, else ``127.0.0.1:7470``; ``--api-key`` or
+``MESHD_API_KEY`` for a node that demands one); nothing here decides anything the
+node's API decides.
 
 Adding a command: write ``_add_<name>(subparsers, common)`` that adds a subparser and
 sets ``func`` to a ``(args, client) -> int`` function, and list it in ``COMMANDS``.
@@ -19,6 +20,10 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from meshd.node.config import API_KEY_ENV
+from meshd.transport.security import SecretError, new_secret, write_secret
 
 from .client import (
     DEFAULT_TIMEOUT,
@@ -217,7 +222,34 @@ def _add_chat(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
     p.set_defaults(func=cmd_chat)
 
 
-COMMANDS = [_add_top, _add_nodes, _add_place, _add_ls, _add_rm, _add_chat]
+def cmd_secret(args: argparse.Namespace) -> int:
+    """Make a fresh cluster secret: print it, or write it to a file (mode 0600)."""
+    if args.output is None:
+        print(new_secret())
+        return EXIT_OK
+    try:
+        write_secret(args.output, force=args.force)
+    except (SecretError, OSError) as exc:
+        print(f"meshctl: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(
+        f"wrote a new cluster secret to {args.output}; copy it to every node and start "
+        f"each with `meshd up --secret-file {args.output}`",
+        file=sys.stderr,
+    )
+    return EXIT_OK
+
+
+def _add_secret(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("secret", help="Cluster secrets (CURVE keys for every socket).")
+    ssub = p.add_subparsers(dest="secret_command", metavar="ACTION", required=True)
+    new = ssub.add_parser("new", help=cmd_secret.__doc__, description=cmd_secret.__doc__)
+    new.add_argument("-o", "--output", type=Path, metavar="PATH", help="write it here")
+    new.add_argument("--force", action="store_true", help="replace an existing file")
+    p.set_defaults(func=None, local=cmd_secret)
+
+
+COMMANDS = [_add_top, _add_nodes, _add_place, _add_ls, _add_rm, _add_chat, _add_secret]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help=f"node to ask: host:port, :port, host or a URL (default ${NODE_ENV}, "
         "else 127.0.0.1:7470)",
+    )
+    common.add_argument(
+        "--api-key",
+        default=argparse.SUPPRESS,
+        metavar="KEY",
+        help=f"bearer token of a node started with --api-key (default ${API_KEY_ENV})",
     )
     common.add_argument(
         "--timeout",
@@ -258,6 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help or a usage error
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    local = getattr(args, "local", None)
+    if local is not None:  # needs no node
+        return local(args)
     try:
         base_url = getattr(args, "node", None) or parse_node(None)
     except ValueError as exc:  # a bad $MESHCTL_NODE
@@ -265,7 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     func: Command = args.func
     try:
-        with NodeClient(base_url, timeout=getattr(args, "timeout", DEFAULT_TIMEOUT)) as client:
+        api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+        timeout = getattr(args, "timeout", DEFAULT_TIMEOUT)
+        with NodeClient(base_url, timeout=timeout, api_key=api_key) as client:
             return func(args, client)
     except NodeUnreachable as exc:
         print(f"meshctl: {exc}", file=sys.stderr)

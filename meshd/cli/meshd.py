@@ -5,16 +5,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
 import meshd
+from meshd.transport.security import SECRET_ENV, load_secret
 
 from ..engines.models import DEFAULT_MODEL
 from ..node.config import (
+    API_KEY_ENV,
     DEFAULT_API_PORT,
     DEFAULT_CLUSTER,
+    DEFAULT_MAX_REQUESTS,
+    DEFAULT_MAX_TOKENS,
     DEFAULT_MESH_PORT,
     parse_peer,
     parse_size,
@@ -33,7 +38,14 @@ def _parser() -> argparse.ArgumentParser:
         "--cluster", default=DEFAULT_CLUSTER, help="cluster name (default: %(default)s)"
     )
     up.add_argument(
-        "--api-host", default="127.0.0.1", help="API listen address (default: %(default)s)"
+        "--api-host",
+        help="API listen address (default: 127.0.0.1; 0.0.0.0 when an API key is set)",
+    )
+    up.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        metavar="KEY",
+        help=f"bearer token every API route but /healthz demands (default: ${API_KEY_ENV})",
     )
     up.add_argument(
         "--api-port",
@@ -83,15 +95,46 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="most memory this node offers the cluster, e.g. 8G (default: all it has)",
     )
+    up.add_argument(
+        "--secret-file",
+        type=Path,
+        metavar="PATH",
+        help=f"cluster secret: CURVE-encrypt and authenticate every mesh socket "
+        f"(default: ${SECRET_ENV}; make one with `meshctl secret new`)",
+    )
+    up.add_argument(
+        "--max-requests",
+        type=_positive,
+        default=DEFAULT_MAX_REQUESTS,
+        metavar="N",
+        help="completion requests in flight through this node before 429 (default: %(default)s)",
+    )
+    up.add_argument(
+        "--max-tokens",
+        type=_positive,
+        default=DEFAULT_MAX_TOKENS,
+        metavar="N",
+        help="most tokens one request may generate (default: %(default)s)",
+    )
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
 
 
 def _ready_line(node) -> None:
     # One machine-readable line on stdout: scripts and tests wait for it.
     print(
         f"meshd ready node={node.node_id} name={node.config.name} "
-        f"api=http://{node.config.api_host}:{node.api_port} "
+        f"api=http://{node.api_host}:{node.api_port} "
         f"mesh={node.gossip.mesh_port} pub={node.gossip.pub_port}",
         flush=True,
     )
@@ -112,6 +155,10 @@ async def _up(args: argparse.Namespace) -> int:
         advertise=args.advertise,
         model="" if args.no_model else args.model,
         max_memory=args.max_memory,
+        secret=load_secret(args.secret_file),
+        api_key=args.api_key,
+        max_requests=args.max_requests,
+        max_tokens=args.max_tokens,
     )
     if args.name:
         cfg.name = args.name

@@ -39,6 +39,16 @@ import zmq
 from meshd.transport import wire
 from meshd.transport.addresses import local_addresses
 from meshd.transport.dataplane import endpoint
+from meshd.transport.security import (
+    HANDSHAKE_EVENTS,
+    ClusterKeys,
+    HandshakeReporter,
+    SecretError,
+    derive_keys,
+    load_secret,
+    secure,
+    start_zap,
+)
 
 log = logging.getLogger("meshd.runner")
 
@@ -115,8 +125,10 @@ class Runner:
         ctx: zmq.Context,
         router: zmq.Socket,
         template: str | None = None,
+        keys: ClusterKeys | None = None,
     ) -> None:
         self.cfg = cfg
+        self.keys = keys
         self.stage = stage
         self.first = cfg.stage == 0
         self.last = cfg.stage == cfg.n_stages - 1
@@ -148,6 +160,7 @@ class Runner:
             d = self.ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
             d.setsockopt(zmq.SNDHWM, 10000)
+            secure(d, self.keys, server=False)
             d.connect(ep)
             self.dealers[ep] = d
         try:
@@ -168,11 +181,18 @@ class Runner:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(sys.stdin.fileno(), zmq.POLLIN)
+        mon = None
+        if self.keys is not None:
+            mon = self.router.get_monitor_socket(HANDSHAKE_EVENTS)
+            poller.register(mon, zmq.POLLIN)
+            reporter = HandshakeReporter(lambda _s, reason: self.counters.dropped.update([reason]))
         while True:
             timeout = 0 if self.work else 200
             events = dict(poller.poll(timeout))
             if self.router in events:
                 self.drain()
+            if mon is not None and mon in events:
+                reporter.event("stage", mon.recv_multipart())
             if sys.stdin.fileno() in events and not self.control():
                 return
             if self.work:
@@ -471,9 +491,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = msgspec.json.decode(argv[0], type=RunnerConfig)
     ctx = zmq.Context()
+    try:
+        secret = load_secret(None)
+    except SecretError as e:
+        emit("failed", reason=str(e))
+        return 1
+    keys = None if secret is None else derive_keys(secret)
+    if keys is not None:
+        start_zap(ctx, keys, lambda: log.warning("refused a peer whose key is not the cluster's"))
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_DATA_FRAME)
+    secure(router, keys, server=True)
     host = f"[{cfg.bind_host}]" if ":" in cfg.bind_host else cfg.bind_host
     port = router.bind_to_random_port(f"tcp://{host}")
     emit("listening", port=port)
@@ -490,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     emit("ready")
     try:
-        Runner(cfg, stage, ctx, router, template).serve()
+        Runner(cfg, stage, ctx, router, template, keys).serve()
     except KeyboardInterrupt:
         pass
     finally:

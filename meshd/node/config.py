@@ -18,6 +18,12 @@ DEFAULT_API_PORT = 7470
 DEFAULT_MESH_PORT = 7471
 DEFAULT_CLUSTER = "default"
 HEARTBEAT_INTERVAL = 0.5
+#: Environment variable with the API key (``--api-key`` wins over it).
+API_KEY_ENV = "MESHD_API_KEY"
+#: Requests in flight per node before the API answers 429 (8 runner slots, 8x queued).
+DEFAULT_MAX_REQUESTS = 64
+#: ``max_tokens`` cap; unset ``max_tokens`` also stops here (or at the context's end).
+DEFAULT_MAX_TOKENS = 4096
 #: Tombstones are collected this far behind the cluster's stable horizon (clock skew).
 TOMBSTONE_GRACE_MS = 60_000
 
@@ -28,7 +34,8 @@ class NodeConfig:
 
     name: str = field(default_factory=socket.gethostname)
     cluster: str = DEFAULT_CLUSTER
-    api_host: str = "127.0.0.1"
+    #: API listen address; None = loopback, or all interfaces when an API key is set.
+    api_host: str | None = None
     api_port: int = DEFAULT_API_PORT
     mesh_host: str = "0.0.0.0"
     mesh_port: int = DEFAULT_MESH_PORT
@@ -53,6 +60,23 @@ class NodeConfig:
     n_seq_max: int = 8
     #: Most memory (bytes) this node offers the cluster; 0 = what the machine has.
     max_memory: int = 0
+    #: The cluster secret (CURVE on every socket); None runs an open cluster.
+    secret: str | None = None
+    #: Bearer token the API demands; None serves anyone who can reach it.
+    api_key: str | None = None
+    #: Completion requests in flight through this node's API; more get 429.
+    max_requests: int = DEFAULT_MAX_REQUESTS
+    #: Most tokens one request may generate (``max_tokens`` above it is a 400).
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    #: Gossip messages and mesh requests a second one peer may send.
+    peer_rate: float = gossip.PEER_RATE
+
+    def api_listen_host(self) -> str:
+        """Where the API binds: as told, else all interfaces when a key guards it, else
+        loopback (an unguarded API is never exposed by default)."""
+        if self.api_host:
+            return self.api_host
+        return "0.0.0.0" if self.api_key else "127.0.0.1"
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

@@ -40,6 +40,7 @@ from meshd.transport import wire
 from meshd.transport.addresses import choose_address, local_addresses
 from meshd.transport.dataplane import DataPlane
 from meshd.transport.gossip import Endpoint, Gossip
+from meshd.transport.security import ClusterKeys, HandshakeReporter, derive_keys, start_zap
 from meshd.transport.stats import DropCounters
 
 from . import sysinfo
@@ -69,6 +70,8 @@ class Node:
         self.gossip: Gossip | None = None
         self.card: NodeCard | None = None
         self.api_port = 0
+        self.api_host = ""
+        self._zap = None
         self.fatal: Exception | None = None
         self._stopping = asyncio.Event()
         self._hurry = asyncio.Event()
@@ -108,9 +111,11 @@ class Node:
         self.identity = load_identity(cfg.data_dir)
         self.replica = Replica(self.identity.node_id)
         backends = await probe()
+        ctx = zmq.asyncio.Context.instance()
+        keys = self._secure(ctx)
         self.gossip = Gossip(
             self.replica,
-            ctx=zmq.asyncio.Context.instance(),
+            ctx=ctx,
             cluster=wire.cluster_hash(cfg.cluster),
             incarnation=self.incarnation,
             own_entries=self._own_entries,
@@ -122,15 +127,17 @@ class Node:
             mesh_port=cfg.mesh_port,
             digest_interval=cfg.digest_interval,
             request_timeout=cfg.request_timeout,
+            keys=keys,
+            peer_rate=cfg.peer_rate,
         )
         self._own_addrs = cfg.advertise or _advertised(cfg.mesh_host)
-        ctx = zmq.asyncio.Context.instance()
         self.dataplane = DataPlane(
             ctx,
             node_id=self.node_id,
             own_addresses=self._own_addrs,
             bind_host=cfg.mesh_host,
             counters=self.counters,
+            keys=keys,
         )
         self.cache_dir = cfg.data_dir / "cache"
         self.supervisor = Supervisor(
@@ -141,6 +148,7 @@ class Node:
             on_status=self._runners_changed,
             n_ctx=cfg.n_ctx,
             n_seq_max=cfg.n_seq_max,
+            secret=cfg.secret,
         )
         self.inference = Inference(
             node_id=self.node_id,
@@ -155,7 +163,8 @@ class Node:
         from meshd.api.server import ApiServer
 
         self._api = ApiServer(self)
-        self.api_port = await self._api.start(cfg.api_host, cfg.api_port)
+        self.api_host = cfg.api_listen_host()
+        self.api_port = await self._api.start(self.api_host, cfg.api_port)
         self.card = NodeCard(
             id=self.node_id,
             name=cfg.name,
@@ -172,7 +181,7 @@ class Node:
             mesh_port=self.gossip.mesh_port,
             pub_port=self.gossip.pub_port,
             api_port=self.api_port,
-            api_host=cfg.api_host,
+            api_host=self.api_host,
             data_port=self.dataplane.port,
             models=await asyncio.to_thread(models.local_models),
             started_ms=int(time.time() * 1000),
@@ -194,12 +203,26 @@ class Node:
             "node %s (%s) up: api http://%s:%d, mesh port %d, pub port %d, backends %s",
             cfg.name,
             self.node_id,
-            cfg.api_host,
+            self.api_host,
             self.api_port,
             self.gossip.mesh_port,
             self.gossip.pub_port,
             ", ".join(backends) or "none",
         )
+
+    def _secure(self, ctx: zmq.asyncio.Context) -> ClusterKeys | None:
+        """Start ZAP and return the cluster keys, or say once that the cluster is open."""
+        if self.config.secret is None:
+            log.warning(
+                "no cluster secret: gossip and activations travel in clear and any machine "
+                "on the LAN can join; use --secret-file (see `meshctl secret new`)"
+            )
+            return None
+        keys = derive_keys(self.config.secret)
+        reporter = HandshakeReporter(self.counters.add)
+        self._zap = start_zap(ctx, keys, lambda: reporter.denied("zap"))
+        log.info("cluster secret set: every mesh and data socket uses CURVE")
+        return keys
 
     async def _start_discovery(self) -> None:
         from meshd.transport.discovery import Discovery
@@ -289,6 +312,8 @@ class Node:
             await self.dataplane.stop()
         if self.gossip is not None:
             await self.gossip.stop()
+        if self._zap is not None:
+            self._zap.stop()
         if self.identity is not None:
             self.identity.release()
 
@@ -615,6 +640,7 @@ class Node:
             "entries": len(self.replica.map),
             "data_port": self.dataplane.port if self.dataplane else 0,
             "requests_in_flight": self.dataplane.in_flight() if self.dataplane else 0,
+            "secured": self.config.secret is not None,
             "dropped": self.counters.snapshot(),
         }
 

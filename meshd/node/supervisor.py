@@ -23,6 +23,7 @@ import msgspec
 from meshd.crdt.views import Instance, RunnerStatus
 from meshd.engines.llama_stage import runner_env
 from meshd.engines.runner import RunnerConfig
+from meshd.transport.security import SECRET_ENV
 
 log = logging.getLogger("meshd.supervisor")
 
@@ -96,8 +97,10 @@ class Supervisor:
         on_status: Callable[[], None],
         n_ctx: int = 4096,
         n_seq_max: int = 8,
+        secret: str | None = None,
     ) -> None:
         self.node_id = node_id
+        self.secret = secret
         self.resolve_path = resolve_path
         self.cache_dir = cache_dir
         self.bind_host = bind_host
@@ -174,10 +177,19 @@ class Supervisor:
             sys.executable, "-m", "meshd.engines.runner",
             msgspec.json.encode(cfg).decode(),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            env={**runner_env(), "PYTHONUNBUFFERED": "1"},
+            env=self._env(),
         )  # fmt: skip
         r.tasks.append(asyncio.create_task(self._watch(r)))
         self.on_status()
+
+    def _env(self) -> dict[str, str]:
+        # The secret travels in the environment (readable by this user only), never
+        # on the command line where `ps` shows it to everyone.
+        env = {**runner_env(), "PYTHONUNBUFFERED": "1"}
+        env.pop(SECRET_ENV, None)
+        if self.secret is not None:
+            env[SECRET_ENV] = self.secret
+        return env
 
     async def _watch(self, r: RunnerProc) -> None:
         assert r.proc is not None and r.proc.stdout is not None

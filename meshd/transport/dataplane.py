@@ -19,6 +19,7 @@ import zmq.asyncio
 from . import wire
 from .addresses import choose_address
 from .gossip import configure
+from .security import ClusterKeys, HandshakeReporter, secure, watch_handshakes
 from .stats import DropCounters
 
 log = logging.getLogger("meshd.dataplane")
@@ -43,19 +44,23 @@ class DataPlane:
         own_addresses: list[str],
         bind_host: str = "0.0.0.0",
         counters: DropCounters | None = None,
+        keys: ClusterKeys | None = None,
     ) -> None:
         self.ctx = ctx
+        self.keys = keys
         self.node_id = node_id
         self.own_addresses = own_addresses
         self.counters = counters or DropCounters()
         self.router = ctx.socket(zmq.ROUTER)
         configure(self.router)
+        secure(self.router, keys, server=True)
         host = f"[{bind_host}]" if ":" in bind_host else bind_host
         self.router.bind(f"tcp://{host}:0")
         self.port = int(self.router.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self._streams: dict[str, asyncio.Queue[wire.DataChunk]] = {}
         self._dealers: dict[str, zmq.asyncio.Socket] = {}
         self._task: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
 
     def reply_addr(self) -> wire.Addr:
         """Where runners send this node's DataChunks."""
@@ -64,13 +69,19 @@ class DataPlane:
     def start(self) -> None:
         """Start receiving chunks."""
         self._task = asyncio.create_task(self._recv_loop(), name="dataplane-recv")
+        if self.keys is not None:
+            reporter = HandshakeReporter(self.counters.add)
+            self._watch = asyncio.create_task(
+                watch_handshakes(self.router, "data", reporter), name="hs-data"
+            )
 
     async def stop(self) -> None:
         """Stop receiving; close every socket."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for t in (self._task, self._watch):
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
         for d in self._dealers.values():
             d.close(linger=0)
         self.router.close(linger=0)
@@ -97,6 +108,7 @@ class DataPlane:
         if d is None:
             d = self.ctx.socket(zmq.DEALER)
             configure(d)
+            secure(d, self.keys, server=False)
             d.setsockopt(zmq.SNDHWM, 1000)
             d.connect(ep)
             self._dealers[ep] = d

@@ -31,6 +31,8 @@ from meshd.crdt.lww import Entry
 from meshd.crdt.replica import DuplicateNodeIdError, MergeResult, Replica
 
 from . import wire
+from .ratelimit import PeerRateLimiter
+from .security import ClusterKeys, HandshakeReporter, secure, watch_handshakes
 from .stats import DropCounters
 
 log = logging.getLogger("meshd.gossip")
@@ -81,6 +83,9 @@ HEARTBEAT_TIMEOUT_MS = 2000
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 500
 CONNECT_TIMEOUT_MS = 500
+#: Gossip messages and mesh requests a second one peer may send (twice that in a burst).
+#: A healthy peer sends ~3 (two heartbeats, one digest) plus its changes and pulls.
+PEER_RATE = 200.0
 
 
 def configure(sock: zmq.Socket) -> None:
@@ -113,8 +118,12 @@ class Gossip:
         mesh_port: int = 0,
         digest_interval: float = DIGEST_INTERVAL,
         request_timeout: float = REQUEST_TIMEOUT,
+        keys: ClusterKeys | None = None,
+        peer_rate: float = PEER_RATE,
     ) -> None:
         self.replica = replica
+        self.keys = keys
+        self.limiter = PeerRateLimiter(peer_rate, 2 * peer_rate)
         self.ctx = ctx
         self.cluster = cluster
         self.incarnation = incarnation
@@ -134,14 +143,17 @@ class Gossip:
 
         self.router = ctx.socket(zmq.ROUTER)
         configure(self.router)
+        secure(self.router, keys, server=True)
         self.router.bind(f"tcp://{_bracket(bind_host)}:{mesh_port}")
         self.mesh_port = _port_of(self.router)
         self.pub = ctx.socket(zmq.PUB)
         configure(self.pub)
+        secure(self.pub, keys, server=True)
         self.pub.bind(f"tcp://{_bracket(bind_host)}:0")
         self.pub_port = _port_of(self.pub)
         self.sub = ctx.socket(zmq.SUB)
         configure(self.sub)
+        secure(self.sub, keys, server=False)
         self.sub.setsockopt(zmq.SUBSCRIBE, cluster)
 
     # -- lifecycle -----------------------------------------------------------------
@@ -152,6 +164,13 @@ class Gossip:
             asyncio.create_task(self._sub_loop(), name="gossip-sub"),
             asyncio.create_task(self._digest_loop(), name="gossip-digest"),
         ]
+        if self.keys is not None:
+            # The SUB names every peer it dials, so a peer without the secret is
+            # reported by address; the bound sockets count intruders.
+            reporter = HandshakeReporter(self.counters.add)
+            for name, sock in (("mesh", self.router), ("pub", self.pub), ("sub", self.sub)):
+                watch = watch_handshakes(sock, name, reporter, bound=sock is not self.sub)
+                self._tasks.append(asyncio.create_task(watch, name=f"hs-{name}"))
 
     async def stop(self) -> None:
         """Stop loops and close sockets (after the last publish has had its linger)."""
@@ -235,6 +254,7 @@ class Gossip:
             if p.dealer is None:
                 p.dealer = self.ctx.socket(zmq.DEALER)
                 configure(p.dealer)
+                secure(p.dealer, self.keys, server=False)
                 p.dealer.connect(p.endpoint.mesh())
             await p.dealer.send(wire.encode(msg))
             try:
@@ -318,6 +338,9 @@ class Gossip:
         except wire.FrameError as e:
             self.counters.add("mesh", e.reason)
             return None
+        if not self.limiter.allow(getattr(msg, "sender", "")):
+            self.counters.add("mesh", "rate_limited")
+            return wire.Refused(code="rate_limited", message="too many requests; slow down")
         m = self.replica.map
         if isinstance(msg, wire.Hello):
             if msg.cluster != self.cluster:
@@ -360,6 +383,9 @@ class Gossip:
             msg = wire.decode(frames[1])
         except wire.FrameError as e:
             self.counters.add("gossip", e.reason)
+            return
+        if not self.limiter.allow(getattr(msg, "sender", "")):
+            self.counters.add("gossip", "rate_limited")
             return
         if isinstance(msg, wire.Delta):
             self._merge(msg.entries, f"delta from {msg.sender}", republish=False)

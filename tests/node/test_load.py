@@ -1,0 +1,173 @@
+"""Load and limits on one real node serving the default model.
+
+64 concurrent streams: each one completes with the greedy text a lone request gets, or
+is refused up front with a clean 429 (``Retry-After``, OpenAI error body); none is lost,
+cut short or garbled. Then the per-node request limit and the ``max_tokens`` cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from meshd.engines.models import DEFAULT_MODEL
+from tests.cluster import Cluster, NodeProc, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "Once upon a time",
+]
+MAX_TOKENS = 16
+
+
+@dataclass
+class Outcome:
+    status: int
+    text: str = ""
+    finish: str | None = None
+    done: bool = False
+    ttft: float | None = None
+    retry_after: str | None = None
+    error: dict | None = None
+
+
+def _serving(n: NodeProc) -> bool:
+    inst = n.get("/v1/instances")["data"]
+    return bool(inst) and all(s["state"] == "ready" for s in inst[0]["stages"])
+
+
+def _start(c: Cluster, name: str, *extra: str) -> NodeProc:
+    n = c.start(name, model=DEFAULT_MODEL, extra_args=list(extra))
+    wait_for(lambda: _serving(n), 90, interval=0.2)
+    return n
+
+
+def _body(prompt: str, **kw) -> dict:
+    return {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": True, **kw}  # fmt: skip
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
+    t0 = time.perf_counter()
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raw = await r.aread()
+            return Outcome(r.status_code, retry_after=r.headers.get("retry-after"),
+                           error=json.loads(raw).get("error"))  # fmt: skip
+        out = Outcome(200)
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                out.done = True
+            elif line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    out.error = ev["error"]
+                    continue
+                ch = ev["choices"][0]
+                if ch.get("text") and out.ttft is None:
+                    out.ttft = time.perf_counter() - t0
+                out.text += ch.get("text") or ""
+                out.finish = ch.get("finish_reason") or out.finish
+        return out
+
+
+def run_streams(api: str, bodies: list[dict]) -> list[Outcome]:
+    """Send every body at once as a streaming completion; the outcomes in order."""
+
+    async def go() -> list[Outcome]:
+        limits = httpx.Limits(max_connections=len(bodies) + 4)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(
+                *(_stream(client, api + "/v1/completions", b) for b in bodies)
+            )
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with Cluster(tmp_path_factory.mktemp("load")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def node(cluster: Cluster) -> NodeProc:
+    return _start(cluster, "big")
+
+
+@pytest.fixture(scope="module")
+def reference(node: NodeProc) -> dict[str, str]:
+    return {p: run_streams(node.api, [_body(p)])[0].text for p in PROMPTS}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def test_64_concurrent_streams_complete_or_get_a_clean_429(
+    node: NodeProc, reference: dict[str, str]
+) -> None:
+    bodies = [_body(PROMPTS[i % len(PROMPTS)]) for i in range(64)]
+    t0 = time.monotonic()
+    outs = run_streams(node.api, bodies)
+    wall = time.monotonic() - t0
+    done = [o for o, b in zip(outs, bodies, strict=True) if o.status == 200]
+    refused = [o for o in outs if o.status == 429]
+    assert len(done) + len(refused) == 64, [o.status for o in outs]
+    for o, b in zip(outs, bodies, strict=True):
+        if o.status == 200:
+            assert o.error is None, o.error
+            assert o.done and o.finish == "length", o
+            assert o.text == reference[b["prompt"]], (b["prompt"], o.text)
+        else:
+            assert o.retry_after is not None and int(o.retry_after) >= 1
+            assert o.error and o.error["type"] == "rate_limit_error"
+    ttft = [o.ttft for o in done if o.ttft is not None]
+    print(
+        f"\n64 streams x {MAX_TOKENS} tokens in {wall:.1f} s: completed {len(done)}, "
+        f"429 {len(refused)}, TTFT p50 {statistics.median(ttft):.2f} s, "
+        f"p99 {_pct(ttft, 0.99):.2f} s"
+    )
+    # The node forgot every request: nothing in flight, every KV slot free.
+    wait_for(lambda: node.get("/healthz")["requests_in_flight"] == 0, 10)
+
+
+def test_past_the_request_limit_is_429_and_the_rest_still_complete(
+    cluster: Cluster, reference: dict[str, str]
+) -> None:
+    small = _start(cluster, "small", "--max-requests", "3", "--max-tokens", "32")
+    bodies = [_body(PROMPTS[i % len(PROMPTS)]) for i in range(12)]
+    outs = run_streams(small.api, bodies)
+    statuses = [o.status for o in outs]
+    assert set(statuses) <= {200, 429} and statuses.count(200) >= 3, statuses
+    assert statuses.count(429) >= 1, statuses
+    for o, b in zip(outs, bodies, strict=True):
+        if o.status == 200:
+            assert o.text == reference[b["prompt"]] and o.done
+        else:
+            assert o.error["code"] == "overloaded" and o.retry_after == "1"
+    # The slots came back: a lone request is served again.
+    assert run_streams(small.api, [_body(PROMPTS[0])])[0].status == 200
+
+    # max_tokens over the cap: a 400 naming the parameter, before any work.
+    r = httpx.post(small.api + "/v1/completions", json=_body(PROMPTS[0], max_tokens=33,
+                   stream=False), timeout=30)  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    # No max_tokens: the cap ends the generation.
+    body = {"model": DEFAULT_MODEL, "prompt": "Count:", "temperature": 0, "ignore_eos": True}
+    r = httpx.post(small.api + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 32
+    assert r.json()["choices"][0]["finish_reason"] == "length"

@@ -1,0 +1,94 @@
+"""Pure pieces of issue 6: key derivation, secret loading, rate limiting, admission."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+import zmq
+
+from meshd.api.limits import Admission
+from meshd.transport.ratelimit import PeerRateLimiter
+from meshd.transport.security import (
+    SECRET_ENV,
+    SecretError,
+    derive_keys,
+    load_secret,
+    new_secret,
+    secure,
+    write_secret,
+)
+
+
+def test_same_secret_same_keys_and_pairs_match() -> None:
+    s = new_secret()
+    k1, k2 = derive_keys(s), derive_keys(s + "\n")
+    assert k1 == k2
+    assert k1 != derive_keys(new_secret())
+    assert zmq.curve_public(k1.server_secret) == k1.server_public
+    assert zmq.curve_public(k1.client_secret) == k1.client_public
+    assert k1.server_public != k1.client_public
+    assert "secret" not in repr(k1).replace("cluster secret", "")
+
+
+def test_weak_or_missing_secrets_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(SecretError, match="at least 16"):
+        derive_keys("hunter2")
+    with pytest.raises(SecretError, match="cannot read"):
+        load_secret(tmp_path / "nope")
+    assert load_secret(None, env={}) is None
+    s = new_secret()
+    assert load_secret(None, env={SECRET_ENV: s}) == s
+
+
+def test_write_secret_is_private_and_never_overwrites(tmp_path: Path) -> None:
+    p = tmp_path / "s"
+    s = write_secret(p)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    assert load_secret(p) == s
+    with pytest.raises(SecretError, match="exists"):
+        write_secret(p)
+    assert write_secret(p, force=True) != s
+
+
+def test_curve_pair_talks_and_a_stranger_does_not() -> None:
+    keys = derive_keys(new_secret())
+    ctx = zmq.Context()
+    try:
+        srv = ctx.socket(zmq.ROUTER)
+        secure(srv, keys, server=True)
+        port = srv.bind_to_random_port("tcp://127.0.0.1")
+        good, bad = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        secure(good, keys, server=False)
+        secure(bad, derive_keys(new_secret()), server=False)
+        for d in (good, bad):
+            d.connect(f"tcp://127.0.0.1:{port}")
+        bad.send(b"from a stranger")
+        good.send(b"from a member")
+        assert srv.poll(2000)
+        assert srv.recv_multipart()[1] == b"from a member"
+        assert not srv.poll(300)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_rate_limiter_buckets_are_per_peer_and_refill() -> None:
+    now = [0.0]
+    rl = PeerRateLimiter(10, 20, max_peers=2, clock=lambda: now[0])
+    assert sum(rl.allow("a") for _ in range(30)) == 20
+    assert rl.allow("b")
+    now[0] += 0.5
+    assert sum(rl.allow("a") for _ in range(10)) == 5
+    rl.allow("c")  # evicts the least recently used bucket
+    assert len(rl._buckets) == 2
+
+
+def test_admission_is_bounded_and_tickets_release_once() -> None:
+    adm = Admission(2)
+    t1, t2 = adm.enter(), adm.enter()
+    assert t1 and t2 and adm.enter() is None
+    t1.release()
+    t1.release()
+    assert adm.in_flight == 1
+    assert adm.enter() is not None and adm.enter() is None
