@@ -9,6 +9,7 @@ from starlette.responses import JSONResponse, Response
 from meshd.crdt.views import InstanceSpec, instances
 from meshd.engines.models import AmbiguousModelError, ModelNotFoundError, canonical_name
 from meshd.placement import PlacementError
+from meshd.transport.tensors import ACTIVATION_DTYPES
 
 from .bodies import parse_body
 from .errors import ApiError, bad_request
@@ -23,10 +24,14 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     nodes: list[str] = []
     #: Engine per stage (parallel to ``nodes``), e.g. ``["llama_cpp", "mlx"]``.
     engines: list[str] = []
+    #: Activation type between adjacent MLX stages: ``f32``, ``f16`` or ``bf16``.
+    activations: str = "f32"
 
     def __post_init__(self) -> None:
         if not self.model.strip():
             raise ValueError("model must not be empty")
+        if self.activations not in ACTIVATION_DTYPES:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATION_DTYPES)}")
         if self.min_nodes < 1:
             raise ValueError("min_nodes must be >= 1")
         if self.engines and len(self.engines) != len(self.nodes):
@@ -40,6 +45,7 @@ def instance_view(node, inst) -> dict:
         "id": inst.id,
         "model": inst.spec.model,
         "generation": inst.generation,
+        "activations": inst.spec.activations,
         "stages": [
             {
                 "node": st.node,
@@ -91,6 +97,7 @@ def routes(node):
             min_nodes=body.min_nodes,
             nodes=body.nodes,
             engines=body.engines,
+            activations=body.activations,
         )
         try:
             inst = await node.inference.create_instance(spec, facts)

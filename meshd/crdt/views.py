@@ -150,6 +150,9 @@ class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     min_nodes: int = 1
     nodes: list[str] = []
     engines: list[str] = []
+    #: Wire type of activations between two adjacent MLX stages: ``f32`` (default),
+    #: ``f16`` or ``bf16``. Hops that touch llama.cpp always carry float32.
+    activations: str = "f32"
 
 
 class Instance(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -49,6 +49,7 @@ from meshd.transport.security import (
     secure,
     start_zap,
 )
+from meshd.transport.tensors import TensorError, decode_rows, encode_rows
 
 log = logging.getLogger("meshd.runner")
 
@@ -72,6 +73,9 @@ class RunnerConfig(msgspec.Struct, kw_only=True):
     n_seq_max: int = 8
     exact: bool = False
     n_threads: int | None = None
+    #: Wire type of the activations this stage sends on (see transport.tensors);
+    #: anything but f32 only between two MLX stages (InstanceSpec.activations).
+    send_dtype: str = "f32"
 
 
 def emit(event: str, **kw: object) -> None:
@@ -337,14 +341,14 @@ class Runner:
             if reply_to is not None:
                 self.fail(reply_to, a.req, "generation_mismatch", "plan changed during the request")
             return
-        if len(raw) != 1 or a.dtype != "f32" or a.hidden != self.stage.hidden_size:
+        if len(raw) != 1 or a.hidden != self.stage.hidden_size:
             self.counters.dropped["bad_tensor"] += 1
             return
-        buf = raw[0].buffer
-        if len(buf) != a.rows * a.hidden * 4:
+        try:
+            hidden = decode_rows(raw[0].buffer, a.dtype, a.rows, a.hidden)
+        except TensorError:
             self.counters.dropped["bad_tensor"] += 1
             return
-        hidden = np.frombuffer(buf, np.float32).reshape(a.rows, a.hidden)
         if r is None:
             if a.start is None:
                 self.counters.dropped["unknown_request"] += 1
@@ -409,11 +413,11 @@ class Runner:
             r = self.reqs[w.req]
             n = len(w.tokens) if w.tokens is not None else len(w.hidden)  # type: ignore[arg-type]
             if not self.last:
-                rows = np.ascontiguousarray(out, dtype=np.float32)
+                rows = encode_rows(out, self.cfg.send_dtype)
                 act = wire.Activation(
                     req=r.req, instance=self.cfg.instance, generation=self.generation,
                     pos=w.pos, rows=rows.shape[0], hidden=rows.shape[1], start=w.start,
-                    compute=[*w.compute, spent],
+                    compute=[*w.compute, spent], dtype=self.cfg.send_dtype,
                 )  # fmt: skip
                 self.send(r.route[self.cfg.stage + 1], act, memoryview(rows))
             else:

@@ -84,6 +84,15 @@ class RunnerProc:
         )
 
 
+def send_dtype(inst: Instance, i: int) -> str:
+    """Wire type of the activations stage ``i`` sends: the spec's choice on a hop
+    between two MLX stages, float32 on every other hop."""
+    stages = inst.stages
+    if i + 1 < len(stages) and stages[i].engine == "mlx" and stages[i + 1].engine == "mlx":
+        return inst.spec.activations
+    return "f32"
+
+
 class Supervisor:
     """Starts, retunes and stops this node's runner subprocesses."""
 
@@ -159,6 +168,7 @@ class Supervisor:
                     bind_host=self.bind_host,
                     n_ctx=self.n_ctx,
                     n_seq_max=self.n_seq_max,
+                    send_dtype=send_dtype(inst, i),
                 )
                 self.runners[k] = await self._start(key, cfg)
 

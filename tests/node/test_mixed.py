@@ -57,12 +57,16 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProc]]:
         yield [a, b, cc]
 
 
-def _run(via: NodeProc, nodes: list[NodeProc], engines: list[str]) -> str:
+def _run(
+    via: NodeProc, nodes: list[NodeProc], engines: list[str], activations: str = "f32"
+) -> str:
     r = httpx.post(via.api + "/v1/instances", timeout=60, json={
-        "model": DEFAULT_MODEL, "nodes": [n.name for n in nodes], "engines": engines})  # fmt: skip
+        "model": DEFAULT_MODEL, "nodes": [n.name for n in nodes], "engines": engines,
+        "activations": activations})  # fmt: skip
     assert r.status_code == 201, r.text
     inst = r.json()
     assert [s["engine"] for s in inst["stages"]] == engines
+    assert inst["activations"] == activations
     try:
         wait_for(lambda: all(s["state"] == "ready"
                              for s in via.get(f"/v1/instances/{inst['id']}")["stages"]),
@@ -81,6 +85,19 @@ def test_mlx_pipeline_gives_the_whole_mlx_models_greedy_tokens(
     trio: list[NodeProc], wholes: dict[str, str], n_stages: int
 ) -> None:
     assert _run(trio[0], trio[:n_stages], ["mlx"] * n_stages) == wholes["mlx"]
+
+
+@pytest.mark.parametrize("activations", ["bf16", "f16"])
+def test_mlx_hops_in_half_precision_keep_the_greedy_tokens(
+    trio: list[NodeProc], wholes: dict[str, str], activations: str
+) -> None:
+    assert _run(trio[1], trio[:2], ["mlx", "mlx"], activations) == wholes["mlx"]
+
+
+def test_unknown_activation_type_is_a_400(trio: list[NodeProc]) -> None:
+    r = httpx.post(trio[0].api + "/v1/instances", timeout=30, json={
+        "model": DEFAULT_MODEL, "activations": "f8"})  # fmt: skip
+    assert r.status_code == 400 and "activations" in r.text
 
 
 @pytest.mark.parametrize("engines", [["llama_cpp", "mlx"], ["mlx", "llama_cpp"]])
