@@ -66,9 +66,11 @@ async def _check_mlx(model: str) -> None:
     from meshd.engines.mlx_stage import UnsupportedModelError, check_gguf_for_mlx
     from meshd.engines.models import resolve_model
 
-    path = resolve_model(model).path
+    resolved = resolve_model(model)
+    if resolved.format != "gguf":
+        return  # an MLX folder: MLX's own format
     try:
-        await asyncio.to_thread(check_gguf_for_mlx, path)
+        await asyncio.to_thread(check_gguf_for_mlx, resolved.path)
     except UnsupportedModelError as e:
         raise ApiError(
             400, f"{model} cannot run on MLX: {e}", type="invalid_request_error",

@@ -26,7 +26,6 @@ __all__ = [
     "ModelFormatError",
     "SpecialTokens",
     "architecture",
-    "chat_template",
     "file_sha256",
     "open_gguf",
     "read_facts",
@@ -220,20 +219,6 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
         quant_types=quant_types,
         engines=engines,
     )
-
-
-def chat_template(path: Path) -> str | None:
-    """The default chat template (``tokenizer.chat_template``) in a GGUF, if any.
-
-    Read with the header-only reader: gguf-py's parses the whole vocabulary first."""
-    from .models import read_gguf_metadata
-
-    key = "tokenizer.chat_template"
-    try:
-        v = read_gguf_metadata(path, keys=[key]).get(key)
-    except ValueError as e:
-        raise ModelFormatError(str(e)) from None
-    return v if isinstance(v, str) and v else None
 
 
 def special_tokens(path: Path) -> SpecialTokens:

@@ -480,7 +480,7 @@ def chat_template(model: ResolvedModel) -> str | None:
     if model.format == "gguf":
         key = "tokenizer.chat_template"
         value = read_gguf_metadata(model.path, keys=[key]).get(key)
-        return value if isinstance(value, str) else None
+        return value if isinstance(value, str) and value else None
     folder = Path(model.path)
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
@@ -493,6 +493,12 @@ def chat_template(model: ResolvedModel) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         value = named.get("default", next(iter(named.values()), None))
     return value if isinstance(value, str) else None
+
+
+def chat_template_at(path: str | Path) -> str | None:
+    """:func:`chat_template` of the model at ``path`` (a GGUF file or an MLX folder)."""
+    fmt: ModelFormat = "mlx" if Path(path).is_dir() else "gguf"
+    return chat_template(ResolvedModel(name=str(path), path=str(path), format=fmt))
 
 
 def canonical_name(name: str) -> str:

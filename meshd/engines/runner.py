@@ -514,9 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         stage = load_stage(cfg)
         template = None
         if cfg.stage == 0:
-            from .gguf_facts import chat_template
+            from .models import chat_template_at
 
-            template = chat_template(Path(cfg.model_path))
+            template = chat_template_at(cfg.model_path)
     except Exception as e:
         log.exception("could not load the stage")
         emit("failed", reason=f"{type(e).__name__}: {e}")

@@ -14,11 +14,11 @@ import pytest
 from meshd.crdt.views import ModelFacts
 from meshd.engines.gguf_facts import (
     ModelFormatError,
-    chat_template,
     file_sha256,
     read_facts,
     special_tokens,
 )
+from meshd.engines.models import chat_template_at
 
 from .conftest import MODEL_SHA256
 
@@ -89,7 +89,7 @@ def test_known_sha256_is_taken_as_given(model_path: Path) -> None:
 
 @pytest.mark.timeout(30)
 def test_chat_template_and_special_tokens(model_path: Path) -> None:
-    template = chat_template(model_path)
+    template = chat_template_at(model_path)
     assert template is not None and "<|im_start|>" in template
     tokens = special_tokens(model_path)
     assert (tokens.bos, tokens.eos) == (1, 2)
