@@ -1,4 +1,5 @@
-"""One pipeline stage on MLX: a layer range of a llama-architecture GGUF, in-process.
+"""One pipeline stage on MLX: a layer range of a llama-architecture model, in-process,
+loaded from a GGUF or from an MLX / Hugging Face model folder.
 
 The counterpart of :mod:`meshd.engines.llama_stage` with the same contract
 (:class:`~meshd.engines.llama_stage.StageInput` in, float32 hidden rows or logits out,
@@ -27,6 +28,15 @@ residual-stream rows at the same absolute positions whichever engine ran them.
   each weight read between the requests.)
 - Tokenizer: the GGUF's own vocabulary through llama.cpp (``vocab_only``), so token
   ids and pieces are the ones the llama.cpp stages use.
+- Folders (``config.json`` + ``*.safetensors``, see :mod:`meshd.engines.mlx_folder`):
+  ``model_type`` llama or mistral, unquantized or MLX-quantized (config.json's
+  ``quantization``, bits and group size per module as mlx-lm infers them), rope as
+  the config says (``rope_traditional`` false unless stated, any rope scaling
+  mlx-lm builds). ``mx.load`` maps safetensors lazily, so a stage reads only its own
+  tensors. Tokenizer: the folder's ``tokenizer.json`` through
+  :class:`~meshd.engines.hf_vocab.HfVocab` (llama.cpp's rules for pieces and stop ids).
+  A folder written from a GGUF (:func:`~meshd.engines.mlx_folder.gguf_to_mlx_folder`)
+  gives the GGUF stage's greedy tokens, logits within ~1e-4.
 
 A stage is not thread-safe: a runner calls it from one thread.
 """
@@ -41,12 +51,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
 
 from .gguf_facts import MLX_TYPES, ModelFormatError
+from .hf_vocab import HfVocab
 from .llama_stage import (
     LlamaVocab,
     StageError,
@@ -55,6 +66,9 @@ from .llama_stage import (
     check_seq,
     validate_inputs,
 )
+
+if TYPE_CHECKING:
+    from .mlx_folder import FolderModel
 
 __all__ = [
     "MLX_ARCHITECTURES",
@@ -97,7 +111,8 @@ _SUFFIXES = ("weight", "scales", "biases", "bias")
 
 
 class UnsupportedModelError(ModelFormatError):
-    """A GGUF model that the MLX engine cannot run (architecture, rope, quant type)."""
+    """A GGUF or folder model that the MLX engine cannot run (architecture, rope,
+    quant type)."""
 
 
 class UnsupportedQuantError(UnsupportedModelError):
@@ -376,6 +391,31 @@ def _mlx_name(gguf_name: str, start: int, end: int) -> str | None:
     return None if mapped is None else f"{mapped}.{suffix}"
 
 
+_FOLDER_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_FOLDER_GLOBALS = ("model.embed_tokens.", "model.norm.", "lm_head.")
+
+
+def _folder_name(name: str, start: int, end: int) -> str | None:
+    """The stage model's parameter path for a folder tensor; None if not this stage's.
+
+    Layer ``start + i`` of the folder is layer ``i`` of the stage's model; rope
+    frequency buffers some checkpoints carry are never loaded.
+    """
+    if name.endswith(".rotary_emb.inv_freq"):
+        return None
+    m = _FOLDER_LAYER.match(name)
+    if m is not None:
+        i = int(m.group(1))
+        return f"model.layers.{i - start}.{m.group(2)}" if start <= i < end else None
+    return name if name.startswith(_FOLDER_GLOBALS) else None
+
+
+def _layer_shift(path: str, start: int) -> str:
+    """A stage model's module path with the folder's own layer number."""
+    m = _FOLDER_LAYER.match(path)
+    return path if m is None else f"model.layers.{int(m.group(1)) + start}.{m.group(2)}"
+
+
 class _FactorRoPE:
     """Rope with per-dimension frequency factors (GGUF ``rope_freqs.weight``).
 
@@ -409,9 +449,10 @@ class _FactorRoPE:
 
 
 class MlxStage:
-    """Layers ``[start, end)`` of a llama-architecture GGUF, run with MLX in-process.
+    """Layers ``[start, end)`` of a llama-architecture model, run with MLX in-process.
 
-    ``path`` is the whole model's GGUF (not a slice). ``first``: the stage takes token
+    ``path`` is the whole model's GGUF (not a slice) or its MLX / Hugging Face folder
+    (``config.json`` + ``*.safetensors``). ``first``: the stage takes token
     ids (requires ``start == 0``), else hidden rows. ``last``: the stage returns
     logits (requires ``end`` = the model's layer count), else hidden rows.
 
@@ -448,12 +489,16 @@ class MlxStage:
             raise ValueError(f"n_seq_max must be positive, got {n_seq_max}")
         if n_batch < 1:
             raise ValueError(f"n_batch must be positive, got {n_batch}")
+        spec: _GgufModel | FolderModel
         if path.is_dir():
-            raise UnsupportedModelError(
-                f"{path}: MLX model folders are not supported yet; give a GGUF file"
-            )
-        # Header only: refuses an unusable file before mx.load reads any tensor.
-        spec = _inspect_gguf(path)
+            from .mlx_folder import inspect_folder
+
+            # config.json and the safetensors headers only: refuses an unusable folder
+            # before any tensor is read.
+            spec = inspect_folder(path)
+        else:
+            # Header only: refuses an unusable file before mx.load reads any tensor.
+            spec = _inspect_gguf(path)
         if not 0 <= start < end <= spec.n_layers:
             raise ValueError(f"layer range [{start}, {end}) is outside the model's {spec.n_layers}")
         if first and start != 0:
@@ -478,14 +523,23 @@ class MlxStage:
         #: Width of the residual stream: the hidden rows a stage takes and returns.
         self.hidden_size = spec.hidden_size
         self._caches: dict[int, list[Any]] = {}
-        self._vocab: LlamaVocab | None = LlamaVocab.load(path)
-        #: Vocabulary size (the tokenizer's; the output head has as many rows).
-        self.n_vocab = self._vocab.n_vocab
+        self._vocab: LlamaVocab | HfVocab | None
+        if isinstance(spec, _GgufModel):
+            self._vocab = LlamaVocab.load(path)
+            #: Vocabulary size: the tokenizer's, and the rows of the embedding and the
+            #: output head (a folder's model may pad them past its tokenizer's ids).
+            self.n_vocab = self._vocab.n_vocab
+        else:
+            self._vocab = HfVocab.load(path)
+            self.n_vocab = spec.vocab_rows
         for role, rows in (("embedding", spec.embed_rows), ("output head", spec.vocab_rows)):
-            if (first if role == "embedding" else last) and rows != self.n_vocab:
+            if not (first if role == "embedding" else last):
+                continue
+            n_tokens = self._vocab.n_vocab
+            if rows != self.n_vocab or rows < n_tokens:
                 self.close()
                 raise ModelFormatError(
-                    f"{path}: {role} has {rows} rows for a vocabulary of {self.n_vocab}"
+                    f"{path}: {role} has {rows} rows for a vocabulary of {n_tokens}"
                 )
         t0 = time.perf_counter()
         try:
@@ -497,10 +551,15 @@ class MlxStage:
 
     # -- loading -------------------------------------------------------------------
 
-    def _load(self, spec: _GgufModel) -> None:
-        import mlx.nn as nn
-        from mlx.utils import tree_flatten
-        from mlx_lm.models.llama import Model, ModelArgs
+    def _load(self, spec: _GgufModel | FolderModel) -> None:
+        if isinstance(spec, _GgufModel):
+            self._load_gguf(spec)
+        else:
+            self._load_folder(spec)
+        self._KVCache = _kv_cache_class()
+
+    def _load_gguf(self, spec: _GgufModel) -> None:
+        from mlx_lm.models.llama import ModelArgs
 
         mx = self._mx
         f32_scales = self.exact or mx.default_device() == mx.cpu
@@ -543,10 +602,6 @@ class MlxStage:
             mlp_bias=spec.mlp_bias,
             tie_word_embeddings=spec.tied,
         )
-        # Parameters are created lazily: modules this stage never loads or runs (the
-        # embedding of a middle stage) never allocate memory.
-        model = Model(args)
-
         # Quantized modules get their bits from the packed width of their weight:
         # bits = 32 * packed_cols / (scale_cols * group) = packed_cols / scale_cols.
         qbits: dict[str, int] = {}
@@ -564,6 +619,99 @@ class MlxStage:
                 return False
             return {"group_size": _GROUP_SIZE, "bits": bits, "mode": "affine"}
 
+        model = self._assemble(args, weights, quantized, tied=spec.tied)
+
+        if spec.has_rope_freqs:
+            if rope_factors is None:
+                raise ModelFormatError(f"{self.path}: rope_freqs.weight did not load")
+            rope = _FactorRoPE(spec.head_dim, spec.rope_theta, 1.0 / spec.rope_scale, rope_factors)
+            mx.eval(rope.freqs)
+            for layer in model.model.layers:
+                layer.self_attn.rope = rope
+
+    def _load_folder(self, spec: FolderModel) -> None:
+        """Gather this stage's tensors of an MLX / Hugging Face folder and build it.
+
+        ``mx.load`` maps safetensors lazily: only the tensors kept here are ever read,
+        so a stage holds its share of the model, never the whole of it.
+        """
+        from mlx_lm.models.llama import ModelArgs
+
+        mx = self._mx
+        f32_scales = self.exact or mx.default_device() == mx.cpu
+        want_embed = self.first or (self.last and spec.tied)
+        per_file: dict[Path, dict[str, str]] = {}
+        for name, (file, _dtype, _shape, _n) in spec.tensors.items():
+            target = _folder_name(name, self.start, self.end)
+            if target is None:
+                continue
+            if target.startswith("model.embed_tokens.") and not want_embed:
+                continue
+            if target.startswith(("model.norm.", "lm_head.")) and not self.last:
+                continue
+            if target.startswith("lm_head.") and spec.tied:
+                continue  # a tied head is the embedding (mlx-lm drops it too)
+            per_file.setdefault(file, {})[name] = target
+        weights: dict[str, Any] = {}
+        for file, names in per_file.items():
+            arrays = mx.load(str(file))
+            for name, target in names.items():
+                arr = arrays[name]
+                if (
+                    f32_scales
+                    and target.endswith((".scales", ".biases"))
+                    and arr.dtype in (mx.float16, mx.bfloat16)
+                ):
+                    arr = arr.astype(mx.float32)
+                weights[target] = arr
+            del arrays
+
+        config = dict(spec.config)
+        config.update(
+            model_type="llama",
+            num_hidden_layers=self.n_layers,
+            vocab_size=spec.embed_rows,
+            tie_word_embeddings=spec.tied,
+            rope_traditional=spec.rope_traditional,
+            layer_types=None,
+        )
+        args = ModelArgs.from_dict(config)
+        quant = spec.quantization or {}
+        start = self.start
+
+        def quantized(p: str, m: Any) -> bool | dict[str, Any]:
+            scales = weights.get(f"{p}.scales")
+            packed = weights.get(f"{p}.weight")
+            if scales is None or packed is None or not hasattr(m, "to_quantized"):
+                return False
+            # Per-module entries of config.json name the model's own layer numbers.
+            over = quant.get(_layer_shift(p, start))
+            params = over if isinstance(over, dict) else quant
+            in_dims = int(m.weight.shape[-1])
+            if scales.shape[-1] == 0 or in_dims % scales.shape[-1]:
+                raise ModelFormatError(f"{self.path}: bad quantized tensor {p}")
+            # As mlx-lm infers them: the group from the scales' width, the bits from
+            # the packed width (right even where config.json's default is not).
+            return {
+                "group_size": in_dims // int(scales.shape[-1]),
+                "bits": int(packed.shape[-1]) * 32 // in_dims,
+                "mode": str(params.get("mode", "affine")),
+            }
+
+        self._assemble(args, weights, quantized, tied=spec.tied)
+
+    def _assemble(self, args: Any, weights: dict[str, Any], quantized: Any, *, tied: bool) -> Any:
+        """mlx-lm's llama ``Model`` with ``weights`` (this stage's tensors, named as in
+        the stage's model) loaded into it; sets the stage's modules."""
+        import mlx.nn as nn
+        from mlx.utils import tree_flatten
+        from mlx_lm.models.llama import Model
+
+        mx = self._mx
+        want_embed = self.first or (self.last and tied)
+        # Parameters are created lazily: modules this stage never loads or runs (the
+        # embedding of a middle stage) never allocate memory.
+        model = Model(args)
         nn.quantize(model, class_predicate=quantized)
 
         params = dict(tree_flatten(model.parameters()))
@@ -581,7 +729,7 @@ class MlxStage:
             prefixes.append("model.embed_tokens.")
         if self.last:
             prefixes.append("model.norm.")
-            if not spec.tied:
+            if not tied:
                 prefixes.append("lm_head.")
         missing = sorted(k for k in params if k.startswith(tuple(prefixes)) and k not in weights)
         if missing:
@@ -589,22 +737,14 @@ class MlxStage:
         model.load_weights(list(weights.items()), strict=False)
         mx.eval(list(weights.values()))
 
-        if spec.has_rope_freqs:
-            if rope_factors is None:
-                raise ModelFormatError(f"{self.path}: rope_freqs.weight did not load")
-            rope = _FactorRoPE(spec.head_dim, spec.rope_theta, 1.0 / spec.rope_scale, rope_factors)
-            mx.eval(rope.freqs)
-            for layer in model.model.layers:
-                layer.self_attn.rope = rope
-
         self._model = model
         self._layers = list(model.model.layers)
         self._embed = model.model.embed_tokens if self.first else None
         if self.last:
             self._norm = model.model.norm
             # A tied head is the embedding used as a linear layer.
-            self._head = model.model.embed_tokens.as_linear if spec.tied else model.lm_head
-        self._KVCache = _kv_cache_class()
+            self._head = model.model.embed_tokens.as_linear if tied else model.lm_head
+        return model
 
     @property
     def mlx_model(self) -> Any:
@@ -746,7 +886,7 @@ class MlxStage:
 
     # -- tokenizer -----------------------------------------------------------------
 
-    def _vocab_open(self) -> LlamaVocab:
+    def _vocab_open(self) -> LlamaVocab | HfVocab:
         if self._vocab is None:
             raise StageError("stage is closed")
         return self._vocab
