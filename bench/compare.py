@@ -1,0 +1,856 @@
+"""meshd side by side with the peers users would pick instead: one run, one machine, one GGUF.
+
+    python bench/compare.py                   # 3 repeats, 128 tokens, 1 and 8 streams
+    python bench/compare.py --quick           # 2 repeats, 48 tokens
+    python bench/compare.py --repeats 5 --skip mlx --json out.json
+
+Subjects, all on the same GGUF (the default model unless ``--model``), greedy, a fixed
+prompt set, the same threads and ``GOMP_SPINCOUNT``:
+
+* ``direct``: llama-cpp-python in process (``Llama.generate``, whole model): the floor;
+* ``llama_cpp.server``: llama-cpp-python's own OpenAI server;
+* ``llama.cpp RPC``: the same server, the last half of the layers (and the head) on one
+  ``ggml-rpc-server`` over loopback (built by bench/_rpc.py from the installed
+  llama-cpp-python's own source into ``~/.cache/meshd-bench``);
+* ``mlx_lm.server`` on the same weights (bench/_mlx.py makes the MLX folder offline);
+* meshd with 1, 2 and 3 stages (``meshd up`` nodes a, b, c on loopback).
+
+For each: decode tok/s and time to first token at 1 and 8 concurrent streams, and
+meshd's per-hop time from its own ``/metrics``. The repeats interleave the subjects,
+every figure is divided by the direct figure of the same repeat, and the table shows
+the median of those ratios over the repeats and their spread. The raw numbers go to a
+JSON file. A benchmark: it prints figures and exits 0 whatever they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from _common import (
+    DEFAULT_MODEL,
+    N_CTX,
+    PROCS,
+    Node,
+    Proc,
+    Stream,
+    chat_payload,
+    cpu_busy,
+    cpu_model,
+    http_client,
+    llama_server_missing,
+    log,
+    med,
+    metric_delta,
+    on_sigterm,
+    place,
+    run_concurrent,
+    scrape,
+    start_llama_server,
+    start_node,
+    stop_all,
+    stop_process,
+    stream_chat,
+    table,
+    version,
+    wait_live,
+)
+
+#: The fixed prompt set: a distinct system line first, so no server's prefix cache
+#: reuses one prompt's KV for another (they share ``<|im_start|>system\n`` only).
+#: Stream i of a concurrent run sends prompt i; single streams send the last one.
+PROMPTS = [
+    (
+        "You are a storyteller for children.",
+        "Write a long story about a robot who learns to paint.",
+    ),
+    ("Answer as a patient history teacher.", "Explain how the printing press changed Europe."),
+    (
+        "Cooking assistant, concise and practical.",
+        "Describe how to bake bread at home, step by step.",
+    ),
+    (
+        "Travel guide with a taste for detail.",
+        "Describe a week-long trip through the Alps by train.",
+    ),
+    ("Science writer for a general audience.", "Explain why the sky is blue and sunsets are red."),
+    ("Gardening expert speaking to beginners.", "How do I grow tomatoes on a small balcony?"),
+    ("Friendly software mentor.", "Explain what a hash table is and why lookups are fast."),
+    ("Music critic with strong opinions.", "Write a review of an imaginary jazz album."),
+    ("Sports commentator, lively tone.", "Narrate the final minute of a close football match."),
+]
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    system, user = PROMPTS[i % len(PROMPTS)]
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+SINGLE = len(PROMPTS) - 1  # the prompt of the single-stream runs
+
+# -- direct llama-cpp-python (a worker process) -----------------------------------------
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """Hold the model in this process; answer ``{"prompts": [...], "tokens": n}`` lines
+    with one timing per prompt, the prompts run back to back (one ``Llama`` serves one
+    sequence at a time), every one counted from the moment the line arrived."""
+    import llama_cpp
+
+    from meshd.engines.chat import render_chat
+    from meshd.engines.models import chat_template_at
+    from meshd.engines.runner import _CHATML
+
+    path, threads = args.worker_model, args.worker_threads
+    llm = llama_cpp.Llama(
+        path,
+        n_ctx=N_CTX,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=True,
+        verbose=False,
+    )
+    template = chat_template_at(path) or _CHATML
+    prompts = [
+        llm.tokenize(
+            render_chat(template, messages(i), add_generation_prompt=True).encode(),
+            add_bos=True,
+            special=True,
+        )
+        for i in range(len(PROMPTS))
+    ]
+    info = {
+        "ready": True,
+        "n_prompt": [len(p) for p in prompts],
+        "n_layers": int(llama_cpp.llama_model_n_layer(llm.model)),
+        "eos": [int(llama_cpp.llama_vocab_eos(llama_cpp.llama_model_get_vocab(llm.model)))],
+    }
+    print(json.dumps(info), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("quit"):
+            break
+        t_sent = time.perf_counter()
+        out = []
+        for i in cmd["prompts"]:
+            ts: list[float] = []
+            # Llama.generate yields tokens until told to stop: EOS does not end it.
+            for tok in llm.generate(prompts[i], temp=0.0):
+                llm.detokenize([tok])  # text per token, as a stream needs
+                ts.append(time.perf_counter())
+                if len(ts) >= cmd["tokens"]:
+                    break
+            out.append(
+                {
+                    "t_sent": t_sent,
+                    "t_first": ts[0],
+                    "t_last": ts[-1],
+                    "t_end": ts[-1],
+                    "tokens": len(ts),
+                }
+            )
+        print(json.dumps(out), flush=True)
+    return 0
+
+
+class Direct:
+    def __init__(self, tmp: Path, model_path: str, threads: int) -> None:
+        from meshd.engines.llama_stage import runner_env
+
+        args = [
+            sys.executable, str(Path(__file__).resolve()), "--worker",
+            "--worker-model", model_path, "--worker-threads", str(threads),
+        ]  # fmt: skip
+        with open(tmp / "direct.log", "wb") as err:
+            self.p = subprocess.Popen(
+                args,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=runner_env(),
+                start_new_session=True,
+                text=True,
+            )
+        PROCS.append(self.p)
+        self.info = self._read()
+
+    def _read(self) -> Any:
+        assert self.p.stdout is not None
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"direct worker exited {self.p.wait()}")
+        return json.loads(line)
+
+    def run(self, prompts: list[int], tokens: int) -> list[Stream]:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps({"prompts": prompts, "tokens": tokens}) + "\n")
+        self.p.stdin.flush()
+        return [Stream(**d, events=d["tokens"]) for d in self._read()]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            assert self.p.stdin is not None
+            self.p.stdin.write('{"quit": true}\n')
+            self.p.stdin.flush()
+            self.p.wait(5)
+        stop_process(self.p)
+
+
+# -- subjects ------------------------------------------------------------------------------
+
+
+@dataclass
+class Subject:
+    """One row: how to run 1 stream and k streams, and what it measured."""
+
+    key: str
+    label: str
+    one: Callable[[int], Stream] | None = None
+    many: Callable[[int, int], list[Stream]] | None = None
+    #: The meshd model name (for its metrics), when the subject is meshd.
+    meshd_model: str | None = None
+    n_stages: int = 0
+    #: Tokens per request when the subject cannot afford the common count.
+    tokens: int | None = None
+    #: Measured in the first repeat only.
+    once: bool = False
+    error: str | None = None
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    close: Callable[[], None] | None = None
+
+    def fail(self, why: str) -> None:
+        self.error = why.splitlines()[0][:200]
+        log(f"{self.key}: {self.error}")
+        if self.close is not None:
+            with contextlib.suppress(Exception):
+                self.close()
+        self.one = self.many = None
+
+
+def http_subject(key: str, label: str, base: str, payload: Callable[[int, int], dict]) -> Subject:
+    client = http_client()
+
+    def one(tokens: int) -> Stream:
+        return stream_chat(client, base, payload(SINGLE, tokens))
+
+    def many(k: int, tokens: int) -> list[Stream]:
+        return run_concurrent(base, [payload(i, tokens) for i in range(k)], k).streams
+
+    return Subject(key, label, one, many)
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: Proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited {proc.proc.returncode}: {proc.tail(5)}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing listens on port {port}")
+        time.sleep(0.05)
+
+
+def wait_http(base: str, path: str, proc: Proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with http_client(5.0) as c:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if c.get(base + path).status_code == 200:
+                    return
+            if proc.proc.poll() is not None:
+                raise RuntimeError(f"exited {proc.proc.returncode}: {proc.tail(5)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{base}{path} did not answer")
+            time.sleep(0.2)
+
+
+def start_rpc(tmp: Path, model_path: str, threads: int, n_layers: int) -> tuple[Subject, str]:
+    """ggml-rpc-server + llama_cpp.server whose process loaded the RPC backend."""
+    import _rpc
+
+    from meshd.engines.llama_stage import runner_env
+
+    bin_dir = _rpc.ensure_built(log=log)
+    port = free_port()
+    rpc = Proc(
+        _rpc.server_command(bin_dir, port, threads), tmp / "rpc-server.log", env=runner_env()
+    )
+    wait_port(port, rpc, 30.0)
+    # Layers [n/2, n) and the output head on the RPC server, the rest (and the token
+    # embedding, always local in llama.cpp) in the server process: llama.cpp offloads
+    # the last n_gpu_layers "layers", the head counting as layer n.
+    offload = n_layers - n_layers // 2 + 1
+    launcher = [sys.executable, str(Path(_rpc.__file__).resolve()), "serve", f"127.0.0.1:{port}"]
+    proc, url = start_llama_server(
+        tmp,
+        model_path,
+        threads,
+        launcher=launcher,
+        extra=["--n_gpu_layers", str(offload)],
+        name="rpc-llama-server",
+    )
+    s = http_subject(
+        "rpc",
+        "llama.cpp RPC 2-way (llama_cpp.server + 1 ggml-rpc-server)",
+        url,
+        lambda i, n: chat_payload("bench", n, meshd=False, messages=messages(i)),
+    )
+
+    def close() -> None:
+        proc.stop()
+        rpc.stop()
+
+    s.close = close
+    split = f"layers 0-{n_layers // 2 - 1} local, {n_layers // 2}-{n_layers - 1} + head on RPC"
+    return s, split
+
+
+def start_mlx(tmp: Path, model_path: str, eos: list[int], tokens: int) -> Subject:
+    import _mlx
+
+    folder = _mlx.mlx_folder(Path(model_path), log=log)
+    port = free_port()
+    # --prompt-cache-size 0: every request prefills its whole prompt, as everywhere else.
+    args = [
+        sys.executable, "-m", "mlx_lm", "server", "--model", str(folder), "--host",
+        "127.0.0.1", "--port", str(port), "--prompt-cache-size", "0",
+    ]  # fmt: skip
+    proc = Proc(args, tmp / "mlx-server.log")
+    base = f"http://127.0.0.1:{port}"
+    wait_http(base, "/v1/models", proc, 120.0)
+    bias = {str(t): -100 for t in eos}  # no EOS: every request runs to max_tokens
+
+    def payload(i: int, n: int) -> dict:
+        return {
+            "model": "default_model", "messages": messages(i), "stream": True,
+            "max_tokens": n, "temperature": 0, "logit_bias": bias,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+
+    s = http_subject("mlx", "mlx_lm.server (MLX on this machine's CPU)", base, payload)
+    s.close = proc.stop
+    s.tokens, s.once = tokens, True
+    return s
+
+
+# -- figures -------------------------------------------------------------------------------
+
+#: (key, header, lower is better)
+COLUMNS = [
+    ("decode1", "decode tok/s, 1 stream", False),
+    ("ttft1", "TTFT, 1 stream", True),
+    ("decodek", "decode tok/s per stream, {k} streams", False),
+    ("aggk", "aggregate tok/s, {k} streams", False),
+    ("ttftk", "TTFT, {k} streams (median stream)", True),
+]
+
+
+def figures(one: Stream | None, many: list[Stream] | None) -> dict[str, float]:
+    f: dict[str, float] = {}
+    if one is not None:
+        f["decode1"], f["ttft1"] = one.decode_tok_s, one.ttft
+    if many:
+        t0 = min(s.t_sent for s in many)
+        f["decodek"] = med([s.decode_tok_s for s in many])
+        f["aggk"] = sum(s.tokens for s in many) / (max(s.t_end for s in many) - t0)
+        f["ttftk"] = med([s.t_first - t0 for s in many])
+    return f
+
+
+def stream_json(s: Stream) -> dict[str, float]:
+    t0 = s.t_sent
+    return {"ttft_s": s.t_first - t0, "first_to_last_s": s.t_last - s.t_first,
+            "end_s": s.t_end - t0, "tokens": s.tokens, "events": s.events}  # fmt: skip
+
+
+def ratios(subj: Subject, base: Subject, key: str) -> list[float]:
+    """subj / base for each repeat where both measured ``key``."""
+    out = []
+    for r in subj.runs:
+        b = next((x for x in base.runs if x["repeat"] == r["repeat"]), None)
+        x, y = r["fig"].get(key), b["fig"].get(key) if b else None
+        if x is not None and y and x == x and y == y:
+            out.append(x / y)
+    return out
+
+
+def cell(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    if len(xs) == 1:
+        return f"{xs[0]:.2f}"
+    return f"{med(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def hop_metrics(before: dict, after: dict, model: str) -> dict[str, float]:
+    """Per-token means (ms) from meshd's histograms between two scrapes of the API node:
+    the inter-token time there and the pipeline overhead per hop."""
+    out = {}
+    for key, name in (
+        ("hop_ms", "meshd_pipeline_overhead_seconds"),
+        ("itl_ms", "meshd_inter_token_seconds"),
+    ):
+        sc = metric_delta(before, after, name, model=model)
+        if sc:
+            out[key] = 1000 * sc[0] / sc[1]
+    return out
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def measure(args: argparse.Namespace, tmp: Path) -> int:
+    from meshd.engines.llama_stage import default_threads
+    from meshd.engines.models import resolve_model
+
+    t_run = time.perf_counter()
+    model = args.model
+    model_path = str(resolve_model(model).path)
+    threads = default_threads()
+    k, n_tok = args.streams, args.tokens
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    load_start = os.getloadavg()
+    busy = cpu_busy(1.0)
+    subjects: list[Subject] = []
+    notes: list[str] = []
+    nodes: list[Node] = []
+    client = http_client()
+
+    def add_missing(key: str, label: str, why: str) -> None:
+        s = Subject(key, label)
+        s.error = why
+        subjects.append(s)
+        log(f"{key}: {why}")
+
+    try:
+        # ---- direct -------------------------------------------------------------------
+        log(f"loading {model_path} in a llama-cpp-python worker ({threads} threads)")
+        direct = Direct(tmp, model_path, threads)
+        n_layers = int(direct.info["n_layers"])
+        subjects.append(
+            Subject(
+                "direct",
+                "llama-cpp-python in process (the floor)",
+                lambda n: direct.run([SINGLE], n)[0],
+                lambda kk, n: direct.run(list(range(kk)), n),
+                close=direct.close,
+            )
+        )
+
+        # ---- llama_cpp.server -------------------------------------------------------
+        why = llama_server_missing()
+        label = "llama_cpp.server (llama-cpp-python's OpenAI server)"
+        if "server" in skip:
+            add_missing("server", label, "skipped (--skip)")
+        elif why:
+            add_missing("server", label, why)
+        else:
+            log("starting llama_cpp.server")
+            try:
+                proc, url = start_llama_server(tmp, model_path, threads)
+                s = http_subject(
+                    "server",
+                    label,
+                    url,
+                    lambda i, n: chat_payload("bench", n, meshd=False, messages=messages(i)),
+                )
+                s.close = proc.stop
+                subjects.append(s)
+            except Exception as e:
+                add_missing("server", label, f"did not start: {e}")
+
+        # ---- llama.cpp RPC ----------------------------------------------------------------
+        label = "llama.cpp RPC 2-way split"
+        if "rpc" in skip:
+            add_missing("rpc", label, "skipped (--skip)")
+        elif why:
+            add_missing("rpc", label, f"runs in llama_cpp.server: {why}")
+        else:
+            log("starting ggml-rpc-server and llama_cpp.server with the RPC backend")
+            try:
+                s, split = start_rpc(tmp, model_path, threads, n_layers)
+                subjects.append(s)
+                notes.append(f"llama.cpp RPC: {split}, both sides {threads} threads")
+            except Exception as e:
+                add_missing("rpc", label, f"{type(e).__name__}: {e}")
+
+        # ---- mlx_lm.server ----------------------------------------------------------
+        label = "mlx_lm.server"
+        import _mlx
+
+        mlx_why = _mlx.mlx_missing()
+        if "mlx" in skip:
+            add_missing("mlx", label, "skipped (--skip)")
+        elif mlx_why:
+            add_missing("mlx", label, f"MLX is not installed: {mlx_why}")
+        else:
+            log("starting mlx_lm.server")
+            try:
+                s = start_mlx(tmp, model_path, direct.info["eos"], min(n_tok, args.mlx_tokens))
+                subjects.append(s)
+            except Exception as e:
+                add_missing("mlx", label, f"{type(e).__name__}: {e}")
+
+        # ---- meshd ----------------------------------------------------------------------
+        stage_counts = [n for n in (1, 2, 3) if f"meshd{n}" not in skip]
+        if stage_counts:
+            log(f"starting meshd nodes on loopback; placing {stage_counts} stage(s)")
+            cluster = f"compare-{os.getpid()}-{time.monotonic_ns()}"
+            names = ["a", "b", "c"][: max(stage_counts)]
+            for name in names:
+                nodes.append(start_node(tmp, name, cluster, peers=nodes[:1]))
+            a = nodes[0]
+            wait_live(client, a, set(names), 30.0)
+            # One GGUF, three names (the alias and two symlinks), so the three instances
+            # live side by side and the repeats interleave them.
+            for n in stage_counts:
+                name = model
+                if n > 1:
+                    link = tmp / f"{Path(model_path).stem}-{n}stages.gguf"
+                    link.symlink_to(model_path)
+                    name = str(link)
+                label = f"meshd, {n} stage{'s' if n > 1 else ''} (loopback nodes)"
+                try:
+                    place(client, a, name, names[:n])
+                except Exception as e:
+                    add_missing(f"meshd{n}", label, f"placement failed: {e}")
+                    continue
+
+                def payload(i: int, tok: int, name: str = name) -> dict:
+                    return chat_payload(name, tok, meshd=True, messages=messages(i))
+
+                s = http_subject(f"meshd{n}", label, a.api, payload)
+                s.meshd_model, s.n_stages = name, n
+                subjects.append(s)
+
+        order = {key: i for i, key in enumerate(
+            ["direct", "server", "rpc", "mlx", "meshd1", "meshd2", "meshd3"])}  # fmt: skip
+        subjects.sort(key=lambda s: order.get(s.key, 99))
+        live = [s for s in subjects if s.one is not None]
+
+        # ---- warm-up: one short request and one short burst each ----------------------
+        log("warm-up")
+        for s in live:
+            try:
+                assert s.one is not None and s.many is not None
+                s.one(min(8, s.tokens or n_tok))
+                if not s.once:  # a burst of MLX on a CPU costs a minute
+                    s.many(k, min(8, s.tokens or n_tok))
+            except Exception as e:
+                s.fail(f"warm-up failed: {type(e).__name__}: {e}")
+
+        # ---- repeats, interleaved (the order rotates) --------------------------------------
+        t_rep = 0.0
+        for rep in range(args.repeats):
+            used = time.perf_counter() - t_run
+            if rep and used + t_rep > args.budget:
+                notes.append(
+                    f"only {rep} of {args.repeats} repeats: --budget is {args.budget:.0f} s"
+                )
+                break
+            t0 = time.perf_counter()
+            run = [s for s in subjects if s.one is not None and not (s.once and rep)]
+            run = run[rep % len(run) :] + run[: rep % len(run)]
+            log(f"repeat {rep + 1}/{args.repeats}: {', '.join(s.key for s in run)}")
+            for s in run:
+                assert s.one is not None and s.many is not None
+                tok = s.tokens or n_tok
+                try:
+                    before = scrape(client, nodes[0]) if s.meshd_model else {}
+                    one = s.one(tok)
+                    hop = {}
+                    if s.meshd_model:
+                        hop = hop_metrics(before, scrape(client, nodes[0]), s.meshd_model)
+                    many = s.many(k, tok)
+                except Exception as e:
+                    s.fail(f"repeat {rep + 1}: {type(e).__name__}: {e}")
+                    continue
+                s.runs.append(
+                    {
+                        "repeat": rep,
+                        "tokens": tok,
+                        "fig": figures(one, many),
+                        "meshd_1_stream": hop,
+                        "one": stream_json(one),
+                        "many": [stream_json(x) for x in many],
+                    }
+                )
+            t_rep = time.perf_counter() - t0
+    except (Exception, KeyboardInterrupt, SystemExit) as e:
+        notes.append(f"stopped early: {type(e).__name__}: {e}".splitlines()[0])
+        log(notes[-1])
+    finally:
+        for s in subjects:
+            if s.close is not None:
+                with contextlib.suppress(Exception):
+                    s.close()
+        for n in nodes:
+            n.proc.stop()
+        client.close()
+
+    report(args, subjects, notes, model, model_path, threads, load_start, busy, t_run)
+    return 0
+
+
+def report(
+    args: argparse.Namespace,
+    subjects: list[Subject],
+    notes: list[str],
+    model: str,
+    model_path: str,
+    threads: int,
+    load_start: tuple[float, float, float],
+    busy: float,
+    t_run: float,
+) -> None:
+    k = args.streams
+    by = {s.key: s for s in subjects}
+    direct = by.get("direct")
+    load_end = os.getloadavg()
+    print()
+    print("meshd vs the alternatives: every figure / direct llama-cpp-python, same repeat")
+    print("=" * 78)
+    print(
+        f"machine   {cpu_model()}, {os.cpu_count()} CPUs ({threads} threads per engine), "
+        f"{platform.system()} {platform.release()}"
+    )
+    print(
+        f"load      load average {load_start[0]:.2f} at start ({100 * busy:.0f}% busy), "
+        f"{load_end[0]:.2f} at end"
+    )
+    print(
+        f"software  python {platform.python_version()}, meshd {version('meshd')}, "
+        f"llama-cpp-python {version('llama_cpp_python')}, mlx-lm {version('mlx-lm')}"
+    )
+    size = Path(model_path).stat().st_size / 2**20
+    print(f"model     {model} = {model_path} ({size:.0f} MiB)")
+    done = len(direct.runs) if direct else 0
+    print(
+        f"settings  {args.tokens} tokens per request, greedy, no EOS, {len(PROMPTS)} fixed "
+        f"prompts, 1 and {k} concurrent streams; {done} of {args.repeats} repeats"
+    )
+    if busy > 0.5 or load_start[0] > threads / 2:
+        print(
+            f"WARNING   the machine was busy before the run ({100 * busy:.0f}%): absolute "
+            f"rates are low, ratios noisier"
+        )
+    print()
+    print(
+        "Ratio to direct, median over repeats (min-max); TTFT: lower is better. "
+        "Last column: meshd's pipeline overhead per hop, ms (from /metrics, 1 stream)."
+    )
+    header = ["subject"] + [h.format(k=k) for _, h, _ in COLUMNS] + ["hop ms"]
+    rows = []
+    for s in subjects:
+        if direct is None or not s.runs:
+            rows.append([s.label] + ["n/a"] * len(COLUMNS) + ["-"])
+            rows.append([f"  n/a: {s.error or 'not measured'}"] + [""] * (len(COLUMNS) + 1))
+            continue
+        if s is direct:
+            row = [s.label]
+            for key, _, _ in COLUMNS:
+                v = med([r["fig"][key] for r in s.runs if key in r["fig"]])
+                unit = "s" if key.startswith("ttft") else "tok/s"
+                row.append(f"1 = {v:.3f} s" if unit == "s" else f"1 = {v:.1f} tok/s")
+            rows.append([*row, "-"])
+            continue
+        row = [s.label] + [cell(ratios(s, direct, key)) for key, _, _ in COLUMNS]
+        hops = [r["meshd_1_stream"]["hop_ms"] for r in s.runs if "hop_ms" in r["meshd_1_stream"]]
+        rows.append([*row, cell(hops) if s.meshd_model else "-"])
+        extra = []
+        if s.tokens and s.tokens != args.tokens:
+            extra.append(f"{s.tokens} tokens per request")
+        if s.once:
+            extra.append("first repeat only")
+        if s.error:
+            extra.append(f"stopped: {s.error}")
+        if extra:
+            rows.append([f"  note: {'; '.join(extra)}"] + [""] * (len(COLUMNS) + 1))
+    print(table(rows, header))
+
+    # ---- goals -------------------------------------------------------------------------
+    def paired(a: str, b: str, key: str) -> list[float]:
+        if a in by and b in by:
+            return ratios(by[a], by[b], key)
+        return []
+
+    goals = [
+        ("meshd 1 stage / direct, decode 1 stream", paired("meshd1", "direct", "decode1"), 0.97),
+        ("meshd 2 stages / llama.cpp RPC 2-way, decode 1 stream",
+         paired("meshd2", "rpc", "decode1"), 1.5),
+        (f"meshd 2 stages / llama.cpp RPC 2-way, aggregate {k} streams",
+         paired("meshd2", "rpc", "aggk"), 1.5),
+        (f"meshd 1 stage / llama_cpp.server, aggregate {k} streams",
+         paired("meshd1", "server", "aggk"), 2.0),
+    ]  # fmt: skip
+    print()
+    print("Goals (paired ratios within each repeat: median, min-max)")
+    grows = []
+    for name, xs, goal in goals:
+        if not xs:
+            grows.append([name, "-", "-", f">= {goal}", "not measured"])
+            continue
+        v = med(xs)
+        grows.append(
+            [
+                name,
+                f"{v:.2f}",
+                f"{min(xs):.2f}-{max(xs):.2f}",
+                f">= {goal}",
+                "met" if v >= goal else "NOT met",
+            ]
+        )
+    grows.append(
+        ["added latency of one hop, p50 (bench/hop.py)", "-", "-", "<= 100 us", "see bench/hop.py"]
+    )
+    print(table(grows, ["goal", "value", "spread", "goal", "result"]))
+
+    # ---- meshd: where the time per token goes ------------------------------------------
+    mrows = []
+    for s in subjects:
+        if not s.meshd_model or not s.runs:
+            continue
+        ms = [r["meshd_1_stream"] for r in s.runs]
+
+        def m(key: str, ms: list[dict] = ms) -> str:
+            xs = [x[key] for x in ms if key in x]
+            return f"{med(xs):.2f}" if xs else "-"
+
+        client_ms = med([1000 / r["fig"]["decode1"] for r in s.runs if r["fig"].get("decode1")])
+        itl = [
+            x["itl_ms"] - s.n_stages * x["hop_ms"] for x in ms if "itl_ms" in x and "hop_ms" in x
+        ]
+        engine = f"{med(itl):.2f}" if itl else "-"
+        mrows.append(
+            [s.label, f"{client_ms:.2f}", m("itl_ms"), engine, m("hop_ms"), str(s.n_stages)]
+        )
+    if mrows:
+        d1 = [1000 / r["fig"]["decode1"] for r in direct.runs] if direct and direct.runs else []
+        print()
+        print(
+            "meshd, 1 stream, ms per token (median over repeats): at the client; at the API "
+            "node (meshd_inter_token_seconds); the stages' engine time (API node - hops x "
+            "per hop); per hop (meshd_pipeline_overhead_seconds: inter-token time minus the "
+            "stages' engine time, / hops; n stages make n hops, the last one back to stage 0)"
+        )
+        if d1:
+            mrows.insert(0, ["direct llama-cpp-python", f"{med(d1):.2f}", "-", "-", "-", "-"])
+        print(
+            table(
+                mrows,
+                ["subject", "client", "API node", "engines (summed)", "per hop", "hops"],
+            )
+        )
+
+    for n in notes:
+        print(f"note: {n}")
+
+    # ---- JSON ----------------------------------------------------------------------------
+    out = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": threads,
+                    "load_start": load_start, "busy_start": busy, "load_end": load_end},
+        "software": {d: version(d) for d in ("meshd", "llama_cpp_python", "mlx", "mlx-lm")},
+        "model": {"name": model, "path": model_path},
+        "settings": {"tokens": args.tokens, "streams": k, "repeats": args.repeats,
+                     "prompts": PROMPTS, "single_stream_prompt": SINGLE},
+        "subjects": {s.key: {"label": s.label, "error": s.error, "runs": s.runs}
+                     for s in subjects},
+        "ratios_to_direct": {
+            s.key: {key: ratios(s, direct, key) for key, _, _ in COLUMNS}
+            for s in subjects if direct is not None
+        },
+        "goals": [{"goal": name, "ratios": xs, "target": goal} for name, xs, goal in goals],
+        "notes": notes,
+    }  # fmt: skip
+    path = Path(args.json) if args.json else default_json()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"\nraw numbers: {path}")
+    print(f"total run time {time.perf_counter() - t_run:.0f} s")
+
+
+def default_json() -> Path:
+    from _rpc import CACHE
+
+    return CACHE / "results" / time.strftime("compare-%Y%m%d-%H%M%S.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3, help="repeats (default 3)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per request (default 128)")
+    p.add_argument("--streams", type=int, default=8, help="concurrent streams (default 8)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model (default %(default)s)")
+    p.add_argument(
+        "--mlx-tokens",
+        type=int,
+        default=16,
+        help="tokens per request for mlx_lm.server, measured in the first repeat only: MLX "
+        "on a CPU is ~20x slower than llama.cpp (default %(default)s)",
+    )
+    p.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated subjects to leave out: server, rpc, mlx, meshd1, meshd2, meshd3",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=480.0,
+        help="seconds: start no repeat that would end past it (default %(default)s)",
+    )
+    p.add_argument(
+        "--json",
+        help="where the raw numbers go (default: a new file under ~/.cache/meshd-bench/results/)",
+    )
+    p.add_argument("--quick", action="store_true", help="2 repeats, 48 tokens")
+    p.add_argument("--keep-logs", action="store_true", help="keep the temporary dir")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-model", help=argparse.SUPPRESS)
+    p.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    if args.quick:
+        args.repeats, args.tokens = min(args.repeats, 2), min(args.tokens, 48)
+    args.repeats = max(1, args.repeats)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    tmp = Path(tempfile.mkdtemp(prefix="meshd-compare-"))
+    try:
+        return measure(args, tmp)
+    except Exception as e:  # a benchmark reports, it does not fail
+        print(f"benchmark stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        return 0
+    finally:
+        stop_all()
+        if args.keep_logs:
+            print(f"logs in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
