@@ -60,17 +60,24 @@ def instance_view(node, inst) -> dict:
     }
 
 
-async def _check_mlx(model: str) -> None:
+async def _check_mlx(model: str, pinned: bool) -> None:
+    """Refuse, before anything runs, a model MLX would read wrongly or not at all: a
+    GGUF pinned to MLX stages, or any MLX folder (only MLX can run one)."""
     import asyncio
 
+    from meshd.engines.mlx_folder import check_folder_for_mlx
     from meshd.engines.mlx_stage import UnsupportedModelError, check_gguf_for_mlx
     from meshd.engines.models import resolve_model
 
-    resolved = resolve_model(model)
-    if resolved.format != "gguf":
-        return  # an MLX folder: MLX's own format
     try:
-        await asyncio.to_thread(check_gguf_for_mlx, resolved.path)
+        resolved = resolve_model(model)
+    except LookupError:
+        return  # not on this machine: facts() says where it looked, or finds it
+    if resolved.format == "gguf" and not pinned:
+        return
+    check = check_gguf_for_mlx if resolved.format == "gguf" else check_folder_for_mlx
+    try:
+        await asyncio.to_thread(check, resolved.path)
     except UnsupportedModelError as e:
         raise ApiError(
             400, f"{model} cannot run on MLX: {e}", type="invalid_request_error",
@@ -84,9 +91,7 @@ def routes(node):
     async def create(request: Request) -> Response:
         body = await parse_body(request, PlaceRequest)
         try:
-            if "mlx" in body.engines:
-                # Refuse quant types MLX reads wrongly or not at all, before anything runs.
-                await _check_mlx(body.model)
+            await _check_mlx(body.model, pinned="mlx" in body.engines)
             facts = await node.inference.facts(body.model, node.cache_dir)
         except (ModelNotFoundError, AmbiguousModelError) as e:
             raise ApiError(404, str(e), type="not_found_error", code="model_not_found") from None

@@ -4,7 +4,6 @@
   folder holds and whether :class:`~meshd.engines.mlx_stage.MlxStage` can run it,
   from ``config.json`` and the safetensors JSON headers only (no tensor is read).
 - :func:`read_folder_facts`: the placement facts (:class:`ModelFacts`, ``format="mlx"``).
-- :func:`folder_chat_template`: the chat template the folder ships.
 - :func:`gguf_to_mlx_folder`: write a llama GGUF out as an mlx-lm folder (MLX's own
   quantized layout, Q/K rows in Hugging Face's rope order, a ``tokenizer.json`` built
   from the GGUF vocabulary): for tests and benchmarks, since meshd never downloads.
@@ -38,7 +37,6 @@ __all__ = [
     "FOLDER_ARCHITECTURES",
     "FolderModel",
     "check_folder_for_mlx",
-    "folder_chat_template",
     "gguf_to_mlx_folder",
     "inspect_folder",
     "is_mlx_folder",
@@ -419,35 +417,6 @@ def folder_sha256(path: Path | str, cache_dir: Path | None = None) -> str:
     for file in weight_files(path):
         lines.append(f"{file.name} {file_sha256(file, cache_dir)}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
-
-
-def folder_chat_template(path: Path | str) -> str | None:
-    """The folder's default chat template: ``chat_template.jinja``, else
-    ``chat_template.json``, else ``chat_template`` in ``tokenizer_config.json`` (a
-    string, or the entry named ``default`` of a list of ``{name, template}``)."""
-    path = Path(path)
-    jinja = path / "chat_template.jinja"
-    if jinja.is_file():
-        text = jinja.read_text(encoding="utf-8")
-        return text or None
-    for fname in ("chat_template.json", "tokenizer_config.json"):
-        f = path / fname
-        if not f.is_file():
-            continue
-        try:
-            value = json.loads(f.read_text(encoding="utf-8")).get("chat_template")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(value, list):
-            named = {
-                t.get("name"): t.get("template")
-                for t in value
-                if isinstance(t, dict) and isinstance(t.get("template"), str)
-            }
-            value = named.get("default") or next(iter(named.values()), None)
-        if isinstance(value, str) and value:
-            return value
-    return None
 
 
 # -- GGUF -> folder --------------------------------------------------------------------

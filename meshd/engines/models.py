@@ -474,25 +474,36 @@ def chat_template(model: ResolvedModel) -> str | None:
     """The chat template shipped with a model, or None if it has none.
 
     GGUF: ``tokenizer.chat_template``. MLX folder: ``chat_template.jinja`` (newer
-    transformers), else ``chat_template`` in ``tokenizer_config.json`` (a string, or a
-    list of named templates of which ``default`` is taken).
+    transformers), else ``chat_template`` in ``chat_template.json`` or
+    ``tokenizer_config.json`` (a string, or a list of named templates of which
+    ``default`` is taken).
     """
     if model.format == "gguf":
         key = "tokenizer.chat_template"
         value = read_gguf_metadata(model.path, keys=[key]).get(key)
         return value if isinstance(value, str) and value else None
     folder = Path(model.path)
-    jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    config_file = folder / "tokenizer_config.json"
-    if not config_file.is_file():
-        return None
-    value = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template")
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        value = named.get("default", next(iter(named.values()), None))
-    return value if isinstance(value, str) else None
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8") or None
+    for fname in ("chat_template.json", "tokenizer_config.json"):
+        f = folder / fname
+        if not f.is_file():
+            continue
+        try:
+            value = json.loads(f.read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(value, list):
+            named = {
+                t.get("name"): t.get("template")
+                for t in value
+                if isinstance(t, dict) and isinstance(t.get("template"), str)
+            }
+            value = named.get("default") or next(iter(named.values()), None)
+        if isinstance(value, str) and value:
+            return value
+    return None
 
 
 def chat_template_at(path: str | Path) -> str | None:

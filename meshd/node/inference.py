@@ -472,6 +472,8 @@ def _read_facts(model: str, cache_dir) -> ModelFacts:
     from meshd.engines.gguf_facts import read_facts
 
     resolved = models.resolve_model(model)
-    if resolved.format != "gguf":
-        raise PlacementError("bad_spec", f"{model}: only GGUF models can be placed so far")
+    if resolved.format == "mlx":
+        from meshd.engines.mlx_folder import read_folder_facts
+
+        return read_folder_facts(Path(resolved.path), name=model, cache_dir=Path(cache_dir))
     return read_facts(Path(resolved.path), name=model, cache_dir=Path(cache_dir))

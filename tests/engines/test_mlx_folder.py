@@ -26,7 +26,6 @@ from meshd.engines.hf_vocab import HfVocab
 from meshd.engines.llama_stage import LlamaVocab, StageInput
 from meshd.engines.mlx_folder import (
     check_folder_for_mlx,
-    folder_chat_template,
     folder_sha256,
     gguf_to_mlx_folder,
     inspect_folder,
@@ -164,7 +163,7 @@ def test_folder_layout_facts_and_template(folder: Path, model_path: Path, tmp_pa
     assert f.quant_types == ["F32", "mlx-q4", "mlx-q8"]
     # float32 K and V in the MLX stage: 2 * 3 KV heads * 64 dims * 4 bytes.
     assert f.kv_bytes_per_token_layer == 2 * 3 * 64 * 4
-    assert folder_chat_template(folder) == chat_template_at(model_path) == chat_template_at(folder)
+    assert chat_template_at(model_path) == chat_template_at(folder)
 
     # The content id: stable, cached, and it moves with the config.
     cache = tmp_path / "cache"

@@ -57,9 +57,7 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProc]]:
         yield [a, b, cc]
 
 
-def _run(
-    via: NodeProc, nodes: list[NodeProc], engines: list[str], activations: str = "f32"
-) -> str:
+def _run(via: NodeProc, nodes: list[NodeProc], engines: list[str], activations: str = "f32") -> str:
     r = httpx.post(via.api + "/v1/instances", timeout=60, json={
         "model": DEFAULT_MODEL, "nodes": [n.name for n in nodes], "engines": engines,
         "activations": activations})  # fmt: skip
@@ -92,6 +90,52 @@ def test_mlx_hops_in_half_precision_keep_the_greedy_tokens(
     trio: list[NodeProc], wholes: dict[str, str], activations: str
 ) -> None:
     assert _run(trio[1], trio[:2], ["mlx", "mlx"], activations) == wholes["mlx"]
+
+
+def test_an_mlx_folder_splits_over_two_nodes_with_the_ggufs_tokens(
+    trio: list[NodeProc], wholes: dict[str, str], tmp_path: Path
+) -> None:
+    from meshd.engines.mlx_folder import gguf_to_mlx_folder
+
+    folder = gguf_to_mlx_folder(Path(resolve_model(DEFAULT_MODEL).path), tmp_path / "smol-mlx")
+    r = httpx.post(trio[0].api + "/v1/instances", timeout=60, json={
+        "model": str(folder), "nodes": ["b", "c"]})  # fmt: skip
+    assert r.status_code == 201, r.text
+    inst = r.json()
+    assert [s["engine"] for s in inst["stages"]] == ["mlx", "mlx"]
+    try:
+        wait_for(lambda: all(s["state"] == "ready"
+                             for s in trio[0].get(f"/v1/instances/{inst['id']}")["stages"]),
+                 120, interval=0.2)  # fmt: skip
+        r = httpx.post(trio[2].api + "/v1/completions", timeout=300, json={
+            "model": str(folder), "prompt": PROMPT, "max_tokens": N, "temperature": 0,
+            "ignore_eos": True})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == wholes["mlx"]
+        chat = httpx.post(trio[1].api + "/v1/chat/completions", timeout=300, json={
+            "model": str(folder), "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "Hi"}]})  # fmt: skip
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"]
+    finally:
+        httpx.delete(f"{trio[0].api}/v1/instances/{inst['id']}", timeout=10)
+
+
+def test_a_folder_of_an_unsupported_architecture_is_a_400(
+    trio: list[NodeProc], tmp_path: Path
+) -> None:
+    import json
+
+    from meshd.engines.mlx_folder import gguf_to_mlx_folder
+
+    folder = gguf_to_mlx_folder(Path(resolve_model(DEFAULT_MODEL).path), tmp_path / "odd")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["model_type"] = cfg["architectures"] = "qwen3_moe"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    before = trio[0].get("/v1/instances")["data"]
+    r = httpx.post(trio[0].api + "/v1/instances", timeout=60, json={"model": str(folder)})
+    assert r.status_code == 400, r.text
+    assert "qwen3_moe" in r.json()["error"]["message"]
+    assert trio[0].get("/v1/instances")["data"] == before
 
 
 def test_unknown_activation_type_is_a_400(trio: list[NodeProc]) -> None:
