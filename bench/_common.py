@@ -555,6 +555,56 @@ def cpu_busy(seconds: float = 1.0) -> float:
         return float("nan")
 
 
+class OthersMeter:
+    """CPU used by processes outside this one and its descendants, as a share of all
+    CPUs, over an interval (Linux /proc; NaN elsewhere). On a shared machine it tells a
+    measurement that ran alone from one that shared the cores with someone's tests."""
+
+    def __init__(self) -> None:
+        self.t0 = self._snap()
+
+    @staticmethod
+    def _snap() -> tuple[int, int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+            idle = v[3] + (v[4] if len(v) > 4 else 0)
+            busy = sum(v[:8]) - idle  # guest time is already in user
+            return sum(v[:8]), busy, _tree_ticks(os.getpid())
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def share(self) -> float:
+        t1 = self._snap()
+        if self.t0 is None or t1 is None or t1[0] <= self.t0[0]:
+            return float("nan")
+        others = (t1[1] - self.t0[1]) - (t1[2] - self.t0[2])
+        return max(0.0, others / (t1[0] - self.t0[0]))
+
+
+def _tree_ticks(root: int) -> int:
+    """utime + stime (clock ticks, every thread) of ``root`` and its live descendants."""
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            parent[int(d)] = int(fields[1])
+            ticks[int(d)] = int(fields[11]) + int(fields[12])
+    mine = {root}
+    grew = True
+    while grew:
+        grew = False
+        for pid, ppid in parent.items():
+            if ppid in mine and pid not in mine:
+                mine.add(pid)
+                grew = True
+    return sum(ticks.get(p, 0) for p in mine)
+
+
 def cpu_model() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():

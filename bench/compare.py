@@ -1,7 +1,7 @@
 """meshd side by side with the peers users would pick instead: one run, one machine, one GGUF.
 
-    python bench/compare.py                   # 3 repeats, 128 tokens, 1 and 8 streams
-    python bench/compare.py --quick           # 2 repeats, 48 tokens
+    python bench/compare.py                   # 3 repeats, 64 tokens, 1 and 8 streams
+    python bench/compare.py --quick           # 2 repeats, 32 tokens
     python bench/compare.py --repeats 5 --skip mlx --json out.json
 
 Subjects, all on the same GGUF (the default model unless ``--model``), greedy, a fixed
@@ -16,9 +16,10 @@ prompt set, the same threads and ``GOMP_SPINCOUNT``:
 * meshd with 1, 2 and 3 stages (``meshd up`` nodes a, b, c on loopback).
 
 For each: decode tok/s and time to first token at 1 and 8 concurrent streams, and
-meshd's per-hop time from its own ``/metrics``. The repeats interleave the subjects,
-every figure is divided by the direct figure of the same repeat, and the table shows
-the median of those ratios over the repeats and their spread. The raw numbers go to a
+meshd's per-hop time from its own ``/metrics``. In each repeat and phase (1 stream,
+then 8 streams) direct runs first and last, the others in between in an order that
+rotates; every figure is divided by the mean of those two direct figures, and the
+table shows the median of those ratios over the repeats and their spread. The raw numbers go to a
 JSON file. A benchmark: it prints figures and exits 0 whatever they are.
 """
 
@@ -47,6 +48,7 @@ from _common import (
     N_CTX,
     PROCS,
     Node,
+    OthersMeter,
     Proc,
     Stream,
     chat_payload,
@@ -385,6 +387,10 @@ def stream_json(s: Stream) -> dict[str, float]:
             "end_s": s.t_end - t0, "tokens": s.tokens, "events": s.events}  # fmt: skip
 
 
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def ratios(subj: Subject, base: Subject, key: str) -> list[float]:
     """subj / base for each repeat where both measured ``key``."""
     out = []
@@ -418,6 +424,43 @@ def hop_metrics(before: dict, after: dict, model: str) -> dict[str, float]:
     return out
 
 
+def measure_once(
+    s: Subject,
+    phase: str,
+    tok: int,
+    k: int,
+    client: httpx.Client,
+    nodes: list[Node],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One measurement of ``s`` (``phase`` "one" or "many"), taken again up to
+    ``--retries`` times while other processes used more than ``--max-others`` of the
+    CPUs during it; the attempt that shared the machine least is kept."""
+    assert s.one is not None and s.many is not None
+    best: dict[str, Any] | None = None
+    attempts = 0
+    for attempt in range(1 + max(0, args.retries)):
+        attempts = attempt + 1
+        meter = OthersMeter()
+        out: dict[str, Any] = {}
+        if phase == "one":
+            before = scrape(client, nodes[0]) if s.meshd_model else {}
+            out["result"] = s.one(tok)
+            if s.meshd_model:
+                out["hop"] = hop_metrics(before, scrape(client, nodes[0]), s.meshd_model)
+        else:
+            out["result"] = s.many(k, tok)
+        out["others"] = meter.share()
+        if best is None or out["others"] < best["others"]:
+            best = out
+        if not out["others"] > args.max_others:  # NaN (no /proc) counts as quiet
+            break
+        log(f"{s.key}: other processes used {100 * out['others']:.0f}% of the CPUs; again")
+    assert best is not None
+    best["attempts"] = attempts
+    return best
+
+
 # -- the run -------------------------------------------------------------------------------
 
 
@@ -428,7 +471,10 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
     t_run = time.perf_counter()
     model = args.model
     model_path = str(resolve_model(model).path)
-    threads = default_threads()
+    if args.threads:
+        # Every subject reads it: meshd's runners through the nodes' environment.
+        os.environ["MESHD_THREADS"] = str(args.threads)
+    threads = args.threads or default_threads()
     k, n_tok = args.streams, args.tokens
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     load_start = os.getloadavg()
@@ -561,8 +607,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
             except Exception as e:
                 s.fail(f"warm-up failed: {type(e).__name__}: {e}")
 
-        # ---- repeats, interleaved (the order rotates) --------------------------------------
+        # ---- repeats: direct brackets the others (whose order rotates), per phase -----
         t_rep = 0.0
+        base = subjects[0]
         for rep in range(args.repeats):
             used = time.perf_counter() - t_run
             if rep and used + t_rep > args.budget:
@@ -571,30 +618,47 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
                 )
                 break
             t0 = time.perf_counter()
-            run = [s for s in subjects if s.one is not None and not (s.once and rep)]
-            run = run[rep % len(run) :] + run[: rep % len(run)]
-            log(f"repeat {rep + 1}/{args.repeats}: {', '.join(s.key for s in run)}")
-            for s in run:
-                assert s.one is not None and s.many is not None
-                tok = s.tokens or n_tok
-                try:
-                    before = scrape(client, nodes[0]) if s.meshd_model else {}
-                    one = s.one(tok)
-                    hop = {}
-                    if s.meshd_model:
-                        hop = hop_metrics(before, scrape(client, nodes[0]), s.meshd_model)
-                    many = s.many(k, tok)
-                except Exception as e:
-                    s.fail(f"repeat {rep + 1}: {type(e).__name__}: {e}")
+            others = [x for x in subjects[1:] if x.one is not None and not x.once]
+            if others:
+                others = others[rep % len(others) :] + others[: rep % len(others)]
+            # Subjects measured once (MLX: minutes) go after the bracket closes.
+            tail = [x for x in subjects[1:] if x.one is not None and x.once and not rep]
+            seq = [base, *others, base, *tail]
+            log(f"repeat {rep + 1}/{args.repeats}: {', '.join(x.key for x in seq)}")
+            got: dict[str, dict[str, Any]] = {x.key: {"one": [], "many": []} for x in subjects}
+            for phase in ("one", "many"):
+                for s in seq:
+                    if s.one is None or s.many is None:
+                        continue
+                    tok = s.tokens or n_tok
+                    try:
+                        best = measure_once(s, phase, tok, k, client, nodes, args)
+                    except Exception as e:
+                        s.fail(f"repeat {rep + 1}: {type(e).__name__}: {e}")
+                        continue
+                    got[s.key][phase].append(best["result"])
+                    got[s.key].setdefault("others", []).append(best["others"])
+                    got[s.key].setdefault("attempts", []).append(best["attempts"])
+                    if "hop" in best:
+                        got[s.key]["hop"] = best["hop"]
+            for s in subjects:
+                g = got[s.key]
+                if not g["one"] and not g["many"]:
                     continue
+                # direct: the mean of its two brackets; the others: their one measurement
+                figs = [figures(o, None) for o in g["one"]] + [figures(None, m) for m in g["many"]]
+                keys = {key for f in figs for key in f}
+                fig = {key: mean([f[key] for f in figs if key in f]) for key in keys}
                 s.runs.append(
                     {
                         "repeat": rep,
-                        "tokens": tok,
-                        "fig": figures(one, many),
-                        "meshd_1_stream": hop,
-                        "one": stream_json(one),
-                        "many": [stream_json(x) for x in many],
+                        "tokens": s.tokens or n_tok,
+                        "fig": fig,
+                        "meshd_1_stream": g.get("hop", {}),
+                        "others_cpu_share": g.get("others", []),
+                        "attempts": g.get("attempts", []),
+                        "one": [stream_json(x) for x in g["one"]],
+                        "many": [[stream_json(x) for x in m] for m in g["many"]],
                     }
                 )
             t_rep = time.perf_counter() - t0
@@ -658,15 +722,21 @@ def report(
         )
     print()
     print(
-        "Ratio to direct, median over repeats (min-max); TTFT: lower is better. "
-        "Last column: meshd's pipeline overhead per hop, ms (from /metrics, 1 stream)."
+        "Ratio to direct, median over repeats (min-max); TTFT: lower is better. hop ms: "
+        "meshd's pipeline overhead per hop (its /metrics, 1 stream). others: share of the "
+        "CPUs other processes used during the subject's measurements (median)."
     )
-    header = ["subject"] + [h.format(k=k) for _, h, _ in COLUMNS] + ["hop ms"]
+    header = ["subject"] + [h.format(k=k) for _, h, _ in COLUMNS] + ["hop ms", "others"]
+
+    def others(s: Subject) -> str:
+        xs = [x for r in s.runs for x in r.get("others_cpu_share", []) if x == x]
+        return f"{100 * med(xs):.0f}%" if xs else "-"
+
     rows = []
     for s in subjects:
         if direct is None or not s.runs:
-            rows.append([s.label] + ["n/a"] * len(COLUMNS) + ["-"])
-            rows.append([f"  n/a: {s.error or 'not measured'}"] + [""] * (len(COLUMNS) + 1))
+            rows.append([s.label] + ["n/a"] * len(COLUMNS) + ["-", "-"])
+            rows.append([f"  n/a: {s.error or 'not measured'}"] + [""] * (len(COLUMNS) + 2))
             continue
         if s is direct:
             row = [s.label]
@@ -674,11 +744,11 @@ def report(
                 v = med([r["fig"][key] for r in s.runs if key in r["fig"]])
                 unit = "s" if key.startswith("ttft") else "tok/s"
                 row.append(f"1 = {v:.3f} s" if unit == "s" else f"1 = {v:.1f} tok/s")
-            rows.append([*row, "-"])
+            rows.append([*row, "-", others(s)])
             continue
         row = [s.label] + [cell(ratios(s, direct, key)) for key, _, _ in COLUMNS]
         hops = [r["meshd_1_stream"]["hop_ms"] for r in s.runs if "hop_ms" in r["meshd_1_stream"]]
-        rows.append([*row, cell(hops) if s.meshd_model else "-"])
+        rows.append([*row, cell(hops) if s.meshd_model else "-", others(s)])
         extra = []
         if s.tokens and s.tokens != args.tokens:
             extra.append(f"{s.tokens} tokens per request")
@@ -687,7 +757,7 @@ def report(
         if s.error:
             extra.append(f"stopped: {s.error}")
         if extra:
-            rows.append([f"  note: {'; '.join(extra)}"] + [""] * (len(COLUMNS) + 1))
+            rows.append([f"  note: {'; '.join(extra)}"] + [""] * (len(COLUMNS) + 2))
     print(table(rows, header))
 
     # ---- goals -------------------------------------------------------------------------
@@ -764,6 +834,12 @@ def report(
             )
         )
 
+    again = sum(a - 1 for s in subjects for r in s.runs for a in r.get("attempts", []))
+    if again:
+        notes.append(
+            f"{again} measurement(s) taken again because other processes used more than "
+            f"{100 * args.max_others:.0f}% of the CPUs (--max-others, --retries)"
+        )
     for n in notes:
         print(f"note: {n}")
 
@@ -801,9 +877,15 @@ def default_json() -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="repeats (default 3)")
-    p.add_argument("--tokens", type=int, default=128, help="tokens per request (default 128)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--streams", type=int, default=8, help="concurrent streams (default 8)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model (default %(default)s)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="threads of every llama.cpp engine, meshd's runners included through "
+        "MESHD_THREADS (default: meshd's default_threads(), the usable cores)",
+    )
     p.add_argument(
         "--mlx-tokens",
         type=int,
@@ -823,10 +905,24 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds: start no repeat that would end past it (default %(default)s)",
     )
     p.add_argument(
+        "--max-others",
+        type=float,
+        default=0.25,
+        help="share of the CPUs other processes may use during a measurement before it is "
+        "taken again (default %(default)s)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="how many times a measurement is taken again while the machine is shared "
+        "(default %(default)s; the least shared attempt is kept)",
+    )
+    p.add_argument(
         "--json",
         help="where the raw numbers go (default: a new file under ~/.cache/meshd-bench/results/)",
     )
-    p.add_argument("--quick", action="store_true", help="2 repeats, 48 tokens")
+    p.add_argument("--quick", action="store_true", help="2 repeats, 32 tokens")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary dir")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-model", help=argparse.SUPPRESS)
@@ -835,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker_main(args)
     if args.quick:
-        args.repeats, args.tokens = min(args.repeats, 2), min(args.tokens, 48)
+        args.repeats, args.tokens = min(args.repeats, 2), min(args.tokens, 32)
     args.repeats = max(1, args.repeats)
     signal.signal(signal.SIGTERM, on_sigterm)
     tmp = Path(tempfile.mkdtemp(prefix="meshd-compare-"))
