@@ -83,6 +83,8 @@ def routes(node):
                            code=e.reason, retry_after=LOADING_RETRY_S) from None  # fmt: skip
         except RequestFailed as e:
             raise _failed(e) from None
+        except ValueError as e:  # a file that is no usable model (ModelFormatError), ...
+            raise bad_request(f"{model}: {e}", param="model", code="invalid_model") from None
 
     async def start(inst, **kw) -> _Run:
         """Send the request and wait for stage 0's acknowledgement (or its error)."""

@@ -19,17 +19,16 @@ from .views import HEALTH, NODE, encode
 OWNER_ONLY = (NODE, HEALTH)
 
 
-class DuplicateNodeIdError(RuntimeError):
-    """Another live process writes under this node's id."""
-
-
 @dataclass
 class MergeResult:
     """What a batch of remote entries did to the replica."""
 
     changed: list[Entry] = field(default_factory=list)
-    #: Entries refused, by reason: ``clock_drift``, ``foreign_owner``, ``below_horizon``.
+    #: Entries refused, by reason: ``clock_drift``, ``foreign_owner``, ``below_horizon``,
+    #: ``own_id``.
     refused: dict[str, int] = field(default_factory=dict)
+    #: Keys someone else wrote under this node's id: to be re-stamped by this node.
+    reassert: list[str] = field(default_factory=list)
 
     def refuse(self, reason: str) -> None:
         """Count one refused entry."""
@@ -54,11 +53,26 @@ class Replica:
         """Delete ``key`` as this node; return the tombstone to publish."""
         return self.map.delete(key, self.clock.now(), self.node_id)
 
+    def reassert(self, keys: Iterable[str]) -> list[Entry]:
+        """Re-stamp this node's own entries for ``keys`` (a tombstone where it has none),
+        newer than anything forged under its id; the entries to publish."""
+        out = []
+        for k in keys:
+            cur = self.map.get(k)
+            if cur is None or cur.value is None:
+                out.append(self.map.delete(k, self.clock.now(), self.node_id))
+            else:
+                out.append(self.map.put(k, cur.value, self.clock.now(), self.node_id))
+        return out
+
     def merge_remote(self, entries: Iterable[Entry]) -> MergeResult:
         """Fold in entries from a peer, refusing the ones that break the rules.
 
-        Raises :class:`DuplicateNodeIdError` when an entry newer than this node's start
-        claims to be written by this node and is not one of its own writes.
+        An entry newer than this node's start that claims this node as its writer and
+        is not one of its own writes (a forgery, or a second process with this id) is
+        refused (``own_id``) and its key listed in :attr:`MergeResult.reassert`: peers
+        may have taken it, and :meth:`reassert` out-stamps it. Nothing makes the node
+        stop: one forged packet must not take a node down.
         """
         res = MergeResult()
         for e in entries:
@@ -70,13 +84,15 @@ class Replica:
             if e.key.startswith(OWNER_ONLY) and e.key.split("/", 1)[1] != e.writer:
                 res.refuse("foreign_owner")
                 continue
+            if e.writer == self.node_id and e.hlc >= self.started_hlc:
+                if self.map.get(e.key) != e:  # an echo of our own write is no news
+                    res.refuse("own_id")
+                    self.clock.observe(e.hlc)  # so a re-stamp out-ranks it
+                    if e.key not in res.reassert:
+                        res.reassert.append(e.key)
+                continue
             before = self.map.rejected_below_horizon
             if self.map.merge(e):
-                if e.writer == self.node_id and e.hlc >= self.started_hlc:
-                    raise DuplicateNodeIdError(
-                        f"entry {e.key!r} at {e.hlc} was written under this node's id "
-                        f"({self.node_id}) by another process"
-                    )
                 self.clock.observe(e.hlc)
                 res.changed.append(e)
             elif self.map.rejected_below_horizon != before:

@@ -175,7 +175,12 @@ def resolve_model(name: str, *, extra_dirs: Sequence[Path | str] = ()) -> Resolv
             if spec is None:
                 candidates.append(d / f"{base}.gguf")
     for candidate in candidates:
-        if candidate.exists():
+        try:
+            exists = candidate.exists()
+        except OSError as e:  # a name longer than the file system allows, ...
+            looked.append(f"{str(candidate)[:80]}... ({e.strerror})")
+            continue
+        if exists:
             return _from_path(asked, candidate, spec, looked)
         looked.append(f"{candidate.absolute()} (no such file or folder)")
 

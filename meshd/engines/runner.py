@@ -334,6 +334,9 @@ class Runner:
         if a.instance != self.cfg.instance:
             self.counters.dropped["wrong_instance"] += 1
             return
+        if self.first:  # stage 0 takes tokens, never hidden rows
+            self.counters.dropped["wrong_stage"] += 1
+            return
         r = self.reqs.get(a.req)
         if a.generation != self.generation:
             self.counters.dropped["generation_mismatch"] += 1
@@ -365,6 +368,17 @@ class Runner:
             if self.last:
                 self.init_last(r, s.resume)
         self.work.append(Work(a.req, a.pos, hidden=hidden, start=a.start, compute=a.compute))
+
+    def forward_one(self, w: Work, item):
+        """One item alone; on failure end its request with ``bad_input`` and None."""
+        try:
+            return self.stage.forward([item])[0]
+        except Exception as e:
+            log.warning("request %s failed at this stage: %s", w.req, e)
+            r = self.reqs[w.req]
+            self.fail(r.reply_to, r.req, "bad_input", f"stage {self.cfg.stage}: {e}")
+            self.release(r.req, "cancel")
+            return None
 
     def init_last(self, r: Request, resume: list[int]) -> None:
         """Sampling state of a request; a replay primes it with the tokens already sent,
@@ -407,9 +421,16 @@ class Runner:
             for w in batch
         ]
         t0 = time.perf_counter()
-        outs = self.stage.forward(items)
+        try:
+            outs: list = self.stage.forward(items)
+        except Exception:
+            # One bad item fails the whole call: run them one by one so only the
+            # requests at fault end (with a typed error), and the runner lives on.
+            outs = [self.forward_one(w, it) for w, it in zip(batch, items, strict=True)]
         spent = round(time.perf_counter() - t0, 6)
         for w, out in zip(batch, outs, strict=True):
+            if out is None:
+                continue
             r = self.reqs[w.req]
             n = len(w.tokens) if w.tokens is not None else len(w.hidden)  # type: ignore[arg-type]
             if not self.last:

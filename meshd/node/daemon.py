@@ -62,7 +62,10 @@ class Node:
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.counters = DropCounters()
+        self.metrics = Metrics()
+        self.counters = DropCounters(
+            lambda sock, reason, n: self.metrics.dropped.labels(sock, reason).inc(n)
+        )
         self.liveness = Liveness(config.suspect_after, config.dead_after)
         self.incarnation = secrets.token_hex(6)
         self.identity: Identity | None = None
@@ -72,7 +75,6 @@ class Node:
         self.api_port = 0
         self.api_host = ""
         self._zap = None
-        self.fatal: Exception | None = None
         self._stopping = asyncio.Event()
         self._hurry = asyncio.Event()
         self._draining = False
@@ -88,7 +90,6 @@ class Node:
         self._discovery = None
         self._refusals_logged: set[tuple[str, str]] = set()
         self._greeted = False
-        self.metrics = Metrics()
         self.dataplane: DataPlane | None = None
         self.supervisor: Supervisor | None = None
         self.inference: Inference | None = None
@@ -121,7 +122,6 @@ class Node:
             own_entries=self._own_entries,
             on_change=self._on_change,
             on_refused=self._on_refused,
-            on_fatal=self._on_fatal,
             counters=self.counters,
             bind_host=cfg.mesh_host,
             mesh_port=cfg.mesh_port,
@@ -285,7 +285,7 @@ class Node:
         log.warning("drain ended after %.0f s with work left", timeout)
 
     async def wait(self) -> None:
-        """Until a stop is requested or a fatal error occurs."""
+        """Until a stop is requested."""
         await self._stopping.wait()
 
     async def stop(self) -> None:
@@ -295,7 +295,7 @@ class Node:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        if self.gossip is not None and self.replica is not None and self.fatal is None:
+        if self.gossip is not None and self.replica is not None:
             e = self.replica.write(health_key(self.node_id), self._health("stopped"))
             with contextlib.suppress(Exception):
                 await self.gossip.publish([e])
@@ -324,11 +324,11 @@ class Node:
             if on_ready is not None:
                 on_ready(self)
             await self.wait()
-            if self.fatal is None and not self._hurry.is_set():
+            if not self._hurry.is_set():
                 await self.drain()
         finally:
             await self.stop()
-        return 3 if self.fatal is not None else 0
+        return 0
 
     # -- state glue ----------------------------------------------------------------
     def _health(self, state: str = "up") -> Health:
@@ -400,12 +400,15 @@ class Node:
             key = (source.split()[-1], reason)
             if key not in self._refusals_logged:
                 self._refusals_logged.add(key)
-                log.warning("refused entries (%s) in %s", reason, source)
-
-    def _on_fatal(self, exc: Exception) -> None:
-        self.fatal = exc
-        log.error("stopping: %s. Give one of the machines a fresh data dir.", exc)
-        self._stopping.set()
+                if reason == "own_id":
+                    log.error(
+                        "refused entries written under this node's id (%s) in %s: another "
+                        "process uses this id (give one machine a fresh data dir) or a peer "
+                        "forges it; this node re-stamps its own entries and keeps serving",
+                        self.node_id, source,
+                    )  # fmt: skip
+                else:
+                    log.warning("refused entries (%s) in %s", reason, source)
 
     def _on_discovered(self, peer) -> None:
         if peer.node_id == self.node_id:
@@ -577,7 +580,11 @@ class Node:
         assert self.replica is not None
         hs = healths(self.replica.map)
         members = self._members()
-        synced = {n: hs[n].synced if n in hs else 0 for n in members if n != self.node_id}
+        # A member's published clock cannot be ahead of ours by more than drift, and
+        # taking it past our own now would let one bad heartbeat collect live deletes.
+        now = self.replica.clock.now()
+        synced = {n: min(hs[n].synced, now) if n in hs else 0
+                  for n in members if n != self.node_id}  # fmt: skip
         synced[self.node_id] = self._synced()
         # The grace keeps the horizon behind every member's wall clock, so a peer whose
         # clock runs a little slow never writes below it.

@@ -117,19 +117,26 @@ class DataPlane:
     async def _recv_loop(self) -> None:
         while True:
             frames = await self.router.recv_multipart(copy=True)
-            if len(frames) != 2:
-                self.counters.add("data", "shape")
-                continue
             try:
-                msg = wire.decode(frames[1])
-            except wire.FrameError as e:
-                self.counters.add("data", e.reason)
-                continue
-            if not isinstance(msg, wire.DataChunk):
-                self.counters.add("data", "unexpected")
-                continue
-            q = self._streams.get(msg.req)
-            if q is None:
-                self.counters.add("data", "unknown_request")
-                continue
-            q.put_nowait(msg)
+                self._on_frames(frames)
+            except Exception:  # one bad frame must never stop every request's output
+                log.exception("error handling a data-plane frame")
+                self.counters.add("data", "error")
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.counters.add("data", "shape")
+            return
+        try:
+            msg = wire.decode(frames[1])
+        except wire.FrameError as e:
+            self.counters.add("data", e.reason)
+            return
+        if not isinstance(msg, wire.DataChunk):
+            self.counters.add("data", "unexpected")
+            return
+        q = self._streams.get(msg.req)
+        if q is None:
+            self.counters.add("data", "unknown_request")
+            return
+        q.put_nowait(msg)

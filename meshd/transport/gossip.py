@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from meshd.crdt.hlc import ClockDriftError
 from meshd.crdt.lww import Entry
-from meshd.crdt.replica import DuplicateNodeIdError, MergeResult, Replica
+from meshd.crdt.replica import MergeResult, Replica
 
 from . import wire
 from .ratelimit import PeerRateLimiter
@@ -112,7 +113,6 @@ class Gossip:
         own_entries: Callable[[], list[Entry]],
         on_change: Callable[[list[Entry]], None],
         on_refused: Callable[[MergeResult, str], None] | None = None,
-        on_fatal: Callable[[Exception], None] | None = None,
         counters: DropCounters | None = None,
         bind_host: str = "0.0.0.0",
         mesh_port: int = 0,
@@ -130,7 +130,6 @@ class Gossip:
         self.own_entries = own_entries
         self.on_change = on_change
         self.on_refused = on_refused
-        self.on_fatal = on_fatal
         self.counters = counters or DropCounters()
         self.bind_host = bind_host
         self.digest_interval = digest_interval
@@ -300,7 +299,7 @@ class Gossip:
         if not isinstance(reply, wire.Welcome):
             return None
         self._merge(reply.entries, f"welcome from {reply.sender}", republish=True)
-        self.synced_from[reply.sender] = reply.hlc
+        self._synced(reply.sender, reply.hlc, "request")
         return reply.sender
 
     async def pull(self, peer: str) -> bool:
@@ -313,7 +312,7 @@ class Gossip:
         if not isinstance(reply, wire.PullReply):
             return False
         self._merge(reply.entries, f"pull from {peer}", republish=True)
-        self.synced_from[peer] = reply.hlc
+        self._synced(peer, reply.hlc, "request")
         return True
 
     # -- receive loops ---------------------------------------------------------------
@@ -398,7 +397,7 @@ class Gossip:
         if msg.sender == self.replica.node_id:
             return
         if tuple(msg.buckets) == self.replica.map.digest():
-            self.synced_from[msg.sender] = msg.hlc
+            self._synced(msg.sender, msg.hlc, "gossip")
             return
         p = self._peers.get(msg.sender)
         if p is None or p.pulling:
@@ -423,14 +422,23 @@ class Gossip:
                 log.exception("could not publish digest")
 
     # -- helpers -------------------------------------------------------------------
-    def _merge(self, entries: list[Entry], source: str, republish: bool) -> None:
+    def _synced(self, peer: str, hlc: int, socket: str) -> None:
+        """Record that we hold ``peer``'s state as of its clock ``hlc``.
+
+        The clock feeds tombstone collection, so a peer's word is bounded: a clock too
+        far ahead is refused, and none is taken past our own (we cannot hold what a
+        peer will write later)."""
         try:
-            res = self.replica.merge_remote(entries)
-        except DuplicateNodeIdError as e:
-            log.error("%s (%s)", e, source)
-            if self.on_fatal is not None:
-                self.on_fatal(e)
+            self.replica.clock.check(hlc)
+        except ClockDriftError:
+            self.counters.add(socket, "clock_drift")
             return
+        self.synced_from[peer] = min(hlc, self.replica.clock.now())
+
+    def _merge(self, entries: list[Entry], source: str, republish: bool) -> None:
+        res = self.replica.merge_remote(entries)
+        if res.reassert:
+            self._spawn(self.publish(self.replica.reassert(res.reassert)))
         if res.refused:
             for reason, n in res.refused.items():
                 self.counters.add("entries", reason, n)

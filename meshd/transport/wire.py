@@ -257,5 +257,6 @@ def decode(frame: bytes | memoryview, limit: int = MAX_CONTROL_FRAME) -> Message
         raise FrameError("oversized", f"{len(frame)} bytes > {limit}")
     try:
         return _decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        # ValueError covers UnicodeDecodeError: invalid UTF-8 inside a msgpack string.
         raise FrameError("malformed", str(e)) from None
