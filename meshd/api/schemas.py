@@ -148,16 +148,29 @@ def _check_min(name: str, value: int | None, lo: int) -> None:
         raise FieldError(name, f"{name} must be >= {lo}, got {value}")
 
 
+def _check_int64(req: msgspec.Struct) -> None:
+    """Every integer field fits in a signed 64-bit integer.
+
+    JSON integers have no bound and msgspec decodes them into Python ints, but the
+    values travel on to the runners in msgpack, which cannot carry more: a ``top_k`` of
+    2**70 must be a 400 here, not a failure to encode later.
+    """
+    for name in req.__struct_fields__:
+        value = getattr(req, name)
+        if type(value) is int and not _INT64_MIN <= value <= _INT64_MAX:
+            raise FieldError(name, f"{name} must fit in a signed 64-bit integer, got {value}")
+
+
 def _check_common(req: _GenerationRequest) -> None:
     """The rules every generation request shares, in one place."""
-    if not req.model:
+    # A blank name is no name: model resolution strips it and finds nothing to look up.
+    if not req.model.strip():
         raise FieldError("model", "model must be a non-empty string")
+    _check_int64(req)
     _check_min("max_tokens", req.max_tokens, 1)
     _check_range("temperature", req.temperature, 0.0, 2.0)
     _check_range("top_p", req.top_p, 0.0, 1.0, lo_open=True)
     _check_min("top_k", req.top_k, 0)
-    if req.seed is not None and not _INT64_MIN <= req.seed <= _INT64_MAX:
-        raise FieldError("seed", f"seed must fit in a signed 64-bit integer, got {req.seed}")
     stops = req.stop_sequences
     if len(stops) > MAX_STOP_SEQUENCES:
         raise FieldError(
