@@ -53,6 +53,9 @@ from meshd.transport.tensors import TensorError, decode_rows, encode_rows
 
 log = logging.getLogger("meshd.runner")
 
+#: Connections a runner keeps to other runners and API nodes (least recently used go).
+MAX_DEALERS = 64
+
 
 class RunnerConfig(msgspec.Struct, kw_only=True):
     """Everything a runner needs, passed as JSON on its command line."""
@@ -159,14 +162,22 @@ class Runner:
         if ep is None:
             # Resolved once per address, not per token.
             ep = self._endpoints[key] = endpoint(addr, self.own)
-        d = self.dealers.get(ep)
+        d = self.dealers.pop(ep, None)
         if d is None:
+            if len(self.dealers) >= MAX_DEALERS:
+                # Least recently used first: a flood of made-up reply addresses must not
+                # use up ZeroMQ's sockets (1023) nor keep dead peers being redialled.
+                self.dealers.pop(next(iter(self.dealers))).close(linger=0)
             d = self.ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
             d.setsockopt(zmq.SNDHWM, 10000)
             secure(d, self.keys, server=False)
-            d.connect(ep)
-            self.dealers[ep] = d
+            try:
+                d.connect(ep)
+            except zmq.ZMQError:
+                d.close(linger=0)
+                raise
+        self.dealers[ep] = d  # (re)inserted last: the most recently used
         try:
             d.send_multipart([wire.encode(msg), *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:

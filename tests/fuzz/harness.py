@@ -7,15 +7,12 @@ own sockets, so node ``a`` subscribes to our PUB and sends its pulls to our ROUT
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpcore
 import httpx
 import zmq
 from hypothesis import HealthCheck, Phase, settings
@@ -87,61 +84,13 @@ class Figures:
 FIGURES = Figures()
 
 
-class _QuickAckStream(httpcore.NetworkStream):
-    """A TCP stream that acknowledges every segment at once (Linux ``TCP_QUICKACK``).
-
-    The API's listening socket is made without ``IPPROTO_TCP``, so asyncio never sets
-    ``TCP_NODELAY`` on its connections; uvicorn writes headers and body separately and
-    Nagle holds the body until the headers are acknowledged, which a client delays by
-    ~40 ms. Acknowledging at once makes a request take ~1 ms instead of ~45 ms (that
-    bug: test_regressions.test_a_small_response_waits_for_no_delayed_ack); without
-    TCP_QUICKACK (not Linux) this is a plain stream.
-    """
-
-    def __init__(self, inner: httpcore.NetworkStream) -> None:
-        self._inner = inner
-        self._sock = inner.get_extra_info("socket")
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        quickack = getattr(socket, "TCP_QUICKACK", None)
-        if quickack is not None and self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.setsockopt(socket.IPPROTO_TCP, quickack, 1)
-        return self._inner.read(max_bytes, timeout)
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._inner.write(buffer, timeout)
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def start_tls(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
-        return self._inner.start_tls(*args, **kwargs)
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._inner.get_extra_info(info)
-
-
-class _QuickAckBackend(httpcore.SyncBackend):
-    def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
-        return _QuickAckStream(super().connect_tcp(*args, **kwargs))
-
-
-def fast_client(base_url: str, timeout: float = 30.0) -> httpx.Client:
-    """An httpx client that does not wait on delayed ACKs (see _QuickAckStream)."""
-    transport = httpx.HTTPTransport()
-    if hasattr(transport, "_pool"):
-        transport._pool = httpcore.ConnectionPool(network_backend=_QuickAckBackend())
-    return httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
-
-
 _CLIENTS: dict[str, httpx.Client] = {}
 
 
 def client(node: NodeProc) -> httpx.Client:
-    """A shared fast client for ``node``'s API."""
+    """A shared keep-alive client for ``node``'s API."""
     if node.api not in _CLIENTS:
-        _CLIENTS[node.api] = fast_client(node.api, timeout=60.0)
+        _CLIENTS[node.api] = httpx.Client(base_url=node.api, timeout=60.0)
     return _CLIENTS[node.api]
 
 

@@ -29,7 +29,7 @@ from meshd.api.instances import PlaceRequest
 from meshd.engines.models import AmbiguousModelError, ModelNotFoundError, resolve_model
 from meshd.node.metrics import Metrics
 
-from .harness import FIGURES, Env, completion, fast_client, fuzz_settings, stable_state
+from .harness import FIGURES, Env, completion, fuzz_settings, stable_state
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -200,7 +200,7 @@ def _check_response(r: httpx.Response, method: str, allowed: set[str]) -> None:
 @pytest.fixture
 def client(env: Env) -> Iterator[httpx.Client]:
     mark = env.log_mark()
-    with fast_client(env.node.api) as c:
+    with httpx.Client(base_url=env.node.api, timeout=30.0) as c:
         yield c
     assert env.node.alive()
     assert stable_state(env.node) == env.baseline, "the API changed the cluster state"

@@ -1,9 +1,7 @@
 """The bugs the fuzzers found, one minimal repro each.
 
-Fixed ones are plain tests (the docstring says what it was). Bugs still open are strict
-``xfail`` tests that state the correct behaviour, so each turns into a failure
-("XPASS(strict)") the day it is fixed, as a reminder to drop the marker. Repros that
-break the node they hit run on a node of their own; the others use node ``a``.
+Each test's docstring says what the bug was; all are fixed. Repros that broke the node
+they hit run on a node of their own; the others use node ``a``.
 """
 
 from __future__ import annotations
@@ -37,11 +35,6 @@ pytestmark = pytest.mark.timeout(60)
 BAD_UTF8 = msgspec.msgpack.encode({"type": "Pull", "sender": "x", "buckets": []}).replace(
     b"\xa1x", b"\xa1\xff"
 )
-
-
-def open_bug(reason: str) -> pytest.MarkDecorator:
-    """A bug still open outside tests/: the test states the right behaviour and fails."""
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
 
 
 @pytest.fixture
@@ -233,13 +226,11 @@ def test_dropped_frames_show_in_metrics(env: Env, ctx: zmq.Context) -> None:
     assert any('reason="malformed"' in ln and 'socket="mesh"' in ln for ln in samples), samples
 
 
-# -- open: meshd/api/server.py ---------------------------------------------------------------
-@open_bug("the API's listening socket lacks IPPROTO_TCP, so asyncio never sets TCP_NODELAY")
+# -- meshd/api/server.py ---------------------------------------------------------------
 def test_a_small_response_waits_for_no_delayed_ack(env: Env) -> None:
     """uvicorn writes a response's headers and body apart; without TCP_NODELAY, Nagle
     holds the body until the client acknowledges the headers, which Linux delays by
-    ~40 ms: every JSON answer of the API takes 40+ ms instead of ~1 ms (the fuzz
-    client works around it with TCP_QUICKACK, see harness._QuickAckStream)."""
+    ~40 ms: every JSON answer of the API took 40+ ms instead of ~1 ms."""
     with httpx.Client(base_url=env.node.api, timeout=10) as c:
         c.get("/healthz")  # connect (the first exchange is acknowledged at once)
         times = []
@@ -250,8 +241,7 @@ def test_a_small_response_waits_for_no_delayed_ack(env: Env) -> None:
     assert statistics.median(times) < 0.02, [round(x * 1000, 1) for x in times]
 
 
-# -- open: meshd/engines/runner.py (Runner.send) ---------------------------------------------
-@open_bug("a runner keeps one DEALER per reply address forever (ZeroMQ allows 1023)")
+# -- meshd/engines/runner.py (Runner.send) ---------------------------------------------
 def test_a_flood_of_reply_addresses_does_not_exhaust_a_runner(
     cluster: Cluster, ctx: zmq.Context
 ) -> None:
