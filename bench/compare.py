@@ -19,8 +19,8 @@ For each: decode tok/s and time to first token at 1 and 8 concurrent streams, an
 meshd's per-hop time from its own ``/metrics``. In each repeat and phase (1 stream,
 then 8 streams) direct runs first and last, the others in between in an order that
 rotates; every figure is divided by the mean of those two direct figures, and the
-table shows the median of those ratios over the repeats and their spread. The raw numbers go to a
-JSON file. A benchmark: it prints figures and exits 0 whatever they are.
+table shows the median of those ratios over the repeats and their spread. The raw
+numbers go to a JSON file. A benchmark: it prints figures and exits 0 whatever they are.
 """
 
 from __future__ import annotations
@@ -439,7 +439,8 @@ def measure_once(
     assert s.one is not None and s.many is not None
     best: dict[str, Any] | None = None
     attempts = 0
-    for attempt in range(1 + max(0, args.retries)):
+    # A subject measured once (MLX: a minute a burst) is not taken again.
+    for attempt in range(1 + (0 if s.once else max(0, args.retries))):
         attempts = attempt + 1
         meter = OthersMeter()
         out: dict[str, Any] = {}

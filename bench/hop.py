@@ -20,7 +20,8 @@ ROUTER, over TCP on 127.0.0.1.
 
 One hop = round trip / 2. The two subjects alternate in blocks so that load from
 elsewhere hits both alike. Prints p50, p90 and p99 of each, meshd minus bare, and the
-codec cost alone. A benchmark: it prints figures and exits 0 whatever they are.
+codec cost alone. ``MESHD_HOP_PROFILE=FILE`` writes a cProfile of the meshd relay's
+loop there. A benchmark: it prints figures and exits 0 whatever they are.
 """
 
 from __future__ import annotations
@@ -94,7 +95,18 @@ def relay_main(kind: str, hidden: int) -> int:
     sys.stdin.readline()  # the same handshake as the bare relay (the port is in Start)
     # Status lines (load reports) go to stderr: stdout carried the port only.
     sys.stdout = sys.stderr
-    Runner(cfg, IdentityStage(hidden), ctx, router).serve()  # until stdin closes
+    runner = Runner(cfg, IdentityStage(hidden), ctx, router)
+    prof = os.environ.get("MESHD_HOP_PROFILE")
+    if not prof:
+        runner.serve()  # until stdin closes
+        return 0
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.runcall(runner.serve)
+    with open(prof, "w") as f:
+        pstats.Stats(pr, stream=f).sort_stats("tottime").print_stats(25)
     return 0
 
 
