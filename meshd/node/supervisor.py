@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from pathlib import Path
 import msgspec
 
 from meshd.crdt.views import Instance, RunnerStatus
-from meshd.engines.llama_stage import runner_env
+from meshd.engines.llama_stage import default_threads, runner_env
 from meshd.engines.runner import RunnerConfig
 from meshd.transport.security import SECRET_ENV
 
@@ -82,6 +83,16 @@ class RunnerProc:
             port=self.port,
             active=self.active,
         )
+
+
+def threads_per_runner(n_runners: int) -> int | None:
+    """CPU threads each of this node's ``n_runners`` runners gets: the cores split
+    evenly, so co-located stages do not fight over them (bench/compare.py: stages of 2
+    threads each sharing 2 cores served 8 streams at a fifth of one stage's rate).
+    ``None`` lets ``$MESHD_THREADS`` decide."""
+    if os.environ.get("MESHD_THREADS", "").isdigit():
+        return None
+    return max(1, default_threads() // max(1, n_runners))
 
 
 def send_dtype(inst: Instance, i: int) -> str:
@@ -169,6 +180,7 @@ class Supervisor:
                     n_ctx=self.n_ctx,
                     n_seq_max=self.n_seq_max,
                     send_dtype=send_dtype(inst, i),
+                    n_threads=threads_per_runner(len(desired)),
                 )
                 self.runners[k] = await self._start(key, cfg)
 
