@@ -243,6 +243,13 @@ class _StageShape(Protocol):
     def n_past(self, seq: int) -> int: ...
 
 
+def stage_role(first: bool, last: bool) -> str:
+    """``first+last``, ``first``, ``last`` or ``middle``: a stage's place, for reprs."""
+    if first:
+        return "first+last" if last else "first"
+    return "last" if last else "middle"
+
+
 def check_seq(seq: int, n_seq_max: int) -> None:
     """Raise StageInputError for a seq id outside ``[0, n_seq_max)``."""
     if not 0 <= seq < n_seq_max:
@@ -717,13 +724,7 @@ class LlamaStage:
         self.close()
 
     def __repr__(self) -> str:
-        role = (
-            "first+last"
-            if self.first and self.last
-            else "first"
-            if self.first
-            else ("last" if self.last else "middle")
-        )
+        role = stage_role(self.first, self.last)
         return (
             f"LlamaStage({self.path.name}, {role}, layers={self.n_layers}, "
             f"n_ctx={self.n_ctx}, n_seq_max={self.n_seq_max}, exact={self.exact})"

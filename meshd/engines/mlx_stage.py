@@ -64,6 +64,7 @@ from .llama_stage import (
     StageInput,
     StageOutput,
     check_seq,
+    stage_role,
     validate_inputs,
 )
 
@@ -929,13 +930,7 @@ class MlxStage:
         self.close()
 
     def __repr__(self) -> str:
-        role = (
-            "first+last"
-            if self.first and self.last
-            else "first"
-            if self.first
-            else ("last" if self.last else "middle")
-        )
+        role = stage_role(self.first, self.last)
         return (
             f"MlxStage({self.path.name}, {role}, layers=[{self.start}, {self.end}), "
             f"n_ctx={self.n_ctx}, n_seq_max={self.n_seq_max})"
