@@ -66,7 +66,11 @@ def cmd_nodes(args: argparse.Namespace, client: NodeClient) -> int:
 def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
     """Place a model on the cluster and print the plan."""
     body: dict = {"model": args.model}
-    if args.nodes:
+    if args.nodes and args.nodes.strip().isdigit():
+        # `--nodes 2` reads as "over two nodes" (a count); names are comma-separated.
+        # A node whose name is all digits can still be named by its id.
+        body["min_nodes"] = int(args.nodes)
+    elif args.nodes:
         body["nodes"] = [n.strip() for n in args.nodes.split(",") if n.strip()]
     if args.engines:
         body["engines"] = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -143,8 +147,18 @@ def cmd_chat(args: argparse.Namespace, client: NodeClient) -> int:
         except EOFError:
             print()
             return EXIT_OK
-        if line.strip():
+        if not line.strip():
+            continue
+        try:
             ask(line)
+        except NodeUnreachable:
+            raise
+        except MeshctlError as exc:
+            # One failed turn (model loading, bad input) should not end the session:
+            # say why, forget the unanswered question and keep going.
+            sys.stdout.write("\n")
+            print(f"meshctl: {exc}", file=sys.stderr)
+            history.pop()
 
 
 # ---------------------------------------------------------------- parser
@@ -188,11 +202,15 @@ def _add_nodes(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.set_defaults(func=cmd_nodes)
 
 
-#: Subcommands in help order; later: place, ls, rm, chat.
 def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("place", parents=[common], help="Place a model (split across nodes).")
     p.add_argument("model", help="alias (smollm2-135m), path to a .gguf, or HF repo id")
-    p.add_argument("--nodes", help="comma-separated node names or ids, in stage order")
+    p.add_argument(
+        "--nodes",
+        metavar="N|NAMES",
+        help="a count (split over at least N nodes) or comma-separated node names or ids, "
+        "in stage order",
+    )
     p.add_argument("--engines", help="comma-separated engine per stage (llama_cpp, mlx)")
     p.add_argument("--min-nodes", type=int, help="split over at least this many nodes")
     p.set_defaults(func=cmd_place)

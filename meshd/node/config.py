@@ -8,6 +8,7 @@ from pathlib import Path
 
 from meshd.crdt import liveness
 from meshd.engines.models import DEFAULT_MODEL
+from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
 from meshd.transport import gossip
 
 from .identity import default_data_dir
@@ -55,9 +56,10 @@ class NodeConfig:
     model: str = DEFAULT_MODEL
     #: Seconds to wait for peers before placing ``model`` (so a joiner does not re-place).
     settle_s: float = 2.0
-    #: Context (tokens) per request, and requests in flight, per runner.
-    n_ctx: int = 4096
-    n_seq_max: int = 8
+    #: Context (tokens) per request, and requests in flight, per runner: what
+    #: placement reserves KV memory for, so they share its constants.
+    n_ctx: int = KV_TOKENS
+    n_seq_max: int = KV_SEQUENCES
     #: Most memory (bytes) this node offers the cluster; 0 = what the machine has.
     max_memory: int = 0
     #: The cluster secret (CURVE on every socket); None runs an open cluster.

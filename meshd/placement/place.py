@@ -50,12 +50,19 @@ DEFAULT_ENGINE_PREFERENCE: tuple[str, ...] = (
 )
 
 
+#: Context (tokens) of one request and requests in flight that a runner makes room
+#: for: the runner allocates exactly this KV cache, so placement reserves it.
+KV_TOKENS = 4096
+KV_SEQUENCES = 8
+
+
 class Policy(msgspec.Struct, frozen=True, kw_only=True):
     """The knobs of placement. Every node must use the same values.
 
     - ``weight_overhead`` (1.2): factor on a stage's layer bytes for what loading and
       running them costs beyond the file bytes (compute buffers, dequantised copies).
-    - ``kv_tokens`` (4096) and ``kv_sequences`` (4): KV cache reserved per stage for
+    - ``kv_tokens`` (:data:`KV_TOKENS`) and ``kv_sequences`` (:data:`KV_SEQUENCES`):
+      KV cache reserved per stage for
       ``kv_sequences`` concurrent requests of ``min(kv_tokens, n_ctx_train)`` tokens
       each, at ``facts.kv_bytes_per_token_layer`` per layer of the stage.
     - ``floor_bytes`` (512 MiB): memory kept free on every node.
@@ -71,8 +78,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     weight_overhead: float = 1.2
-    kv_tokens: int = 4096
-    kv_sequences: int = 4
+    kv_tokens: int = KV_TOKENS
+    kv_sequences: int = KV_SEQUENCES
     floor_bytes: int = 512 * MiB
     engine_preference: tuple[str, ...] = DEFAULT_ENGINE_PREFERENCE
     credit_held: bool = True
