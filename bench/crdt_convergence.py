@@ -6,10 +6,14 @@ the network is modelled:
 
 * a write is published by its writer as a ``Delta`` to every subscriber (PUB/SUB), and
   each copy is lost with probability ``--loss`` (PUB/SUB drops to slow joiners);
-* every node runs an anti-entropy timer (period ``--digest-period``, random phase): it
-  sends its digest (32 bucket hashes) to ``--fanout`` random peers, each peer answers
-  with its entries in the buckets that differ, and the node merges them (a pull). With
-  ``--push-pull`` the peer also pulls from the node in the same exchange.
+* every node runs an anti-entropy timer (period ``--digest-period``, random phase).
+  ``--mode broadcast`` (the default, what ``meshd.transport.gossip`` does): the node
+  publishes its digest (32 bucket hashes) on PUB to every subscriber (each copy lost
+  with probability ``--loss``); every receiver whose digest differs pulls from it
+  (``Pull`` with its own digest, ``PullReply`` with the sender's entries in the buckets
+  that differ). ``--mode fanout`` (a cheaper design, for comparison): the node sends
+  its digest to ``--fanout`` random peers and pulls from them; with ``--push-pull``
+  the peer also pulls from the node in the same exchange.
 
 It prints (1) rounds and time until all replicas agree after one write, over
 ``--trials`` trials, for loss 0, ``--loss`` and 0.5; (2) gossip bytes per node per
@@ -48,7 +52,7 @@ from meshd.crdt.views import (
 # -- wire envelopes --------------------------------------------------------------------
 # The real wire types, so the byte figures follow the transport. PUB/SUB messages carry
 # an extra 8-byte topic frame (the cluster hash).
-from meshd.transport.wire import Delta, Pull, PullReply
+from meshd.transport.wire import Delta, Digest, Pull, PullReply
 
 TOPIC_BYTES = 8
 
@@ -143,6 +147,7 @@ def build_cluster(n: int, health_bytes: int, n_instances: int, rng: random.Rando
 
 @dataclass
 class Knobs:
+    mode: str
     fanout: int
     loss: float
     heartbeat: float
@@ -166,13 +171,14 @@ class Traffic:
 def exchange(
     maps: list[LWWMap], ids: list[str], i: int, k: int, traffic: Traffic | None
 ) -> list[Entry]:
-    """Node ``i`` sends its digest to ``k``; ``k`` answers with the differing buckets."""
+    """Node ``i`` pulls from ``k`` (a ``Pull`` carrying ``i``'s digest); ``k`` answers
+    with its entries in the buckets that differ."""
     dig = maps[i].digest()
     got = maps[k].diff(dig)
     changed = maps[i].merge_many(got)
     if traffic is not None:
         n = len(maps)
-        traffic.add("digest", i, k, size(Pull(sender=ids[i], buckets=list(dig))), n)
+        traffic.add("pull", i, k, size(Pull(sender=ids[i], buckets=list(dig))), n)
         reply = PullReply(sender=ids[k], hlc=REAL_HLC, entries=got)
         traffic.add("pull reply", k, i, size(reply), n)
     return changed
@@ -187,6 +193,8 @@ def anti_entropy(
     traffic: Traffic | None = None,
 ) -> Counter[str]:
     """One firing of node ``i``'s anti-entropy timer."""
+    if knobs.mode == "broadcast":
+        return broadcast_digest(maps, ids, i, knobs, rng, traffic)
     stats: Counter[str] = Counter()
     peers = rng.sample(range(len(maps) - 1), knobs.fanout)
     for p in peers:
@@ -197,6 +205,32 @@ def anti_entropy(
         stats["entries merged"] += len(exchange(maps, ids, i, k, traffic))
         if knobs.push_pull:
             stats["entries merged"] += len(exchange(maps, ids, k, i, traffic))
+    return stats
+
+
+def broadcast_digest(
+    maps: list[LWWMap],
+    ids: list[str],
+    i: int,
+    knobs: Knobs,
+    rng: random.Random,
+    traffic: Traffic | None = None,
+) -> Counter[str]:
+    """Node ``i`` publishes its digest; every receiver that differs pulls from ``i``."""
+    stats: Counter[str] = Counter()
+    dig = maps[i].digest()
+    n = len(maps)
+    digest_bytes = TOPIC_BYTES + size(Digest(sender=ids[i], hlc=REAL_HLC, buckets=list(dig)))
+    for j in range(n):
+        if j == i or rng.random() < knobs.loss:
+            continue
+        stats["exchanges"] += 1
+        if traffic is not None:
+            traffic.add("digest", i, j, digest_bytes, n)
+        if maps[j].digest() == dig:
+            continue
+        stats["exchanges that differ"] += 1
+        stats["entries merged"] += len(exchange(maps, ids, j, i, traffic))
     return stats
 
 
@@ -292,7 +326,14 @@ def kib(x: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=64, help="nodes in the mesh (64)")
-    ap.add_argument("--fanout", type=int, default=3, help="peers per digest round (3)")
+    ap.add_argument(
+        "--mode",
+        choices=("broadcast", "fanout"),
+        default="broadcast",
+        help="broadcast: digest on PUB to all, receivers that differ pull (what meshd does);"
+        " fanout: pull from --fanout random peers (default broadcast)",
+    )
+    ap.add_argument("--fanout", type=int, default=3, help="peers per round in fanout mode (3)")
     ap.add_argument("--loss", type=float, default=0.10, help="delta loss rate (0.10)")
     ap.add_argument("--trials", type=int, default=50, help="trials per loss rate (50)")
     ap.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat period, s (0.5)")
@@ -316,9 +357,10 @@ def main() -> None:
     delta_bytes = TOPIC_BYTES + size(Delta(sender=c.ids[0], entries=[hb]))
     print("meshd CRDT gossip benchmark (real LWWMap merge/digest/diff, simulated network)")
     print(
-        f"  replicas={args.replicas} fanout={args.fanout} loss={args.loss:.0%} "
+        f"  replicas={args.replicas} mode={args.mode}"
+        f"{f' fanout={args.fanout}' if args.mode == 'fanout' else ''} loss={args.loss:.0%} "
         f"trials={args.trials} heartbeat={args.heartbeat}s digest-period={args.digest_period}s "
-        f"latency={args.latency * 1000:g}ms mode={'push-pull' if args.push_pull else 'pull'} "
+        f"latency={args.latency * 1000:g}ms{' push-pull' if args.push_pull else ''} "
         f"seed={args.seed}"
     )
     print(
@@ -343,6 +385,7 @@ def main() -> None:
         f"{'cpu/trial':>9}  goal (<= 3 rounds, <= 1 s)"
     )
     knobs = Knobs(
+        args.mode,
         args.fanout,
         args.loss,
         args.heartbeat,
@@ -366,8 +409,10 @@ def main() -> None:
 
     print()
     print(
-        f"(2) steady state: heartbeat every {args.heartbeat}s per node, digest exchange with "
-        f"{args.fanout} peers every {args.digest_period}s; bytes per node per second"
+        f"(2) steady state: heartbeat every {args.heartbeat}s per node, a digest every "
+        f"{args.digest_period}s "
+        f"({'to every peer' if args.mode == 'broadcast' else f'to {args.fanout} peers'});"
+        " bytes per node per second"
     )
     print("    (msgpack payload + PUB topic frame; ZMTP/TCP/IP headers not counted)")
     for loss in sorted({0.0, args.loss}):
@@ -376,7 +421,7 @@ def main() -> None:
         n = args.replicas
         print(f"    loss {loss:.0%} (simulated {args.duration:g}s in {cpu:.1f}s cpu):")
         tot_out, tot_in = [0] * n, [0] * n
-        for kind in ("delta", "digest", "pull reply"):
+        for kind in ("delta", "digest", "pull", "pull reply"):
             out = traffic.out.get(kind, [0] * n)
             inn = traffic.inn.get(kind, [0] * n)
             tot_out = [a + b for a, b in zip(tot_out, out, strict=True)]
