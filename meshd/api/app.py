@@ -26,7 +26,12 @@ def create_app(node) -> Starlette:
     """Build the app for one node."""
 
     async def healthz(request: Request) -> JSONResponse:
-        return JSONResponse(node.health_view())
+        body = node.health_view()
+        inference = getattr(node, "inference", None)
+        if getattr(inference, "draining", False):
+            # Load balancers read this: stop sending here, the node is on its way out.
+            body["status"] = "draining"
+        return JSONResponse(body)
 
     async def cluster(request: Request) -> JSONResponse:
         return JSONResponse(node.cluster_view())

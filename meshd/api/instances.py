@@ -41,6 +41,13 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 def instance_view(node, inst) -> dict:
     """The JSON shape of one instance."""
     states = node.inference.stage_states(inst)
+    # Nodes left out of this instance for good, and why (durable: from the nodes'
+    # heartbeats, which keep a given-up runner after the stage moved away).
+    excluded = [
+        {"node": nid, "stage": r.stage, "generation": r.generation, "reason": r.reason}
+        for nid, r in node.inference.gave_up_on(inst).items()
+    ]
+    unrepairable = node.inference.unrepairable(inst)
     return {
         "id": inst.id,
         "model": inst.spec.model,
@@ -57,6 +64,8 @@ def instance_view(node, inst) -> dict:
             }
             for st, s in zip(inst.stages, states, strict=True)
         ],
+        **({"excluded": excluded} if excluded else {}),
+        **({"unrepairable": unrepairable} if unrepairable else {}),
     }
 
 

@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from meshd.engines.models import AmbiguousModelError, ModelNotFoundError
 from meshd.node.config import DEFAULT_MAX_REQUESTS, DEFAULT_MAX_TOKENS
-from meshd.node.inference import ModelLoading, RequestFailed
+from meshd.node.inference import KEEPALIVE, ModelLoading, RequestFailed
 from meshd.placement import PlacementError
 from meshd.transport import wire
 
@@ -28,7 +28,7 @@ from . import schemas
 from .bodies import parse_body
 from .errors import ApiError, bad_request, model_loading, model_not_found, overloaded
 from .limits import Admission, Ticket
-from .sse import SSE_DONE, sse_data, sse_error, sse_response
+from .sse import SSE_DONE, SSE_KEEPALIVE, sse_data, sse_error, sse_response
 
 log = logging.getLogger("meshd.api")
 
@@ -36,6 +36,8 @@ log = logging.getLogger("meshd.api")
 LOADING_RETRY_S = 5.0
 #: Retry-After given when the node carries its limit of requests.
 OVERLOADED_RETRY_S = 1.0
+#: Retry-After given while the node drains (stops): another node answers at once.
+DRAINING_RETRY_S = 1.0
 
 
 def _failed(e: RequestFailed) -> ApiError:
@@ -154,6 +156,14 @@ def routes(node):
         route = "chat" if chat else "completions"
         model = body.model
         t0 = time.perf_counter()
+        if node.inference.draining:
+            # A stopping node takes no new work: what it accepts now it would have to
+            # finish (or cut) within the drain; the client retries on another node.
+            metrics.requests.labels(route, model, "503").inc()
+            raise ApiError(
+                503, "this node is draining (shutting down); send the request to another node",
+                type="service_unavailable", code="draining", retry_after=DRAINING_RETRY_S,
+            )  # fmt: skip
         ticket = admission.enter()
         if ticket is None:
             metrics.requests.labels(route, model, "429").inc()
@@ -224,6 +234,10 @@ def routes(node):
             usage = None
             async with contextlib.aclosing(pieces(run, model, t0)) as it:
                 async for c in it:
+                    if c is KEEPALIVE:
+                        # The pipeline broke and the request waits for its repair.
+                        yield SSE_KEEPALIVE
+                        continue
                     if c.text:
                         yield sse_data(s.content(c.text))
                     if c.finish_reason:

@@ -341,6 +341,31 @@ def _stage_state(node: Mapping[str, Any] | None, instance_id: str, generation: A
     return text
 
 
+#: Reasons a node gives for a runner it will not restart (``meshd.node.supervisor``):
+#: placement leaves such a node out of the instance, and top says why.
+GIVEN_UP = ("crash loop", "model not available here")
+
+
+def excluded_nodes(cluster: Mapping[str, Any], instance_id: str) -> list[tuple[str, str]]:
+    """``(node id, reason)`` of every node that gave up a runner of this instance.
+
+    Read from the nodes' heartbeats, which keep a given-up runner after its stage
+    moved away, so the reason stays visible after the repair.
+    """
+    out = []
+    for node in map(_dict, _list(cluster.get("nodes"))):
+        for r in map(_dict, _list(_dict(node.get("health")).get("runners"))):
+            reason = str(r.get("reason") or "")
+            if (
+                r.get("instance") == instance_id
+                and r.get("state") == "failed"
+                and reason.startswith(GIVEN_UP)
+            ):
+                out.append((str(node.get("id") or "?"), reason))
+                break
+    return out
+
+
 def instances_table(cluster: Mapping[str, Any]) -> FitTable:
     """One row per placed instance, one line per stage: ``node[start:end) engine state``."""
     names = _names(cluster)
@@ -367,6 +392,11 @@ def instances_table(cluster: Mapping[str, Any]) -> FitTable:
                 line.append(f" {st['engine']}", style="cyan")
             line.append(" ")
             line.append_text(_stage_state(by_id.get(nid), iid, generation))
+            stages.append(line)
+        for nid, reason in excluded_nodes(cluster, iid):
+            line = Text("excluded ", style="red")
+            line.append(names.get(nid) or short_id(nid), style="bold")
+            line.append(f" ({reason})", style="dim")
             stages.append(line)
         model = str(_dict(inst.get("spec")).get("model") or "?")
         rows.append([Text(iid), Text(model), Text(str(generation)), _lines(stages)])

@@ -260,6 +260,9 @@ class Node:
         """
         assert self.replica is not None and self.gossip is not None and self.inference
         self._draining = True
+        # New API requests get 503 `draining` from now on (and /healthz says so): what
+        # this node accepted now it would have to finish before it may exit.
+        self.inference.draining = True
         await self.gossip.publish([self._beat_entry()])
         mine = [
             i for i in instances(self.replica.map).values()
@@ -283,6 +286,13 @@ class Node:
                 return
             await asyncio.sleep(0.1)
         log.warning("drain ended after %.0f s with work left", timeout)
+        # The API server's stop grace would cut what is still open without a word:
+        # end each open request with a typed error first, and let those events leave.
+        self.inference.abort("the node is stopping (drain ended with the request open)")
+        for _ in range(10):
+            if self.dataplane is None or self.dataplane.in_flight() == 0:
+                break
+            await asyncio.sleep(0.1)
 
     async def wait(self) -> None:
         """Until a stop is requested."""

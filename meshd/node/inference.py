@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +25,7 @@ from meshd.crdt.views import (
     Instance,
     InstanceSpec,
     ModelFacts,
+    RunnerStatus,
     cards,
     healths,
     instance_key,
@@ -44,8 +46,26 @@ LIVENESS_POLL_S = 0.2
 #: A stage whose node is merely *suspect* ends a request that has also been silent
 #: this long: a healthy pipeline keeps producing, so both together mean it is gone.
 SUSPECT_SILENCE_S = 1.0
-#: How long a broken request waits for its instance to be repaired before giving up.
-REPLAY_WAIT_S = 60.0
+#: How long a broken request waits for its repaired instance to serve before it ends
+#: with ``stage_lost``. A repair that placement says is impossible ends it at once
+#: (re-checked every :data:`REPLAY_POLL_S`); this bounds a repair that is possible but
+#: slow (weights loading on the new node). ``$MESHD_REPLAY_WAIT_S`` overrides it.
+REPLAY_WAIT_S = float(os.environ.get("MESHD_REPLAY_WAIT_S") or 30.0)
+REPLAY_POLL_S = 0.1
+#: While a streamed request waits for its repair, an SSE comment goes out this often
+#: so that clients and proxies with idle timeouts keep the connection.
+KEEPALIVE_S = 1.0
+#: Replays one request may go through: a drain and a repair can follow each other,
+#: but a plan that keeps changing under a request must not keep it forever.
+MAX_REPLAYS = 4
+#: Errors that mean "this plan's pipeline broke", not "this request is bad": the
+#: request is replayed on the instance's next plan. ``generation_mismatch`` is what a
+#: runner answers once the plan moved on (a drain, a repair, a crash-loop move).
+REPLAYABLE = frozenset({"stage_lost", "generation_mismatch", "wrong_stage", "not_ready"})
+
+#: Yielded by :meth:`Inference.generate` while a request waits for its repair: no
+#: output, only a sign of life (the API turns it into an SSE ``: keep-alive`` comment).
+KEEPALIVE = wire.DataChunk(req="")
 
 
 class RequestFailed(Exception):
@@ -100,6 +120,7 @@ class Inference:
         metrics=None,
         load_wait: float = LOAD_WAIT_S,
         chunk_timeout: float = CHUNK_TIMEOUT_S,
+        replay_wait: float = REPLAY_WAIT_S,
     ) -> None:
         self.node_id = node_id
         self._state = state
@@ -111,6 +132,12 @@ class Inference:
         self.metrics = metrics
         self.load_wait = load_wait
         self.chunk_timeout = chunk_timeout
+        self.replay_wait = replay_wait
+        #: Set by the node's drain: the API refuses new requests (503 ``draining``).
+        self.draining = False
+        #: Set when the node stops with requests still open: each ends with this
+        #: reason as a typed error instead of being cut by the server's shutdown.
+        self._aborted: str | None = None
         self._facts: dict[str, ModelFacts] = {}
         self._unrepairable: set[tuple[str, int]] = set()
         self._facts_lock = asyncio.Lock()
@@ -204,15 +231,69 @@ class Inference:
         )  # fmt: skip
         return inst
 
+    def gave_up_on(self, inst: Instance) -> dict[str, RunnerStatus]:
+        """Nodes whose runner for ``inst`` was given up (crash loop, model missing), with
+        that runner's status: its ``reason`` says why and when.
+
+        The node keeps reporting a given-up runner in its heartbeat after the instance
+        moved away (see ``Supervisor``), so the exclusion and its reason outlive the
+        repair: placement never puts the stage back there, and the API and ``meshctl
+        top`` can say why the node is not in the plan.
+        """
+        from .supervisor import gave_up
+
+        out: dict[str, RunnerStatus] = {}
+        for nid, h in sorted(healths(self._state()).items()):
+            for r in h.runners:
+                if r.instance == inst.id and gave_up(r) and nid not in out:
+                    out[nid] = r
+        return out
+
+    def _repair_nodes(self, inst: Instance, strict: bool = False):
+        """Placement's input for a repair of ``inst``: serving nodes that hold the model,
+        less those that gave up on it (and, ``strict``, less the merely suspect ones)."""
+        assert inst.facts is not None
+        excluded = set(self.gave_up_on(inst))
+        return {
+            k: v for k, v in self.live_resources(inst.facts, inst.spec.model).items()
+            if k not in excluded and (not strict or self._is_alive(k))
+        }  # fmt: skip
+
+    def unrepairable(self, inst: Instance, strict: bool = False) -> str | None:
+        """Why ``inst`` cannot serve and cannot be repaired, or None.
+
+        A stage is lost when its node is not live (``strict``: not alive, i.e. even
+        suspect) or its runner was given up. When a stage is lost and placement finds
+        no plan on the nodes left, the instance will not serve again by itself: a
+        request should end now with this reason rather than wait for a repair that the
+        repair loop (:meth:`repair`, the same inputs) will never write.
+        """
+        if inst.facts is None:
+            return None
+        gone = self.gave_up_on(inst)
+        lost = [
+            st.node for st in inst.stages
+            if st.node in gone or not (self._is_alive if strict else self._is_live)(st.node)
+        ]  # fmt: skip
+        if not lost:
+            return None
+        try:
+            place(InstanceSpec(model=inst.spec.model), inst.facts,
+                  self._repair_nodes(inst, strict), previous=inst)  # fmt: skip
+        except PlacementError as e:
+            why = gone[lost[0]].reason if lost[0] in gone else "node not answering"
+            return f"stage on node {lost[0]} lost ({why}); no repair possible: {e}"
+        return None
+
     def repair(self) -> list[Instance]:
         """Re-place every instance with a stage on a node that is gone or gave up.
 
         Every survivor runs this on its own and, ``place`` being pure and sticky,
         computes the same plan; it is written with ``generation + 1`` and concurrent
         identical writes converge through the LWW map. Returns what this node wrote.
+        Nodes that gave up a runner of the instance are left out of its plans for good
+        (until the node restarts or the instance is deleted).
         """
-        from .supervisor import gave_up
-
         m = self._state()
         cs, hs = cards(m), healths(m)
         live = {n for n in cs if self._is_live(n) and (n not in hs or hs[n].state == "up")}
@@ -220,23 +301,14 @@ class Inference:
         for inst in instances(m).values():
             if inst.facts is None:
                 continue
-            excluded = set()
-            for i, st in enumerate(inst.stages):
-                h = hs.get(st.node)
-                for r in h.runners if h else []:
-                    if r.instance == inst.id and r.stage == i and gave_up(r):
-                        excluded.add(st.node)
+            excluded = set(self.gave_up_on(inst))
             if not repair_needed(inst, live - excluded):
                 continue
-            nodes = {
-                k: v for k, v in self.live_resources(inst.facts, inst.spec.model).items()
-                if k not in excluded
-            }  # fmt: skip
             # Pins and min_nodes shaped the first plan; a repair keeps what survives
             # where it is and serves with what is left rather than not at all.
             relaxed = InstanceSpec(model=inst.spec.model)
             try:
-                stages = place(relaxed, inst.facts, nodes, previous=inst)
+                stages = place(relaxed, inst.facts, self._repair_nodes(inst), previous=inst)
             except PlacementError as e:
                 key = (inst.id, inst.generation)
                 if key not in self._unrepairable:
@@ -252,8 +324,9 @@ class Inference:
             self._write(instance_key(inst.id), new)
             wrote.append(new)
             log.info(
-                "repaired %s (generation %d): %s", inst.id, new.generation,
+                "repaired %s (generation %d): %s%s", inst.id, new.generation,
                 ", ".join(f"{s.node}[{s.start}:{s.end})" for s in stages),
+                f" (left out: {', '.join(sorted(excluded))})" if excluded else "",
             )  # fmt: skip
         return wrote
 
@@ -275,14 +348,16 @@ class Inference:
             if card is None or not self._is_live(st.node):
                 state, reason = "unavailable", f"node {st.node} is not live"
             elif h is not None:
-                for r in h.runners:
-                    if r.instance == inst.id and r.stage == i:
-                        state, reason = r.state, r.reason
-                        if r.generation != inst.generation and r.state == "ready":
-                            state = "loading"
-                        if r.port:
-                            addr = wire.Addr(node=st.node, addresses=card.addresses, port=r.port)
-                        break
+                # Newest generation first: a given-up runner of an older plan may still
+                # be reported beside the current one (it records why the node was left
+                # out), and must not hide it.
+                mine = [r for r in h.runners if r.instance == inst.id and r.stage == i]
+                for r in sorted(mine, key=lambda r: -r.generation)[:1]:
+                    state, reason = r.state, r.reason
+                    if r.generation != inst.generation and r.state == "ready":
+                        state = "loading"
+                    if r.port:
+                        addr = wire.Addr(node=st.node, addresses=card.addresses, port=r.port)
             out.append(StageState(st.node, state, reason, addr))
         return out
 
@@ -309,14 +384,23 @@ class Inference:
             states = self.stage_states(cur)
             if all(s.state == "ready" and s.addr for s in states):
                 return cur
+            # A stage that is gone (dead node, given-up runner) is repaired by the
+            # repair loop within a second when the cluster can hold the instance; when
+            # it cannot, nothing will change by waiting: say so now, with placement's
+            # reason, instead of a 503 "loading" after the whole wait.
+            why = self.unrepairable(cur)
+            if why is not None:
+                raise RequestFailed("stage_lost", f"instance {cur.id} of {model}: {why}", 503)
             failed = [s for s in states if s.state == "failed"]
-            if failed:
+            if failed and not self.gave_up_on(cur):
                 raise RequestFailed(
                     "stage_failed",
                     f"instance {cur.id} of {model}: stage on {failed[0].node} failed: "
                     f"{failed[0].reason}",
                     503,
                 )
+            if self._aborted is not None:
+                raise RequestFailed("node_stopping", self._aborted, 503)
             if time.monotonic() >= deadline:
                 detail = ", ".join(f"{s.node}: {s.state}" for s in states)
                 raise ModelLoading(model, detail)
@@ -339,13 +423,16 @@ class Inference:
         Closing the iterator early cancels the request on every stage.
 
         With ``replay``, a pipeline that breaks mid-request (a stage's node or runner
-        gone) is not the end: if the cluster can re-place the instance, the request is
-        sent again on the repaired plan with the tokens already produced, which are
-        re-prefilled, and the output continues where it stopped (greedy output is the
-        same as without the failure). If no repair is possible, it fails at once.
+        gone, or the plan moved on under it: :data:`REPLAYABLE`) is not the end: the
+        request is sent again on the instance's next plan with the tokens already
+        produced, which are re-prefilled, and the output continues where it stopped
+        (greedy output is the same as without the failure). While it waits for that
+        plan, :data:`KEEPALIVE` is yielded every :data:`KEEPALIVE_S`. When no repair is
+        possible it fails at once; a possible one gets ``replay_wait`` seconds.
         """
         sent: list[int] = []
         acked = False
+        replays = 0
         while True:
             try:
                 async for c in self._attempt(inst, messages, prompt, sampling, sent):
@@ -357,10 +444,58 @@ class Inference:
                     yield c
                 return
             except RequestFailed as e:
-                if e.code != "stage_lost" or not replay or not acked:
+                if e.code not in REPLAYABLE or not replay or replays >= MAX_REPLAYS:
                     raise
-                log.warning("request on %s lost a stage (%s); replaying", inst.id, e.message)
-                inst = await self._repaired(inst, e)
+                replays += 1
+                cause = e
+            log.warning(
+                "request on %s broke (%s: %s); replaying after %d tokens",
+                inst.id, cause.code, cause.message, len(sent),
+            )  # fmt: skip
+            deadline = time.monotonic() + self.replay_wait
+            beat = time.monotonic() + KEEPALIVE_S
+            while True:
+                cur = self._replay_target(inst, cause)
+                if cur is not None:
+                    inst = cur
+                    break
+                now = time.monotonic()
+                if now >= deadline:
+                    raise RequestFailed(
+                        "stage_lost",
+                        f"{cause.message}; not repaired in {self.replay_wait:.0f} s",
+                    )
+                if acked and now >= beat:
+                    # Only once the client has its response: before that, nothing
+                    # is on the wire to keep alive and the caller awaits the ack.
+                    beat = now + KEEPALIVE_S
+                    yield KEEPALIVE
+                await asyncio.sleep(REPLAY_POLL_S)
+
+    def _replay_target(self, inst: Instance, cause: RequestFailed) -> Instance | None:
+        """The plan a broken request can be replayed on now, None to keep waiting, or
+        :class:`RequestFailed` when waiting cannot help (checked every round, since
+        what is possible changes while we wait: a stage fails, another node dies)."""
+        if self._aborted is not None:
+            raise RequestFailed("node_stopping", f"{cause.message}; {self._aborted}", 503)
+        cur = instances(self._state()).get(inst.id)
+        if cur is None:
+            raise RequestFailed("instance_deleted", f"instance {inst.id} was deleted", 503)
+        if self.is_ready(cur) and all(self._is_alive(s.node) for s in cur.stages):
+            return cur
+        # Strict: a node that is only suspect counts as lost here, so that a request
+        # whose stage died ends within the bound (suspect after 1.2 s) when nothing
+        # can take the stage, instead of waiting for the node to be declared dead.
+        why = self.unrepairable(cur, strict=True)
+        if why is not None:
+            raise RequestFailed("stage_lost", f"{cause.message}; {why}")
+        gone = self.gave_up_on(cur)
+        for s in self.stage_states(cur):
+            if s.state == "failed" and s.node not in gone:
+                raise RequestFailed(
+                    "stage_failed", f"{cause.message}; stage on {s.node} failed: {s.reason}"
+                )
+        return None
 
     async def _attempt(
         self,
@@ -377,7 +512,7 @@ class Inference:
             raise RequestFailed("not_ready", f"instance {inst.id} is not ready", 503)
         req = secrets.token_hex(8)
         q = self.dataplane.open(req)
-        finished = False
+        done = False
         try:
             await self.dataplane.send(
                 route[0],  # type: ignore[arg-type]
@@ -393,51 +528,42 @@ class Inference:
                 chunk = await self._next(q, inst, timeout)
                 timeout = self.chunk_timeout
                 if chunk.error is not None:
-                    finished = True
                     bad_input = chunk.error.code in ("context_length_exceeded", "bad_prompt")
                     raise RequestFailed(
                         chunk.error.code, chunk.error.message, 400 if bad_input else 502
                     )
                 if chunk.finish_reason is not None:
-                    finished = True
+                    # The last stage released the request and started the release
+                    # walk from stage 0: nothing is left to free.
+                    done = True
                 yield chunk
-                if finished:
+                if done:
                     return
         finally:
             self.dataplane.close(req)
-            if not finished:
-                # Client went away or we gave up: free every stage's KV cache.
-                try:
-                    await self.dataplane.send(
-                        route[0],  # type: ignore[arg-type]
-                        wire.Release(req=req, instance=inst.id, reason="cancel"),
-                    )
-                except Exception:
-                    log.debug("could not send cancel for %s", req)
+            if not done:
+                await self._release_everywhere(req, inst, route)  # type: ignore[arg-type]
 
-    async def _repaired(self, inst: Instance, cause: RequestFailed) -> Instance:
-        """The instance serving again after a lost stage, or RequestFailed at once if
-        the nodes still answering cannot hold it."""
-        if inst.facts is not None:
-            nodes = {
-                k: v for k, v in self.live_resources(inst.facts, inst.spec.model).items()
-                if self._is_alive(k)
-            }  # fmt: skip
+    async def _release_everywhere(self, req: str, inst: Instance, route: list[wire.Addr]) -> None:
+        """Free ``req``'s KV cache on every stage of ``route``, each told directly.
+
+        A runner passes a cancel on down the chain, but a chain stops at a dead stage:
+        the stages after it would keep the request's KV for good. So the API node tells
+        each stage itself (a stage that already freed it, or hears it twice through the
+        chain, ignores the extra one). A send to a dead stage only queues, bounded.
+        """
+        for addr in {(a.port, *a.addresses): a for a in route}.values():
             try:
-                place(InstanceSpec(model=inst.spec.model), inst.facts, nodes, previous=inst)
-            except PlacementError as e:
-                raise RequestFailed(
-                    "stage_lost", f"{cause.message}; no repair possible: {e}"
-                ) from None
-        deadline = time.monotonic() + REPLAY_WAIT_S
-        while time.monotonic() < deadline:
-            cur = instances(self._state()).get(inst.id)
-            if cur is None:
-                raise RequestFailed("instance_deleted", f"instance {inst.id} was deleted", 503)
-            if self.is_ready(cur) and all(self._is_alive(s.node) for s in cur.stages):
-                return cur
-            await asyncio.sleep(0.1)
-        raise RequestFailed("stage_lost", f"{cause.message}; not repaired in {REPLAY_WAIT_S} s")
+                await self.dataplane.send(
+                    addr, wire.Release(req=req, instance=inst.id, reason="cancel")
+                )
+            except Exception:
+                log.debug("could not send cancel for %s to %s", req, addr.node)
+
+    def abort(self, reason: str) -> None:
+        """End every request this node's API still has open with ``node_stopping``
+        (the node is stopping and cannot wait for them any longer)."""
+        self._aborted = reason
 
     async def _next(self, q: asyncio.Queue[wire.DataChunk], inst: Instance, timeout: float):
         """Next chunk, watching the stages: a dead node or runner ends the wait at once."""
@@ -449,6 +575,8 @@ class Inference:
             except TimeoutError:
                 pass
             now = time.monotonic()
+            if self._aborted is not None:
+                raise RequestFailed("node_stopping", self._aborted, 503)
             for s in self.stage_states(inst):
                 if s.state != "ready":
                     raise RequestFailed(

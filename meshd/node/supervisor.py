@@ -5,6 +5,18 @@ state: runner subprocesses, each reporting ``loading`` -> ``ready`` | ``failed``
 stdout. A runner whose stage changed range or model is replaced; one whose plan only
 moved to a new generation keeps its weights and is told the new generation. Status
 changes are pushed to the node (which puts them in its heartbeat).
+
+A plan change never blocks on the runners it retires: they are stopped in the
+background while the new plan's runners start, so a repair or a drain is not held up
+by their stop grace. (A retired runner cannot serve the old plan's requests any
+longer anyway: its neighbours moved to the new generation and refuse the old one; the
+API node replays those requests on the new plan.)
+
+A runner that is given up (crash loop, model missing) is remembered after its stage
+moved away: the node keeps reporting it, ``failed`` with its reason, in its heartbeat
+until the instance is deleted or the node restarts. That is what keeps the node out
+of the instance's plans (``Inference.repair``) and what the API and ``meshctl top``
+show as the reason.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +70,9 @@ class StageKey:
     start: int
     end: int
     model_path: str
+    engine: str = "llama_cpp"
+    #: Wire type of the activations sent on: it depends on the next stage's engine.
+    send_dtype: str = "f32"
 
 
 @dataclass
@@ -128,11 +144,15 @@ class Supervisor:
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
         self.runners: dict[tuple[str, int], RunnerProc] = {}
+        #: Given-up runners whose stage moved away, by instance (see the module doc).
+        self.given_up: dict[str, RunnerStatus] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()
 
     def statuses(self) -> list[RunnerStatus]:
-        """Every runner's state, for the heartbeat."""
-        return [r.status() for _, r in sorted(self.runners.items())]
+        """Every runner's state, for the heartbeat, and the runners given up here."""
+        live = [r.status() for _, r in sorted(self.runners.items())]
+        return live + [self.given_up[i] for i in sorted(self.given_up)]
 
     async def reconcile(self, instances: dict[str, Instance]) -> None:
         """Make the running set match the plans (idempotent; serialized)."""
@@ -142,9 +162,15 @@ class Supervisor:
                 for i, st in enumerate(inst.stages):
                     if st.node == self.node_id:
                         desired[(inst.id, i)] = (inst, i)
+            for iid in list(self.given_up):
+                if iid not in instances:
+                    del self.given_up[iid]  # instance deleted: forget the exclusion
             for k in list(self.runners):
                 if k not in desired:
-                    await self._stop(self.runners.pop(k))
+                    r = self.runners.pop(k)
+                    if gave_up(r.status()):
+                        self.given_up.setdefault(k[0], r.status())
+                    self._retire(r)
             for k, (inst, i) in desired.items():
                 st = inst.stages[i]
                 facts = inst.facts
@@ -156,13 +182,20 @@ class Supervisor:
                         self.runners[k] = _failed(inst, i, f"{MODEL_MISSING}: {e}")
                         self.on_status()
                     continue
-                key = StageKey(inst.id, i, len(inst.stages), st.start, st.end, path)
+                key = StageKey(
+                    inst.id, i, len(inst.stages), st.start, st.end, path,
+                    st.engine, send_dtype(inst, i),
+                )  # fmt: skip
                 r = self.runners.get(k)
                 if r is not None and r.key == key:
                     if r.generation != inst.generation:
                         self._retune(r, inst.generation)
                     continue
                 if r is not None:
+                    # Same slot, other weights: stop first (both at once might not fit
+                    # in memory; placement counted the new one in place of the old).
+                    if gave_up(r.status()):
+                        self.given_up.setdefault(inst.id, r.status())
                     await self._stop(r)
                 cfg = RunnerConfig(
                     instance=inst.id,
@@ -243,8 +276,12 @@ class Supervisor:
         r.crashes = [t for t in r.crashes if now - t < RESTART_WINDOW_S] + [now]
         if len(r.crashes) > MAX_RESTARTS:
             r.state = "failed"
+            # When, in the reason itself: it travels in the heartbeat and is shown by
+            # the API and `meshctl top` long after the stage moved away.
+            at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             r.reason = (
-                f"{CRASH_LOOP}: {len(r.crashes)} exits in {RESTART_WINDOW_S:.0f} s ({reason})"
+                f"{CRASH_LOOP}: {len(r.crashes)} exits in {RESTART_WINDOW_S:.0f} s "
+                f"({reason}); given up at {at}"
             )
             log.error("runner %s stage %d given up: %s", r.key.instance, r.key.stage, r.reason)
             self.on_status()
@@ -284,16 +321,23 @@ class Supervisor:
             t.cancel()
         self.on_status()
 
+    def _retire(self, r: RunnerProc) -> None:
+        """Stop ``r`` in the background: a plan change must not wait for its grace."""
+        r.state = "stopped"  # its watcher must not restart it meanwhile
+        t = asyncio.get_running_loop().create_task(self._stop(r))
+        self._retiring.add(t)
+        t.add_done_callback(self._retiring.discard)
+
     async def stop_all(self) -> None:
         """Stop every runner (node shutdown)."""
         async with self._lock:
-            for k in list(self.runners):
-                await self._stop(self.runners.pop(k))
+            runners = [self.runners.pop(k) for k in list(self.runners)]
+            await asyncio.gather(*(self._stop(r) for r in runners), *list(self._retiring))
 
 
 def _failed(inst: Instance, i: int, reason: str) -> RunnerProc:
     st = inst.stages[i]
-    key = StageKey(inst.id, i, len(inst.stages), st.start, st.end, "")
+    key = StageKey(inst.id, i, len(inst.stages), st.start, st.end, "", st.engine)
     cfg = RunnerConfig(
         instance=inst.id, generation=inst.generation, stage=i, n_stages=len(inst.stages),
         model_path="", sha256="", start=st.start, end=st.end, n_layers=st.end, cache_dir="",

@@ -29,6 +29,24 @@ class NodeResources(msgspec.Struct, frozen=True):
     holds: list[str] = []
 
 
+#: ``mem_available`` is rounded down to a multiple of this many bytes (or of 1/16 of
+#: the node's ``mem_total``, the larger), so that placement's input does not follow
+#: every heartbeat's wobble: survivors that repair a plan at once read heartbeats a
+#: few hundred ms apart and, with exact figures, could split the layers differently
+#: (each writing its own generation + 1, one winning by LWW after both began to
+#: load). Rounded, two snapshots that differ by less than the step (and do not
+#: straddle a step boundary) are the same input, hence the same plan. Rounding down
+#: only ever under-states memory, which placement already treats as a budget.
+MEM_QUANTUM = 256 * 1024 * 1024
+MEM_TOTAL_SHARE = 16
+
+
+def quantize_mem(mem_available: int, mem_total: int = 0) -> int:
+    """``mem_available`` rounded down to placement's step (see :data:`MEM_QUANTUM`)."""
+    q = max(MEM_QUANTUM, mem_total // MEM_TOTAL_SHARE // MEM_QUANTUM * MEM_QUANTUM)
+    return max(0, mem_available) // q * q
+
+
 def node_resources(
     cards: Mapping[str, NodeCard],
     healths: Mapping[str, Health],
@@ -39,7 +57,8 @@ def node_resources(
     ``mem_available`` and ``tokens_per_s`` come from the node's heartbeat when it has
     one that reports them (a heartbeat's 0 means "not reported"), else from its card
     (``tokens_per_s`` is then 0, unmeasured). A live id without a card is skipped:
-    placement cannot know what it runs.
+    placement cannot know what it runs. ``mem_available`` is rounded down with
+    :func:`quantize_mem`, so that survivors compute a repair from the same figures.
     """
     out: dict[str, NodeResources] = {}
     for nid in sorted(set(live)):
@@ -59,7 +78,7 @@ def node_resources(
             id=nid,
             name=card.name,
             backends=sorted(set(card.backends)),
-            mem_available=mem,
+            mem_available=quantize_mem(mem, card.mem_total),
             mem_total=card.mem_total,
             tokens_per_s=tps,
             holds=sorted(holds),
