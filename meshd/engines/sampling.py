@@ -8,25 +8,38 @@ Order of the filters, as in Hugging Face ``generate``: temperature scaling, then
 then top-p (nucleus) on the renormalised remainder, then one uniform draw inverted over
 the kept tokens in token-id order. Ties are broken towards the lower token id everywhere
 (greedy, the top-k boundary, the nucleus boundary), so the token depends only on the
-logits, the parameters and the seed.
+logits, the parameters, the seed and the token's position.
+
+The uniform draw of the token at position ``i`` is a pure function of ``(seed, i)``
+(a counter-based generator: a keyed hash of the position), not the i-th output of a
+stateful stream. A request replayed from position ``k`` (its first ``k`` tokens
+re-prefilled on a repaired plan) therefore draws exactly what the uninterrupted run
+would have drawn, without replaying ``k`` draws it cannot know the shape of.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
+import secrets
+import struct
 
 import msgspec
 import numpy as np
 
-__all__ = ["MAX_TEMPERATURE", "Sampler", "SamplingParams"]
+__all__ = ["MAX_TEMPERATURE", "Sampler", "SamplingParams", "uniform"]
 
 MAX_TEMPERATURE = 2.0
 """OpenAI's upper bound for ``temperature``."""
 
-# numpy's Generator only takes non-negative seeds; folding a signed 64-bit seed into
-# this range keeps every int64 a client may send valid and distinct.
+# The draw hashes the seed as an unsigned 64-bit word; folding a signed seed into this
+# range keeps every int64 a client may send valid and distinct.
 _SEED_MASK = (1 << 64) - 1
+
+# 53 random bits make every double in [0, 1) on a 2**-53 grid reachable, as numpy's
+# Generator.random() does.
+_UNIT = 2.0**-53
 
 # Buckets for top-k / top-p selection: enough that the bucket holding the boundary has
 # a few dozen tokens on a 49k vocabulary, few enough that the bincount stays cheap.
@@ -82,23 +95,35 @@ def _is_int(value: object) -> bool:
 class Sampler:
     """Picks token ids from logits under fixed :class:`SamplingParams`.
 
-    One sampler per request: it owns the request's random generator, so the same seed
-    and the same sequence of logits give the same sequence of tokens. Each non-greedy
-    call consumes exactly one uniform draw. Not thread-safe (it reuses work arrays).
+    One sampler per request. The token at position ``i`` (0 = the first generated
+    token) uses the uniform draw :func:`uniform` ``(seed, i)``: the same seed and the
+    same logits at a position give the same token whatever happened before, so a
+    sampler created at ``position=k`` continues an interrupted stream exactly. Each
+    call moves to the next position. Not thread-safe (it reuses work arrays).
     """
 
-    def __init__(self, params: SamplingParams | None = None) -> None:
+    def __init__(self, params: SamplingParams | None = None, position: int = 0) -> None:
+        """``position``: index of the next token to sample (the tokens already sent)."""
         self.params = params if params is not None else SamplingParams()
         seed = self.params.seed
-        self._rng = np.random.default_rng(None if seed is None else int(seed) & _SEED_MASK)
+        # No seed: a fresh random one, so an unseeded request still draws independently
+        # per position (and a replay of it continues with the same draws).
+        self._seed = secrets.randbits(64) if seed is None else int(seed) & _SEED_MASK
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        #: Position of the next token :meth:`sample` picks.
+        self.position = position
         self._work = _Work()
 
-    def sample(self, logits: np.ndarray) -> int:
-        """Return the next token id for a 1-D logits vector (one entry per vocab id).
+    def sample(self, logits: np.ndarray, position: int | None = None) -> int:
+        """Return the token id at ``position`` (default :attr:`position`) for a 1-D
+        logits vector (one entry per vocab id); the next call defaults to the next
+        position.
 
         ``-inf`` entries are masked tokens and are never picked. Raises ``ValueError`` on
         an empty or non 1-D vector, on NaN or ``+inf``, or when every entry is ``-inf``.
         """
+        pos = self.position if position is None else position
         x = np.asarray(logits)
         if x.ndim != 1 or x.size == 0:
             raise ValueError(f"logits must be a non-empty 1-D array, got shape {x.shape}")
@@ -107,6 +132,7 @@ class Sampler:
         top = float(x.max())  # NaN anywhere propagates into the max: one pass checks both
         if not math.isfinite(top):
             raise ValueError(f"logits must be finite or -inf, max is {top}")
+        self.position = pos + 1
 
         p = self.params
         if p.temperature == 0.0:
@@ -134,8 +160,21 @@ class Sampler:
             # zero weights, and compacting would allocate a vocab-sized array per call.
             probs *= _best_prefix(x, probs, p.top_p * probs.sum(), work)
 
-        i = _invert_cdf(probs, self._rng.random())
+        i = _invert_cdf(probs, uniform(self._seed, pos))
         return int(i if ids is None else ids[i])
+
+
+def uniform(seed: int, position: int) -> float:
+    """The uniform draw in [0, 1) of the token at ``position`` under ``seed``.
+
+    A keyed hash of the position (BLAKE2b of both as 64-bit words, 53 bits kept): a
+    counter-based generator, so any position's draw costs ~1 us and needs no state.
+    Unlike a numpy stream it is fixed by this definition, not by a library version,
+    so every node of a cluster draws the same number.
+    """
+    key = struct.pack("<QQ", seed & _SEED_MASK, position & _SEED_MASK)
+    word = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+    return (word >> 11) * _UNIT
 
 
 class _Work:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from meshd.engines.sampling import Sampler, SamplingParams, _best_prefix, _Work
+from meshd.engines.sampling import Sampler, SamplingParams, _best_prefix, _Work, uniform
 
 VOCAB = 49_152  # SmolLM2's vocabulary
 
@@ -157,6 +157,43 @@ def test_no_seed_draws_fresh_randomness() -> None:
     flat = np.zeros(1000, np.float32)
     runs = {tuple(Sampler().sample(flat) for _ in range(10)) for _ in range(5)}
     assert len(runs) == 5
+
+
+def test_a_sampler_started_at_position_k_continues_the_uninterrupted_stream() -> None:
+    # What a replay does: the first k tokens are re-prefilled, a new sampler picks on.
+    steps = [llm_like_logits(i) for i in range(16)]
+    params = SamplingParams(temperature=1.1, top_p=0.97, seed=99)
+    sampler = Sampler(params)
+    whole = [sampler.sample(x) for x in steps]
+    for k in (1, 7, 15):
+        resumed = Sampler(params, position=k)
+        assert [resumed.sample(x) for x in steps[k:]] == whole[k:]
+
+
+def test_the_draw_depends_only_on_seed_and_position() -> None:
+    flat = np.zeros(1000, np.float32)
+    a = Sampler(SamplingParams(seed=5))
+    b = Sampler(SamplingParams(seed=5))
+    picks_a = [a.sample(flat, position=p) for p in (3, 0, 2)]
+    picks_b = [b.sample(flat, position=p) for p in (0, 2, 3)]
+    assert picks_a == [picks_b[2], picks_b[0], picks_b[1]]
+    assert a.position == 3  # the next call goes on after the last position sampled
+    assert uniform(5, 3) == uniform(5, 3) != uniform(5, 4) != uniform(6, 4)
+    assert 0.0 <= min(uniform(1, p) for p in range(1000)) < 0.01
+    assert 0.99 < max(uniform(1, p) for p in range(1000)) < 1.0
+
+
+def test_negative_seeds_are_valid_and_distinct() -> None:
+    flat = np.zeros(1000, np.float32)
+    draws = {s: tuple(Sampler(SamplingParams(seed=s)).sample(flat, p) for p in range(8))
+             for s in (-1, (1 << 63) - 1, -(1 << 63), 0)}  # fmt: skip
+    assert len(set(draws.values())) == len(draws)
+
+
+def test_greedy_does_not_depend_on_position() -> None:
+    logits = llm_like_logits(8)
+    sampler = Sampler(SamplingParams(temperature=0.0, seed=1))
+    assert {sampler.sample(logits, position=p) for p in (0, 5, 10_000)} == {int(np.argmax(logits))}
 
 
 def test_input_dtype_does_not_change_the_draw() -> None:
