@@ -8,6 +8,11 @@ incomplete UTF-8 tail back until the token that completes it arrives.
 :class:`StopMatcher` then cuts the text at the first stop string. A stop string may
 also arrive split over several chunks ("<|e" + "nd|>"), so a tail that could still
 become a stop string is held back until the next chunk settles it.
+
+:class:`TextStream` chains the two for one request and owns the end-of-stream rule:
+whatever ends the stream (an end-of-generation token, ``max_tokens``, a full context),
+the text held back is released, except past a stop string, where the text ends just
+before it (OpenAI's semantics).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Callable, Sequence
 
-__all__ = ["MAX_STOPS", "IncrementalDetokenizer", "StopMatcher"]
+__all__ = ["MAX_STOPS", "IncrementalDetokenizer", "StopMatcher", "TextStream"]
 
 MAX_STOPS = 4
 """OpenAI's limit on the number of stop strings in one request."""
@@ -124,3 +129,41 @@ class StopMatcher:
                     longest = size
                     break
         return longest
+
+
+class TextStream:
+    """One request's output text: token ids in, emit-safe text out.
+
+    The concatenation of every :meth:`push` and the final :meth:`finish` is the
+    whole generated text (as :class:`IncrementalDetokenizer` decodes it) cut before
+    the first stop string, whether the stream ended on a stop string or not.
+    """
+
+    def __init__(self, piece: Callable[[int], bytes], stops: Sequence[str] = ()) -> None:
+        """``piece``: token id -> raw bytes; ``stops``: the request's stop strings."""
+        self._detok = IncrementalDetokenizer(piece)
+        self._stops = StopMatcher(list(stops))
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string has ended the text."""
+        return self._stops.stopped
+
+    def prime(self, tokens: Sequence[int]) -> None:
+        """Feed tokens whose text the client already has (a replay), discarding it:
+        held-back bytes and partial stop strings then continue exactly."""
+        for token in tokens:
+            self.push(token)
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """Add one token; return the text now safe to emit and whether a stop hit."""
+        return self._stops.push(self._detok.push(token))
+
+    def finish(self) -> str:
+        """End of stream: the text still held back (unfinished UTF-8 bytes as U+FFFD, a
+        tail that could have begun a stop string), cut at a stop string if those last
+        bytes complete one. "" after a stop string."""
+        if self._stops.stopped:
+            return ""
+        text, stopped = self._stops.push(self._detok.flush())
+        return text if stopped else text + self._stops.flush()

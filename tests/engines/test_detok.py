@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshd.engines.detok import MAX_STOPS, IncrementalDetokenizer, StopMatcher
+from meshd.engines.detok import MAX_STOPS, IncrementalDetokenizer, StopMatcher, TextStream
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -258,3 +258,71 @@ def test_detokenizer_and_stop_matcher_together_on_real_tokens(vocab: Vocab) -> N
             break
     assert "".join(emitted) == "The answer is 42."
     assert matcher.matched == "\nUser:"
+
+
+# ----------------------------------------------------------- text stream, end rules
+
+
+def stream_text(pieces: list[bytes], stops: list[str]) -> tuple[str, bool]:
+    """Everything a TextStream emits for ``pieces`` (one token each), then the end."""
+    ts = TextStream(pieces.__getitem__, stops)
+    out: list[str] = []
+    for token in range(len(pieces)):
+        text, stopped = ts.push(token)
+        out.append(text)
+        if stopped:
+            break
+    out.append(ts.finish())
+    return "".join(out), ts.stopped
+
+
+def test_text_held_for_a_stop_string_is_kept_when_the_stream_ends() -> None:
+    # The model ends (EOS) right after "." while ".\n" is a stop string: the "." was
+    # held back as a possible stop, and it is output, as llama-cpp-python returns it.
+    assert stream_text([b"Hello", b" world", b"."], [".\n"]) == ("Hello world.", False)
+    assert stream_text([b"Hello", b" <|e"], ["<|end|>"]) == ("Hello <|e", False)
+
+
+def test_unfinished_utf8_at_the_end_is_replaced_not_dropped() -> None:
+    assert stream_text([b"ok ", b"\xf0\x9f"], []) == ("ok \ufffd", False)
+    assert stream_text([b"ok ", b"\xf0\x9f"], ["!"]) == ("ok \ufffd", False)
+
+
+def test_after_a_stop_string_nothing_more_is_emitted() -> None:
+    ts = TextStream([b"a", b"b.", b"\n", b"c"].__getitem__, [".\n"])
+    assert [ts.push(t) for t in range(4)] == [("a", False), ("b", False), ("", True), ("", True)]
+    assert ts.finish() == ""
+
+
+def test_the_last_bytes_can_complete_a_stop_string() -> None:
+    # U+FFFD from an unfinished character is text like any other.
+    assert stream_text([b"x", b"\xe2\x82"], ["x\ufffd"]) == ("", True)
+
+
+@settings(max_examples=300)
+@given(
+    st.data(),
+    st.text(alphabet="ab.\né🎉", max_size=20),
+    st.lists(st.text(alphabet="ab.\né🎉", min_size=1, max_size=4), max_size=MAX_STOPS),
+)
+def test_stream_text_is_the_whole_text_cut_at_the_first_stop(
+    data: st.DataObject, text: str, stops: list[str]
+) -> None:
+    raw = text.encode("utf-8")
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=12)))
+    pieces = [raw[a:b] for a, b in itertools.pairwise([0, *cuts, len(raw)])]
+    assert stream_text(pieces, stops) == reference_cut(text, stops)
+
+
+def test_a_primed_stream_continues_held_text_exactly() -> None:
+    pieces = [b"He said", b" .", b".", b" done", b"\xf0\x9f", b"\x8e\x89"]
+    whole, _ = stream_text(pieces, ["..."])
+    for k in range(len(pieces)):
+        # The client got what the first k tokens emitted; a replay primes a new
+        # stream with them and goes on.
+        first = TextStream(pieces.__getitem__, ["..."])
+        before = "".join(first.push(t)[0] for t in range(k))
+        replay = TextStream(pieces.__getitem__, ["..."])
+        replay.prime(range(k))
+        after = "".join(replay.push(t)[0] for t in range(k, len(pieces))) + replay.finish()
+        assert before + after == whole
