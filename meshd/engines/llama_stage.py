@@ -353,6 +353,24 @@ class LlamaVocab:
                 return buf.raw[:n]
             size = -n
 
+    @property
+    def bos_token(self) -> str | None:
+        """The BOS token's text (what chat templates get as ``bos_token``), or None."""
+        return self._special_text(int(self._L.llama_vocab_bos(self._vocab)))
+
+    @property
+    def eos_token(self) -> str | None:
+        """The EOS token's text (what chat templates get as ``eos_token``), or None."""
+        return self._special_text(int(self._L.llama_vocab_eos(self._vocab)))
+
+    def _special_text(self, token: int) -> str | None:
+        # The token's text as the vocabulary stores it ("<|im_start|>", "<s>"), which is
+        # what llama-cpp-python passes to templates; its piece would render as nothing.
+        if token < 0:
+            return None
+        text = self._L.llama_vocab_get_text(self._vocab, token)
+        return text.decode("utf-8", errors="replace") if text else None
+
     def eos_tokens(self) -> set[int]:
         """eos, eot and every token llama.cpp marks end-of-generation (scanned once)."""
         if self._eos is None:
@@ -705,6 +723,11 @@ class LlamaStage:
         """Ids that end a generation: eos, eot and every end-of-generation token."""
         self._check_open()
         return self._tok.eos_tokens()
+
+    def special_texts(self) -> tuple[str, str]:
+        """The BOS and EOS token texts chat templates get ("" when the model has none)."""
+        self._check_open()
+        return self._tok.bos_token or "", self._tok.eos_token or ""
 
     # -- lifetime ------------------------------------------------------------------
 

@@ -909,6 +909,11 @@ class MlxStage:
         """Ids that end a generation: eos, eot and every end-of-generation token."""
         return self._vocab_open().eos_tokens()
 
+    def special_texts(self) -> tuple[str, str]:
+        """The BOS and EOS token texts chat templates get ("" when the model has none)."""
+        v = self._vocab_open()
+        return v.bos_token or "", v.eos_token or ""
+
     # -- lifetime ------------------------------------------------------------------
 
     def close(self) -> None:
