@@ -4,7 +4,9 @@ The node's supervisor starts ``python -m meshd.engines.runner CONFIG_JSON``. The
 binds a ROUTER on an OS-chosen port and reports on stdout, one JSON object a line:
 ``{"event": "listening", "port": N}``, then ``{"event": "ready"}`` or
 ``{"event": "failed", "reason": "..."}``. It reads control lines on stdin
-(``{"cmd": "generation", "value": G}``; EOF means the node is gone: exit).
+(``{"cmd": "generation", "value": G}``; EOF means the node is gone: exit). SIGINT is
+ignored (a Ctrl-C in the node's terminal is the node's to handle: it drains first);
+the supervisor stops a runner with SIGTERM.
 
 Data plane (all messages carry the request id and the plan generation):
 
@@ -14,6 +16,10 @@ Data plane (all messages carry the request id and the plan generation):
   its own on;
 * the last stage samples, sends text to the API node (``DataChunk``) and the token back
   to stage 0 (``Token``), until the request finishes; then ``Release`` walks the chain.
+
+KV slots are never held forever: a new plan generation frees the requests of older
+ones, a request idle for ``request_expiry_s`` is freed (its stage 0 died, so no cancel
+can reach this stage), and a cancel for a request this stage does not know is accepted.
 
 Requests in flight are batched: one engine call per step serves every request that
 has work, so several streams keep every stage busy. The loop is plain synchronous
@@ -27,6 +33,7 @@ import json
 import logging
 import os
 import select
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,12 +58,22 @@ from meshd.transport.security import (
 )
 from meshd.transport.tensors import TensorError, decode_rows, encode_rows
 
+from .detok import TextStream
 from .llama_stage import StageInput
+from .sampling import Sampler, SamplingParams
 
 log = logging.getLogger("meshd.runner")
 
 #: Connections a runner keeps to other runners and API nodes (least recently used go).
 MAX_DEALERS = 64
+
+#: Cancelled request ids remembered, so that a request's first activation arriving
+#: after its cancel (from another sender, so unordered) is not admitted.
+MAX_CANCELLED = 4096
+
+#: Default idle time after which a request's KV is freed. Above the API node's chunk
+#: timeout (30 s): the API node gives up on a silent pipeline first.
+REQUEST_EXPIRY_S = 60.0
 
 
 class RunnerConfig(msgspec.Struct, kw_only=True):
@@ -81,6 +98,9 @@ class RunnerConfig(msgspec.Struct, kw_only=True):
     #: Wire type of the activations this stage sends on (see transport.tensors);
     #: anything but f32 only between two MLX stages (InstanceSpec.activations).
     send_dtype: str = "f32"
+    #: A request with no message and no compute for this long is freed (see
+    #: :meth:`Runner.expire`).
+    request_expiry_s: float = REQUEST_EXPIRY_S
 
 
 def emit(event: str, **kw: object) -> None:
@@ -100,10 +120,13 @@ class Request:
     sampling: wire.Sampling
     n_prompt: int = 0
     n_generated: int = 0
+    #: Plan generation the request was admitted under.
+    generation: int = 0
+    #: time.monotonic() of the last message or compute for this request.
+    last_active: float = field(default_factory=time.monotonic)
     # Last stage only:
-    sampler: object | None = None
-    detok: object | None = None
-    stopper: object | None = None
+    sampler: Sampler | None = None
+    text: TextStream | None = None
 
 
 @dataclass
@@ -121,7 +144,13 @@ class Work:
 
 @dataclass
 class Counters:
+    """What a runner refused or freed on its own, by reason."""
+
     dropped: collections.Counter[str] = field(default_factory=collections.Counter)
+    #: Requests freed after ``request_expiry_s`` without activity.
+    expired: int = 0
+    #: Requests freed because the plan generation moved on.
+    superseded: int = 0
 
 
 class Runner:
@@ -148,14 +177,22 @@ class Runner:
         self.reqs: dict[str, Request] = {}
         self.free_seqs = list(range(cfg.n_seq_max - 1, -1, -1))
         self.waiting: collections.deque[wire.Generate] = collections.deque()
+        #: Recently cancelled ids this stage did not hold (oldest first).
+        self.cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.work: collections.deque[Work] = collections.deque()
         self.dealers: dict[str, zmq.Socket] = {}
         self.counters = Counters()
         self.template = template
         self._endpoints: dict[tuple, str] = {}
-        self.bos_text = ""
-        self.eos_text = ""
+        # What chat templates get as bos_token / eos_token: the model's own token text,
+        # as llama-cpp-python and transformers pass them (stage 0 renders templates).
+        texts = getattr(stage, "special_texts", None) if self.first else None
+        self.bos_text, self.eos_text = texts() if texts is not None else ("", "")
         self.eos: set[int] = set(stage.eos_tokens()) if self.last else set()
+        self.expiry = cfg.request_expiry_s
+        # Checked a few times per expiry, at most once a second: a scan is O(requests).
+        self._expiry_every = min(1.0, max(0.01, self.expiry / 4))
+        self._next_expiry_check = time.monotonic() + self._expiry_every
 
     # -- sockets -------------------------------------------------------------------
     def send(self, addr: wire.Addr, msg: wire.Message, *frames) -> None:
@@ -214,6 +251,10 @@ class Runner:
                 return
             if self.work:
                 self.step()
+            now = time.monotonic()
+            if now >= self._next_expiry_check:
+                self._next_expiry_check = now + self._expiry_every
+                self.expire(now)
 
     def control(self) -> bool:
         """Handle one stdin line; False when the node closed stdin (it is gone)."""
@@ -228,11 +269,60 @@ class Runner:
         except ValueError:
             return True
         if cmd.get("cmd") == "generation":
-            self.generation = int(cmd["value"])
-            emit("generation", value=self.generation)
+            self.set_generation(int(cmd["value"]))
         elif cmd.get("cmd") == "stop":
             return False
         return True
+
+    def set_generation(self, generation: int) -> None:
+        """Adopt a new plan generation and free every request of another one.
+
+        Their pipelines are gone (a repair replaced a stage) or will be refused at the
+        next hop anyway; waiting for them would hold their KV forever when the stage
+        that should cancel them died. Each stage hears the new generation from its
+        own node, so nothing is forwarded.
+        """
+        self.generation = generation
+        emit("generation", value=generation)
+        stale = [r for r in self.reqs.values() if r.generation != generation]
+        for r in stale:
+            self.fail(r.reply_to, r.req, "generation_mismatch", "plan changed during the request")
+            self.free(r)
+        if stale:
+            self.counters.superseded += len(stale)
+            log.info("plan generation %d: freed %d older request(s)", generation, len(stale))
+        queued = [g for g in self.waiting if g.generation != generation]
+        for g in queued:
+            self.waiting.remove(g)
+            self.refuse_generation(g)
+        self.admit_waiting()
+
+    def expire(self, now: float) -> None:
+        """Free requests idle for longer than ``request_expiry_s``.
+
+        A request is idle when no message for it arrived and none of its work ran: the
+        stages before it are gone (a dead stage 0 cannot send the cancel that would
+        free this one) or the API node left without a cancel reaching here. A request
+        with work still queued is busy, not idle.
+        """
+        busy = {w.req for w in self.work}
+        idle = [
+            r for r in self.reqs.values()
+            if now - r.last_active > self.expiry and r.req not in busy
+        ]  # fmt: skip
+        for r in idle:
+            self.counters.expired += 1
+            log.warning(
+                "request %s idle for %.0f s on stage %d: freed (%d expired so far)",
+                r.req, now - r.last_active, self.cfg.stage, self.counters.expired,
+            )  # fmt: skip
+            emit("expired", req=r.req, total=self.counters.expired)
+            self.fail(
+                r.reply_to, r.req, "timeout",
+                f"request idle for {self.expiry:g} s on stage {self.cfg.stage}; freed",
+            )  # fmt: skip
+            # "cancel" walks on: the stages after this one hold the same dead request.
+            self.release(r.req, "cancel")
 
     def drain(self) -> None:
         # Ask the socket whether input waits rather than catch zmq.Again: the exception
@@ -264,10 +354,9 @@ class Runner:
                     "this runner is not stage 0 of the instance",
                 )
             elif msg.generation != self.generation:
-                self.fail(
-                    msg.reply_to, msg.req, "generation_mismatch",
-                    f"plan generation {msg.generation} != runner generation {self.generation}",
-                )  # fmt: skip
+                self.refuse_generation(msg)
+            elif msg.req in self.cancelled:
+                self.counters.dropped["cancelled"] += 1
             elif self.free_seqs:
                 self.admit(msg)
             else:
@@ -284,7 +373,9 @@ class Runner:
                     )
                     self.release(msg.req, "cancel")
                 return
-            if msg.req in self.reqs:
+            r = self.reqs.get(msg.req)
+            if r is not None:
+                r.last_active = time.monotonic()
                 self.work.append(Work(msg.req, msg.pos, tokens=np.array([msg.token], np.int32)))
             else:
                 self.counters.dropped["unknown_request"] += 1
@@ -292,6 +383,13 @@ class Runner:
             self.release(msg.req, msg.reason)
         else:
             self.counters.dropped["unexpected"] += 1
+
+    def refuse_generation(self, g: wire.Generate) -> None:
+        """End ``g`` with a typed error: it names another plan generation."""
+        self.fail(
+            g.reply_to, g.req, "generation_mismatch",
+            f"plan generation {g.generation} != runner generation {self.generation}",
+        )  # fmt: skip
 
     def report_load(self) -> None:
         """Tell the supervisor how many requests hold KV here (it shows in the heartbeat)."""
@@ -318,7 +416,9 @@ class Runner:
             )  # fmt: skip
             return
         seq = self.free_seqs.pop()
-        r = Request(g.req, seq, list(g.route), g.reply_to, g.sampling, n_prompt=n)
+        r = Request(
+            g.req, seq, list(g.route), g.reply_to, g.sampling, n_prompt=n, generation=g.generation
+        )
         self.reqs[g.req] = r
         self.report_load()
         self.chunk(r, g.reply_to, g.req, n_prompt=n)
@@ -331,6 +431,8 @@ class Runner:
         self.work.append(Work(g.req, 0, tokens=tokens, start=start))
 
     def tokenize(self, g: wire.Generate) -> list[int]:
+        """Prompt token ids of ``g``: its chat messages through the model's template, or
+        its plain prompt."""
         if g.messages is not None:
             from .chat import render_chat
 
@@ -338,8 +440,14 @@ class Runner:
                 self.template or _CHATML,
                 [{"role": m.role, "content": m.content} for m in g.messages],
                 add_generation_prompt=True,
+                bos_token=self.bos_text,
+                eos_token=self.eos_text,
             )
-            return list(self.stage.tokenize(text, add_special=True, parse_special=True))
+            # A template that writes {{ bos_token }} already starts with the BOS; adding
+            # the vocabulary's own BOS too would double it (llama.cpp warns, and output
+            # quality drops). Otherwise the vocabulary decides, as for a plain prompt.
+            bos = bool(self.bos_text) and text.startswith(self.bos_text)
+            return list(self.stage.tokenize(text, add_special=not bos, parse_special=True))
         return list(self.stage.tokenize(g.prompt or "", add_special=True, parse_special=False))
 
     # -- other stages ----------------------------------------------------------------
@@ -356,6 +464,8 @@ class Runner:
             reply_to = r.reply_to if r else (a.start.reply_to if a.start else None)
             if reply_to is not None:
                 self.fail(reply_to, a.req, "generation_mismatch", "plan changed during the request")
+            if r is not None:
+                self.release(r.req, "cancel")  # it cannot go on: free its KV here and on
             return
         if len(raw) != 1 or a.hidden != self.stage.hidden_size:
             self.counters.dropped["bad_tensor"] += 1
@@ -369,17 +479,23 @@ class Runner:
             if a.start is None:
                 self.counters.dropped["unknown_request"] += 1
                 return
+            if a.req in self.cancelled:
+                # Its cancel came first (straight from the API node): never admit it.
+                self.counters.dropped["cancelled"] += 1
+                return
             if not self.free_seqs:
                 self.fail(a.start.reply_to, a.req, "overloaded", "stage has no free sequence")
                 return
             s = a.start
             r = Request(
-                a.req, self.free_seqs.pop(), list(s.route), s.reply_to, s.sampling, s.n_prompt
-            )
+                a.req, self.free_seqs.pop(), list(s.route), s.reply_to, s.sampling, s.n_prompt,
+                generation=a.generation,
+            )  # fmt: skip
             self.reqs[a.req] = r
             self.report_load()
             if self.last:
                 self.init_last(r, s.resume)
+        r.last_active = time.monotonic()
         self.work.append(Work(a.req, a.pos, hidden=hidden, start=a.start, compute=a.compute))
 
     def forward_one(self, w: Work, item):
@@ -395,18 +511,16 @@ class Runner:
 
     def init_last(self, r: Request, resume: list[int]) -> None:
         """Sampling state of a request; a replay primes it with the tokens already sent,
-        so held-back UTF-8 bytes and partial stop strings continue exactly."""
-        from .detok import IncrementalDetokenizer, StopMatcher
-        from .sampling import Sampler, SamplingParams
-
+        so held-back UTF-8 bytes and partial stop strings continue exactly, and the
+        sampler starts at the position of the first new token, so a seeded stream
+        draws what the uninterrupted run would have drawn."""
         s = r.sampling
         r.sampler = Sampler(
-            SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+            SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed),
+            position=len(resume),
         )
-        r.detok = IncrementalDetokenizer(self.stage.token_to_piece)
-        r.stopper = StopMatcher(list(s.stop))
-        for tok in resume:
-            r.stopper.push(r.detok.push(tok))
+        r.text = TextStream(self.stage.token_to_piece, list(s.stop))
+        r.text.prime(resume)
         r.n_generated = len(resume)
 
     # -- compute -------------------------------------------------------------------
@@ -443,6 +557,7 @@ class Runner:
             if out is None:
                 continue
             r = self.reqs[w.req]
+            r.last_active = time.monotonic()
             n = len(w.tokens) if w.tokens is not None else len(w.hidden)  # type: ignore[arg-type]
             if not self.last:
                 rows = encode_rows(out, self.cfg.send_dtype)
@@ -456,15 +571,16 @@ class Runner:
                 self.sample(r, out, w.pos + n, [*w.compute, spent])
 
     def sample(self, r: Request, logits: np.ndarray, next_pos: int, compute: list[float]) -> None:
-        tok = int(r.sampler.sample(logits))  # type: ignore[attr-defined]
+        """Pick the next token of ``r``, send its text, and finish or feed it back."""
+        assert r.sampler is not None and r.text is not None  # last stage: init_last ran
+        tok = int(r.sampler.sample(logits, r.n_generated))
         r.n_generated += 1
         finish = None
         text = ""
         if tok in self.eos and not r.sampling.ignore_eos:
             finish = "stop"
         else:
-            piece = r.detok.push(tok)  # type: ignore[attr-defined]
-            text, stopped = r.stopper.push(piece)  # type: ignore[attr-defined]
+            text, stopped = r.text.push(tok)
             if stopped:
                 finish = "stop"
             elif (
@@ -472,8 +588,10 @@ class Runner:
             ) or next_pos + 1 >= self.cfg.n_ctx:
                 finish = "length"
         if finish is not None:
-            if finish == "length":
-                text += r.stopper.push(r.detok.flush())[0] + r.stopper.flush()  # type: ignore[attr-defined]
+            # Whatever ended the stream, text held back for a possible stop string or an
+            # unfinished character belongs to the output (an EOS right after "Hello." with
+            # stop ".\n" must not eat the "."); after a stop string finish() adds nothing.
+            text += r.text.finish()
             usage = wire.Usage(r.n_prompt, r.n_generated)
             self.chunk(
                 r, r.reply_to, r.req, text=text, tokens=[tok], finish_reason=finish, usage=usage
@@ -491,13 +609,27 @@ class Runner:
             )  # fmt: skip
 
     def release(self, req: str, reason: str) -> None:
-        """Free ``req`` here and pass the release down the chain."""
+        """Free ``req`` here and pass the release down the chain.
+
+        A request still queued for a slot (stage 0) is dropped from the queue: it was
+        never admitted, so no other stage holds it. A cancel for a request this stage
+        does not know is fine (it finished, expired, or its cancel also came another
+        way); the id is remembered so that its activation, if still on its way, is
+        not admitted after its cancel.
+        """
         r = self.reqs.pop(req, None)
         if r is None:
+            for g in self.waiting:
+                if g.req == req:
+                    self.waiting.remove(g)
+                    log.info("request %s cancelled while queued", req)
+                    return
+            if reason == "cancel":
+                self.cancelled[req] = None
+                if len(self.cancelled) > MAX_CANCELLED:
+                    self.cancelled.popitem(last=False)
             return
-        self.stage.free(r.seq)
-        self.free_seqs.append(r.seq)
-        self.report_load()
+        self.free(r)
         nxt = self.cfg.stage + 1
         if self.last and not self.first and reason == "done":
             # The last stage finished the request: start the release walk at stage 0.
@@ -506,8 +638,23 @@ class Runner:
             self.send(
                 r.route[nxt], wire.Release(req=req, instance=self.cfg.instance, reason=reason)
             )
+        self.admit_waiting()
+
+    def free(self, r: Request) -> None:
+        """Give ``r``'s KV slot back here (nothing is sent)."""
+        self.reqs.pop(r.req, None)
+        self.stage.free(r.seq)
+        self.free_seqs.append(r.seq)
+        self.report_load()
+
+    def admit_waiting(self) -> None:
+        """Admit queued requests while slots are free."""
         while self.waiting and self.free_seqs:
-            self.admit(self.waiting.popleft())
+            g = self.waiting.popleft()
+            if g.generation != self.generation:
+                self.refuse_generation(g)  # the plan moved on while it waited
+            else:
+                self.admit(g)
 
 
 _CHATML = (
@@ -519,6 +666,11 @@ _CHATML = (
 def main(argv: list[str] | None = None) -> int:
     """Entry point of a runner process."""
     argv = sys.argv[1:] if argv is None else argv
+    # A Ctrl-C in the node's terminal reaches its whole process group; the node drains
+    # (its stages move, its streams finish) and then stops its runners itself. A runner
+    # that died on the same SIGINT would cut every stream mid-drain and count as a
+    # crash. SIGTERM stays fatal: it is how the supervisor stops a runner.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname).1s runner[{os.getpid()}]: %(message)s",
@@ -556,8 +708,6 @@ def main(argv: list[str] | None = None) -> int:
     emit("ready")
     try:
         Runner(cfg, stage, ctx, router, template, keys).serve()
-    except KeyboardInterrupt:
-        pass
     finally:
         router.close(linger=0)
     return 0
