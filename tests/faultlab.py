@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -19,10 +20,11 @@ class Trial:
     """What one SIGKILL of the middle stage's node did."""
 
     outcome: str  # "continued" | "error" | "hang"
-    detected_s: float  # SIGKILL -> the API node marks the node dead
+    detected_s: float  # SIGKILL -> the API node marks the node dead (runner: stage not ready)
     ended_or_resumed_s: float  # SIGKILL -> error event, or first token after the gap
     serving_s: float  # SIGKILL -> the repaired instance is ready
     text_ok: bool
+    suspect_s: float = float("nan")  # SIGKILL -> the API node suspects the node
 
 
 def stream(via: NodeProc, events: list[tuple[float, str]], max_tokens: int) -> None:
@@ -58,6 +60,46 @@ def place(via: NodeProc, nodes: list[NodeProc]) -> dict:
     return inst
 
 
+def _watch(
+    a: NodeProc, inst_id: str, killed: float, marks: dict[str, float], checks: dict
+) -> threading.Thread:
+    """Poll ``a`` beside the stream, so each mark is when it happened, not when we looked:
+    ``checks`` maps a mark name to a predicate of (liveness by name, instance view)."""
+
+    def run() -> None:
+        deadline = killed + 60
+        while time.monotonic() < deadline and len(marks) < len(checks):
+            try:
+                live, view = a.liveness(), a.get(f"/v1/instances/{inst_id}")
+                for name, check in checks.items():
+                    if name not in marks and check(live, view):
+                        marks[name] = time.monotonic()
+            except (httpx.HTTPError, KeyError):
+                pass
+            time.sleep(0.02)
+
+    w = threading.Thread(target=run, daemon=True)
+    w.start()
+    return w
+
+
+def _ended(
+    events: list[tuple[float, str]], killed: float, reference: str
+) -> tuple[str, float, bool]:
+    """Outcome, SIGKILL -> error event or first token after the gap, and text check."""
+    after = [(ts, line) for ts, line in events if ts > killed]
+    errored = any('"error"' in line for _, line in after)
+    first_after = next(
+        (ts - killed for ts, line in after if '"error"' in line or ts - killed > 0.05),
+        float("inf"),
+    )
+    return (
+        ("error" if errored else "continued"),
+        first_after,
+        errored or text_of(events) == reference,
+    )
+
+
 def kill_middle(cluster: Cluster, nodes: list[NodeProc], reference: str, n_tokens: int) -> Trial:
     """Place [a, victim, c], stream from a, SIGKILL the victim mid-stream, measure, restart."""
     a, victim, c = nodes
@@ -71,46 +113,70 @@ def kill_middle(cluster: Cluster, nodes: list[NodeProc], reference: str, n_token
     victim.kill()
     killed = time.monotonic()
     marks: dict[str, float] = {}
+    w = _watch(a, inst["id"], killed, marks, {
+        "suspect": lambda live, v: live.get(victim.name) in ("suspect", "dead"),
+        "detected": lambda live, v: live.get(victim.name) == "dead",
+        "served": lambda live, v: v["generation"] >= 2
+        and all(s["state"] == "ready" for s in v["stages"]),
+    })  # fmt: skip
+    t.join(90)
+    w.join(60)
+    detected = marks.get("detected", float("inf"))
+    served = marks.get("served", float("inf"))
+    suspect = marks.get("suspect", float("inf"))
+    if t.is_alive():
+        return Trial("hang", detected - killed, float("inf"), float("inf"), False)
+    outcome, first_after, ok = _ended(events, killed, reference)
+    # Bring the victim back under the same id for the next trial.
+    back = cluster.restart(victim)
+    nodes[1] = back
+    wait_for(lambda: a.liveness().get(back.name) == "alive", 20, interval=0.05)
+    return Trial(outcome, detected - killed, first_after, served - killed, ok, suspect - killed)
 
-    def watch() -> None:
-        # Polled beside the stream, so each time is when it happened, not when we looked.
-        deadline = killed + 60
-        while time.monotonic() < deadline and len(marks) < 2:
-            try:
-                if "detected" not in marks and a.liveness().get(victim.name) == "dead":
-                    marks["detected"] = time.monotonic()
-                v = a.get(f"/v1/instances/{inst['id']}")
-                if (
-                    "served" not in marks
-                    and v["generation"] >= 2
-                    and all(s["state"] == "ready" for s in v["stages"])
-                ):
-                    marks["served"] = time.monotonic()
-            except (httpx.HTTPError, KeyError):
-                pass
-            time.sleep(0.02)
 
-    w = threading.Thread(target=watch, daemon=True)
-    w.start()
+def runner_pids(instance: str, stage: int | None = None) -> list[int]:
+    """Pids of the runner processes of ``instance`` (of one stage if given)."""
+    pattern = f"meshd.engines.runner.*{instance}"
+    if stage is not None:
+        pattern += f'.*"stage":{stage},'
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def kill_runner(nodes: list[NodeProc], reference: str, n_tokens: int) -> Trial:
+    """Place [a, b, c], stream from a, SIGKILL only b's runner (b stays up), measure.
+
+    ``detected``: the stage stops being ready; ``served``: it is ready again."""
+    import os
+    import signal
+
+    a, b, c = nodes
+    for i in a.get("/v1/instances")["data"]:
+        httpx.delete(f"{a.api}/v1/instances/{i['id']}", timeout=10)
+    inst = place(a, [a, b, c])
+    (pid,) = runner_pids(inst["id"], stage=1)
+    events: list[tuple[float, str]] = []
+    t = threading.Thread(target=stream, args=(a, events, n_tokens), daemon=True)
+    t.start()
+    wait_for(lambda: len(events) >= 10, 30, interval=0.01)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    marks: dict[str, float] = {}
+
+    def back(live: dict, v: dict) -> bool:
+        return "detected" in marks and all(s["state"] == "ready" for s in v["stages"])
+
+    w = _watch(a, inst["id"], killed, marks, {
+        "detected": lambda live, v: any(s["state"] != "ready" for s in v["stages"]),
+        "served": back,
+    })  # fmt: skip
     t.join(90)
     w.join(60)
     detected = marks.get("detected", float("inf"))
     served = marks.get("served", float("inf"))
     if t.is_alive():
         return Trial("hang", detected - killed, float("inf"), float("inf"), False)
-    after = [(ts, line) for ts, line in events if ts > killed]
-    errored = any('"error"' in line for _, line in after)
-    # The first token after the gap the kill made (or the error event).
-    first_after = next(
-        (ts - killed for ts, line in after if '"error"' in line or ts - killed > 0.05),
-        float("inf"),
-    )
-    outcome = "error" if errored else "continued"
-    ok = errored or text_of(events) == reference
-    # Bring the victim back under the same id for the next trial.
-    back = cluster.restart(victim)
-    nodes[1] = back
-    wait_for(lambda: a.liveness().get(back.name) == "alive", 20, interval=0.05)
+    outcome, first_after, ok = _ended(events, killed, reference)
     return Trial(outcome, detected - killed, first_after, served - killed, ok)
 
 
@@ -118,6 +184,8 @@ def summary(trials: list[Trial]) -> str:
     """Median and max of each figure, and the outcomes."""
 
     def mm(xs: list[float]) -> str:
+        if not xs:
+            return "-"
         return f"median {statistics.median(xs):.2f} s, max {max(xs):.2f} s"
 
     lines = [
@@ -125,6 +193,11 @@ def summary(trials: list[Trial]) -> str:
         f"typed error: {sum(t.outcome == 'error' for t in trials)}, "
         f"hangs: {sum(t.outcome == 'hang' for t in trials)}, "
         f"wrong text: {sum(not t.text_ok for t in trials)}",
+        *(
+            [f"(a) SIGKILL -> node suspect:          {mm([t.suspect_s for t in trials])}"]
+            if all(t.suspect_s == t.suspect_s for t in trials)  # not NaN: measured
+            else []
+        ),
         f"(a) SIGKILL -> death detected:        {mm([t.detected_s for t in trials])}",
         f"(b) SIGKILL -> stream resumed/ended:  {mm([t.ended_or_resumed_s for t in trials])}",
         f"(c) SIGKILL -> instance serving:      {mm([t.serving_s for t in trials])}",

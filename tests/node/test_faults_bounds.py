@@ -1,0 +1,192 @@
+"""Bounded ends under faults: non-streaming and concurrent requests survive a killed
+middle stage or end typed within 2 s; a crash-looping runner is given up, the model is
+re-placed without its node, and the reason stays visible."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from meshd.engines.models import DEFAULT_MODEL, resolve_model
+from tests import faultlab
+from tests.cluster import Cluster, NodeProc, wait_for
+
+pytestmark = pytest.mark.timeout(600)
+
+N_TOKENS = 150
+#: Issue 5's bound: a request that cannot continue ends within this after the kill.
+BOUND_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list[NodeProc]]]:
+    """Three nodes on loopback, shared by the tests that kill the middle one (each
+    test restarts it): starting nodes is most of the cost on a small machine."""
+    with Cluster(tmp_path_factory.mktemp("trio")) as cluster:
+        a = cluster.start("a")
+        b = cluster.start("b", peers=[a])
+        c = cluster.start("c", peers=[a])
+        wait_for(lambda: all(len(n.cluster()["nodes"]) == 3 for n in (a, b, c)), 10)
+        yield cluster, [a, b, c]
+
+
+def _body(stream: bool) -> dict:
+    return {"model": DEFAULT_MODEL, "prompt": "Tell a story.", "max_tokens": N_TOKENS,
+            "temperature": 0, "stream": stream, "ignore_eos": True}  # fmt: skip
+
+
+def _fresh_plan(nodes: list[NodeProc]) -> tuple[dict, str]:
+    """Place [a, b, c] anew and return it with the uninterrupted greedy text."""
+    a = nodes[0]
+    if not nodes[1].alive():
+        raise AssertionError("the middle node is down")
+    for i in a.get("/v1/instances")["data"]:
+        httpx.delete(f"{a.api}/v1/instances/{i['id']}", timeout=10)
+    inst = faultlab.place(a, nodes)
+    ref = httpx.post(a.api + "/v1/completions", json=_body(False), timeout=60)
+    return inst, ref.json()["choices"][0]["text"]
+
+
+def _restart_middle(cluster: Cluster, nodes: list[NodeProc]) -> None:
+    nodes[1] = cluster.restart(nodes[1])
+    wait_for(lambda: nodes[0].liveness().get(nodes[1].name) == "alive", 20)
+
+
+def test_non_streaming_request_survives_a_killed_middle_stage_or_fails_within_2s(
+    trio: tuple[Cluster, list[NodeProc]],
+) -> None:
+    cluster, nodes = trio
+    a, b, _ = nodes
+    _, reference = _fresh_plan(nodes)
+    result: dict = {}
+
+    def ask() -> None:
+        r = httpx.post(a.api + "/v1/completions", json=_body(False), timeout=60)
+        result["at"], result["r"] = time.monotonic(), r
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    wait_for(lambda: a.get("/healthz")["requests_in_flight"] >= 1, 10, interval=0.01)
+    time.sleep(1.0)  # tokens are flowing: the kill lands mid-request
+    b.kill()
+    killed = time.monotonic()
+    t.join(45)
+    assert not t.is_alive(), "request still open 45 s after the kill"
+    r = result["r"]
+    if r.status_code == 200:  # replayed on the repaired plan: same greedy text
+        assert r.json()["choices"][0]["text"] == reference
+    else:
+        assert r.status_code == 502, r.text
+        assert r.json()["error"]["code"], r.text
+        assert result["at"] - killed < BOUND_S, f"502 {result['at'] - killed:.2f} s after"
+    _restart_middle(cluster, nodes)
+
+
+def _stream_with_usage(via: NodeProc, events: list[tuple[float, str]]) -> None:
+    body = {**_body(True), "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", via.api + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append((time.monotonic(), line))
+
+
+def test_three_concurrent_streams_survive_a_killed_middle_stage(
+    trio: tuple[Cluster, list[NodeProc]],
+) -> None:
+    import json
+
+    cluster, nodes = trio
+    a, b, _ = nodes
+    _, reference = _fresh_plan(nodes)
+    streams: list[list[tuple[float, str]]] = [[], [], []]
+    threads = [
+        threading.Thread(target=_stream_with_usage, args=(a, ev), daemon=True) for ev in streams
+    ]
+    for t in threads:
+        t.start()
+    wait_for(lambda: all(len(ev) >= 5 for ev in streams), 30, interval=0.01)
+    b.kill()
+    killed = time.monotonic()
+    before = [faultlab.text_of([e for e in ev if e[0] < killed]) for ev in streams]
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a stream is still open 60 s after"
+    for ev, head in zip(streams, before, strict=True):
+        assert ev[-1][1] == "data: [DONE]"
+        errors = [(ts, line) for ts, line in ev if '"error"' in line]
+        if errors:
+            assert errors[0][0] - killed < BOUND_S, errors[0]
+            continue
+        text = faultlab.text_of(ev)
+        usage = json.loads(ev[-2][1][6:])["usage"]
+        # Nothing lost or repeated: every token asked for arrived once, and the text
+        # continues what the client had at the kill. (Strict equality with the lone
+        # reference is pinned by the single-stream tests: llama.cpp's batched decode
+        # of three requests is not bit-identical to one request's, so greedy text
+        # may part from the lone reference late, with or without a kill.)
+        assert usage["completion_tokens"] == N_TOKENS, usage
+        assert text.startswith(head) and reference.startswith(head)
+    _restart_middle(cluster, nodes)
+
+
+def _poison_slices(data_dir: Path) -> None:
+    """Make every possible last-stage slice of the model on this node unloadable.
+
+    Slices are cached as ``<data dir>/cache/<sha256[:16]>/<start>-<end>.gguf`` and
+    trusted when present; a garbage file there makes the runner fail to load each
+    time it starts, a real crash loop of a real runner process."""
+    from meshd.engines.gguf_facts import read_facts
+    from meshd.engines.slicing import slice_path
+
+    path = Path(resolve_model(DEFAULT_MODEL).path)
+    facts = read_facts(path, DEFAULT_MODEL, cache_dir=data_dir / "cache")
+    for start in range(1, facts.n_layers):
+        p = slice_path(data_dir / "cache", facts.sha256, start, facts.n_layers)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"not a gguf file")
+
+
+def test_crash_looping_runner_is_given_up_and_the_model_moves_with_the_reason_shown(
+    cluster: Cluster,
+) -> None:
+    from rich.console import Console
+
+    from meshd.cli.top import render
+
+    a = cluster.start("a")
+    b = cluster.start("b", peers=[a])
+    wait_for(lambda: all(len(n.cluster()["nodes"]) == 2 for n in (a, b)), 10)
+    _poison_slices(b.data_dir)
+    place = {"model": DEFAULT_MODEL, "nodes": [a.name, b.name]}
+    r = httpx.post(a.api + "/v1/instances", json=place, timeout=60)
+    assert r.status_code == 201, r.text
+    iid = r.json()["id"]
+
+    def moved() -> dict | None:
+        v = a.get(f"/v1/instances/{iid}")
+        ok = (
+            v["generation"] >= 2
+            and b.node_id not in {s["node"] for s in v["stages"]}
+            and all(s["state"] == "ready" for s in v["stages"])
+        )
+        return v if ok else None
+
+    view = wait_for(moved, 90, interval=0.2)
+    (ex,) = view["excluded"]
+    assert ex["node"] == b.node_id and ex["reason"].startswith("crash loop"), ex
+    assert "given up at" in ex["reason"]
+    # The instance serves again without b, and b stays out of it.
+    r = httpx.post(a.api + "/v1/completions", json={**_body(False), "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200, r.text
+    time.sleep(1.5)  # a few repair rounds: the exclusion must hold, not flap
+    assert b.node_id not in {s["node"] for s in a.get(f"/v1/instances/{iid}")["stages"]}
+    # `meshctl top` shows the reason too (render is pure over GET /v1/cluster).
+    out = io.StringIO()
+    Console(file=out, width=200).print(render(a.cluster()))
+    assert "excluded" in out.getvalue() and "crash loop" in out.getvalue(), out.getvalue()
