@@ -99,7 +99,7 @@ class RunnerConfig(msgspec.Struct, kw_only=True):
     #: anything but f32 only between two MLX stages (InstanceSpec.activations).
     send_dtype: str = "f32"
     #: A request with no message and no compute for this long is freed (see
-    #: :meth:`Runner.expire`).
+    #: :meth:`Runner.expire`); 0 or less never expires one.
     request_expiry_s: float = REQUEST_EXPIRY_S
 
 
@@ -192,7 +192,9 @@ class Runner:
         self.expiry = cfg.request_expiry_s
         # Checked a few times per expiry, at most once a second: a scan is O(requests).
         self._expiry_every = min(1.0, max(0.01, self.expiry / 4))
-        self._next_expiry_check = time.monotonic() + self._expiry_every
+        self._next_expiry_check = (
+            time.monotonic() + self._expiry_every if self.expiry > 0 else float("inf")
+        )
 
     # -- sockets -------------------------------------------------------------------
     def send(self, addr: wire.Addr, msg: wire.Message, *frames) -> None:
