@@ -115,9 +115,21 @@ def test_killed_stage_with_no_possible_repair_ends_the_stream_within_2s(
     err_at, err = events[-2]
     assert '"error"' in err and "stage_lost" in err, err
     assert err_at - killed < 2.0, f"ended {err_at - killed:.2f} s after the kill"
-    # A request now gets a clean error too, not a hang.
+    # A request now gets a typed error at once (placement's reason), not a 503
+    # "loading" after the whole load wait.
+    t0 = time.monotonic()
     r = _complete(a)
     assert r.status_code in (502, 503), r.text
+    assert r.json()["error"]["code"] == "stage_lost", r.text
+    assert time.monotonic() - t0 < 2.0, f"answered after {time.monotonic() - t0:.2f} s"
+    # Once b is declared dead the answer is the 503 with placement's reason, at once.
+    wait_for(lambda: a.liveness().get("b") == "dead", 5)
+    t0 = time.monotonic()
+    r = _complete(a)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "stage_lost", r.text
+    assert "no repair possible" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 1.0
+    assert "no repair possible" in a.get("/v1/instances")["data"][0]["unrepairable"]
 
 
 def test_sigterm_drain_moves_the_stage_and_the_stream_completes(cluster: Cluster) -> None:
@@ -133,7 +145,25 @@ def test_sigterm_drain_moves_the_stage_and_the_stream_completes(cluster: Cluster
     t = threading.Thread(target=_stream, args=(c, events, 300))
     t.start()
     wait_for(lambda: len(events) >= 20, 30, interval=0.02)
+    seen: dict = {}
+
+    def watch_drain() -> None:
+        # While b drains: /healthz says so and a new request is turned away, typed.
+        while b.alive() and "post" not in seen:
+            try:
+                if httpx.get(b.api + "/healthz", timeout=1).json()["status"] == "draining":
+                    r = _complete(b)
+                    seen["post"] = (r.status_code, r.json()["error"]["code"],
+                                    r.headers.get("retry-after"))  # fmt: skip
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.01)
+
+    w = threading.Thread(target=watch_drain, daemon=True)
+    w.start()
     assert b.terminate(timeout=60) == 0
+    w.join(5)
+    assert seen.get("post") == (503, "draining", "1"), seen
     t.join(90)
     assert not t.is_alive()
     assert events[-1][1] == "data: [DONE]"
