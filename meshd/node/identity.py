@@ -14,8 +14,11 @@ import json
 import logging
 import os
 import platform
+import re
 import secrets
+import shutil
 import socket
+import subprocess
 import sys
 import uuid
 from dataclasses import dataclass
@@ -43,6 +46,27 @@ def default_data_dir() -> Path:
     return Path(base) / "meshd"
 
 
+_IOREG_UUID = re.compile(r'"IOPlatformUUID"\s*=\s*"([^"]+)"')
+
+
+def _macos_platform_uuid() -> str | None:
+    """The Mac's hardware UUID (``IOPlatformUUID``), or None where ``ioreg`` is missing
+    or says nothing usable. The hostname is a poor id on macOS: it follows the network
+    (``MacBook-Pro.local`` on one LAN, ``MacBook-Pro-2.local`` on the next)."""
+    ioreg = shutil.which("ioreg")
+    if ioreg is None:
+        return None
+    try:
+        out = subprocess.run(
+            [ioreg, "-rd1", "-c", "IOPlatformExpertDevice"],
+            capture_output=True, text=True, timeout=5, check=False,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = _IOREG_UUID.search(out)
+    return m[1] if m else None
+
+
 def machine_id() -> str:
     """A best-effort stable id of this machine (not secret, never sent anywhere)."""
     for p in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
@@ -52,6 +76,8 @@ def machine_id() -> str:
                 return v
         except OSError:
             continue
+    if sys.platform == "darwin" and (mac := _macos_platform_uuid()):
+        return mac
     return f"{socket.gethostname()}-{uuid.getnode():x}-{platform.system()}"
 
 
