@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import meshd
+from meshd.crdt.hlc import DEFAULT_MAX_DRIFT_MS
 from meshd.transport.security import SECRET_ENV, load_secret
 
 from ..engines.models import DEFAULT_MODEL
@@ -21,6 +22,8 @@ from ..node.config import (
     DEFAULT_MAX_REQUESTS,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MESH_PORT,
+    FORGET_AFTER_S,
+    TOMBSTONE_GRACE_MS,
     parse_peer,
     parse_size,
 )
@@ -116,6 +119,28 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="most tokens one request may generate (default: %(default)s)",
     )
+    up.add_argument(
+        "--forget-after",
+        type=_positive_float,
+        default=FORGET_AFTER_S,
+        metavar="SECONDS",
+        help="forget a node silent this long: its card goes, tombstone collection "
+        "resumes (default: %(default)s)",
+    )
+    up.add_argument(
+        "--max-clock-drift",
+        type=_positive,
+        default=DEFAULT_MAX_DRIFT_MS,
+        metavar="MS",
+        help="refuse entries stamped further ahead of this node's clock (default: %(default)s)",
+    )
+    up.add_argument(
+        "--tombstone-grace",
+        type=_positive,
+        default=TOMBSTONE_GRACE_MS,
+        metavar="MS",
+        help="collect deletes this far behind the cluster's stable horizon (default: %(default)s)",
+    )
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -128,6 +153,16 @@ def _positive(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n} must be at least 1")
     return n
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be more than 0")
+    return x
 
 
 def _ready_line(node) -> None:
@@ -159,6 +194,9 @@ async def _up(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_requests=args.max_requests,
         max_tokens=args.max_tokens,
+        forget_after=args.forget_after,
+        max_clock_drift_ms=args.max_clock_drift,
+        tombstone_grace_ms=args.tombstone_grace,
     )
     if args.name:
         cfg.name = args.name

@@ -10,8 +10,11 @@ Two replicas compare their bucket hashes and exchange only the buckets that diff
 
 Tombstone collection (see :meth:`LWWMap.collect`): a tombstone is dropped only below a
 *stable horizon* that every member has provably synced past, and the map then refuses any
-entry below that horizon for a key it does not hold. Such an entry can only be a stale
-copy of something deleted and collected, so deleted data cannot come back.
+entry below that horizon, for a key it does not hold, *written by one of those members*.
+Such an entry can only be a stale copy of something deleted and collected, so deleted
+data cannot come back. An entry written by a node that was never a member when the
+horizon moved is news (a node that ran on its own and joins now), never a stale copy,
+so the horizon does not refuse it.
 """
 
 from __future__ import annotations
@@ -77,13 +80,17 @@ def wins(new: Entry, old: Entry | None) -> bool:
 class LWWMap:
     """A replica of the cluster's shared state. Pure: no clocks, no I/O."""
 
-    __slots__ = ("_buckets", "_entries", "horizon", "rejected_below_horizon")
+    __slots__ = ("_buckets", "_entries", "covered", "horizon", "rejected_below_horizon")
 
     def __init__(self, entries: Iterable[Entry] = ()) -> None:
         self._entries: dict[str, Entry] = {}
         self._buckets: list[int] = [0] * N_BUCKETS
-        #: Entries with ``hlc < horizon`` are refused for keys this map does not hold.
+        #: Entries with ``hlc < horizon`` by a writer in :attr:`covered` are refused for
+        #: keys this map does not hold.
         self.horizon = 0
+        #: Writers that were members when the horizon moved (grow-only). Their entries
+        #: below the horizon were held by every member, so one we lack was collected.
+        self.covered: set[str] = set()
         #: How many entries the horizon rule refused (stale copies of collected data).
         self.rejected_below_horizon = 0
         for e in entries:
@@ -121,10 +128,20 @@ class LWWMap:
         return (e for e in self._entries.values() if e.value is None)
 
     # -- writing -------------------------------------------------------------------
-    def merge(self, e: Entry) -> bool:
-        """Fold one entry in. Return True if the state changed."""
+    def below_horizon(self, e: Entry) -> bool:
+        """True if the horizon rule refuses ``e``: a key this map does not hold, a clock
+        below the horizon, and a writer the horizon covers (so every member held ``e``
+        or something newer, and lacking it means it was deleted and collected)."""
+        return e.hlc < self.horizon and e.key not in self._entries and e.writer in self.covered
+
+    def merge(self, e: Entry, *, exempt: bool = False) -> bool:
+        """Fold one entry in. Return True if the state changed.
+
+        ``exempt`` skips the horizon rule, for entries the caller knows cannot be stale
+        copies of collected data (a node's own card, written by that node).
+        """
         old = self._entries.get(e.key)
-        if old is None and e.hlc < self.horizon:
+        if not exempt and old is None and self.below_horizon(e):
             self.rejected_below_horizon += 1
             return False
         if not wins(e, old):
@@ -192,19 +209,22 @@ class LWWMap:
         return [e for e in self._entries.values() if e.hlc > vv.get(e.writer, -1)]
 
     # -- tombstone collection ------------------------------------------------------
-    def collect(self, stable: int) -> int:
+    def collect(self, stable: int, members: Iterable[str]) -> int:
         """Drop tombstones older than ``stable``; return how many were dropped.
 
-        ``stable`` must be a horizon that every member has synced past: every member
+        ``stable`` must be a horizon that every one of ``members`` has synced past: each
         holds every entry any member wrote before it (see :func:`stable_horizon`). Then
         every member holds the tombstone or something newer, so no member can push the
         deleted value back. The map refuses, from then on, entries below the horizon for
-        keys it does not hold: those could only come from a node that was not a member
-        (gone for good, then back with stale state).
+        keys it does not hold written by a covered writer (``members`` joins
+        :attr:`covered`): those can only be stale copies of collected data, brought back
+        by a node that was away (gone for good, then back with stale state). A writer
+        never covered was not part of the agreement: its old entries are news.
         """
         if stable <= self.horizon:
             return 0
         self.horizon = stable
+        self.covered.update(members)
         dead = [k for k, e in self._entries.items() if e.value is None and e.hlc < stable]
         for k in dead:
             e = self._entries.pop(k)
@@ -217,6 +237,7 @@ class LWWMap:
         m._entries = dict(self._entries)
         m._buckets = list(self._buckets)
         m.horizon = self.horizon
+        m.covered = set(self.covered)
         return m
 
     def same_state(self, other: LWWMap) -> bool:

@@ -29,10 +29,23 @@ class MergeResult:
     refused: dict[str, int] = field(default_factory=dict)
     #: Keys someone else wrote under this node's id: to be re-stamped by this node.
     reassert: list[str] = field(default_factory=list)
+    #: The ``own_id`` entries themselves (newer than anything this process wrote for
+    #: their key): a forgery, or a second live process with this node's id.
+    clashes: list[Entry] = field(default_factory=list)
+    #: True if a peer had forgotten this node (tombstoned its card or heartbeat after a
+    #: long silence); the keys are in :attr:`reassert`, so the node re-announces itself.
+    evicted: bool = False
 
     def refuse(self, reason: str) -> None:
         """Count one refused entry."""
         self.refused[reason] = self.refused.get(reason, 0) + 1
+
+
+def owner_of(key: str) -> str | None:
+    """The node a ``node/`` or ``health/`` key belongs to; None for other key spaces."""
+    if key.startswith(OWNER_ONLY):
+        return key.split("/", 1)[1]
+    return None
 
 
 class Replica:
@@ -44,14 +57,24 @@ class Replica:
         self.map = LWWMap()
         #: Entries stamped before this are from an earlier run of this node id.
         self.started_hlc = self.clock.now()
+        #: The last entry this process wrote, per key: what an echo is compared with.
+        self._written: dict[str, Entry] = {}
+
+    def _record(self, e: Entry) -> Entry:
+        self._written[e.key] = e
+        return e
 
     def write(self, key: str, value: msgspec.Struct) -> Entry:
         """Write a typed value under ``key`` as this node; return the entry to publish."""
-        return self.map.put(key, encode(value), self.clock.now(), self.node_id)
+        return self._record(self.map.put(key, encode(value), self.clock.now(), self.node_id))
 
     def delete(self, key: str) -> Entry:
         """Delete ``key`` as this node; return the tombstone to publish."""
-        return self.map.delete(key, self.clock.now(), self.node_id)
+        return self._record(self.map.delete(key, self.clock.now(), self.node_id))
+
+    def written(self, key: str) -> Entry | None:
+        """The last entry this process wrote for ``key`` (None if it never did)."""
+        return self._written.get(key)
 
     def reassert(self, keys: Iterable[str]) -> list[Entry]:
         """Re-stamp this node's own entries for ``keys`` (a tombstone where it has none),
@@ -60,19 +83,37 @@ class Replica:
         for k in keys:
             cur = self.map.get(k)
             if cur is None or cur.value is None:
-                out.append(self.map.delete(k, self.clock.now(), self.node_id))
+                out.append(self.delete(k))
             else:
-                out.append(self.map.put(k, cur.value, self.clock.now(), self.node_id))
+                e = self.map.put(k, cur.value, self.clock.now(), self.node_id)
+                out.append(self._record(e))
         return out
+
+    def is_echo(self, e: Entry) -> bool:
+        """True if ``e``, written under this node's id in this run, sorts at or below the
+        last entry this process wrote for its key: an echo (a heartbeat n-1 coming back
+        in a Welcome or a pull reply), harmless since our newer write beats it anywhere."""
+        last = self._written.get(e.key)
+        return last is not None and e.order() <= last.order()
 
     def merge_remote(self, entries: Iterable[Entry]) -> MergeResult:
         """Fold in entries from a peer, refusing the ones that break the rules.
 
-        An entry newer than this node's start that claims this node as its writer and
-        is not one of its own writes (a forgery, or a second process with this id) is
-        refused (``own_id``) and its key listed in :attr:`MergeResult.reassert`: peers
-        may have taken it, and :meth:`reassert` out-stamps it. Nothing makes the node
-        stop: one forged packet must not take a node down.
+        * A clock too far ahead of ours is refused (``clock_drift``), never adopted.
+        * A ``node/`` or ``health/`` value not written by the node in its key is refused
+          (``foreign_owner``). A *tombstone* there is a survivor forgetting a node that
+          was silent too long: taken, unless it names this node, which is alive and
+          re-announces itself (the key goes to :attr:`MergeResult.reassert`).
+        * An entry under this node's id, from this run, is either an echo of our own
+          write (ignored, not counted) or sorts above everything we wrote for that key:
+          a forgery or a second process with our id. That one is refused (``own_id``),
+          listed in :attr:`MergeResult.clashes` for the node to investigate, and its key
+          in :attr:`MergeResult.reassert`: peers may have taken it, :meth:`reassert`
+          out-stamps it. Nothing here makes the node stop: one forged packet must not
+          take a node down.
+        * A node's own card or heartbeat is exempt from the GC horizon: only its node
+          writes it, and a node that ran alone (or was forgotten and comes back) must be
+          seen whatever the age of its card.
         """
         res = MergeResult()
         for e in entries:
@@ -81,18 +122,31 @@ class Replica:
             except ClockDriftError:
                 res.refuse("clock_drift")
                 continue
-            if e.key.startswith(OWNER_ONLY) and e.key.split("/", 1)[1] != e.writer:
-                res.refuse("foreign_owner")
-                continue
-            if e.writer == self.node_id and e.hlc >= self.started_hlc:
-                if self.map.get(e.key) != e:  # an echo of our own write is no news
-                    res.refuse("own_id")
-                    self.clock.observe(e.hlc)  # so a re-stamp out-ranks it
+            owner = owner_of(e.key)
+            if owner is not None and owner != e.writer:
+                if e.value is not None:
+                    res.refuse("foreign_owner")
+                    continue
+                if owner == self.node_id:
+                    cur = self.map.get(e.key)
+                    if cur is not None and e.order() <= cur.order():
+                        continue  # forgotten before our last word: already answered
+                    self.clock.observe(e.hlc)  # so the re-stamp out-ranks the tombstone
+                    res.evicted = True
                     if e.key not in res.reassert:
                         res.reassert.append(e.key)
+                    continue
+            if e.writer == self.node_id and e.hlc >= self.started_hlc:
+                if self.is_echo(e):
+                    continue
+                res.refuse("own_id")
+                res.clashes.append(e)
+                self.clock.observe(e.hlc)  # so a re-stamp out-ranks it
+                if e.key not in res.reassert:
+                    res.reassert.append(e.key)
                 continue
             before = self.map.rejected_below_horizon
-            if self.map.merge(e):
+            if self.map.merge(e, exempt=owner is not None and owner == e.writer):
                 self.clock.observe(e.hlc)
                 res.changed.append(e)
             elif self.map.rejected_below_horizon != before:

@@ -6,7 +6,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshd.crdt import liveness
+from meshd.crdt import hlc, liveness
 from meshd.engines.models import DEFAULT_MODEL
 from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
 from meshd.transport import gossip
@@ -27,6 +27,9 @@ DEFAULT_MAX_REQUESTS = 64
 DEFAULT_MAX_TOKENS = 4096
 #: Tombstones are collected this far behind the cluster's stable horizon (clock skew).
 TOMBSTONE_GRACE_MS = 60_000
+#: A node silent (dead or left) this long is forgotten: it stops counting for tombstone
+#: collection (a dead member freezes it) and survivors tombstone its card and heartbeat.
+FORGET_AFTER_S = 600.0
 
 
 @dataclass
@@ -52,6 +55,10 @@ class NodeConfig:
     suspect_after: float = liveness.SUSPECT_AFTER
     dead_after: float = liveness.DEAD_AFTER
     tombstone_grace_ms: int = TOMBSTONE_GRACE_MS
+    #: Seconds of silence after which a dead or departed node is forgotten.
+    forget_after: float = FORGET_AFTER_S
+    #: How far (ms) a peer's clock may run ahead of ours before its entries are refused.
+    max_clock_drift_ms: int = hlc.DEFAULT_MAX_DRIFT_MS
     #: Model to make sure the cluster serves; "" for none.
     model: str = DEFAULT_MODEL
     #: Seconds to wait for peers before placing ``model`` (so a joiner does not re-place).

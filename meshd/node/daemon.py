@@ -18,7 +18,7 @@ import zmq.asyncio
 
 import meshd
 from meshd.crdt import Liveness, stable_horizon
-from meshd.crdt.hlc import pack
+from meshd.crdt.hlc import HLC, pack
 from meshd.crdt.lww import Entry
 from meshd.crdt.replica import MergeResult, Replica
 from meshd.crdt.views import (
@@ -37,7 +37,7 @@ from meshd.crdt.views import (
 from meshd.engines import models
 from meshd.engines.probe import probe
 from meshd.transport import wire
-from meshd.transport.addresses import choose_address, local_addresses
+from meshd.transport.addresses import choose_address, local_addresses, virtual_addresses
 from meshd.transport.dataplane import DataPlane
 from meshd.transport.gossip import Endpoint, Gossip
 from meshd.transport.security import ClusterKeys, HandshakeReporter, derive_keys, start_zap
@@ -55,6 +55,11 @@ log = logging.getLogger("meshd.node")
 _MAX_HELLO_BACKOFF = 30.0
 #: How long a stopping node waits for its stages to move and its requests to finish.
 DRAIN_TIMEOUT_S = 30.0
+#: Exit code of a node that found another live process running with its node id and
+#: gave way (it started later). See docs/operations.md, "The data dir".
+EXIT_ID_CLASH = 3
+#: Seconds before a card under our id with one same foreign incarnation is checked again.
+_TWIN_RECHECK_S = 5.0
 
 
 class Node:
@@ -89,7 +94,18 @@ class Node:
         self._api = None
         self._discovery = None
         self._refusals_logged: set[tuple[str, str]] = set()
-        self._greeted = False
+        #: Our addresses on bridges/virtual links: never proof that a peer is on this host.
+        self._virtual: set[str] = set()
+        #: Peer id -> hosts that, dialled for that peer, answered with our own id.
+        self._self_hosts: dict[str, set[str]] = {}
+        self._self_logged: set[tuple[str, int]] = set()
+        #: Foreign incarnation seen on a card under our id -> when we last checked it.
+        self._twin_checks: dict[str, float] = {}
+        #: Nodes with a card but no heartbeat yet -> since when (monotonic).
+        self._unheard: dict[str, float] = {}
+        self._exit_code = 0
+        #: True once this process gave its id way to an older process with the same id.
+        self._yielded = False
         self.dataplane: DataPlane | None = None
         self.supervisor: Supervisor | None = None
         self.inference: Inference | None = None
@@ -110,7 +126,7 @@ class Node:
         """Bind sockets, publish our card, start loops, discovery and the API."""
         cfg = self.config
         self.identity = load_identity(cfg.data_dir)
-        self.replica = Replica(self.identity.node_id)
+        self.replica = Replica(self.identity.node_id, HLC(max_drift_ms=cfg.max_clock_drift_ms))
         backends = await probe()
         ctx = zmq.asyncio.Context.instance()
         keys = self._secure(ctx)
@@ -122,6 +138,7 @@ class Node:
             own_entries=self._own_entries,
             on_change=self._on_change,
             on_refused=self._on_refused,
+            on_own_welcome=self._on_own_welcome,
             counters=self.counters,
             bind_host=cfg.mesh_host,
             mesh_port=cfg.mesh_port,
@@ -131,6 +148,7 @@ class Node:
             peer_rate=cfg.peer_rate,
         )
         self._own_addrs = cfg.advertise or _advertised(cfg.mesh_host)
+        self._virtual = virtual_addresses()
         self.dataplane = DataPlane(
             ctx,
             node_id=self.node_id,
@@ -305,7 +323,9 @@ class Node:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        if self.gossip is not None and self.replica is not None:
+        if self.gossip is not None and self.replica is not None and not self._yielded:
+            # No goodbye from a process that gave its id way: "stopped" under the shared
+            # id would make peers mark the process that keeps it as left.
             e = self.replica.write(health_key(self.node_id), self._health("stopped"))
             with contextlib.suppress(Exception):
                 await self.gossip.publish([e])
@@ -338,7 +358,7 @@ class Node:
                 await self.drain()
         finally:
             await self.stop()
-        return 0
+        return self._exit_code
 
     # -- state glue ----------------------------------------------------------------
     def _health(self, state: str = "up") -> Health:
@@ -369,10 +389,58 @@ class Node:
         return [e for k in (node_key(self.node_id), health_key(self.node_id)) if (e := m.get(k))]
 
     def _members(self) -> list[str]:
-        """Nodes that count for tombstone collection: known and not gone for good."""
+        """Nodes that count for tombstone collection: known, not gone for good (left),
+        not forgotten (silent longer than ``forget_after``)."""
         assert self.replica is not None
         now = time.monotonic()
-        return [n for n in cards(self.replica.map) if self.liveness.state(n, now) != "left"]
+        return [
+            n for n in cards(self.replica.map)
+            if n == self.node_id
+            or (self.liveness.state(n, now) != "left" and not self._forgotten(n, now))
+        ]  # fmt: skip
+
+    def _forgotten(self, nid: str, now: float) -> bool:
+        """True if ``nid`` has been dead or left (or, with a card, never heard) for
+        longer than ``forget_after``. A dead member's frozen ``synced`` would otherwise
+        hold the GC horizon back forever, and its card would stay listed forever."""
+        cfg = self.config
+        st = self.liveness.state(nid, now)
+        if st is None:
+            # A card that never came with a heartbeat: silent since we first saw it.
+            since = self._unheard.setdefault(nid, now)
+            return now - since > cfg.dead_after + cfg.forget_after
+        self._unheard.pop(nid, None)
+        silent = self.liveness.age(nid, now) or 0.0
+        if st == "dead":
+            return silent > cfg.dead_after + cfg.forget_after  # dead since dead_after
+        return st == "left" and silent > cfg.forget_after
+
+    def _forget_silent(self) -> None:
+        """Tombstone the card and heartbeat of every forgotten node and stop dialling it.
+
+        Every survivor decides on its own clock and writes its own tombstones; LWW makes
+        the concurrent deletes one, and a key already deleted is left alone, so this is
+        idempotent. A forgotten node that comes back re-announces itself: its heartbeats
+        are newer than the tombstones, and seeing its card deleted it re-stamps it.
+        """
+        assert self.replica is not None and self.gossip is not None
+        now = time.monotonic()
+        tombs: list[Entry] = []
+        for nid in cards(self.replica.map):
+            if nid == self.node_id or not self._forgotten(nid, now):
+                continue
+            log.info(
+                "forgetting node %s: gone for more than %g s",
+                self._label(nid), self.config.forget_after,
+            )  # fmt: skip
+            for key in (node_key(nid), health_key(nid)):
+                if key in self.replica.map:
+                    tombs.append(self.replica.delete(key))
+            self.gossip.drop_peer(nid)
+            self._next_hello.pop(nid, None)
+            self._unheard.pop(nid, None)
+        if tombs:
+            self._spawn(self.gossip.publish(tombs))
 
     def _synced(self) -> int:
         assert self.replica is not None and self.gossip is not None
@@ -399,22 +467,151 @@ class Node:
 
     def _point_at(self, nid: str, card: NodeCard) -> None:
         assert self.gossip is not None
-        host = self._hints.get(nid) or choose_address(self._own_addrs, card.addresses)
+        bad = self._self_hosts.get(nid, set())
+        host = self._hints.get(nid)
+        if host is None or host in bad:
+            host = choose_address(
+                self._own_addrs, card.addresses, ambiguous=self._virtual, exclude=bad
+            )
         if host == "127.0.0.1" and host not in card.addresses:
             # Same machine, but the peer bound one interface only: dial what it advertised.
             host = next((a for a in card.addresses if a in self._own_addrs), host)
         self.gossip.set_peer(nid, Endpoint(host, card.mesh_port, card.pub_port))
 
+    def _on_own_welcome(self, ep: Endpoint, peer: str | None, welcome: wire.Welcome) -> None:
+        """A hello at ``ep`` was answered under our own id: ourselves, or a twin."""
+        assert self.replica is not None
+        theirs = next(
+            (e for e in welcome.entries if e.key == node_key(self.node_id) and e.value), None
+        )
+        card = decode(theirs.value, NodeCard) if theirs and theirs.value else None
+        if card is not None and card.incarnation != self.incarnation:
+            self._twin_found(card, ep)
+            return
+        # This process answered itself: the address was one of ours (a bridge address
+        # another host shares, or a seed naming this node). Try the peer's other ones.
+        where = (ep.host, ep.mesh_port)
+        if where not in self._self_logged:
+            self._self_logged.add(where)
+            log.warning(
+                "%s reaches this node itself, not %s; not a peer%s",
+                ep.mesh(), self._label(peer) if peer and not peer.startswith("@") else "a peer",
+                ", trying its other addresses" if peer else "",
+            )  # fmt: skip
+        if peer is None or peer.startswith("@"):
+            return
+        self._self_hosts.setdefault(peer, set()).add(ep.host)
+        if self._hints.get(peer) == ep.host:
+            del self._hints[peer]
+        card = cards(self.replica.map).get(peer)
+        if card is not None:
+            self._point_at(peer, card)
+
+    def _suspect_twin(self, clashes: list[Entry]) -> None:
+        """Check whether a card under our id with another incarnation is a live process.
+
+        Only a card tells where its writer runs, so only a card is checked: we greet the
+        address it names. A forged entry (node ids are public) names no process that
+        answers under our id, and changes nothing beyond the re-stamp.
+        """
+        assert self.gossip is not None
+        now = time.monotonic()
+        for e in clashes:
+            if e.key != node_key(self.node_id) or e.value is None:
+                continue
+            card = decode(e.value, NodeCard)
+            if card is None or card.incarnation == self.incarnation or not card.addresses:
+                continue
+            if now - self._twin_checks.get(card.incarnation, -_TWIN_RECHECK_S) < _TWIN_RECHECK_S:
+                continue
+            self._twin_checks[card.incarnation] = now
+            host = choose_address(self._own_addrs, card.addresses, ambiguous=self._virtual)
+            self._spawn(self._check_twin(Endpoint(host, card.mesh_port)))
+
+    async def _check_twin(self, ep: Endpoint) -> None:
+        assert self.gossip is not None
+        welcome = await self.gossip.ask_welcome(ep)
+        if welcome is not None and welcome.sender == self.node_id:
+            self._on_own_welcome(ep, None, welcome)
+
+    def _twin_found(self, other: NodeCard, ep: Endpoint) -> None:
+        """Another live process runs with our node id (a cloned VM with a copied data
+        dir). Fighting would re-stamp both cards forever and flap every peer between two
+        machines, so the two do not fight: the one that started later gives way and
+        exits with :data:`EXIT_ID_CLASH`; the older one keeps the id (and its re-stamp
+        wins once the other is gone)."""
+        assert self.card is not None and self.identity is not None
+        mine = (self.card.started_ms, self.incarnation)
+        theirs = (other.started_ms, other.incarnation)
+        where = f"{ep.host}:{ep.mesh_port}"
+        if mine > theirs:
+            if self._yielded:
+                return
+            self._yielded = True
+            self._exit_code = EXIT_ID_CLASH
+            log.error(
+                "another live meshd process (%r at %s) uses this node id %s and started "
+                "first: this one stops (exit code %d). Give this machine its own id: "
+                "delete %s and start again (a cloned VM also needs its own "
+                "/etc/machine-id)",
+                other.name, where, self.node_id, EXIT_ID_CLASH,
+                self.identity.data_dir / "identity.json",
+            )  # fmt: skip
+            self._hurry.set()
+            self.request_stop()
+            return
+        if ("twin", other.incarnation) not in self._refusals_logged:
+            self._refusals_logged.add(("twin", other.incarnation))
+            log.error(
+                "another live meshd process (%r at %s) uses this node id %s; it started "
+                "later and will stop (exit code %d); this one keeps the id",
+                other.name, where, self.node_id, EXIT_ID_CLASH,
+            )  # fmt: skip
+            self._spawn(self._outlast_twin(ep, other.incarnation))
+
+    async def _outlast_twin(self, ep: Endpoint, incarnation: str) -> None:
+        """Wait until the twin at ``ep`` is gone, then announce our card again.
+
+        Its last card may be the newest one peers hold: they would keep dialling a dead
+        address for our id (and stop hearing us). Nothing else would fix that, since
+        the twin's card is older than our last re-stamp and so never clashes here.
+        """
+        assert self.gossip is not None and self.replica is not None and self.card
+        while True:
+            await asyncio.sleep(1.0)
+            w = await self.gossip.ask_welcome(ep)
+            if w is None or w.sender != self.node_id:
+                break
+            held = next((e for e in w.entries if e.key == node_key(self.node_id)), None)
+            card = decode(held.value, NodeCard) if held and held.value else None
+            if card is None or card.incarnation != incarnation:
+                break
+        log.info("the other process with this node id is gone; re-announcing this node")
+        await self.gossip.publish([self.replica.write(node_key(self.node_id), self.card)])
+        # Peers that followed the twin's card dial its dead sockets, not our PUB: greet
+        # them, so our card reaches them over their ROUTER.
+        greet = [
+            self.gossip.hello(p, nid)
+            for nid, p in self.gossip.peers().items()
+            if not nid.startswith("@") and nid != self.node_id
+        ]
+        await asyncio.gather(*greet, return_exceptions=True)
+
     def _on_refused(self, res: MergeResult, source: str) -> None:
+        if res.evicted:
+            log.info("peers had forgotten this node (%s); re-announcing it", source)
+        if res.clashes:
+            self._suspect_twin(res.clashes)
         for reason in res.refused:
             key = (source.split()[-1], reason)
             if key not in self._refusals_logged:
                 self._refusals_logged.add(key)
                 if reason == "own_id":
-                    log.error(
-                        "refused entries written under this node's id (%s) in %s: another "
-                        "process uses this id (give one machine a fresh data dir) or a peer "
-                        "forges it; this node re-stamps its own entries and keeps serving",
+                    # Echoes of our own writes never land here (Replica.is_echo): this is
+                    # newer than anything we wrote. A card is checked for a live twin.
+                    log.warning(
+                        "refused entries under this node's id (%s) newer than its own, in "
+                        "%s: forged, or another process uses this id; re-stamped",
                         self.node_id, source,
                     )  # fmt: skip
                 else:
@@ -429,12 +626,10 @@ class Node:
 
     async def _greet(self, host: str, port: int) -> str | None:
         assert self.gossip is not None
+        # No re-stamp of our card here: however old it is, a node's own card is exempt
+        # from the GC horizon (Replica.merge_remote), and a peer that had forgotten us
+        # sends the tombstone that makes us re-stamp it.
         nid = await self.gossip.hello(Endpoint(host, port))
-        if nid is not None and not self._greeted and self.replica and self.card:
-            # Our card was stamped before we saw any peer's clock: stamp it again now
-            # that the clock has caught up, so no peer can find it below its horizon.
-            self._greeted = True
-            await self.gossip.publish([self.replica.write(node_key(self.node_id), self.card)])
         if nid is not None and nid != self.node_id:
             self._hints[nid] = host
             self._seed_ids[(host, port)] = nid
@@ -581,6 +776,7 @@ class Node:
                         assert self.gossip is not None
                         self._spawn(self.gossip.pull(nid))
                     self._liveness_seen[nid] = st
+            self._forget_silent()
             self._collect_tombstones()
             if self.inference is not None and now - self._last_repair >= 0.5:
                 self._last_repair = now
@@ -590,6 +786,11 @@ class Node:
         assert self.replica is not None
         hs = healths(self.replica.map)
         members = self._members()
+        if len(members) < 2:
+            # A lone node has agreed nothing with anyone: a horizon it set alone would
+            # refuse the older entries of every node it meets later (the seed it could
+            # not reach yet), so it keeps its tombstones until it has company.
+            return
         # A member's published clock cannot be ahead of ours by more than drift, and
         # taking it past our own now would let one bad heartbeat collect live deletes.
         now = self.replica.clock.now()
@@ -599,7 +800,7 @@ class Node:
         # The grace keeps the horizon behind every member's wall clock, so a peer whose
         # clock runs a little slow never writes below it.
         stable = stable_horizon(synced) - pack(self.config.tombstone_grace_ms, 0)
-        dropped = self.replica.map.collect(stable)
+        dropped = self.replica.map.collect(stable, members)
         if dropped:
             log.debug("collected %d tombstones", dropped)
 
@@ -655,6 +856,8 @@ class Node:
             "pub_port": self.gossip.pub_port,
             "api_port": self.api_port,
             "entries": len(self.replica.map),
+            # The replica's root hash: equal on two nodes iff they hold the same state.
+            "digest": f"{self.replica.map.root():016x}",
             "data_port": self.dataplane.port if self.dataplane else 0,
             "requests_in_flight": self.dataplane.in_flight() if self.dataplane else 0,
             "secured": self.config.secret is not None,

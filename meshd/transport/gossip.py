@@ -113,6 +113,7 @@ class Gossip:
         own_entries: Callable[[], list[Entry]],
         on_change: Callable[[list[Entry]], None],
         on_refused: Callable[[MergeResult, str], None] | None = None,
+        on_own_welcome: Callable[[Endpoint, str | None, wire.Welcome], None] | None = None,
         counters: DropCounters | None = None,
         bind_host: str = "0.0.0.0",
         mesh_port: int = 0,
@@ -130,6 +131,7 @@ class Gossip:
         self.own_entries = own_entries
         self.on_change = on_change
         self.on_refused = on_refused
+        self.on_own_welcome = on_own_welcome
         self.counters = counters or DropCounters()
         self.bind_host = bind_host
         self.digest_interval = digest_interval
@@ -284,8 +286,27 @@ class Gossip:
     async def hello(self, endpoint: Endpoint, peer: str | None = None) -> str | None:
         """Greet a peer at ``endpoint``: give it our entries, take its whole state.
 
-        Returns the peer's node id, or None if it did not answer in time or refused.
+        Returns the peer's node id, or None if it did not answer in time, refused, or
+        answered with our own id (then ``on_own_welcome`` decides what that means).
         """
+        reply = await self.ask_welcome(endpoint, peer)
+        if reply is None:
+            return None
+        if reply.sender == self.replica.node_id:
+            # Our own id answered: the address reaches this very node (a bridge address
+            # that two hosts share), or a second process that runs with our id. Not a
+            # peer either way: its entries under our id are no news to merge, and taking
+            # its clock as "synced" would let tombstone collection trust ourselves.
+            if self.on_own_welcome is not None:
+                self.on_own_welcome(endpoint, peer, reply)
+            return None
+        self._merge(reply.entries, f"welcome from {reply.sender}", republish=True)
+        self._synced(reply.sender, reply.hlc, "request")
+        return reply.sender
+
+    async def ask_welcome(self, endpoint: Endpoint, peer: str | None = None) -> wire.Welcome | None:
+        """Send a ``Hello`` (our own entries) to ``endpoint``; return its ``Welcome``
+        without merging it, or None on no answer or a refusal."""
         msg = wire.Hello(
             sender=self.replica.node_id,
             cluster=self.cluster,
@@ -296,11 +317,7 @@ class Gossip:
         if isinstance(reply, wire.Refused):
             log.warning("peer at %s refused hello: %s", endpoint.mesh(), reply.message)
             return None
-        if not isinstance(reply, wire.Welcome):
-            return None
-        self._merge(reply.entries, f"welcome from {reply.sender}", republish=True)
-        self._synced(reply.sender, reply.hlc, "request")
-        return reply.sender
+        return reply if isinstance(reply, wire.Welcome) else None
 
     async def pull(self, peer: str) -> bool:
         """Anti-entropy: fetch from ``peer`` every bucket that differs from ours."""
@@ -439,7 +456,7 @@ class Gossip:
         res = self.replica.merge_remote(entries)
         if res.reassert:
             self._spawn(self.publish(self.replica.reassert(res.reassert)))
-        if res.refused:
+        if res.refused or res.evicted:
             for reason, n in res.refused.items():
                 self.counters.add("entries", reason, n)
             if self.on_refused is not None:

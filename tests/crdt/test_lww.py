@@ -296,7 +296,7 @@ def test_incremental_digest_matches_a_rebuild_from_scratch(steps: list[tuple]) -
         if kind == "merge":
             m.merge(arg)
         else:
-            m.collect(arg)
+            m.collect(arg, WRITERS)
         fresh = LWWMap(m.entries())
         assert fresh.same_state(m)
         assert m.digest() == fresh.digest()
@@ -362,7 +362,7 @@ def test_collect_drops_only_tombstones_below_the_horizon(
 ) -> None:
     m = LWWMap(log)
     before = list(m.entries())
-    dropped = m.collect(stable)
+    dropped = m.collect(stable, WRITERS)
     gone = [e for e in before if e.is_tombstone and e.hlc < stable]
     assert dropped == len(gone)
     assert sorted(m.entries(), key=Entry.order) == sorted(
@@ -370,7 +370,7 @@ def test_collect_drops_only_tombstones_below_the_horizon(
     )
     assert m.horizon == max(stable, 0)
     # The horizon never moves back.
-    assert m.collect(min(lower, stable)) == 0
+    assert m.collect(min(lower, stable), WRITERS) == 0
     assert m.horizon == max(stable, 0)
 
 
@@ -380,7 +380,7 @@ def test_horizon_refuses_stale_entries_only_for_keys_not_held(
     stable: int, below: int, value: bytes
 ) -> None:
     m = LWWMap([Entry("held", 0, "n1", b"old")])
-    m.collect(stable)
+    m.collect(stable, ["n1", "n2"])
     stale = max(stable - below, 0)
     assert not m.merge(Entry("gone", stale, "n2", value))
     assert m.rejected_below_horizon == 1
@@ -442,7 +442,7 @@ def test_collected_tombstone_cannot_be_resurrected_by_a_stale_replica(
     assert stable == min(synced.values())
     assert all(t < stable for t in tombs.values())
     for m in maps:
-        assert m.collect(stable) == len(deleted)
+        assert m.collect(stable, synced) == len(deleted)
     for m in maps[1:]:
         assert_same(m, maps[0])
     assert list(maps[0].tombstones()) == []
@@ -471,3 +471,38 @@ def test_collected_tombstone_cannot_be_resurrected_by_a_stale_replica(
 @settings(max_examples=100, deadline=None)
 def test_stable_horizon_is_the_minimum_synced_clock(synced: dict[str, int]) -> None:
     assert stable_horizon(synced) == (min(synced.values()) if synced else 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(stable=st.integers(1, 1000), below=st.integers(1, 1000), value=st.binary(max_size=4))
+def test_horizon_takes_old_entries_of_a_writer_that_was_never_a_member(
+    stable: int, below: int, value: bytes
+) -> None:
+    """A node that ran alone and joins late brings entries older than the horizon: they
+    were never part of the agreement, so they are news, not stale copies."""
+    m = LWWMap()
+    m.collect(stable, ["n1", "n2"])
+    old = max(stable - below, 0)
+    assert m.merge(Entry("instance/new", old, "n3", value))
+    assert m.value("instance/new") == value
+    assert m.rejected_below_horizon == 0
+    # Once n3 is a member when the horizon moves again, it is covered like the others.
+    m.collect(stable + 1, ["n1", "n2", "n3"])
+    assert not m.merge(Entry("instance/gone", old, "n3", value))
+    assert m.rejected_below_horizon == 1
+
+
+def test_horizon_exempt_merge_takes_an_old_entry_for_a_missing_key() -> None:
+    m = LWWMap()
+    m.collect(100, ["n1"])
+    assert not m.merge(Entry("node/n1", 5, "n1", b"card"))
+    assert m.merge(Entry("node/n1", 5, "n1", b"card"), exempt=True)
+    assert m.value("node/n1") == b"card"
+
+
+def test_copy_keeps_the_horizon_and_its_writers() -> None:
+    m = LWWMap()
+    m.collect(100, ["n1"])
+    c = m.copy()
+    assert (c.horizon, c.covered) == (100, {"n1"})
+    assert not c.merge(Entry("x", 5, "n1", b"v"))

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
+import zmq
 
+from meshd.crdt.hlc import HLC, pack, wall_ms
+from meshd.crdt.lww import Entry
+from meshd.crdt.views import NodeCard, encode, node_key
+from meshd.node.daemon import EXIT_ID_CLASH
+from meshd.node.identity import ID_FILE, fingerprint
+from meshd.transport import wire
 from tests.cluster import Cluster, NodeProc, wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -36,10 +46,21 @@ def _all_agree(nodes: list[NodeProc]) -> bool:
     return all(set(n.liveness().values()) == {"alive"} for n in nodes)
 
 
+def _digests(nodes: list[NodeProc]) -> set[str]:
+    """Each node's replica root hash (``/healthz`` ``digest``)."""
+    return {n.get("/healthz")["digest"] for n in nodes}
+
+
+def _same_state(nodes: list[NodeProc]) -> bool:
+    """Every node holds the same entries (heartbeats included: polled until a moment
+    when none is in flight)."""
+    return len(_digests(nodes)) == 1
+
+
 def test_three_nodes_with_static_peers_converge_within_2s(cluster: Cluster) -> None:
     nodes = _three(cluster)
     t0 = time.monotonic()
-    wait_for(lambda: _all_agree(nodes), timeout=2.0)
+    wait_for(lambda: _all_agree(nodes) and _same_state(nodes), timeout=2.0)
     elapsed = time.monotonic() - t0
     assert elapsed < 2.0
     # c only knows a; it must have learned b (and b, c) through gossip.
@@ -105,3 +126,132 @@ def test_copied_data_dir_gets_a_new_id_not_a_duplicate(cluster: Cluster, tmp_pat
     b = cluster.start("b", peers=[a], data_dir=copy)
     assert b.node_id != a.node_id
     wait_for(lambda: _all_agree([a, b]), timeout=3.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_ERROR_LINE = re.compile(r"^\S+ E ", re.MULTILINE)
+
+
+def test_a_node_that_ran_alone_past_the_grace_sees_its_seed(cluster: Cluster) -> None:
+    """b is started with a seed that is not up yet and runs alone past the tombstone
+    grace, so its card is older than any horizon a lone node would set. Was: each
+    refused the other's card (below_horizon) and they never met."""
+    port = _free_port()
+    grace = ["--tombstone-grace", "1000"]
+    b = cluster.start("b", extra_args=["--peer", f"127.0.0.1:{port}", *grace])
+    time.sleep(2.5)
+    a = cluster.start("a", mesh_port=port, extra_args=grace)
+    time.sleep(1.5)  # a alone past the grace too, until b's next hello reaches it
+    wait_for(lambda: _all_agree([a, b]) and _same_state([a, b]), timeout=6.0)
+    for n in (a, b):
+        assert n.get("/healthz")["dropped"].get("entries", {}).get("below_horizon", 0) == 0
+
+
+def test_a_healthy_cluster_refuses_no_own_entries_and_logs_no_error(cluster: Cluster) -> None:
+    """Echoes of a node's own older heartbeats (in Welcomes and pull replies) are no
+    clash. Was: counted as own_id and logged as 'another process uses this id'."""
+    nodes = _three(cluster)
+    wait_for(lambda: _all_agree(nodes), timeout=5.0)
+    time.sleep(4.0)
+    for n in nodes:
+        assert n.get("/healthz")["dropped"].get("entries", {}).get("own_id", 0) == 0, n.name
+        assert not _ERROR_LINE.search(n.log()), n.log()
+
+
+def test_second_live_process_with_the_same_id_gives_way_with_exit_code_3(
+    cluster: Cluster, tmp_path
+) -> None:
+    """A cloned VM: same machine id, data dir copied to the same path. The process that
+    started later exits with EXIT_ID_CLASH, naming the other; the first keeps its id.
+    Was: both re-stamped their cards forever."""
+    s = cluster.start("s")
+    a = cluster.start("a", peers=[s])
+    wait_for(lambda: _all_agree([s, a]), timeout=5.0)
+    inc = _view(s)[a.node_id][1]
+    clone = tmp_path / "clone"
+    shutil.copytree(a.data_dir, clone, ignore=shutil.ignore_patterns("meshd.lock"))
+    # What the clone's disk holds on a cloned VM: a's id under a fingerprint that matches.
+    (clone / ID_FILE).write_text(
+        json.dumps({"node_id": a.node_id, "fingerprint": fingerprint(clone)})
+    )
+    b = cluster.start("b", peers=[s], data_dir=clone)
+    assert b.node_id == a.node_id
+    assert b.proc.wait(15) == EXIT_ID_CLASH, b.log()
+    assert f"127.0.0.1:{a.mesh_port}" in b.log() and "started first" in b.log()
+    assert a.alive()
+    # The cluster ends with the first process's card (and no "left" for the shared id).
+    wait_for(lambda: _view(s)[a.node_id][1] == inc and _all_agree([s, a]), timeout=5.0)
+
+
+def test_a_dead_node_is_forgotten_gc_resumes_and_it_can_come_back(cluster: Cluster) -> None:
+    """Was: a SIGKILLed node stayed 'dead' forever and its frozen sync clock stopped
+    tombstone collection everywhere."""
+    args = ["--forget-after", "2", "--tombstone-grace", "300"]
+    a = cluster.start("a", extra_args=args)
+    b = cluster.start("b", peers=[a], extra_args=args, wait=False)
+    c = cluster.start("c", peers=[a], extra_args=args, wait=False)
+    cluster.wait_ready(b)
+    cluster.wait_ready(c)
+    wait_for(lambda: _all_agree([a, b, c]), timeout=5.0)
+    c.kill()
+
+    def forgotten_and_collected() -> bool:
+        # Only a's and b's card and heartbeat are left: c's tombstones were collected,
+        # which needs a horizon that c's frozen clock no longer holds back.
+        return all(
+            set(_view(n)) == {a.node_id, b.node_id} and n.get("/healthz")["entries"] == 4
+            for n in (a, b)
+        )
+
+    wait_for(forgotten_and_collected, timeout=15.0)
+    assert "forgetting node c" in a.log() + b.log()
+    c2 = cluster.restart(c)
+    wait_for(lambda: _all_agree([a, b, c2]) and _same_state([a, b, c2]), timeout=10.0)
+
+
+def test_an_entry_stamped_past_max_clock_drift_is_refused(cluster: Cluster) -> None:
+    """``--max-clock-drift 2000``: a card stamped 10 s ahead is refused (under the 60 s
+    default it would be taken), a card stamped now is taken."""
+    n = cluster.start("a", extra_args=["--max-clock-drift", "2000"])
+
+    def card(nid: str, hlc: int) -> Entry:
+        c = NodeCard(
+            id=nid, name=nid, incarnation="1", cluster=cluster.cluster_name, version="0",
+            os="linux", arch="x86_64", cpu_count=1, mem_total=1, mem_available=1,
+            addresses=["127.0.0.1"], mesh_port=9, pub_port=9, api_port=9,
+        )  # fmt: skip
+        return Entry(node_key(nid), hlc, nid, encode(c))
+
+    now, ahead = "1111111111111111", "2222222222222222"
+    entries = [card(now, HLC().now()), card(ahead, pack(wall_ms() + 10_000, 0))]
+    hello = wire.Hello(sender=now, cluster=wire.cluster_hash(cluster.cluster_name),
+                       incarnation="1", entries=entries)  # fmt: skip
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    try:
+        d.connect(f"tcp://127.0.0.1:{n.mesh_port}")
+        d.send(wire.encode(hello))
+        assert d.poll(5000), "no Welcome"
+        assert isinstance(wire.decode(d.recv_multipart()[0]), wire.Welcome)
+    finally:
+        d.close()
+        ctx.term()
+    ids = {m["id"] for m in n.cluster()["nodes"]}
+    assert now in ids and ahead not in ids
+    assert n.get("/healthz")["dropped"]["entries"]["clock_drift"] == 1
+
+
+def test_a_seed_that_is_this_node_itself_is_not_taken_for_a_peer(cluster: Cluster) -> None:
+    """One config on every machine often names this machine as a seed too."""
+    port = _free_port()
+    a = cluster.start("a", mesh_port=port, extra_args=["--peer", f"127.0.0.1:{port}"])
+    time.sleep(4.5)  # a few hello rounds
+    assert a.log().count("reaches this node itself") == 1, a.log()
+    assert set(a.liveness()) == {"a"}
+    assert not a.get("/healthz")["dropped"].get("entries")
