@@ -253,10 +253,20 @@ class Gossip:
             p.sub_addr = None
         async with p.lock:
             if p.dealer is None:
-                p.dealer = self.ctx.socket(zmq.DEALER)
-                configure(p.dealer)
-                secure(p.dealer, self.keys, server=False)
-                p.dealer.connect(p.endpoint.mesh())
+                dealer = self.ctx.socket(zmq.DEALER)
+                configure(dealer)
+                secure(dealer, self.keys, server=False)
+                try:
+                    dealer.connect(p.endpoint.mesh())
+                except zmq.ZMQError:
+                    # An address from the network (a card, a seed) that ZeroMQ cannot
+                    # even parse: no answer, and no socket or peer slot left behind.
+                    dealer.close(linger=0)
+                    if key.startswith("@"):
+                        self._peers.pop(key, None)
+                    self.counters.add("request", "bad_address")
+                    return None
+                p.dealer = dealer
             await p.dealer.send(wire.encode(msg))
             try:
                 frames = await asyncio.wait_for(
