@@ -45,7 +45,12 @@ class ApiServer:
         sock.listen(128)
         sock.setblocking(False)
         bound = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
+        # h11 by name: uvicorn would pick httptools when it happens to be installed, and
+        # the two parsers answer malformed requests differently (httptools refuses any
+        # method it does not know with a bare text 400, before the app can say why).
+        config = uvicorn.Config(
+            self.app, http="h11", log_level="warning", lifespan="off", access_log=False
+        )
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="api")
         while not self._server.started:

@@ -37,7 +37,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     ctx = zmq.Context()
     with Cluster(tmp_path_factory.mktemp("fuzz")) as cluster:
         try:
-            a = cluster.start("a")
+            # The fake peer never sends heartbeats: long runs must not see it forgotten.
+            a = cluster.start("a", extra_args=["--forget-after", "86400"])
             r = httpx.post(a.api + "/v1/instances",
                            json={"model": DEFAULT_MODEL, "nodes": ["a"]}, timeout=60)  # fmt: skip
             assert r.status_code == 201, r.text
