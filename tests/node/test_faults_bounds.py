@@ -190,3 +190,33 @@ def test_crash_looping_runner_is_given_up_and_the_model_moves_with_the_reason_sh
     out = io.StringIO()
     Console(file=out, width=200).print(render(a.cluster()))
     assert "excluded" in out.getvalue() and "crash loop" in out.getvalue(), out.getvalue()
+
+
+def test_cancel_reaches_the_stages_after_a_dead_one(cluster: Cluster) -> None:
+    # a only serves the API; c can hold its own share of the model but not all of it
+    # (a stage needs ~0.55 GiB plus ~27 MiB a layer, the whole model 1.3 GiB), so when
+    # b dies nothing repairs the plan and c keeps its runner: the request's KV there
+    # must still be freed.
+    a = cluster.start("a", extra_args=["--max-memory", "1M"])
+    b = cluster.start("b", peers=[a])
+    c = cluster.start("c", peers=[a], extra_args=["--max-memory", "1G"])
+    wait_for(lambda: all(len(n.cluster()["nodes"]) == 3 for n in (a, b, c)), 10)
+    inst = faultlab.place(a, [b, c])
+
+    def held_on_c() -> int:
+        h = next(n["health"] for n in a.cluster()["nodes"] if n["name"] == "c")
+        return sum(r.get("active", 0) for r in h["runners"] if r["instance"] == inst["id"])
+
+    events: list[tuple[float, str]] = []
+    t = threading.Thread(target=faultlab.stream, args=(a, events, 3000), daemon=True)
+    t.start()
+    wait_for(lambda: len(events) >= 5, 30, interval=0.01)
+    assert held_on_c() == 1
+    b.kill()
+    killed = time.monotonic()
+    t.join(10)
+    assert not t.is_alive()
+    assert "stage_lost" in events[-2][1] and events[-2][0] - killed < BOUND_S
+    # The API node told c itself (the chain from stage 0 died with b).
+    wait_for(lambda: held_on_c() == 0, 2, interval=0.05)
+    assert c.get(f"/v1/instances/{inst['id']}")["stages"][1]["state"] == "ready"
