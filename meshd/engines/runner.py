@@ -125,6 +125,8 @@ class Request:
     #: time.monotonic() of the last message or compute for this request.
     last_active: float = field(default_factory=time.monotonic)
     # Last stage only:
+    #: A replay's first position to sample after (prompt + tokens already sent).
+    replay_end: int = 0
     sampler: Sampler | None = None
     text: TextStream | None = None
 
@@ -429,8 +431,13 @@ class Runner:
         )
         if self.last:
             self.init_last(r, resume)
-        tokens = np.asarray(prompt + resume, np.int32)
-        self.work.append(Work(g.req, 0, tokens=tokens, start=start))
+        self.work.append(Work(g.req, 0, tokens=np.asarray(prompt, np.int32), start=start))
+        # The tokens already sent go through one decode step each, as they did the first
+        # time: prefilling them in one batch runs other kernels (other float sums), and
+        # a near-tie could then flip, so the continuation would not be the text the
+        # uninterrupted request gives. One row a step costs a few ms per token.
+        for i, tok in enumerate(resume):
+            self.work.append(Work(g.req, n + i, tokens=np.array([tok], np.int32)))
 
     def tokenize(self, g: wire.Generate) -> list[int]:
         """Prompt token ids of ``g``: its chat messages through the model's template, or
@@ -524,6 +531,7 @@ class Runner:
         r.text = TextStream(self.stage.token_to_piece, list(s.stop))
         r.text.prime(resume)
         r.n_generated = len(resume)
+        r.replay_end = r.n_prompt + len(resume)
 
     # -- compute -------------------------------------------------------------------
     def step(self) -> None:
@@ -569,7 +577,7 @@ class Runner:
                     compute=[*w.compute, spent], dtype=self.cfg.send_dtype,
                 )  # fmt: skip
                 self.send(r.route[self.cfg.stage + 1], act, memoryview(rows))
-            else:
+            elif w.pos + n >= r.replay_end:  # before it: a replay's tokens already sent
                 self.sample(r, out, w.pos + n, [*w.compute, spent])
 
     def sample(self, r: Request, logits: np.ndarray, next_pos: int, compute: list[float]) -> None:

@@ -79,14 +79,10 @@ def test_non_streaming_request_survives_a_killed_middle_stage_or_fails_within_2s
     t.join(45)
     assert not t.is_alive(), "request still open 45 s after the kill"
     r = result["r"]
-    if r.status_code == 200:  # replayed on the repaired plan
-        # Every token asked for, once, continuing the same text. (Strict equality with
-        # the uninterrupted text is pinned by the streaming tests; here a late
-        # difference can come from llama.cpp re-prefilling the sent tokens as one
-        # batch, whose float sums differ from token-by-token decoding on near-ties.)
+    if r.status_code == 200:  # replayed on the repaired plan: the uninterrupted text
         out = r.json()
         assert out["usage"]["completion_tokens"] == N_TOKENS, out["usage"]
-        assert out["choices"][0]["text"][:40] == reference[:40]
+        assert out["choices"][0]["text"] == reference
     else:
         assert r.status_code == 502, r.text
         assert r.json()["error"]["code"], r.text
