@@ -12,6 +12,7 @@ from pathlib import Path
 
 import meshd
 from meshd.crdt.hlc import DEFAULT_MAX_DRIFT_MS
+from meshd.node.inference import REPLAY_WAIT_S
 from meshd.transport.security import SECRET_ENV, load_secret
 
 from ..engines.models import DEFAULT_MODEL
@@ -141,6 +142,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MS",
         help="collect deletes this far behind the cluster's stable horizon (default: %(default)s)",
     )
+    up.add_argument(
+        "--replay-wait",
+        type=_positive_float,
+        default=REPLAY_WAIT_S,
+        metavar="SECONDS",
+        help="how long a request broken by a dead stage waits for the repaired plan "
+        "before it ends with stage_lost (default: %(default)s)",
+    )
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -195,6 +204,7 @@ async def _up(args: argparse.Namespace) -> int:
         max_requests=args.max_requests,
         max_tokens=args.max_tokens,
         forget_after=args.forget_after,
+        replay_wait=args.replay_wait,
         max_clock_drift_ms=args.max_clock_drift,
         tombstone_grace_ms=args.tombstone_grace,
     )

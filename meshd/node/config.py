@@ -12,6 +12,7 @@ from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
 from meshd.transport import gossip
 
 from .identity import default_data_dir
+from .inference import REPLAY_WAIT_S
 
 #: The OpenAI-compatible HTTP API.
 DEFAULT_API_PORT = 7470
@@ -57,6 +58,8 @@ class NodeConfig:
     tombstone_grace_ms: int = TOMBSTONE_GRACE_MS
     #: Seconds of silence after which a dead or departed node is forgotten.
     forget_after: float = FORGET_AFTER_S
+    #: Seconds a request broken by a fault waits for its repaired plan to serve.
+    replay_wait: float = REPLAY_WAIT_S
     #: How far (ms) a peer's clock may run ahead of ours before its entries are refused.
     max_clock_drift_ms: int = hlc.DEFAULT_MAX_DRIFT_MS
     #: Model to make sure the cluster serves; "" for none.

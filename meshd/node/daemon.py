@@ -177,6 +177,7 @@ class Node:
             is_alive=self._is_alive,
             dataplane=self.dataplane,
             metrics=self.metrics,
+            replay_wait=cfg.replay_wait,
         )
         from meshd.api.server import ApiServer
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -49,8 +48,8 @@ SUSPECT_SILENCE_S = 1.0
 #: How long a broken request waits for its repaired instance to serve before it ends
 #: with ``stage_lost``. A repair that placement says is impossible ends it at once
 #: (re-checked every :data:`REPLAY_POLL_S`); this bounds a repair that is possible but
-#: slow (weights loading on the new node). ``$MESHD_REPLAY_WAIT_S`` overrides it.
-REPLAY_WAIT_S = float(os.environ.get("MESHD_REPLAY_WAIT_S") or 30.0)
+#: slow (weights loading on the new node). ``meshd up --replay-wait`` sets it.
+REPLAY_WAIT_S = 30.0
 REPLAY_POLL_S = 0.1
 #: While a streamed request waits for its repair, an SSE comment goes out this often
 #: so that clients and proxies with idle timeouts keep the connection.

@@ -233,6 +233,10 @@ class Supervisor:
             msgspec.json.encode(cfg).decode(),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             env=self._env(),
+            # Its own session: Ctrl-C at the terminal or a SIGTERM to the node's process
+            # group reaches the node only, which drains before it stops its runners
+            # (a runner also ends when its stdin closes, so a killed node leaves none).
+            start_new_session=True,
         )  # fmt: skip
         r.tasks.append(asyncio.create_task(self._watch(r)))
         self.on_status()
