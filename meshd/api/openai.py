@@ -9,6 +9,7 @@ shape; errors after it are an SSE error event followed by ``[DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -189,21 +190,37 @@ def routes(node):
                 weakref.finalize(events, ticket.release)
                 streaming = True
                 return sse_response(events)
-            return await _whole(run, body, chat, t0, route)
+            return await _whole(request, run, body, chat, t0, route)
         finally:
             if not streaming:
                 ticket.release()
 
-    async def _whole(run: _Run, body, chat: bool, t0: float, route: str) -> Response:
+    async def _collect(run: _Run, model: str, t0: float) -> tuple[str, str, wire.Usage | None]:
+        text, finish, usage = [], "stop", None
+        async for c in pieces(run, model, t0):
+            text.append(c.text)
+            if c.finish_reason:
+                finish, usage = c.finish_reason, c.usage
+        return "".join(text), finish, usage
+
+    async def _whole(
+        request: Request, run: _Run, body, chat: bool, t0: float, route: str
+    ) -> Response:
         model = body.model
+        work = asyncio.ensure_future(_collect(run, model, t0))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            text, finish, usage = [], "stop", None
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                # The client left (a timeout, a retry): the answer has no reader, so
+                # the stages must stop now, not after max_tokens more tokens.
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, RequestFailed):
+                    await work
+                metrics.requests.labels(route, model, "client_closed").inc()
+                return Response(status_code=499)
             try:
-                async for c in pieces(run, model, t0):
-                    text.append(c.text)
-                    if c.finish_reason:
-                        finish = c.finish_reason
-                        usage = c.usage
+                text, finish, usage = work.result()
             except RequestFailed as e:
                 metrics.requests.labels(route, model, str(e.status)).inc()
                 raise _failed(e) from None
@@ -212,14 +229,17 @@ def routes(node):
             metrics.requests.labels(route, model, "200").inc()
             if chat:
                 resp = schemas.ChatCompletion.single(
-                    model=model, content="".join(text), finish_reason=finish, usage=u
+                    model=model, content=text, finish_reason=finish, usage=u
                 )
             else:
                 resp = schemas.Completion.single(
-                    model=model, text="".join(text), finish_reason=finish, usage=u
+                    model=model, text=text, finish_reason=finish, usage=u
                 )
             return Response(_json(resp), media_type="application/json")
         finally:
+            gone.cancel()
+            # Frees the request on every stage when it did not finish (cancel, error).
+            await run.chunks.aclose()
             metrics.in_flight.dec()
 
     async def _stream(
@@ -264,6 +284,13 @@ def routes(node):
         return Response(_json(data), media_type="application/json")
 
     return chat, completions, list_models
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection (its body is already read, so the
+    next ASGI message can only be ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _json(obj) -> bytes:

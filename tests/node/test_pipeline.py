@@ -182,6 +182,41 @@ def test_client_disconnect_mid_stream_frees_the_kv_on_every_stage(
         remove(trio[0], inst, trio)
 
 
+def test_client_gone_from_a_non_streaming_request_frees_the_kv_on_every_stage(
+    trio: list[NodeProc],
+) -> None:
+    inst = place(trio[0], trio)
+    try:
+        body = {
+            "model": DEFAULT_MODEL, "prompt": "Write a very long story.", "max_tokens": 2000,
+            "temperature": 0, "ignore_eos": True,
+        }  # fmt: skip
+        # The client gives up (a read timeout, as an SDK's retry logic would) while the
+        # pipeline is generating: nobody will read the answer, so it must stop.
+        outcome: list[BaseException] = []
+
+        def ask() -> None:
+            try:
+                httpx.post(
+                    trio[1].api + "/v1/completions", json=body,
+                    timeout=httpx.Timeout(5, read=2.0),
+                )  # fmt: skip
+            except httpx.ReadTimeout as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=ask, daemon=True)
+        t.start()
+        wait_for(lambda: _active(trio, inst["id"]) == 3, 5, interval=0.05)  # generating
+        t.join(10)
+        assert outcome, "the request was expected to time out at the client"
+        t0 = time.monotonic()
+        wait_for(lambda: _active(trio, inst["id"]) == 0, 3, interval=0.05)
+        assert time.monotonic() - t0 < 3
+        assert trio[1].get("/healthz")["requests_in_flight"] == 0
+    finally:
+        remove(trio[0], inst, trio)
+
+
 def test_openai_client_against_a_node_that_holds_no_stage(trio: list[NodeProc]) -> None:
     openai = pytest.importorskip("openai")
     inst = place(trio[0], trio[:2])
