@@ -82,8 +82,13 @@ def routes(node):
         except ModelLoading:
             raise model_loading(model, LOADING_RETRY_S) from None
         except PlacementError as e:
+            if e.reason in ("bad_spec", "unknown_node"):
+                msg = f"cannot place {model}: {e}"
+                raise bad_request(msg, param="model", code=e.reason) from None
+            # The cluster as it is cannot hold the model: that lasts until a node joins or
+            # frees memory, so no Retry-After invites a client to hammer it every second.
             raise ApiError(503, f"cannot place {model}: {e}", type="service_unavailable",
-                           code=e.reason, retry_after=LOADING_RETRY_S) from None  # fmt: skip
+                           code=e.reason) from None  # fmt: skip
         except RequestFailed as e:
             raise _failed(e) from None
         except ValueError as e:  # a file that is no usable model (ModelFormatError), ...
