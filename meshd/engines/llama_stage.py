@@ -464,6 +464,8 @@ class LlamaStage:
         self.hidden_size = int(L.llama_model_n_embd(model))
         #: Vocabulary size; every slice carries the whole vocabulary.
         self.n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
+        #: Context the model was trained for (0 = the file does not say).
+        self.n_ctx_train = int(L.llama_model_n_ctx_train(model))
         self._target = f"l_out-{self.n_layers - 1}".encode()
 
         cparams = L.llama_context_default_params()

@@ -523,6 +523,10 @@ class MlxStage:
         self.n_layers = end - start
         #: Width of the residual stream: the hidden rows a stage takes and returns.
         self.hidden_size = spec.hidden_size
+        #: Context the model was trained for (0 = the model does not say).
+        self.n_ctx_train = (
+            spec.context_length or 0 if isinstance(spec, _GgufModel) else spec.n_ctx_train
+        )
         self._caches: dict[int, list[Any]] = {}
         self._vocab: LlamaVocab | HfVocab | None
         if isinstance(spec, _GgufModel):

@@ -192,6 +192,9 @@ class Runner:
         self.bos_text, self.eos_text = texts() if texts is not None else ("", "")
         self.eos: set[int] = set(stage.eos_tokens()) if self.last else set()
         self.expiry = cfg.request_expiry_s
+        #: Tokens one request may span: the runner's KV room per request, but never
+        #: past what the model was trained for (positions beyond it are garbage).
+        self.n_ctx = min(cfg.n_ctx, getattr(stage, "n_ctx_train", 0) or cfg.n_ctx)
         # Checked a few times per expiry, at most once a second: a scan is O(requests).
         self._expiry_every = min(1.0, max(0.01, self.expiry / 4))
         self._next_expiry_check = (
@@ -413,10 +416,10 @@ class Runner:
         # A replay re-prefills the prompt plus the tokens the client already has.
         resume = list(g.resume_tokens)
         total = n + len(resume)
-        if total >= self.cfg.n_ctx:
+        if total >= self.n_ctx:
             self.fail(
                 g.reply_to, g.req, "context_length_exceeded",
-                f"this model's context is {self.cfg.n_ctx} tokens; the prompt has {total}",
+                f"this model's context is {self.n_ctx} tokens; the prompt has {total}",
             )  # fmt: skip
             return
         seq = self.free_seqs.pop()
@@ -595,7 +598,7 @@ class Runner:
                 finish = "stop"
             elif (
                 r.sampling.max_tokens is not None and r.n_generated >= r.sampling.max_tokens
-            ) or next_pos + 1 >= self.cfg.n_ctx:
+            ) or next_pos + 1 >= self.n_ctx:
                 finish = "length"
         if finish is not None:
             # Whatever ended the stream, text held back for a possible stop string or an

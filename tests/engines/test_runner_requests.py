@@ -108,3 +108,20 @@ def test_runner_ignores_sigint_and_stops_on_sigterm(
         r.proc.wait(10)
     finally:
         r.stop()
+
+
+def test_context_is_capped_at_what_the_model_was_trained_for(
+    model_path: Path, slice_dir: Path, tmp_path: Path, api: ApiSide
+) -> None:
+    # KV room for 9000 tokens, but SmolLM2 was trained for 8192: a prompt past that is
+    # refused (positions beyond the trained context give garbage), not run.
+    r = RunnerProcess(runner_config(model_path, slice_dir, n_seq_max=1, n_ctx=9000), tmp_path)
+    try:
+        api.generate([r], "long", prompt="hello " * 8300, sampling=greedy(4))
+        (chunk,) = api.result("long")
+        assert chunk.error is not None and chunk.error.code == "context_length_exceeded"
+        assert "8192" in chunk.error.message
+        api.generate([r], "short", prompt=PROMPT, sampling=greedy(4))
+        assert len(tokens_of(api.result("short"))) == 4
+    finally:
+        r.stop()
