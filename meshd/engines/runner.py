@@ -726,8 +726,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def check_model(cfg: RunnerConfig) -> None:
+    """Refuse to run weights other than the ones placed.
+
+    The plan names a model by path or repo id, and this node resolved it to a local
+    file; another machine's file at the same path can be another model (or another
+    quantization). Stages of different weights would run together and produce garbage
+    without any error, and slices are cached by the placed sha256. The local hash is
+    cached by (path, size, mtime), so a model is hashed once per change.
+    """
+    if not cfg.sha256:
+        return
+    path = Path(cfg.model_path)
+    if path.is_dir():
+        from .mlx_folder import folder_sha256
+
+        local = folder_sha256(path, Path(cfg.cache_dir))
+    else:
+        from .gguf_facts import file_sha256
+
+        local = file_sha256(path, Path(cfg.cache_dir))
+    if local != cfg.sha256:
+        raise ValueError(
+            f"{path} on this node is not the model that was placed "
+            f"(sha256 {local[:12]} here, {cfg.sha256[:12]} in the plan)"
+        )
+
+
 def load_stage(cfg: RunnerConfig):
     """Load this stage's layers in its engine (a llama.cpp slice, or MLX on the GGUF)."""
+    check_model(cfg)
     first, last = cfg.stage == 0, cfg.stage == cfg.n_stages - 1
     if cfg.engine == "mlx":
         from .mlx_stage import MlxStage

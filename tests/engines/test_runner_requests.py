@@ -125,3 +125,13 @@ def test_context_is_capped_at_what_the_model_was_trained_for(
         assert len(tokens_of(api.result("short"))) == 4
     finally:
         r.stop()
+
+
+def test_a_file_that_is_not_the_placed_model_is_refused(
+    model_path: Path, slice_dir: Path, tmp_path: Path
+) -> None:
+    # Another machine's file at the same path, or another quantization of the model:
+    # the runner must fail loudly, not serve other weights beside the other stages.
+    cfg = runner_config(model_path, slice_dir, sha256="ab" * 32)
+    with pytest.raises(RuntimeError, match="not the model that was placed"):
+        RunnerProcess(cfg, tmp_path)
