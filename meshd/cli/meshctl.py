@@ -25,6 +25,7 @@ from pathlib import Path
 from meshd.node.config import API_KEY_ENV
 from meshd.transport.security import SecretError, new_secret, write_secret
 
+from .argtypes import positive_float
 from .client import (
     DEFAULT_TIMEOUT,
     NODE_ENV,
@@ -164,16 +165,6 @@ def cmd_chat(args: argparse.Namespace, client: NodeClient) -> int:
 # ---------------------------------------------------------------- parser
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
-    return value
-
-
 def _node(text: str) -> str:
     try:
         return parse_node(text)
@@ -186,7 +177,7 @@ def _add_top(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument(
         "--interval",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         metavar="S",
         help="seconds between refreshes (default 1)",
@@ -291,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=positive_float,
         default=argparse.SUPPRESS,
         metavar="S",
         help=f"seconds to wait for the node (default {DEFAULT_TIMEOUT:g})",

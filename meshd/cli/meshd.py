@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import meshd
+from meshd.cli.argtypes import positive_float, positive_int
 from meshd.crdt.hlc import DEFAULT_MAX_DRIFT_MS
 from meshd.node.inference import REPLAY_WAIT_S
 from meshd.transport.security import SECRET_ENV, load_secret
@@ -108,21 +109,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--max-requests",
-        type=_positive,
+        type=positive_int,
         default=DEFAULT_MAX_REQUESTS,
         metavar="N",
         help="completion requests in flight through this node before 429 (default: %(default)s)",
     )
     up.add_argument(
         "--max-tokens",
-        type=_positive,
+        type=positive_int,
         default=DEFAULT_MAX_TOKENS,
         metavar="N",
         help="most tokens one request may generate (default: %(default)s)",
     )
     up.add_argument(
         "--forget-after",
-        type=_positive_float,
+        type=positive_float,
         default=FORGET_AFTER_S,
         metavar="SECONDS",
         help="forget a node silent this long: its card goes, tombstone collection "
@@ -130,21 +131,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--max-clock-drift",
-        type=_positive,
+        type=positive_int,
         default=DEFAULT_MAX_DRIFT_MS,
         metavar="MS",
         help="refuse entries stamped further ahead of this node's clock (default: %(default)s)",
     )
     up.add_argument(
         "--tombstone-grace",
-        type=_positive,
+        type=positive_int,
         default=TOMBSTONE_GRACE_MS,
         metavar="MS",
         help="collect deletes this far behind the cluster's stable horizon (default: %(default)s)",
     )
     up.add_argument(
         "--replay-wait",
-        type=_positive_float,
+        type=positive_float,
         default=REPLAY_WAIT_S,
         metavar="SECONDS",
         help="how long a request broken by a dead stage waits for the repaired plan "
@@ -152,26 +153,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
-    return n
-
-
-def _positive_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"{text} must be more than 0")
-    return x
 
 
 def _ready_line(node) -> None:

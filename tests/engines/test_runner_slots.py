@@ -23,14 +23,6 @@ BOUNDS = [(0, 15), (15, 30)]
 PROMPT = "Once upon a time"
 
 
-@pytest.fixture
-def api() -> Iterator[ApiSide]:
-    """The API node's side of the data plane."""
-    side = ApiSide()
-    yield side
-    side.close()
-
-
 class Pair:
     """Runners of a 2-stage plan; stage 1 has a single KV slot."""
 

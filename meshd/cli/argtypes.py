@@ -1,0 +1,28 @@
+"""argparse types shared by ``meshd`` and ``meshctl``: a bad value is a usage error
+that names it, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (NaN refused)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be more than 0")
+    return x
