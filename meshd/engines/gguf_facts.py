@@ -10,9 +10,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
+import mmap
 import os
 import re
+import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +27,14 @@ from meshd.crdt.views import ModelFacts
 
 __all__ = [
     "MLX_TYPES",
+    "GgufHeader",
     "ModelFormatError",
     "SpecialTokens",
     "architecture",
     "file_sha256",
     "open_gguf",
     "read_facts",
+    "read_header",
     "special_tokens",
 ]
 
@@ -75,25 +81,144 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
         raise ModelFormatError(f"{path} is not a readable GGUF file: {e}") from e
 
 
+#: GGUF value types with a fixed size: type id -> struct format.
+_GGUF_SCALARS = {
+    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
+}  # fmt: skip
+_GGUF_STRING = 8
+_GGUF_ARRAY = 9
+#: Numeric arrays up to this length are read (per-layer head counts); longer ones
+#: (token types, scores) and string arrays (the vocabulary) are skipped.
+_GGUF_ARRAY_READ_MAX = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class GgufHeader:
+    """A GGUF header: key/values (big arrays left out) and tensor descriptors."""
+
+    kv: dict[str, Any]
+    #: name -> (GGUF type name such as ``Q4_1``, shape with ``ne[0]`` first).
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    #: name -> bytes of the tensor's data in the file.
+    nbytes: dict[str, int]
+
+
+def read_header(path: Path) -> GgufHeader:
+    """Read a GGUF header with plain struct calls.
+
+    ``gguf.GGUFReader`` builds numpy views of every vocabulary string (2-4 s on a
+    49k-token vocabulary, most of a fresh node's time to its first token); this
+    skips them (~0.1 s), cheap enough for the API path. Raises ModelFormatError for
+    a file that is not GGUF v2/v3 or is truncated, FileNotFoundError for a missing
+    one.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"no model file at {path}")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ModelFormatError(f"{path} is not a GGUF file (magic {bytes(buf[:4])!r})")
+        # The version is a small number, so its byte order gives the file's.
+        order = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"
+        version = struct.unpack_from(order + "I", buf, 4)[0]
+        if version not in (2, 3):
+            raise ModelFormatError(f"{path}: unsupported GGUF version {version}")
+        pos = 8
+
+        def scalar(kind: int) -> Any:
+            nonlocal pos
+            fmt = order + _GGUF_SCALARS[kind]
+            (v,) = struct.unpack_from(fmt, buf, pos)
+            pos += struct.calcsize(fmt)
+            return v
+
+        def string() -> str:
+            nonlocal pos
+            n = scalar(10)
+            text = bytes(buf[pos : pos + n]).decode("utf-8", "replace")
+            pos += n
+            return text
+
+        def value(kind: int) -> Any:
+            nonlocal pos
+            if kind == _GGUF_STRING:
+                return string()
+            if kind != _GGUF_ARRAY:
+                if kind not in _GGUF_SCALARS:
+                    raise ModelFormatError(f"{path}: unknown GGUF value type {kind}")
+                return scalar(kind)
+            item, count = scalar(4), scalar(10)
+            fmt = _GGUF_SCALARS.get(item)
+            if fmt is not None:
+                size = count * struct.calcsize(fmt)
+                if count > _GGUF_ARRAY_READ_MAX:
+                    pos += size
+                    return None
+                items = list(struct.unpack_from(f"{order}{count}{fmt}", buf, pos))
+                pos += size
+                return items
+            for _ in range(count):
+                value(item)
+            return None
+
+        try:
+            n_tensors, n_kv = scalar(10), scalar(10)
+            kv: dict[str, Any] = {}
+            for _ in range(n_kv):
+                key = string()
+                kv[key] = value(scalar(4))
+            tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+            nbytes: dict[str, int] = {}
+            starts: list[int] = []
+            unsized: list[tuple[int, str]] = []
+            for _ in range(n_tensors):
+                name = string()
+                shape = tuple(scalar(10) for _ in range(scalar(4)))
+                kind = scalar(4)
+                offset = scalar(10)
+                try:
+                    qtype = gguf.GGMLQuantizationType(kind)
+                except ValueError:
+                    # A type newer than this gguf package: llama.cpp may still run it;
+                    # its size comes from where the next tensor starts (below).
+                    tensors[name] = (f"type {kind}", shape)
+                    unsized.append((offset, name))
+                    continue
+                block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+                tensors[name] = (qtype.name, shape)
+                nbytes[name] = math.prod(shape) // block_size * type_size
+                starts.append(offset)
+        except (struct.error, IndexError, ValueError) as e:
+            if isinstance(e, ModelFormatError):
+                raise
+            raise ModelFormatError(f"{path}: truncated or corrupt GGUF header ({e})") from e
+        if unsized:
+            align = int(kv.get("general.alignment") or 32)
+            data_start = -(-pos // align) * align
+            ends = sorted(starts + [o for o, _ in unsized] + [len(buf) - data_start])
+            for offset, name in unsized:
+                nbytes[name] = next(e for e in ends if e > offset) - offset
+    return GgufHeader(kv=kv, tensors=tensors, nbytes=nbytes)
+
+
 def _field(reader: gguf.GGUFReader, key: str) -> Any:
     f = reader.fields.get(key)
     return None if f is None else f.contents()
 
 
-def _required_int(reader: gguf.GGUFReader, key: str, path: Path) -> int:
-    v = _field(reader, key)
-    if v is None:
-        raise ModelFormatError(f"{path}: GGUF metadata lacks {key!r}")
-    return int(max(v) if isinstance(v, list) else v)
-
-
-def _optional_int(reader: gguf.GGUFReader, key: str) -> int | None:
-    v = _field(reader, key)
+def _int(kv: dict[str, Any], key: str) -> int | None:
+    v = kv.get(key)
     if v is None:
         return None
     # Some architectures store per-layer head counts as an array: size for the
     # largest layer so the KV estimate never comes out short.
     return int(max(v) if isinstance(v, list) else v)
+
+
+def _required_int(kv: dict[str, Any], key: str, path: Path) -> int:
+    v = _int(kv, key)
+    if v is None:
+        raise ModelFormatError(f"{path}: GGUF metadata lacks {key!r}")
+    return v
 
 
 def architecture(reader: gguf.GGUFReader, path: Path | str = "") -> str:
@@ -162,35 +287,38 @@ def _cache_facts(path: Path, cache_dir: Path | None, facts: ModelFacts) -> None:
 
 
 def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | None) -> ModelFacts:
-    reader = open_gguf(path)
-    arch = architecture(reader, path)
-    n_layers = _required_int(reader, f"{arch}.block_count", path)
-    hidden = _required_int(reader, f"{arch}.embedding_length", path)
-    n_ctx_train = _optional_int(reader, f"{arch}.context_length") or 0
-    n_head = _optional_int(reader, f"{arch}.attention.head_count") or 0
+    header = read_header(path)
+    kv = header.kv
+    arch = kv.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise ModelFormatError(f"{path}: GGUF metadata lacks general.architecture")
+    n_layers = _required_int(kv, f"{arch}.block_count", path)
+    hidden = _required_int(kv, f"{arch}.embedding_length", path)
+    n_ctx_train = _int(kv, f"{arch}.context_length") or 0
+    n_head = _int(kv, f"{arch}.attention.head_count") or 0
     # Grouped-query attention: K/V heads default to the query heads when absent.
-    n_head_kv = _optional_int(reader, f"{arch}.attention.head_count_kv") or n_head
+    n_head_kv = _int(kv, f"{arch}.attention.head_count_kv") or n_head
     # key_length/value_length are explicit for models whose head dim is not
     # hidden / heads (e.g. Gemma); otherwise llama.cpp derives it the same way.
     head_dim = hidden // n_head if n_head else 0
-    k_len = _optional_int(reader, f"{arch}.attention.key_length") or head_dim
-    v_len = _optional_int(reader, f"{arch}.attention.value_length") or k_len
+    k_len = _int(kv, f"{arch}.attention.key_length") or head_dim
+    v_len = _int(kv, f"{arch}.attention.value_length") or k_len
 
     layer_bytes = [0] * n_layers
     embed_bytes = 0
     head_bytes = 0
     types: set[str] = set()
-    for t in reader.tensors:
-        types.add(t.tensor_type.name)
-        nbytes = int(t.n_bytes)
-        m = _BLK.match(t.name)
+    for tname, (type_name, _shape) in header.tensors.items():
+        types.add(type_name)
+        nbytes = header.nbytes[tname]
+        m = _BLK.match(tname)
         if m is not None:
             i = int(m.group(1))
             # Tensors past block_count (e.g. next-token-prediction layers) are not
             # loaded by llama.cpp as layers; leave them out of the layer sizes.
             if i < n_layers:
                 layer_bytes[i] += nbytes
-        elif t.name in ("output.weight", "output_norm.weight", "output_norm.bias"):
+        elif tname in ("output.weight", "output_norm.weight", "output_norm.bias"):
             head_bytes += nbytes
         else:
             # token_embd.weight plus the small global tensors (rope_freqs, ...) that
@@ -223,10 +351,10 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
 
 def special_tokens(path: Path) -> SpecialTokens:
     """bos/eos/eot token ids from a GGUF's tokenizer metadata."""
-    reader = open_gguf(path)
+    kv = read_header(path).kv
 
     def tid(key: str) -> int | None:
-        v = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        v = kv.get(f"tokenizer.ggml.{key}_token_id")
         return None if v is None else int(v)
 
     return SpecialTokens(bos=tid("bos"), eos=tid("eos"), eot=tid("eot"))

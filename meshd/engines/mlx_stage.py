@@ -44,19 +44,16 @@ A stage is not thread-safe: a runner calls it from one thread.
 from __future__ import annotations
 
 import logging
-import mmap
 import re
-import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import gguf
 import numpy as np
 
-from .gguf_facts import MLX_TYPES, ModelFormatError
+from .gguf_facts import MLX_TYPES, GgufHeader, ModelFormatError, read_header
 from .hf_vocab import HfVocab
 from .llama_stage import (
     LlamaVocab,
@@ -160,107 +157,7 @@ class _GgufModel:
     mlp_bias: bool
 
 
-#: GGUF value types with a fixed size: type id -> struct format.
-_GGUF_SCALARS = {
-    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
-}  # fmt: skip
-_GGUF_STRING = 8
-_GGUF_ARRAY = 9
-#: Numeric arrays up to this length are read (per-layer head counts); longer ones
-#: (token types, scores) and string arrays (the vocabulary) are skipped.
-_GGUF_ARRAY_READ_MAX = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class _Header:
-    """A GGUF header: key/values (big arrays left out) and tensor descriptors."""
-
-    kv: dict[str, Any]
-    #: name -> (GGUF type name such as ``Q4_1``, shape with ``ne[0]`` first).
-    tensors: dict[str, tuple[str, tuple[int, ...]]]
-
-
-def _read_header(path: Path) -> _Header:
-    """Read a GGUF header with plain struct calls.
-
-    ``gguf.GGUFReader`` builds numpy views of every vocabulary string (2-4 s on a
-    49k-token vocabulary); this skips them (~0.1 s), cheap enough to refuse a model
-    on the API path. Raises ModelFormatError for a file that is not GGUF v2/v3 or is
-    truncated, FileNotFoundError for a missing one.
-    """
-    if not path.is_file():
-        raise FileNotFoundError(f"no model file at {path}")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ModelFormatError(f"{path} is not a GGUF file (magic {bytes(buf[:4])!r})")
-        # The version is a small number, so its byte order gives the file's.
-        order = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"
-        version = struct.unpack_from(order + "I", buf, 4)[0]
-        if version not in (2, 3):
-            raise ModelFormatError(f"{path}: unsupported GGUF version {version}")
-        pos = 8
-
-        def scalar(kind: int) -> Any:
-            nonlocal pos
-            fmt = order + _GGUF_SCALARS[kind]
-            (v,) = struct.unpack_from(fmt, buf, pos)
-            pos += struct.calcsize(fmt)
-            return v
-
-        def string() -> str:
-            nonlocal pos
-            n = scalar(10)
-            text = bytes(buf[pos : pos + n]).decode("utf-8", "replace")
-            pos += n
-            return text
-
-        def value(kind: int) -> Any:
-            nonlocal pos
-            if kind == _GGUF_STRING:
-                return string()
-            if kind != _GGUF_ARRAY:
-                if kind not in _GGUF_SCALARS:
-                    raise ModelFormatError(f"{path}: unknown GGUF value type {kind}")
-                return scalar(kind)
-            item, count = scalar(4), scalar(10)
-            fmt = _GGUF_SCALARS.get(item)
-            if fmt is not None:
-                size = count * struct.calcsize(fmt)
-                if count > _GGUF_ARRAY_READ_MAX:
-                    pos += size
-                    return None
-                items = list(struct.unpack_from(f"{order}{count}{fmt}", buf, pos))
-                pos += size
-                return items
-            for _ in range(count):
-                value(item)
-            return None
-
-        try:
-            n_tensors, n_kv = scalar(10), scalar(10)
-            kv: dict[str, Any] = {}
-            for _ in range(n_kv):
-                key = string()
-                kv[key] = value(scalar(4))
-            tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-            for _ in range(n_tensors):
-                name = string()
-                shape = tuple(scalar(10) for _ in range(scalar(4)))
-                kind = scalar(4)
-                scalar(10)  # data offset
-                try:
-                    type_name = gguf.GGMLQuantizationType(kind).name
-                except ValueError:
-                    type_name = f"type {kind}"
-                tensors[name] = (type_name, shape)
-        except (struct.error, IndexError, ValueError) as e:
-            if isinstance(e, ModelFormatError):
-                raise
-            raise ModelFormatError(f"{path}: truncated or corrupt GGUF header ({e})") from e
-    return _Header(kv=kv, tensors=tensors)
-
-
-def _meta_int(header: _Header, key: str, path: Path, default: int | None = None) -> int:
+def _meta_int(header: GgufHeader, key: str, path: Path, default: int | None = None) -> int:
     v = header.kv.get(key)
     if v is None:
         if default is None:
@@ -278,7 +175,7 @@ def _inspect_gguf(path: Path) -> _GgufModel:
 
     Raises UnsupportedQuantError, UnsupportedModelError or ModelFormatError.
     """
-    header = _read_header(path)
+    header = read_header(path)
     bad: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, (type_name, shape) in header.tensors.items():
@@ -568,7 +465,7 @@ class MlxStage:
 
         mx = self._mx
         f32_scales = self.exact or mx.default_device() == mx.cpu
-        # The header was read already (_read_header): the metadata is not needed.
+        # The header was read already (read_header): the metadata is not needed.
         raw = mx.load(str(self.path))
         want_embed = self.first or (self.last and spec.tied)
         weights: dict[str, Any] = {}

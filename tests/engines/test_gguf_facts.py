@@ -110,3 +110,17 @@ def test_non_gguf_files_raise_model_format_error(tmp_path: Path, model_path: Pat
 
     with pytest.raises(FileNotFoundError):
         read_facts(tmp_path / "missing.gguf", "x", sha256="0")
+
+
+def test_header_reader_sizes_every_tensor_as_the_gguf_package_does(model_path: Path) -> None:
+    # read_header skips the vocabulary (GGUFReader takes seconds on it); the tensor
+    # table it returns must still be the file's, byte for byte.
+    from meshd.engines.gguf_facts import read_header
+
+    header = read_header(model_path)
+    reader = gguf.GGUFReader(model_path)
+    want = {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in reader.tensors}
+    got = {n: (header.tensors[n][0], header.nbytes[n]) for n in header.tensors}
+    assert got == want
+    assert header.kv["general.architecture"] == "llama"
+    assert header.kv["llama.block_count"] == 30
