@@ -217,12 +217,14 @@ class BareRunner:
         import msgspec
         import zmq
 
+        from meshd.engines.gguf_facts import file_sha256
         from meshd.engines.llama_stage import runner_env
         from meshd.engines.runner import RunnerConfig
 
+        # The runner checks that its file is the model placed (by sha256).
         cfg = RunnerConfig(
             instance="bench", generation=1, stage=0, n_stages=1, model_path=model_path,
-            sha256="0" * 64, start=0, end=n_layers, n_layers=n_layers,
+            sha256=file_sha256(Path(model_path)), start=0, end=n_layers, n_layers=n_layers,
             cache_dir=str(tmp / "bare-cache"), bind_host="127.0.0.1",
         )  # fmt: skip
         args = [sys.executable, "-m", "meshd.engines.runner", msgspec.json.encode(cfg).decode()]
