@@ -35,6 +35,23 @@ print(json.dumps([get("/v1/cluster")["nodes"], get("/v1/instances")["data"]]))
 """
 
 
+_ASK = r"""
+import json, urllib.request
+body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8,
+        "temperature": 0}
+req = urllib.request.Request("http://127.0.0.1:7470/v1/completions",
+                             data=json.dumps(body).encode(),
+                             headers={"Content-Type": "application/json"})
+print(json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["text"])
+"""
+
+
+def _ask(host: Host) -> str | None:
+    """A greedy completion through the node in ``host``'s API (None if it failed)."""
+    r = host.run([sys.executable, "-S", "-c", _ASK], timeout=90)
+    return r.stdout if r.returncode == 0 else None
+
+
 def _view(host: Host) -> tuple[dict[str, str], list[tuple]] | None:
     """(name -> liveness, instances) as the node in ``host`` sees them."""
     r = host.run([sys.executable, "-S", "-c", _PROBE], timeout=15)
@@ -96,3 +113,9 @@ def test_partition_and_heal_converge_within_2s_with_one_instance(tmp_path: Path)
         # Same nodes alive, the same single instance everywhere, within 2 s of the heal.
         assert took < 2.0, f"converged {took:.2f} s after heal"
         assert len(views[0][1]) == 1
+        # And the one instance serves, through every node's API, the same greedy text.
+        texts, _ = _wait(
+            lambda: (t := [_ask(h) for h in lan.hosts]) and all(t) and t, 90,
+            "the healed cluster serving", tmp_path,
+        )  # fmt: skip
+        assert len(set(texts)) == 1, texts
