@@ -18,6 +18,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -166,6 +167,78 @@ class Proc:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+
+class WorkerProc:
+    """The calling script run again as ``--worker``: one process holding the model
+    in llama-cpp-python, answering one JSON line per command on stdin.
+
+    It gets the runners' environment (``GOMP_SPINCOUNT``), so both sides use the
+    same OpenMP behaviour. Its first line (``info``) says it is ready.
+    """
+
+    def __init__(self, script: str, tmp: Path, args: list[str], quit_line: str) -> None:
+        from meshd.engines.llama_stage import runner_env
+
+        with open(tmp / "direct.log", "wb") as err:
+            self.p = subprocess.Popen(
+                [sys.executable, str(Path(script).resolve()), "--worker", *args],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                env=runner_env(), start_new_session=True, text=True,
+            )  # fmt: skip
+        PROCS.append(self.p)
+        self.quit_line = quit_line
+        self.info: Any = self.read()
+
+    def read(self) -> Any:
+        """The worker's next JSON line."""
+        assert self.p.stdout is not None
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"direct worker exited {self.p.wait()}")
+        return json.loads(line)
+
+    def ask(self, line: str) -> Any:
+        """Send one command line and return the answer."""
+        assert self.p.stdin is not None
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            assert self.p.stdin is not None
+            self.p.stdin.write(self.quit_line + "\n")
+            self.p.stdin.flush()
+            self.p.wait(5)
+        stop_process(self.p)
+
+
+def add_worker_args(p: Any) -> None:
+    """The hidden options a script's ``--worker`` mode reads."""
+    import argparse
+
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-model", help=argparse.SUPPRESS)
+    p.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
+
+
+def run_measure(prefix: str, keep_logs: bool, measure: Callable[[Path], int]) -> int:
+    """Run ``measure(tmp)`` in a fresh temporary dir; a benchmark reports, it does not
+    fail: an error is printed and the exit code stays 0. Every child is stopped."""
+    signal.signal(signal.SIGTERM, on_sigterm)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        return measure(tmp)
+    except Exception as e:
+        print(f"benchmark stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        return 0
+    finally:
+        stop_all()
+        if keep_logs:
+            print(f"logs in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def meshd_command() -> list[str]:

@@ -30,12 +30,8 @@ import contextlib
 import json
 import os
 import platform
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,11 +42,12 @@ import httpx
 from _common import (
     DEFAULT_MODEL,
     N_CTX,
-    PROCS,
     Node,
     OthersMeter,
     Proc,
     Stream,
+    WorkerProc,
+    add_worker_args,
     chat_payload,
     cpu_busy,
     cpu_model,
@@ -59,14 +56,12 @@ from _common import (
     log,
     med,
     metric_delta,
-    on_sigterm,
     place,
     run_concurrent,
+    run_measure,
     scrape,
     start_llama_server,
     start_node,
-    stop_all,
-    stop_process,
     stream_chat,
     table,
     version,
@@ -170,47 +165,16 @@ def worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
-class Direct:
+class Direct(WorkerProc):
+    """The worker process: llama-cpp-python in process, same GGUF, same settings."""
+
     def __init__(self, tmp: Path, model_path: str, threads: int) -> None:
-        from meshd.engines.llama_stage import runner_env
-
-        args = [
-            sys.executable, str(Path(__file__).resolve()), "--worker",
-            "--worker-model", model_path, "--worker-threads", str(threads),
-        ]  # fmt: skip
-        with open(tmp / "direct.log", "wb") as err:
-            self.p = subprocess.Popen(
-                args,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                env=runner_env(),
-                start_new_session=True,
-                text=True,
-            )
-        PROCS.append(self.p)
-        self.info = self._read()
-
-    def _read(self) -> Any:
-        assert self.p.stdout is not None
-        line = self.p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"direct worker exited {self.p.wait()}")
-        return json.loads(line)
+        args = ["--worker-model", model_path, "--worker-threads", str(threads)]
+        super().__init__(__file__, tmp, args, quit_line='{"quit": true}')
 
     def run(self, prompts: list[int], tokens: int) -> list[Stream]:
-        assert self.p.stdin is not None
-        self.p.stdin.write(json.dumps({"prompts": prompts, "tokens": tokens}) + "\n")
-        self.p.stdin.flush()
-        return [Stream(**d, events=d["tokens"]) for d in self._read()]
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            assert self.p.stdin is not None
-            self.p.stdin.write('{"quit": true}\n')
-            self.p.stdin.flush()
-            self.p.wait(5)
-        stop_process(self.p)
+        answer = self.ask(json.dumps({"prompts": prompts, "tokens": tokens}))
+        return [Stream(**d, events=d["tokens"]) for d in answer]
 
 
 # -- subjects ------------------------------------------------------------------------------
@@ -925,28 +889,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--quick", action="store_true", help="2 repeats, 32 tokens")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary dir")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--worker-model", help=argparse.SUPPRESS)
-    p.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
+    add_worker_args(p)
     args = p.parse_args(argv)
     if args.worker:
         return worker_main(args)
     if args.quick:
         args.repeats, args.tokens = min(args.repeats, 2), min(args.tokens, 32)
     args.repeats = max(1, args.repeats)
-    signal.signal(signal.SIGTERM, on_sigterm)
-    tmp = Path(tempfile.mkdtemp(prefix="meshd-compare-"))
-    try:
-        return measure(args, tmp)
-    except Exception as e:  # a benchmark reports, it does not fail
-        print(f"benchmark stopped: {type(e).__name__}: {e}", file=sys.stderr)
-        return 0
-    finally:
-        stop_all()
-        if args.keep_logs:
-            print(f"logs in {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+    return run_measure("meshd-compare-", args.keep_logs, lambda tmp: measure(args, tmp))
 
 
 if __name__ == "__main__":

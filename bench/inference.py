@@ -27,11 +27,8 @@ import json
 import os
 import platform
 import re
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +38,6 @@ import httpx
 from _common import (
     DEFAULT_MODEL,
     N_CTX,
-    PROCS,
     PROMPT,
     READY,
     CpuMeter,
@@ -51,6 +47,8 @@ from _common import (
     Node,
     Proc,
     Series,
+    WorkerProc,
+    add_worker_args,
     chat_payload,
     cpu_busy,
     cpu_model,
@@ -60,17 +58,15 @@ from _common import (
     med,
     meshd_command,
     metric_delta,
-    on_sigterm,
     paired,
     place,
     run_concurrent,
+    run_measure,
     runner_pids,
     scrape,
     spread,
     start_llama_server,
     start_node,
-    stop_all,
-    stop_process,
     stream_chat,
     table,
     version,
@@ -166,47 +162,16 @@ def worker_main(args: argparse.Namespace) -> int:
     return 0
 
 
-class Direct:
+class Direct(WorkerProc):
     """The worker process: llama-cpp-python in process, same GGUF, same settings."""
 
     def __init__(self, tmp: Path, model_path: str, tokens: int, threads: int) -> None:
-        from meshd.engines.llama_stage import runner_env
-
-        args = [
-            sys.executable, str(Path(__file__).resolve()), "--worker",
-            "--worker-model", model_path, "--worker-threads", str(threads),
-            "--tokens", str(tokens),
-        ]  # fmt: skip
-        # The runners' environment (GOMP_SPINCOUNT): the same OpenMP behaviour.
-        self.p = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=open(tmp / "direct.log", "wb"), env=runner_env(),  # noqa: SIM115
-            start_new_session=True, text=True,
-        )  # fmt: skip
-        PROCS.append(self.p)
-        self.info = self._read()
-
-    def _read(self) -> dict[str, Any]:
-        assert self.p.stdout is not None
-        line = self.p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"direct worker exited {self.p.wait()}")
-        return json.loads(line)
+        args = ["--worker-model", model_path, "--worker-threads", str(threads)]
+        super().__init__(__file__, tmp, [*args, "--tokens", str(tokens)], quit_line="quit")
 
     def run(self, cmd: str) -> dict[str, float]:
         """``generate``, ``generate1``, ``stage`` or ``stageK`` (K sequences batched)."""
-        assert self.p.stdin is not None
-        self.p.stdin.write(cmd + "\n")
-        self.p.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            assert self.p.stdin is not None
-            self.p.stdin.write("quit\n")
-            self.p.stdin.flush()
-            self.p.wait(5)
-        stop_process(self.p)
+        return self.ask(cmd)
 
 
 class BareRunner:
@@ -737,9 +702,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--quick", action="store_true", help="2 repeats, 64 tokens, 1 start-up")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary dir")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--worker-model", help=argparse.SUPPRESS)
-    p.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
+    add_worker_args(p)
     args = p.parse_args(argv)
     if args.worker:
         return worker_main(args)
@@ -748,17 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         args.startup_repeats = args.startup_repeats or 1
     args.repeats = max(1, args.repeats)
     args.startup_repeats = max(1, args.startup_repeats or args.repeats)
-    signal.signal(signal.SIGTERM, on_sigterm)
-    tmp = Path(tempfile.mkdtemp(prefix="meshd-bench-"))
-    try:
-        return measure(args, tmp)
-    except Exception as e:  # a benchmark reports, it does not fail
-        print(f"benchmark stopped: {type(e).__name__}: {e}", file=sys.stderr)
-        return 0
-    finally:
-        stop_all()
-        if not args.keep_logs:
-            shutil.rmtree(tmp, ignore_errors=True)
+    return run_measure("meshd-bench-", args.keep_logs, lambda tmp: measure(args, tmp))
 
 
 if __name__ == "__main__":
