@@ -304,12 +304,21 @@ class Node:
             if not pending and owned == 0:
                 return
             await asyncio.sleep(0.1)
-        log.warning("drain ended after %.0f s with work left", timeout)
-        # The API server's stop grace would cut what is still open without a word:
-        # end each open request with a typed error first, and let those events leave.
-        self.inference.abort("the node is stopping (drain ended with the request open)")
+        if self._hurry.is_set():
+            log.warning("drain cut short by a second stop request")
+        else:
+            log.warning("drain ended after %.0f s with work left", timeout)
+        await self._end_open_requests("drain ended with the request open")
+
+    async def _end_open_requests(self, why: str) -> None:
+        """End every request this node's API still has open with a typed error
+        (``node_stopping``) and give those events a moment to leave: the API server's
+        stop grace would otherwise cut them without a word."""
+        if self.inference is None or self.dataplane is None or self.dataplane.in_flight() == 0:
+            return
+        self.inference.abort(f"the node is stopping ({why})")
         for _ in range(10):
-            if self.dataplane is None or self.dataplane.in_flight() == 0:
+            if self.dataplane.in_flight() == 0:
                 break
             await asyncio.sleep(0.1)
 
@@ -336,6 +345,8 @@ class Node:
             with contextlib.suppress(Exception):
                 await self._discovery.stop()
         if self._api is not None:
+            # A second signal skips the drain: what is open still ends typed.
+            await self._end_open_requests("stopped without a drain")
             await self._api.stop()
         if self.supervisor is not None:
             await self.supervisor.stop_all()

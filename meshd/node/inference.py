@@ -569,13 +569,18 @@ class Inference:
         t0 = time.monotonic()
         deadline = t0 + timeout
         while True:
+            # Checked before every chunk: a stream whose tokens keep coming would
+            # otherwise never see the node stopping under it.
+            if self._aborted is not None:
+                raise RequestFailed("node_stopping", self._aborted, 503)
+            if not q.empty():  # the per-token path: no timer, no task
+                return q.get_nowait()
             try:
-                return await asyncio.wait_for(q.get(), LIVENESS_POLL_S)
+                async with asyncio.timeout(LIVENESS_POLL_S):
+                    return await q.get()
             except TimeoutError:
                 pass
             now = time.monotonic()
-            if self._aborted is not None:
-                raise RequestFailed("node_stopping", self._aborted, 503)
             for s in self.stage_states(inst):
                 if s.state != "ready":
                     raise RequestFailed(

@@ -5,6 +5,7 @@ re-placed without its node, and the reason stays visible."""
 from __future__ import annotations
 
 import io
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -222,3 +223,24 @@ def test_cancel_reaches_the_stages_after_a_dead_one(cluster: Cluster) -> None:
     # The API node told c itself (the chain from stage 0 died with b).
     wait_for(lambda: held_on_c() == 0, 2, interval=0.05)
     assert c.get(f"/v1/instances/{inst['id']}")["stages"][1]["state"] == "ready"
+
+
+def test_a_second_sigterm_ends_open_streams_with_a_typed_error(cluster: Cluster) -> None:
+    # One node: its stage has nowhere to go, so the drain waits for the stream; a
+    # second SIGTERM says "now": the stream must still end typed, then [DONE].
+    a = cluster.start("a")
+    faultlab.place(a, [a])
+    events: list[tuple[float, str]] = []
+    t = threading.Thread(target=faultlab.stream, args=(a, events, 3000), daemon=True)
+    t.start()
+    wait_for(lambda: len(events) >= 5, 30, interval=0.01)
+    a.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    a.proc.send_signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    t.join(10)
+    assert not t.is_alive(), "the stream outlived its node"
+    assert events[-1][1] == "data: [DONE]"
+    assert '"node_stopping"' in events[-2][1], events[-2]
+    assert events[-2][0] - stopped < BOUND_S
+    assert a.proc.wait(10) == 0
