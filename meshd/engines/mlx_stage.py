@@ -460,6 +460,18 @@ class MlxStage:
             self._load_folder(spec)
         self._KVCache = _kv_cache_class()
 
+    def _holds(self, target: str | None, want_embed: bool) -> bool:
+        """Whether this stage loads the tensor named ``target`` (mlx-lm's name; None
+        for a layer outside the stage): the embedding only where it is used, the final
+        norm and the head only on the last stage."""
+        if target is None:
+            return False
+        if target.startswith("model.embed_tokens."):
+            return want_embed
+        if target.startswith(("model.norm.", "lm_head.")):
+            return self.last
+        return True
+
     def _load_gguf(self, spec: _GgufModel) -> None:
         from mlx_lm.models.llama import ModelArgs
 
@@ -473,11 +485,7 @@ class MlxStage:
         for name in list(raw):
             arr = raw.pop(name)  # drop our reference as we go: unused tensors are freed
             target = _mlx_name(name, self.start, self.end)
-            if target is None:
-                continue
-            if target.startswith("model.embed_tokens.") and not want_embed:
-                continue
-            if target.startswith(("model.norm.", "lm_head.")) and not self.last:
+            if not self._holds(target, want_embed):
                 continue
             if target.endswith((".scales", ".biases")) and f32_scales:
                 arr = arr.astype(mx.float32)
@@ -545,11 +553,7 @@ class MlxStage:
         per_file: dict[Path, dict[str, str]] = {}
         for name, (file, _dtype, _shape, _n) in spec.tensors.items():
             target = _folder_name(name, self.start, self.end)
-            if target is None:
-                continue
-            if target.startswith("model.embed_tokens.") and not want_embed:
-                continue
-            if target.startswith(("model.norm.", "lm_head.")) and not self.last:
+            if not self._holds(target, want_embed):
                 continue
             if target.startswith("lm_head.") and spec.tied:
                 continue  # a tied head is the embedding (mlx-lm drops it too)
