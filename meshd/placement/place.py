@@ -50,6 +50,16 @@ DEFAULT_ENGINE_PREFERENCE: tuple[str, ...] = (
 )
 
 
+#: GGUF architectures whose llama.cpp graph rescales the input rows (Gemma by
+#: sqrt(hidden), Granite and MiniCPM by an embedding scale): a later stage fed the
+#: previous stage's hidden rows would rescale them again, so such a model is never
+#: split; it runs on one node (measured on a Gemma-shaped GGUF: logits off by 0.56).
+UNSPLITTABLE_ARCHITECTURES = frozenset(
+    {"gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding", "granite", "granitemoe",
+     "granitehybrid", "minicpm", "minicpm3"}
+)  # fmt: skip
+
+
 #: Context (tokens) of one request and requests in flight that a runner makes room
 #: for: the runner allocates exactly this KV cache, so placement reserves it.
 KV_TOKENS = 4096
@@ -185,6 +195,12 @@ def place(
             "bad_spec",
             f"min_nodes={spec.min_nodes} but model {m.name!r} has only {m.n} layer(s)",
         )
+    if max(spec.min_nodes, len(spec.nodes)) > m.max_stages:
+        raise PlacementError(
+            "bad_spec",
+            f"model {m.name!r} ({m.arch}) runs on one node: llama.cpp rescales its input "
+            "rows, so its layers cannot be split across stages",
+        )
     prev = _previous_stages(previous, m.n)
     credit = {}
     if prev is not None and previous is not None and policy.credit_held:
@@ -220,7 +236,7 @@ def place(
         if all(alive) and len(prev) >= spec.min_nodes:
             return list(prev)
         repaired = _repair(m, prev, alive, cands, ranked, spec.min_nodes)
-        if repaired is not None:
+        if repaired is not None and len(repaired) <= m.max_stages:
             return repaired
     return _place_fresh(m, ranked, spec.min_nodes)
 
@@ -240,6 +256,9 @@ class _Model:
     floor: int
     engines: tuple[str, ...]
     preference: tuple[str, ...]
+    #: Most stages the model may be cut into (1: see UNSPLITTABLE_ARCHITECTURES).
+    max_stages: int
+    arch: str
 
     @staticmethod
     def of(facts: ModelFacts, policy: Policy) -> _Model:
@@ -279,6 +298,8 @@ class _Model:
             floor=policy.floor_bytes,
             engines=engines,
             preference=tuple(policy.engine_preference),
+            max_stages=1 if facts.architecture in UNSPLITTABLE_ARCHITECTURES else facts.n_layers,
+            arch=facts.architecture,
         )
 
     def need(self, start: int, end: int, engine: str) -> int:
@@ -469,7 +490,7 @@ def _insufficient(m: _Model, members: Sequence[_Cand], engines: Sequence[str]) -
 
 
 def _place_fresh(m: _Model, ranked: Sequence[_Cand], min_nodes: int) -> list[Stage]:
-    top = min(len(ranked), m.n)
+    top = min(len(ranked), m.n, m.max_stages)
     # A plan needs at least every layer, the embedding and head once, a floor per node.
     least = m.n * m.kv_layer + m.embed + m.head
     least += math.floor(m.prefix[-1] * m.overhead) - m.n  # - n: float rounding, stay low
@@ -483,7 +504,14 @@ def _place_fresh(m: _Model, ranked: Sequence[_Cand], min_nodes: int) -> list[Sta
         if plan is not None:
             return plan
     members = ranked[: max(min_nodes, top)]
-    raise _insufficient(m, members, [c.engine for c in members])
+    err = _insufficient(m, members, [c.engine for c in members])
+    if m.max_stages == 1 and len(ranked) > 1:
+        err = PlacementError(
+            err.reason,
+            f"{err.message} ({m.arch} models are not split across nodes: one must hold it)",
+            err.shortfalls,
+        )
+    raise err
 
 
 # ---------------------------------------------------------------------------- pinned

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -773,3 +774,43 @@ def test_node_resources_take_memory_from_the_heartbeat_and_skip_dead_nodes():
         "n1", "studio", ["llama_cpp-cpu", "mlx-metal"], 5 * GiB, 16 * GiB, 42.0, holds=["inst-1"]
     )
     assert res["n2"].mem_available == 6 * GiB and res["n2"].tokens_per_s == 0.0
+
+
+# ------------------------------------------------------------- unsplittable models
+
+GEMMA = msgspec.structs.replace(BIG, name="gemma-like", architecture="gemma2")
+
+
+def test_a_model_whose_graph_rescales_its_input_rows_is_never_split() -> None:
+    from meshd.placement.place import UNSPLITTABLE_ARCHITECTURES
+
+    assert "gemma2" in UNSPLITTABLE_ARCHITECTURES
+    half = whole(BIG) // 2 + 4 * GiB
+    two = by_id(node("a", "a", ["llama_cpp-cpu"], half), node("b", "b", ["llama_cpp-cpu"], half))
+    # The llama twin of the same size is split over both ...
+    assert len(place(InstanceSpec(model="m"), BIG, two)) == 2
+    # ... the gemma one is not: a typed error that says why, nothing placed.
+    with pytest.raises(PlacementError) as e:
+        place(InstanceSpec(model="m"), GEMMA, two)
+    assert e.value.reason == "insufficient_memory" and "not split" in e.value.message
+    with pytest.raises(PlacementError) as e:
+        place(InstanceSpec(model="m", min_nodes=2), GEMMA, two)
+    assert e.value.reason == "bad_spec"
+    with pytest.raises(PlacementError) as e:
+        place(InstanceSpec(model="m", nodes=["a", "b"]), GEMMA, two)
+    assert e.value.reason == "bad_spec"
+    # One node that holds it: one stage.
+    big = by_id(
+        node("a", "a", ["llama_cpp-cpu"], whole(BIG) + GiB), node("b", "b", ["llama_cpp-cpu"], half)
+    )
+    (stage,) = place(InstanceSpec(model="m"), GEMMA, big)
+    assert (stage.node, stage.start, stage.end) == ("a", 0, GEMMA.n_layers)
+    # Its node dies: the repair moves it whole, or says it cannot.
+    prev = instance([stage], InstanceSpec(model="m"), GEMMA)
+    with pytest.raises(PlacementError):
+        place(
+            InstanceSpec(model="m"),
+            GEMMA,
+            by_id(big["b"], node("c", "c", ["llama_cpp-cpu"], half)),
+            prev,
+        )
