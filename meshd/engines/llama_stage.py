@@ -209,11 +209,17 @@ _LOG_LEVELS = {3: logging.WARNING, 4: logging.ERROR}
 _backend: _Backend | None = None
 
 
+#: Warnings that say nothing true about a stage: with one unified KV cache for all
+#: sequences llama.cpp compares the whole cache (n_ctx x n_seq_max cells) with the
+#: trained context, while each request is capped at the trained context by the runner.
+_QUIET = (b"possible training context overflow",)
+
+
 def _llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     # llama.cpp logs every tensor it loads at INFO/DEBUG; a runner keeps only warnings
     # and errors, in its own log rather than on stderr.
     py_level = _LOG_LEVELS.get(level)
-    if py_level is not None and text:
+    if py_level is not None and text and not any(q in text for q in _QUIET):
         log.log(py_level, "%s", text.decode("utf-8", "replace").rstrip())
 
 
