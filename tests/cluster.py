@@ -105,11 +105,13 @@ class Cluster:
         wait: bool = True,
         timeout: float = 30.0,
         model: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> NodeProc:
         """Start `meshd up --name NAME` seeded with ``peers``; wait for its ready line.
 
         ``model``: what `meshd up` should make the cluster serve (default: nothing, so
-        control-plane tests load no weights)."""
+        control-plane tests load no weights). ``env``: variables added to this process's
+        environment for the node."""
         data_dir = data_dir or self.tmp / name
         args = [
             sys.executable, "-m", "meshd.cli.meshd", "up",
@@ -128,7 +130,10 @@ class Cluster:
         args += extra_args or []
         log_path = self.tmp / f"{name}-{len(self.nodes)}.log"
         f = open(log_path, "wb")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            args, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=None if env is None else {**os.environ, **env},
+        )  # fmt: skip
         _LIVE.add(proc)
         n = NodeProc(name, data_dir, args, proc, log_path)
         self.nodes.append(n)

@@ -66,6 +66,9 @@ class NodeCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: Models this node holds on local disk (aliases or paths).
     models: list[str] = []
     started_ms: int = 0
+    #: Facts of the models it read (its default model): a node without the file can
+    #: still place one of them, on the nodes that hold it.
+    model_facts: list[ModelFacts] = []
 
 
 RunnerStateName = Literal["loading", "ready", "failed", "stopped"]

@@ -14,6 +14,7 @@ import secrets
 import time
 from collections.abc import Callable
 
+import msgspec
 import zmq.asyncio
 
 import meshd
@@ -26,6 +27,7 @@ from meshd.crdt.views import (
     INSTANCE,
     NODE,
     Health,
+    ModelFacts,
     NodeCard,
     cards,
     decode,
@@ -218,6 +220,8 @@ class Node:
             await self._start_discovery()
         if cfg.model:
             self._tasks.append(asyncio.create_task(self._ensure_model(cfg.model), name="model"))
+        if self.card.models:
+            self._tasks.append(asyncio.create_task(self._advertise_held(), name="facts"))
         log.info(
             "node %s (%s) up: api http://%s:%d, mesh port %d, pub port %d, backends %s",
             cfg.name,
@@ -731,8 +735,6 @@ class Node:
             return
         if self.inference.find_instance(model) is not None:
             return
-        if self.inference.find_instance(model) is not None:
-            return
         from meshd.crdt.views import InstanceSpec
 
         try:
@@ -741,6 +743,22 @@ class Node:
             )
         except Exception as e:
             log.warning("could not place %s: %s", model, e)
+
+    async def _advertise_held(self) -> None:
+        """Put the facts of the models this node holds in its card (read once, cached
+        on disk), so that a node without the file can place one of them on the nodes
+        that hold it."""
+        assert self.card is not None and self.inference is not None
+        found: list[ModelFacts] = []
+        for m in self.card.models:
+            try:
+                found.append(await self.inference.facts(m, self.cache_dir))
+            except Exception as e:  # a file that is no usable model: nothing to say
+                log.debug("no facts for %s: %s", m, e)
+        if not found or self.gossip is None or self.replica is None:
+            return
+        self.card = msgspec.structs.replace(self.card, model_facts=found)
+        await self.gossip.publish([self.replica.write(node_key(self.node_id), self.card)])
 
     def sync_metrics(self) -> None:
         """Copy gauges that live elsewhere into the metrics registry."""

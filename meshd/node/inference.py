@@ -19,6 +19,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from meshd.crdt.lww import LWWMap
 from meshd.crdt.views import (
     Instance,
@@ -148,9 +150,28 @@ class Inference:
         async with self._facts_lock:
             f = self._facts.get(canon)
             if f is None:
-                f = await asyncio.to_thread(_read_facts, canon, cache_dir)
+                try:
+                    f = await asyncio.to_thread(_read_facts, canon, cache_dir)
+                except models.ModelNotFoundError:
+                    # Not on this disk: a live node that holds it may have said what it
+                    # is (its card), which is all placement needs (it places on holders).
+                    f = self.facts_from_peers(canon)
+                    if f is None:
+                        raise
+                    return f  # not cached: the holder may change its file
                 self._facts[canon] = f
             return f
+
+    def facts_from_peers(self, model: str) -> ModelFacts | None:
+        """Facts of ``model`` as a live node that holds it advertises them."""
+        canon = models.canonical_name(model)
+        for nid, c in sorted(cards(self._state()).items()):
+            if not self._is_live(nid):
+                continue
+            for f in c.model_facts:
+                if models.canonical_name(f.name) == canon:
+                    return msgspec.structs.replace(f, name=model)
+        return None
 
     def known_models(self) -> list[str]:
         """Models the cluster can serve: placed ones and those some node holds."""
