@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import secrets
@@ -455,13 +456,18 @@ class Inference:
         replays = 0
         while True:
             try:
-                async for c in self._attempt(inst, messages, prompt, sampling, sent):
-                    if c.n_prompt is not None and not c.tokens and c.finish_reason is None:
-                        if acked:
-                            continue  # a replay's acknowledgement: the client has one
-                        acked = True
-                    sent.extend(c.tokens)
-                    yield c
+                # aclosing: a caller that stops early (client gone) closes this
+                # generator; the attempt's cancel to every stage must run then, not
+                # whenever the garbage collector gets to it.
+                attempt = self._attempt(inst, messages, prompt, sampling, sent)
+                async with contextlib.aclosing(attempt) as chunks:
+                    async for c in chunks:
+                        if c.n_prompt is not None and not c.tokens and c.finish_reason is None:
+                            if acked:
+                                continue  # a replay's acknowledgement: the client has one
+                            acked = True
+                        sent.extend(c.tokens)
+                        yield c
                 return
             except RequestFailed as e:
                 if e.code not in REPLAYABLE or not replay or replays >= MAX_REPLAYS:
