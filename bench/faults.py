@@ -29,10 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx
 
 from tests import faultlab
-from tests.cluster import Cluster, wait_for
+from tests.cluster import Cluster
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,16 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=200, help="tokens per stream (200)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="meshd-faults-") as tmp, Cluster(Path(tmp)) as cl:
-        a = cl.start("a")
-        b = cl.start("b", peers=[a])
-        c = cl.start("c", peers=[a])
-        wait_for(lambda: all(len(n.cluster()["nodes"]) == 3 for n in (a, b, c)), 10)
-        inst = faultlab.place(a, [a, b, c])
-        ref: list[tuple[float, str]] = []
-        faultlab.stream(a, ref, args.tokens)
-        reference = faultlab.text_of(ref)
-        httpx.delete(f"{a.api}/v1/instances/{inst['id']}", timeout=10)
-        nodes = [a, b, c]
+        nodes, reference = faultlab.three_nodes_and_reference(cl, args.tokens)
         t0 = time.monotonic()
         trials = []
         for i in range(args.trials):

@@ -60,6 +60,21 @@ def place(via: NodeProc, nodes: list[NodeProc]) -> dict:
     return inst
 
 
+def three_nodes_and_reference(cluster: Cluster, n_tokens: int) -> tuple[list[NodeProc], str]:
+    """Nodes a, b, c on loopback and the uninterrupted greedy text of an ``n_tokens``
+    stream through a 3-stage [a, b, c] plan (placed, streamed, then deleted: each
+    trial places its own)."""
+    a = cluster.start("a")
+    b = cluster.start("b", peers=[a])
+    c = cluster.start("c", peers=[a])
+    wait_for(lambda: all(len(n.cluster()["nodes"]) == 3 for n in (a, b, c)), 10)
+    inst = place(a, [a, b, c])
+    events: list[tuple[float, str]] = []
+    stream(a, events, n_tokens)
+    httpx.delete(f"{a.api}/v1/instances/{inst['id']}", timeout=10)
+    return [a, b, c], text_of(events)
+
+
 def _watch(
     a: NodeProc, inst_id: str, killed: float, marks: dict[str, float], checks: dict
 ) -> threading.Thread:

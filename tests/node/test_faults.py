@@ -177,16 +177,7 @@ def test_sigterm_drain_moves_the_stage_and_the_stream_completes(cluster: Cluster
 def test_sigkill_middle_stage_20_times_no_hang_and_no_wrong_text(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    a = cluster.start("a")
-    b = cluster.start("b", peers=[a])
-    c = cluster.start("c", peers=[a])
-    wait_for(lambda: all(len(n.cluster()["nodes"]) == 3 for n in (a, b, c)), 10)
-    inst = faultlab.place(a, [a, b, c])
-    ref_events: list[tuple[float, str]] = []
-    faultlab.stream(a, ref_events, 200)
-    reference = faultlab.text_of(ref_events)
-    httpx.delete(f"{a.api}/v1/instances/{inst['id']}", timeout=10)
-    nodes = [a, b, c]
+    nodes, reference = faultlab.three_nodes_and_reference(cluster, 200)
     trials = [faultlab.kill_middle(cluster, nodes, reference, 200) for _ in range(TRIALS)]
     with capsys.disabled():
         print("\n" + faultlab.summary(trials))
