@@ -178,7 +178,7 @@ class WorkerProc:
     """
 
     def __init__(self, script: str, tmp: Path, args: list[str], quit_line: str) -> None:
-        from meshd.engines.llama_stage import runner_env
+        from meshd.engines.threads import runner_env
 
         with open(tmp / "direct.log", "wb") as err:
             self.p = subprocess.Popen(
@@ -522,7 +522,7 @@ def start_llama_server(
 
     ``--interrupt_requests False``: by default it cuts the stream in progress whenever
     another request arrives, which would end 7 of 8 concurrent streams early."""
-    from meshd.engines.llama_stage import runner_env
+    from meshd.engines.threads import runner_env
 
     args = [
         *(launcher or [sys.executable, "-m", "llama_cpp.server"]), "--model", model_path,

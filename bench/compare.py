@@ -109,9 +109,7 @@ def worker_main(args: argparse.Namespace) -> int:
     sequence at a time), every one counted from the moment the line arrived."""
     import llama_cpp
 
-    from meshd.engines.chat import render_chat
-    from meshd.engines.models import chat_template_at
-    from meshd.engines.runner import _CHATML
+    from meshd.models.chat import CHATML_TEMPLATE, chat_template_at, render_chat
 
     path, threads = args.worker_model, args.worker_threads
     llm = llama_cpp.Llama(
@@ -122,7 +120,7 @@ def worker_main(args: argparse.Namespace) -> int:
         flash_attn=True,
         verbose=False,
     )
-    template = chat_template_at(path) or _CHATML
+    template = chat_template_at(path) or CHATML_TEMPLATE
     prompts = [
         llm.tokenize(
             render_chat(template, messages(i), add_generation_prompt=True).encode(),
@@ -256,7 +254,7 @@ def start_rpc(tmp: Path, model_path: str, threads: int, n_layers: int) -> tuple[
     """ggml-rpc-server + llama_cpp.server whose process loaded the RPC backend."""
     import _rpc
 
-    from meshd.engines.llama_stage import runner_env
+    from meshd.engines.threads import runner_env
 
     bin_dir = _rpc.ensure_built(log=log)
     port = free_port()
@@ -430,8 +428,8 @@ def measure_once(
 
 
 def measure(args: argparse.Namespace, tmp: Path) -> int:
-    from meshd.engines.llama_stage import default_threads
-    from meshd.engines.models import resolve_model
+    from meshd.engines.threads import default_threads
+    from meshd.models.resolve import resolve_model
 
     t_run = time.perf_counter()
     model = args.model

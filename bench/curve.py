@@ -21,7 +21,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meshd.engines.models import DEFAULT_MODEL
+from meshd.models.resolve import DEFAULT_MODEL
 from meshd.transport.security import write_secret
 from tests.cluster import Cluster, NodeProc, wait_for
 

@@ -31,11 +31,13 @@ def main() -> int:
     args = p.parse_args()
     os.environ.setdefault("MESHD_THREADS", str(args.threads))
 
-    from meshd.engines.gguf_facts import file_sha256
-    from meshd.engines.llama_stage import LlamaStage, StageInput, configure_threads
+    from meshd.engines.llama_stage import LlamaStage
     from meshd.engines.mlx_stage import MlxStage
-    from meshd.engines.models import DEFAULT_MODEL, resolve_model
-    from meshd.engines.slicing import slice_gguf
+    from meshd.engines.stage import StageInput
+    from meshd.engines.threads import configure_threads
+    from meshd.models.hashing import file_sha256
+    from meshd.models.resolve import DEFAULT_MODEL, resolve_model
+    from meshd.models.slicing import slice_gguf
 
     configure_threads()
     path = Path(resolve_model(DEFAULT_MODEL).path)

@@ -83,7 +83,8 @@ def relay_main(kind: str, hidden: int) -> int:
                 dealer.send(frames[-1], copy=False)
             if sys.stdin.fileno() in events and not sys.stdin.readline():
                 return 0
-    from meshd.engines.runner import Runner, RunnerConfig
+    from meshd.engines.protocol import RunnerConfig
+    from meshd.engines.runner import Runner
     from meshd.transport import wire
 
     router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_DATA_FRAME)
@@ -228,7 +229,7 @@ def hidden_size(model: str) -> int:
     """``{arch}.embedding_length`` from the model's GGUF header."""
     import gguf
 
-    from meshd.engines.models import resolve_model
+    from meshd.models.resolve import resolve_model
 
     r = gguf.GGUFReader(resolve_model(model).path)
     arch = r.fields["general.architecture"].contents()

@@ -86,16 +86,15 @@ def worker_main(args: argparse.Namespace) -> int:
     token to the last, "agg": tokens / time from before the prefill}."""
     import numpy as np
 
-    from meshd.engines.chat import render_chat
     from meshd.engines.detok import IncrementalDetokenizer
-    from meshd.engines.llama_stage import LlamaStage, StageInput
-    from meshd.engines.models import chat_template_at
-    from meshd.engines.runner import _CHATML
+    from meshd.engines.llama_stage import LlamaStage
     from meshd.engines.sampling import Sampler, SamplingParams
+    from meshd.engines.stage import StageInput
+    from meshd.models.chat import CHATML_TEMPLATE, chat_template_at, render_chat
 
     path, n, threads = args.worker_model, args.tokens, args.worker_threads
     text = render_chat(
-        chat_template_at(path) or _CHATML,
+        chat_template_at(path) or CHATML_TEMPLATE,
         [{"role": "user", "content": PROMPT}],
         add_generation_prompt=True,
     )
@@ -182,9 +181,9 @@ class BareRunner:
         import msgspec
         import zmq
 
-        from meshd.engines.gguf_facts import file_sha256
-        from meshd.engines.llama_stage import runner_env
-        from meshd.engines.runner import RunnerConfig
+        from meshd.engines.protocol import RunnerConfig
+        from meshd.engines.threads import runner_env
+        from meshd.models.hashing import file_sha256
 
         # The runner checks that its file is the model placed (by sha256).
         cfg = RunnerConfig(
@@ -306,8 +305,8 @@ def startup_once(tmp: Path, data_dir: Path, model: str, tag: str) -> Startup:
 
 
 def measure(args: argparse.Namespace, tmp: Path) -> int:
-    from meshd.engines.llama_stage import default_threads
-    from meshd.engines.models import resolve_model
+    from meshd.engines.threads import default_threads
+    from meshd.models.resolve import resolve_model
 
     t_run = time.perf_counter()
     model = args.model

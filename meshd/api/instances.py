@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from meshd.crdt.views import InstanceSpec, instances
-from meshd.engines.models import AmbiguousModelError, ModelNotFoundError, canonical_name
+from meshd.models.resolve import AmbiguousModelError, ModelNotFoundError, canonical_name
 from meshd.placement import PlacementError
 from meshd.transport.tensors import ACTIVATION_DTYPES
 
@@ -74,9 +74,10 @@ async def _check_mlx(model: str, pinned: bool) -> None:
     GGUF pinned to MLX stages, or any MLX folder (only MLX can run one)."""
     import asyncio
 
-    from meshd.engines.mlx_folder import check_folder_for_mlx
-    from meshd.engines.mlx_stage import UnsupportedModelError, check_gguf_for_mlx
-    from meshd.engines.models import resolve_model
+    from meshd.models.errors import UnsupportedModelError
+    from meshd.models.folder import check_folder_for_mlx
+    from meshd.models.mlx_layout import check_gguf_for_mlx
+    from meshd.models.resolve import resolve_model
 
     try:
         resolved = resolve_model(model)

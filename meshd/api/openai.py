@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from meshd.engines.models import AmbiguousModelError, ModelNotFoundError
+from meshd.models.resolve import AmbiguousModelError, ModelNotFoundError
 from meshd.node.config import DEFAULT_MAX_REQUESTS, DEFAULT_MAX_TOKENS
 from meshd.node.inference import KEEPALIVE, ModelLoading, RequestFailed
 from meshd.placement import PlacementError

@@ -13,10 +13,10 @@ from pathlib import Path
 import meshd
 from meshd.cli.argtypes import positive_float, positive_int
 from meshd.crdt.hlc import DEFAULT_MAX_DRIFT_MS
+from meshd.models.resolve import DEFAULT_MODEL
 from meshd.node.inference import REPLAY_WAIT_S
 from meshd.transport.security import SECRET_ENV, load_secret
 
-from ..engines.models import DEFAULT_MODEL
 from ..node.config import (
     API_KEY_ENV,
     DEFAULT_API_PORT,

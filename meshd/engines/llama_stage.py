@@ -1,7 +1,7 @@
 """One pipeline stage on llama.cpp: the layers of one GGUF slice, in-process.
 
 A stage is built on the low-level llama.cpp API of stock llama-cpp-python (no patch,
-no RPC build). The file it loads is a slice cut by :mod:`meshd.engines.slicing` (or
+no RPC build). The file it loads is a slice cut by :mod:`meshd.models.slicing` (or
 the whole model for a one-stage pipeline):
 
 - The first stage takes token ids; the others take hidden rows through
@@ -24,126 +24,22 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeAlias
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from .gguf_facts import ModelFormatError
+from meshd.models.errors import ModelFormatError
 
-__all__ = [
-    "ContextFullError",
-    "LlamaStage",
-    "StageError",
-    "StageInput",
-    "StageInputError",
-    "StageOutput",
-    "configure_threads",
-    "default_threads",
-    "runner_env",
-]
+from .stage import StageError, StageInput, StageOutput, check_seq, stage_role, validate_inputs
+from .threads import default_threads
+
+__all__ = ["LlamaStage", "LlamaVocab"]
 
 log = logging.getLogger("meshd.engines.llama")
-
-#: OpenMP spin count for runner processes. llama.cpp's CPU backend uses OpenMP, whose
-#: workers spin-wait after each op by default; two runners on the same cores then
-#: burn each other's time (measured 8.0 vs 4.8 ms/token on 2 cores). ~1e4 keeps the
-#: wake-up fast inside one decode and yields soon after it.
-GOMP_SPINCOUNT = 10_000
-
-
-class StageError(RuntimeError):
-    """llama.cpp failed to load the model or to decode a batch."""
-
-
-class StageInputError(ValueError):
-    """A request handed to a stage does not fit it (wrong kind, shape, position...)."""
-
-
-class ContextFullError(StageInputError):
-    """A request would grow past the stage's per-sequence context (``n_ctx``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StageInput:
-    """One request's rows for one decode step.
-
-    ``pos`` is the absolute position of the first row; it must equal the number of
-    positions the stage already holds for ``seq`` (see :meth:`LlamaStage.n_past`).
-    A first stage takes ``tokens`` (int32, shape ``(n,)``), any other stage takes
-    ``hidden`` (float32, shape ``(n, hidden_size)``).
-    """
-
-    seq: int
-    pos: int
-    tokens: npt.NDArray[np.int32] | None = None
-    hidden: npt.NDArray[np.float32] | None = None
-
-    @property
-    def n_rows(self) -> int:
-        """Number of positions this input covers."""
-        if self.tokens is not None:
-            return len(self.tokens)
-        if self.hidden is not None:
-            return len(self.hidden)
-        return 0
-
-
-#: What a stage returns for one request, in the order of the inputs: on a stage that
-#: is not last, its hidden rows (float32, ``(n, hidden_size)``, the residual stream
-#: after the stage's last layer); on the last stage, the logits of its last row
-#: (float32, ``(n_vocab,)``). The arrays are the caller's: the stage never writes
-#: into them again.
-StageOutput: TypeAlias = npt.NDArray[np.float32]
-
-
-def default_threads() -> int:
-    """Threads a stage uses when not told: ``$MESHD_THREADS``, else the cores this
-    process may run on."""
-    env = os.environ.get("MESHD_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS and Windows have no sched_getaffinity
-        return max(1, os.cpu_count() or 1)
-
-
-def runner_env(
-    base: Mapping[str, str] | None = None, *, spincount: int = GOMP_SPINCOUNT
-) -> dict[str, str]:
-    """Environment for a runner subprocess that will run llama.cpp stages.
-
-    Returns a copy of ``base`` (``os.environ`` when None) with ``GOMP_SPINCOUNT`` set,
-    unless the user set it already. Use it to spawn a runner: libgomp reads the
-    variable once, when it is loaded, so the runner must start with it.
-    """
-    env = dict(os.environ if base is None else base)
-    env.setdefault("GOMP_SPINCOUNT", str(int(spincount)))
-    return env
-
-
-def configure_threads(spincount: int = GOMP_SPINCOUNT) -> bool:
-    """Set sane OpenMP settings in this (runner) process; call before the first stage.
-
-    Sets ``GOMP_SPINCOUNT`` in ``os.environ`` unless the user set it. libgomp reads it
-    when it is loaded, which happens when llama_cpp is first imported: this module
-    imports llama_cpp only when the first stage is built, so calling this before that
-    works. Returns False (and logs) when llama_cpp is already loaded, so the setting
-    cannot take effect any more; spawn with :func:`runner_env` instead.
-    """
-    if "GOMP_SPINCOUNT" in os.environ:
-        return True
-    if "llama_cpp" in sys.modules:
-        log.warning("llama_cpp is already loaded: GOMP_SPINCOUNT would have no effect")
-        return False
-    os.environ["GOMP_SPINCOUNT"] = str(int(spincount))
-    return True
 
 
 def _load_ggml_base(llama: Any) -> Any:
@@ -237,73 +133,6 @@ def _check_gguf_magic(path: Path) -> None:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r})")
-
-
-class _StageShape(Protocol):
-    first: bool
-    n_vocab: int
-    hidden_size: int
-    n_ctx: int
-    n_seq_max: int
-
-    def n_past(self, seq: int) -> int: ...
-
-
-def stage_role(first: bool, last: bool) -> str:
-    """``first+last``, ``first``, ``last`` or ``middle``: a stage's place, for reprs."""
-    if first:
-        return "first+last" if last else "first"
-    return "last" if last else "middle"
-
-
-def check_seq(seq: int, n_seq_max: int) -> None:
-    """Raise StageInputError for a seq id outside ``[0, n_seq_max)``."""
-    if not 0 <= seq < n_seq_max:
-        raise StageInputError(f"seq {seq} outside [0, {n_seq_max})")
-
-
-def validate_inputs(stage: _StageShape, items: Sequence[StageInput]) -> list[np.ndarray]:
-    """Check every item for ``stage`` before anything runs; return its input as arrays.
-
-    One rule book for every engine: tokens on a first stage, ``(n, hidden)`` rows
-    elsewhere, each seq once, ``pos`` equal to what the stage holds, within ``n_ctx``.
-    """
-    seen: set[int] = set()
-    inputs: list[np.ndarray] = []
-    for it in items:
-        check_seq(it.seq, stage.n_seq_max)
-        if it.seq in seen:
-            raise StageInputError(f"seq {it.seq} appears twice in one forward")
-        seen.add(it.seq)
-        if stage.first:
-            if it.tokens is None or it.hidden is not None:
-                raise StageInputError("a first stage takes tokens, not hidden rows")
-            arr = np.asarray(it.tokens)
-            if arr.ndim != 1 or arr.dtype.kind not in "iu":
-                raise StageInputError(f"tokens must be a 1-D int array, got {arr.dtype}")
-            if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= stage.n_vocab):
-                raise StageInputError(f"token id outside [0, {stage.n_vocab})")
-            arr = arr.astype(np.int32, copy=False)
-        else:
-            if it.hidden is None or it.tokens is not None:
-                raise StageInputError("this stage takes hidden rows, not tokens")
-            arr = np.asarray(it.hidden)
-            if arr.ndim != 2 or arr.shape[1] != stage.hidden_size:
-                raise StageInputError(f"hidden must be (n, {stage.hidden_size}), got {arr.shape}")
-            # float32 on the way in: f16/bf16 rows cost ~4e-3/1e-2 in logits.
-            arr = arr.astype(np.float32, copy=False)
-        n = len(arr)
-        if n == 0:
-            raise StageInputError(f"seq {it.seq}: empty input")
-        past = stage.n_past(it.seq)
-        if it.pos != past:
-            raise StageInputError(f"seq {it.seq}: pos {it.pos} but the stage holds {past}")
-        if it.pos + n > stage.n_ctx:
-            raise ContextFullError(
-                f"seq {it.seq}: {it.pos} + {n} positions exceed n_ctx {stage.n_ctx}"
-            )
-        inputs.append(arr)
-    return inputs
 
 
 class LlamaVocab:

@@ -28,14 +28,14 @@ residual-stream rows at the same absolute positions whichever engine ran them.
   each weight read between the requests.)
 - Tokenizer: the GGUF's own vocabulary through llama.cpp (``vocab_only``), so token
   ids and pieces are the ones the llama.cpp stages use.
-- Folders (``config.json`` + ``*.safetensors``, see :mod:`meshd.engines.mlx_folder`):
+- Folders (``config.json`` + ``*.safetensors``, see :mod:`meshd.models.folder`):
   ``model_type`` llama or mistral, unquantized or MLX-quantized (config.json's
   ``quantization``, bits and group size per module as mlx-lm infers them), rope as
   the config says (``rope_traditional`` false unless stated, any rope scaling
   mlx-lm builds). ``mx.load`` maps safetensors lazily, so a stage reads only its own
   tensors. Tokenizer: the folder's ``tokenizer.json`` through
-  :class:`~meshd.engines.hf_vocab.HfVocab` (llama.cpp's rules for pieces and stop ids).
-  A folder written from a GGUF (:func:`~meshd.engines.mlx_folder.gguf_to_mlx_folder`)
+  :class:`~meshd.models.vocab.HfVocab` (llama.cpp's rules for pieces and stop ids).
+  A folder written from a GGUF (:func:`~meshd.models.convert.gguf_to_mlx_folder`)
   gives the GGUF stage's greedy tokens, logits within ~1e-4.
 
 A stage is not thread-safe: a runner calls it from one thread.
@@ -44,19 +44,26 @@ A stage is not thread-safe: a runner calls it from one thread.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .gguf_facts import MLX_TYPES, GgufHeader, ModelFormatError, read_header
-from .hf_vocab import HfVocab
-from .llama_stage import (
-    LlamaVocab,
+from meshd.models.errors import ModelFormatError
+from meshd.models.mlx_layout import (
+    GGUF_GROUP_SIZE,
+    GgufLayout,
+    folder_name,
+    inspect_gguf,
+    layer_shift,
+    mlx_name,
+)
+from meshd.models.vocab import HfVocab
+
+from .llama_stage import LlamaVocab
+from .stage import (
     StageError,
     StageInput,
     StageOutput,
@@ -66,252 +73,11 @@ from .llama_stage import (
 )
 
 if TYPE_CHECKING:
-    from .mlx_folder import FolderModel
+    from meshd.models.folder import FolderModel
 
-__all__ = [
-    "MLX_ARCHITECTURES",
-    "MlxStage",
-    "UnsupportedModelError",
-    "UnsupportedQuantError",
-    "check_gguf_for_mlx",
-]
+__all__ = ["MlxStage"]
 
 log = logging.getLogger("meshd.engines.mlx")
-
-#: GGUF architectures this stage builds (mlx-lm's llama model). Mistral, TinyLlama,
-#: SmolLM, Llama 2/3 GGUFs all declare ``llama``.
-MLX_ARCHITECTURES = frozenset({"llama"})
-
-#: Group size of every GGUF block quant that ``mx.load`` turns into affine weights.
-_GROUP_SIZE = 32
-
-#: GGUF tensor name (inside ``blk.N.``) -> mlx-lm module path (inside ``model.layers.N.``).
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_TENSOR = re.compile(r"^blk\.\d+\.(\w+)\.(?:weight|bias)$")
-#: Suffixes mx.load gives a GGUF tensor: the weight (packed uint32 when quantized),
-#: its affine scales and biases, and a layer's own bias.
-_SUFFIXES = ("weight", "scales", "biases", "bias")
-
-
-class UnsupportedModelError(ModelFormatError):
-    """A GGUF or folder model that the MLX engine cannot run (architecture, rope,
-    quant type)."""
-
-
-class UnsupportedQuantError(UnsupportedModelError):
-    """The GGUF holds tensor types that MLX loads wrong or not at all.
-
-    ``types`` lists the offending GGUF type names (``Q4_K``, ``Q5_0``, ``IQ4_NL``...),
-    ``examples`` one tensor of each.
-    """
-
-    def __init__(self, path: Path | str, examples: dict[str, str]) -> None:
-        self.path = str(path)
-        self.types = sorted(examples)
-        self.examples = dict(examples)
-        listed = ", ".join(f"{t} (e.g. {examples[t]})" for t in self.types)
-        super().__init__(
-            f"{path}: GGUF tensor type(s) {listed} cannot run on MLX "
-            f"(mx.load reads only {', '.join(sorted(MLX_TYPES))} correctly); "
-            "use the llama_cpp engine or a Q4_0/Q4_1/Q8_0 file"
-        )
-
-
-# -- GGUF inspection ---------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _GgufModel:
-    """What the stage needs to know about a GGUF before loading its tensors."""
-
-    n_layers: int
-    hidden_size: int
-    intermediate_size: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scale: float  # linear rope scaling factor (1.0 = none)
-    context_length: int | None
-    embed_rows: int  # rows of token_embd (token ids it can embed)
-    vocab_rows: int  # rows of the output head (logits per row)
-    tied: bool  # no output.weight: the head is token_embd
-    has_rope_freqs: bool  # llama 3.1-style per-dimension rope factors
-    attention_bias: bool
-    mlp_bias: bool
-
-
-def _meta_int(header: GgufHeader, key: str, path: Path, default: int | None = None) -> int:
-    v = header.kv.get(key)
-    if v is None:
-        if default is None:
-            raise ModelFormatError(f"{path}: GGUF metadata lacks {key!r}")
-        return default
-    if isinstance(v, list):
-        if len(set(v)) != 1:
-            raise UnsupportedModelError(f"{path}: per-layer {key} ({v}) is not supported")
-        v = v[0]
-    return int(v)
-
-
-def _inspect_gguf(path: Path) -> _GgufModel:
-    """Read and check a GGUF's header (memory-mapped: no tensor data is read).
-
-    Raises UnsupportedQuantError, UnsupportedModelError or ModelFormatError.
-    """
-    header = read_header(path)
-    bad: dict[str, str] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, (type_name, shape) in header.tensors.items():
-        if type_name not in MLX_TYPES:
-            bad.setdefault(type_name, name)
-        shapes[name] = shape
-    if bad:
-        raise UnsupportedQuantError(path, bad)
-    for name in header.tensors:
-        if name.startswith("blk."):
-            m = _LAYER_TENSOR.match(name)
-            if m is None or m.group(1) not in _LAYER_NAMES:
-                raise UnsupportedModelError(
-                    f"{path}: layer tensor {name!r} has no place in a llama layer "
-                    "(an architecture variant the MLX engine does not build)"
-                )
-
-    kv = header.kv
-    arch = kv.get("general.architecture")
-    if not isinstance(arch, str) or not arch:
-        raise ModelFormatError(f"{path}: GGUF metadata lacks general.architecture")
-    if arch not in MLX_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{path}: GGUF architecture {arch!r} is not supported by the MLX engine "
-            f"(supported: {', '.join(sorted(MLX_ARCHITECTURES))})"
-        )
-    n_layers = _meta_int(header, f"{arch}.block_count", path)
-    hidden = _meta_int(header, f"{arch}.embedding_length", path)
-    n_heads = _meta_int(header, f"{arch}.attention.head_count", path)
-    n_kv_heads = _meta_int(header, f"{arch}.attention.head_count_kv", path, n_heads)
-    head_dim = _meta_int(header, f"{arch}.attention.key_length", path, hidden // n_heads)
-    v_dim = _meta_int(header, f"{arch}.attention.value_length", path, head_dim)
-    rope_dims = _meta_int(header, f"{arch}.rope.dimension_count", path, head_dim)
-    if v_dim != head_dim or rope_dims != head_dim:
-        raise UnsupportedModelError(
-            f"{path}: key/value/rope dims {head_dim}/{v_dim}/{rope_dims} differ"
-        )
-    scaling = kv.get(f"{arch}.rope.scaling.type")
-    factor = kv.get(f"{arch}.rope.scaling.factor")
-    rope_scale = 1.0
-    if scaling in (None, "none") or (scaling == "linear" and factor in (None, 1.0)):
-        pass
-    elif scaling == "linear":
-        rope_scale = float(factor)
-    else:
-        raise UnsupportedModelError(f"{path}: rope scaling {scaling!r} is not supported")
-
-    embd = shapes.get("token_embd.weight")
-    if embd is None:
-        raise ModelFormatError(f"{path}: no token_embd.weight")
-    head = shapes.get("output.weight", embd)
-    if len(embd) != 2 or len(head) != 2:
-        raise ModelFormatError(f"{path}: token_embd/output are not matrices")
-    # GGUF shapes are (columns, rows): ne[0] is the hidden size.
-    if embd[0] != hidden or head[0] != hidden:
-        raise ModelFormatError(f"{path}: embedding width {embd[0]} is not {hidden}")
-    ctx = kv.get(f"{arch}.context_length")
-    return _GgufModel(
-        n_layers=n_layers,
-        hidden_size=hidden,
-        intermediate_size=_meta_int(header, f"{arch}.feed_forward_length", path),
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(kv.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-5),
-        rope_theta=float(kv.get(f"{arch}.rope.freq_base") or 10000.0),
-        rope_scale=rope_scale,
-        context_length=None if ctx is None else int(ctx),
-        embed_rows=int(embd[1]),
-        vocab_rows=int(head[1]),
-        tied="output.weight" not in shapes,
-        has_rope_freqs="rope_freqs.weight" in shapes,
-        attention_bias="blk.0.attn_q.bias" in shapes,
-        mlp_bias="blk.0.ffn_up.bias" in shapes,
-    )
-
-
-def check_gguf_for_mlx(path: Path | str) -> None:
-    """Raise if the MLX engine cannot run this GGUF; return None if it can.
-
-    Reads only the header. Raises :class:`UnsupportedQuantError` naming the tensor
-    types MLX cannot load correctly (Q4_K, Q5_0, Q2_K, Q3_K, IQ*...),
-    :class:`UnsupportedModelError` for an architecture or rope variant the engine
-    does not build, ModelFormatError for a file that is not a usable GGUF model and
-    FileNotFoundError for a missing one.
-    """
-    _inspect_gguf(Path(path))
-
-
-# -- weights -----------------------------------------------------------------------
-
-
-def _mlx_name(gguf_name: str, start: int, end: int) -> str | None:
-    """mlx-lm parameter path for a tensor from ``mx.load``; None if not this stage's.
-
-    Layer ``start + i`` of the file is layer ``i`` of the stage's model.
-    """
-    base, _, suffix = gguf_name.rpartition(".")
-    if suffix not in _SUFFIXES:
-        return None
-    if base.startswith("blk."):
-        _, idx, part = base.split(".", 2)
-        i = int(idx)
-        if not start <= i < end:
-            return None
-        mapped = _LAYER_NAMES.get(part)
-        if mapped is None:
-            raise UnsupportedModelError(f"unknown layer tensor {gguf_name!r}")
-        return f"model.layers.{i - start}.{mapped}.{suffix}"
-    mapped = _GLOBAL_NAMES.get(base)
-    return None if mapped is None else f"{mapped}.{suffix}"
-
-
-_FOLDER_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_FOLDER_GLOBALS = ("model.embed_tokens.", "model.norm.", "lm_head.")
-
-
-def _folder_name(name: str, start: int, end: int) -> str | None:
-    """The stage model's parameter path for a folder tensor; None if not this stage's.
-
-    Layer ``start + i`` of the folder is layer ``i`` of the stage's model; rope
-    frequency buffers some checkpoints carry are never loaded.
-    """
-    if name.endswith(".rotary_emb.inv_freq"):
-        return None
-    m = _FOLDER_LAYER.match(name)
-    if m is not None:
-        i = int(m.group(1))
-        return f"model.layers.{i - start}.{m.group(2)}" if start <= i < end else None
-    return name if name.startswith(_FOLDER_GLOBALS) else None
-
-
-def _layer_shift(path: str, start: int) -> str:
-    """A stage model's module path with the folder's own layer number."""
-    m = _FOLDER_LAYER.match(path)
-    return path if m is None else f"model.layers.{int(m.group(1)) + start}.{m.group(2)}"
 
 
 class _FactorRoPE:
@@ -387,16 +153,16 @@ class MlxStage:
             raise ValueError(f"n_seq_max must be positive, got {n_seq_max}")
         if n_batch < 1:
             raise ValueError(f"n_batch must be positive, got {n_batch}")
-        spec: _GgufModel | FolderModel
+        spec: GgufLayout | FolderModel
         if path.is_dir():
-            from .mlx_folder import inspect_folder
+            from meshd.models.folder import inspect_folder
 
             # config.json and the safetensors headers only: refuses an unusable folder
             # before any tensor is read.
             spec = inspect_folder(path)
         else:
             # Header only: refuses an unusable file before mx.load reads any tensor.
-            spec = _inspect_gguf(path)
+            spec = inspect_gguf(path)
         if not 0 <= start < end <= spec.n_layers:
             raise ValueError(f"layer range [{start}, {end}) is outside the model's {spec.n_layers}")
         if first and start != 0:
@@ -422,11 +188,11 @@ class MlxStage:
         self.hidden_size = spec.hidden_size
         #: Context the model was trained for (0 = the model does not say).
         self.n_ctx_train = (
-            spec.context_length or 0 if isinstance(spec, _GgufModel) else spec.n_ctx_train
+            spec.context_length or 0 if isinstance(spec, GgufLayout) else spec.n_ctx_train
         )
         self._caches: dict[int, list[Any]] = {}
         self._vocab: LlamaVocab | HfVocab | None
-        if isinstance(spec, _GgufModel):
+        if isinstance(spec, GgufLayout):
             self._vocab = LlamaVocab.load(path)
             #: Vocabulary size: the tokenizer's, and the rows of the embedding and the
             #: output head (a folder's model may pad them past its tokenizer's ids).
@@ -453,8 +219,8 @@ class MlxStage:
 
     # -- loading -------------------------------------------------------------------
 
-    def _load(self, spec: _GgufModel | FolderModel) -> None:
-        if isinstance(spec, _GgufModel):
+    def _load(self, spec: GgufLayout | FolderModel) -> None:
+        if isinstance(spec, GgufLayout):
             self._load_gguf(spec)
         else:
             self._load_folder(spec)
@@ -472,7 +238,7 @@ class MlxStage:
             return self.last
         return True
 
-    def _load_gguf(self, spec: _GgufModel) -> None:
+    def _load_gguf(self, spec: GgufLayout) -> None:
         from mlx_lm.models.llama import ModelArgs
 
         mx = self._mx
@@ -484,7 +250,7 @@ class MlxStage:
         rope_factors = raw.get("rope_freqs.weight")
         for name in list(raw):
             arr = raw.pop(name)  # drop our reference as we go: unused tensors are freed
-            target = _mlx_name(name, self.start, self.end)
+            target = mlx_name(name, self.start, self.end)
             if not self._holds(target, want_embed):
                 continue
             if target.endswith((".scales", ".biases")) and f32_scales:
@@ -527,7 +293,7 @@ class MlxStage:
             bits = qbits.get(p)
             if bits is None:
                 return False
-            return {"group_size": _GROUP_SIZE, "bits": bits, "mode": "affine"}
+            return {"group_size": GGUF_GROUP_SIZE, "bits": bits, "mode": "affine"}
 
         model = self._assemble(args, weights, quantized, tied=spec.tied)
 
@@ -552,7 +318,7 @@ class MlxStage:
         want_embed = self.first or (self.last and spec.tied)
         per_file: dict[Path, dict[str, str]] = {}
         for name, (file, _dtype, _shape, _n) in spec.tensors.items():
-            target = _folder_name(name, self.start, self.end)
+            target = folder_name(name, self.start, self.end)
             if not self._holds(target, want_embed):
                 continue
             if target.startswith("lm_head.") and spec.tied:
@@ -591,7 +357,7 @@ class MlxStage:
             if scales is None or packed is None or not hasattr(m, "to_quantized"):
                 return False
             # Per-module entries of config.json name the model's own layer numbers.
-            over = quant.get(_layer_shift(p, start))
+            over = quant.get(layer_shift(p, start))
             params = over if isinstance(over, dict) else quant
             in_dims = int(m.weight.shape[-1])
             if scales.shape[-1] == 0 or in_dims % scales.shape[-1]:

@@ -1,12 +1,10 @@
 """A runner: one pipeline stage of one model instance, in its own process.
 
 The node's supervisor starts ``python -m meshd.engines.runner CONFIG_JSON``. The runner
-binds a ROUTER on an OS-chosen port and reports on stdout, one JSON object a line:
-``{"event": "listening", "port": N}``, then ``{"event": "ready"}`` or
-``{"event": "failed", "reason": "..."}``. It reads control lines on stdin
-(``{"cmd": "generation", "value": G}``; EOF means the node is gone: exit). SIGINT is
-ignored (a Ctrl-C in the node's terminal is the node's to handle: it drains first);
-the supervisor stops a runner with SIGTERM.
+binds a ROUTER on an OS-chosen port, loads its stage and talks to the supervisor over
+its stdio (:mod:`meshd.engines.protocol`: events out, commands in; EOF on stdin means
+the node is gone: exit). SIGINT is ignored (a Ctrl-C in the node's terminal is the
+node's to handle: it drains first); the supervisor stops a runner with SIGTERM.
 
 Data plane (all messages carry the request id and the plan generation):
 
@@ -29,7 +27,6 @@ Python: compute blocks, and nothing else shares this process.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import select
@@ -43,9 +40,12 @@ import msgspec
 import numpy as np
 import zmq
 
+from meshd.models.chat import CHATML_TEMPLATE, render_chat
+from meshd.models.folder import folder_sha256
+from meshd.models.hashing import file_sha256
+from meshd.models.slicing import slice_gguf
 from meshd.transport import wire
 from meshd.transport.addresses import local_addresses
-from meshd.transport.dataplane import endpoint
 from meshd.transport.security import (
     HANDSHAKE_EVENTS,
     ClusterKeys,
@@ -53,59 +53,40 @@ from meshd.transport.security import (
     SecretError,
     derive_keys,
     load_secret,
-    secure,
     start_zap,
 )
+from meshd.transport.sockets import DATA, DealerCache, bind, decode_frame, open_socket
 from meshd.transport.tensors import TensorError, decode_rows, encode_rows
 
 from .detok import TextStream
-from .llama_stage import StageInput
+from .protocol import (
+    Expired,
+    Failed,
+    GenerationAdopted,
+    Listening,
+    Load,
+    Ready,
+    RunnerConfig,
+    RunnerEvent,
+    SetGeneration,
+    Stop,
+    decode_command,
+    encode,
+)
 from .sampling import Sampler, SamplingParams
+from .stage import StageInput
+from .threads import configure_threads
 
 log = logging.getLogger("meshd.runner")
-
-#: Connections a runner keeps to other runners and API nodes (least recently used go).
-MAX_DEALERS = 64
 
 #: Cancelled request ids remembered, so that a request's first activation arriving
 #: after its cancel (from another sender, so unordered) is not admitted.
 MAX_CANCELLED = 4096
 
-#: Default idle time after which a request's KV is freed. Above the API node's chunk
-#: timeout (30 s): the API node gives up on a silent pipeline first.
-REQUEST_EXPIRY_S = 60.0
 
-
-class RunnerConfig(msgspec.Struct, kw_only=True):
-    """Everything a runner needs, passed as JSON on its command line."""
-
-    instance: str
-    generation: int
-    stage: int
-    n_stages: int
-    model_path: str
-    sha256: str
-    start: int
-    end: int
-    n_layers: int
-    engine: str = "llama_cpp"
-    cache_dir: str
-    bind_host: str = "0.0.0.0"
-    n_ctx: int = 4096
-    n_seq_max: int = 8
-    exact: bool = False
-    n_threads: int | None = None
-    #: Wire type of the activations this stage sends on (see transport.tensors);
-    #: anything but f32 only between two MLX stages (InstanceSpec.activations).
-    send_dtype: str = "f32"
-    #: A request with no message and no compute for this long is freed (see
-    #: :meth:`Runner.expire`); 0 or less never expires one.
-    request_expiry_s: float = REQUEST_EXPIRY_S
-
-
-def emit(event: str, **kw: object) -> None:
+def emit(event: RunnerEvent) -> None:
     """One status line for the supervisor."""
-    sys.stdout.write(json.dumps({"event": event, **kw}) + "\n")
+    sys.stdout.write(encode(event).decode() + "\n")
     sys.stdout.flush()
 
 
@@ -154,6 +135,10 @@ class Counters:
     #: Requests freed because the plan generation moved on.
     superseded: int = 0
 
+    def drop(self, reason: str) -> None:
+        """Count one frame dropped for ``reason``."""
+        self.dropped[reason] += 1
+
 
 class Runner:
     """The message loop around one engine stage."""
@@ -175,17 +160,15 @@ class Runner:
         self.generation = cfg.generation
         self.ctx = ctx
         self.router = router
-        self.own = local_addresses()
         self.reqs: dict[str, Request] = {}
         self.free_seqs = list(range(cfg.n_seq_max - 1, -1, -1))
         self.waiting: collections.deque[wire.Generate] = collections.deque()
         #: Recently cancelled ids this stage did not hold (oldest first).
         self.cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.work: collections.deque[Work] = collections.deque()
-        self.dealers: dict[str, zmq.Socket] = {}
+        self.dealers = DealerCache(ctx, keys=keys, own_addresses=local_addresses())
         self.counters = Counters()
         self.template = template
-        self._endpoints: dict[tuple, str] = {}
         # What chat templates get as bos_token / eos_token: the model's own token text,
         # as llama-cpp-python and transformers pass them (stage 0 renders templates).
         texts = getattr(stage, "special_texts", None) if self.first else None
@@ -203,27 +186,7 @@ class Runner:
 
     # -- sockets -------------------------------------------------------------------
     def send(self, addr: wire.Addr, msg: wire.Message, *frames) -> None:
-        key = (addr.port, *addr.addresses)
-        ep = self._endpoints.get(key)
-        if ep is None:
-            # Resolved once per address, not per token.
-            ep = self._endpoints[key] = endpoint(addr, self.own)
-        d = self.dealers.pop(ep, None)
-        if d is None:
-            if len(self.dealers) >= MAX_DEALERS:
-                # Least recently used first: a flood of made-up reply addresses must not
-                # use up ZeroMQ's sockets (1023) nor keep dead peers being redialled.
-                self.dealers.pop(next(iter(self.dealers))).close(linger=0)
-            d = self.ctx.socket(zmq.DEALER)
-            d.setsockopt(zmq.LINGER, 0)
-            d.setsockopt(zmq.SNDHWM, 10000)
-            secure(d, self.keys, server=False)
-            try:
-                d.connect(ep)
-            except zmq.ZMQError:
-                d.close(linger=0)
-                raise
-        self.dealers[ep] = d  # (re)inserted last: the most recently used
+        d = self.dealers.to(addr)
         try:
             d.send_multipart([wire.encode(msg), *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -271,13 +234,10 @@ class Runner:
         line = sys.stdin.readline()
         if not line:
             return False
-        try:
-            cmd = json.loads(line)
-        except ValueError:
-            return True
-        if cmd.get("cmd") == "generation":
-            self.set_generation(int(cmd["value"]))
-        elif cmd.get("cmd") == "stop":
+        cmd = decode_command(line)
+        if isinstance(cmd, SetGeneration):
+            self.set_generation(cmd.value)
+        elif isinstance(cmd, Stop):
             return False
         return True
 
@@ -290,7 +250,7 @@ class Runner:
         own node, so nothing is forwarded.
         """
         self.generation = generation
-        emit("generation", value=generation)
+        emit(GenerationAdopted(value=generation))
         stale = [r for r in self.reqs.values() if r.generation != generation]
         for r in stale:
             self.fail(r.reply_to, r.req, "generation_mismatch", "plan changed during the request")
@@ -323,7 +283,7 @@ class Runner:
                 "request %s idle for %.0f s on stage %d: freed (%d expired so far)",
                 r.req, now - r.last_active, self.cfg.stage, self.counters.expired,
             )  # fmt: skip
-            emit("expired", req=r.req, total=self.counters.expired)
+            emit(Expired(req=r.req, total=self.counters.expired))
             self.fail(
                 r.reply_to, r.req, "timeout",
                 f"request idle for {self.expiry:g} s on stage {self.cfg.stage}; freed",
@@ -340,10 +300,8 @@ class Runner:
             if len(frames) < 2:
                 self.counters.dropped["shape"] += 1
                 continue
-            try:
-                msg = wire.decode(frames[1].buffer, wire.MAX_DATA_FRAME)
-            except wire.FrameError as e:
-                self.counters.dropped[e.reason] += 1
+            msg = decode_frame(frames[1].buffer, self.counters.drop, wire.MAX_DATA_FRAME)
+            if msg is None:
                 continue
             try:
                 self.handle(msg, frames[2:])
@@ -400,7 +358,7 @@ class Runner:
 
     def report_load(self) -> None:
         """Tell the supervisor how many requests hold KV here (it shows in the heartbeat)."""
-        emit("load", active=len(self.reqs))
+        emit(Load(active=len(self.reqs)))
 
     # -- stage 0 -------------------------------------------------------------------
     def admit(self, g: wire.Generate) -> None:
@@ -446,10 +404,8 @@ class Runner:
         """Prompt token ids of ``g``: its chat messages through the model's template, or
         its plain prompt."""
         if g.messages is not None:
-            from .chat import render_chat
-
             text = render_chat(
-                self.template or _CHATML,
+                self.template or CHATML_TEMPLATE,
                 [{"role": m.role, "content": m.content} for m in g.messages],
                 add_generation_prompt=True,
                 bos_token=self.bos_text,
@@ -670,12 +626,6 @@ class Runner:
                 self.admit(g)
 
 
-_CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of a runner process."""
     argv = sys.argv[1:] if argv is None else argv
@@ -695,30 +645,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         secret = load_secret(None)
     except SecretError as e:
-        emit("failed", reason=str(e))
+        emit(Failed(reason=str(e)))
         return 1
     keys = None if secret is None else derive_keys(secret)
     if keys is not None:
         start_zap(ctx, keys, lambda: log.warning("refused a peer whose key is not the cluster's"))
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_DATA_FRAME)
-    secure(router, keys, server=True)
-    host = f"[{cfg.bind_host}]" if ":" in cfg.bind_host else cfg.bind_host
-    port = router.bind_to_random_port(f"tcp://{host}")
-    emit("listening", port=port)
+    router = open_socket(ctx, zmq.ROUTER, DATA, keys, server=True)
+    port = bind(router, cfg.bind_host)
+    emit(Listening(port=port))
     try:
         stage = load_stage(cfg)
         template = None
         if cfg.stage == 0:
-            from .models import chat_template_at
+            from meshd.models.chat import chat_template_at
 
             template = chat_template_at(cfg.model_path)
     except Exception as e:
         log.exception("could not load the stage")
-        emit("failed", reason=f"{type(e).__name__}: {e}")
+        emit(Failed(reason=f"{type(e).__name__}: {e}"))
         return 1
-    emit("ready")
+    emit(Ready())
     try:
         Runner(cfg, stage, ctx, router, template, keys).serve()
     finally:
@@ -739,12 +685,8 @@ def check_model(cfg: RunnerConfig) -> None:
         return
     path = Path(cfg.model_path)
     if path.is_dir():
-        from .mlx_folder import folder_sha256
-
         local = folder_sha256(path, Path(cfg.cache_dir))
     else:
-        from .gguf_facts import file_sha256
-
         local = file_sha256(path, Path(cfg.cache_dir))
     if local != cfg.sha256:
         raise ValueError(
@@ -766,8 +708,7 @@ def load_stage(cfg: RunnerConfig):
         )  # fmt: skip
     if cfg.engine != "llama_cpp":
         raise ValueError(f"engine {cfg.engine!r} is not available in this runner")
-    from .llama_stage import LlamaStage, configure_threads
-    from .slicing import slice_gguf
+    from .llama_stage import LlamaStage
 
     configure_threads()
     path = slice_gguf(Path(cfg.model_path), cfg.start, cfg.end, Path(cfg.cache_dir), cfg.sha256)

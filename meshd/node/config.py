@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshd.crdt import hlc, liveness
-from meshd.engines.models import DEFAULT_MODEL
+from meshd.models.resolve import DEFAULT_MODEL
 from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
 from meshd.transport import gossip
 

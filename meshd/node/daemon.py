@@ -18,6 +18,7 @@ import msgspec
 import zmq.asyncio
 
 import meshd
+from meshd import models
 from meshd.crdt import Liveness, stable_horizon
 from meshd.crdt.hlc import HLC, pack
 from meshd.crdt.lww import Entry
@@ -36,7 +37,6 @@ from meshd.crdt.views import (
     instances,
     node_key,
 )
-from meshd.engines import models
 from meshd.engines.probe import probe
 from meshd.transport import wire
 from meshd.transport.addresses import choose_address, local_addresses, virtual_addresses

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from meshd import models
 from meshd.crdt.lww import LWWMap
 from meshd.crdt.views import (
     Instance,
@@ -33,7 +34,6 @@ from meshd.crdt.views import (
     instance_key,
     instances,
 )
-from meshd.engines import models
 from meshd.placement import PlacementError, node_resources, place, repair_needed
 from meshd.transport import wire
 from meshd.transport.dataplane import DataPlane
@@ -628,11 +628,11 @@ class Inference:
 def _read_facts(model: str, cache_dir) -> ModelFacts:
     from pathlib import Path
 
-    from meshd.engines.gguf_facts import read_facts
+    from meshd.models.facts import read_facts
 
     resolved = models.resolve_model(model)
     if resolved.format == "mlx":
-        from meshd.engines.mlx_folder import read_folder_facts
+        from meshd.models.folder import read_folder_facts
 
         return read_folder_facts(Path(resolved.path), name=model, cache_dir=Path(cache_dir))
     return read_facts(Path(resolved.path), name=model, cache_dir=Path(cache_dir))

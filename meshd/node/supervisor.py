@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -35,8 +33,17 @@ from pathlib import Path
 import msgspec
 
 from meshd.crdt.views import Instance, RunnerStatus
-from meshd.engines.llama_stage import default_threads, runner_env
-from meshd.engines.runner import RunnerConfig
+from meshd.engines.protocol import (
+    Failed,
+    Listening,
+    Load,
+    Ready,
+    RunnerConfig,
+    SetGeneration,
+    decode_event,
+    encode,
+)
+from meshd.engines.threads import runner_env, threads_per_runner
 from meshd.transport.security import SECRET_ENV
 
 log = logging.getLogger("meshd.supervisor")
@@ -99,16 +106,6 @@ class RunnerProc:
             port=self.port,
             active=self.active,
         )
-
-
-def threads_per_runner(n_runners: int) -> int | None:
-    """CPU threads each of this node's ``n_runners`` runners gets: the cores split
-    evenly, so co-located stages do not fight over them (bench/compare.py: stages of 2
-    threads each sharing 2 cores served 8 streams at a fifth of one stage's rate).
-    ``None`` lets ``$MESHD_THREADS`` decide."""
-    if os.environ.get("MESHD_THREADS", "").isdigit():
-        return None
-    return max(1, default_threads() // max(1, n_runners))
 
 
 def send_dtype(inst: Instance, i: int) -> str:
@@ -230,7 +227,7 @@ class Supervisor:
         )
         r.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "meshd.engines.runner",
-            msgspec.json.encode(cfg).decode(),
+            encode(cfg).decode(),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             env=self._env(),
             # Its own session: Ctrl-C at the terminal or a SIGTERM to the node's process
@@ -256,21 +253,19 @@ class Supervisor:
             line = await r.proc.stdout.readline()
             if not line:
                 break
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            kind = ev.get("event")
-            if kind == "listening":
-                r.port = int(ev["port"])
-            elif kind == "ready":
+            ev = decode_event(line)
+            if isinstance(ev, Listening):
+                r.port = ev.port
+            elif isinstance(ev, Ready):
                 r.state = "ready"
                 log.info("runner %s stage %d ready on port %d", r.key.instance, r.key.stage, r.port)
-            elif kind == "load":
-                r.active = int(ev.get("active", 0))
-            elif kind == "failed":
-                r.state, r.reason = "failed", str(ev.get("reason", ""))
+            elif isinstance(ev, Load):
+                r.active = ev.active
+            elif isinstance(ev, Failed):
+                r.state, r.reason = "failed", ev.reason
                 log.warning("runner %s stage %d failed: %s", r.key.instance, r.key.stage, r.reason)
+            elif ev is None:
+                continue
             self.on_status()
         code = await r.proc.wait()
         if r.state == "stopped":
@@ -304,9 +299,7 @@ class Supervisor:
     def _retune(self, r: RunnerProc, generation: int) -> None:
         r.generation = generation
         if r.proc is not None and r.proc.stdin is not None:
-            r.proc.stdin.write(
-                json.dumps({"cmd": "generation", "value": generation}).encode() + b"\n"
-            )
+            r.proc.stdin.write(encode(SetGeneration(value=generation)) + b"\n")
         self.on_status()
 
     async def _stop(self, r: RunnerProc) -> None:

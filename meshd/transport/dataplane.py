@@ -17,20 +17,11 @@ import zmq
 import zmq.asyncio
 
 from . import wire
-from .addresses import choose_address
-from .gossip import configure
-from .security import ClusterKeys, HandshakeReporter, secure, watch_handshakes
+from .security import ClusterKeys, HandshakeReporter, watch_handshakes
+from .sockets import DATA, DealerCache, bind, decode_frame, open_socket
 from .stats import DropCounters
 
 log = logging.getLogger("meshd.dataplane")
-
-
-def endpoint(addr: wire.Addr, own_addresses: list[str]) -> str:
-    """ZeroMQ address of ``addr`` as seen from a host with ``own_addresses``."""
-    host = choose_address(own_addresses, addr.addresses) if addr.addresses else "127.0.0.1"
-    if host == "127.0.0.1" and host not in addr.addresses and addr.addresses:
-        host = next((a for a in addr.addresses if a in own_addresses), addr.addresses[0])
-    return f"tcp://[{host}]:{addr.port}" if ":" in host else f"tcp://{host}:{addr.port}"
 
 
 class DataPlane:
@@ -51,14 +42,11 @@ class DataPlane:
         self.node_id = node_id
         self.own_addresses = own_addresses
         self.counters = counters or DropCounters()
-        self.router = ctx.socket(zmq.ROUTER)
-        configure(self.router)
-        secure(self.router, keys, server=True)
-        host = f"[{bind_host}]" if ":" in bind_host else bind_host
-        self.router.bind(f"tcp://{host}:0")
-        self.port = int(self.router.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self.router = open_socket(ctx, zmq.ROUTER, DATA, keys, server=True)
+        self.port = bind(self.router, bind_host)
         self._streams: dict[str, asyncio.Queue[wire.DataChunk]] = {}
-        self._dealers: dict[str, zmq.asyncio.Socket] = {}
+        self._dealers = DealerCache(ctx, keys=keys, own_addresses=own_addresses)
+        self._drop = lambda reason: self.counters.add("data", reason)
         self._task: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
 
@@ -82,8 +70,7 @@ class DataPlane:
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
-        for d in self._dealers.values():
-            d.close(linger=0)
+        self._dealers.close()
         self.router.close(linger=0)
 
     def open(self, req: str) -> asyncio.Queue[wire.DataChunk]:
@@ -103,15 +90,7 @@ class DataPlane:
     async def send(self, addr: wire.Addr, msg: wire.Message, *frames: bytes) -> None:
         """Send one message (plus raw frames) to a runner's ROUTER. Never blocks long:
         a runner that is gone makes the DEALER queue, bounded by its HWM."""
-        ep = endpoint(addr, self.own_addresses)
-        d = self._dealers.get(ep)
-        if d is None:
-            d = self.ctx.socket(zmq.DEALER)
-            configure(d)
-            secure(d, self.keys, server=False)
-            d.setsockopt(zmq.SNDHWM, 1000)
-            d.connect(ep)
-            self._dealers[ep] = d
+        d = self._dealers.to(addr)
         await d.send_multipart([wire.encode(msg), *frames], flags=zmq.NOBLOCK)
 
     async def _recv_loop(self) -> None:
@@ -127,10 +106,8 @@ class DataPlane:
         if len(frames) != 2:
             self.counters.add("data", "shape")
             return
-        try:
-            msg = wire.decode(frames[1])
-        except wire.FrameError as e:
-            self.counters.add("data", e.reason)
+        msg = decode_frame(frames[1], self._drop)
+        if msg is None:
             return
         if not isinstance(msg, wire.DataChunk):
             self.counters.add("data", "unexpected")

@@ -33,7 +33,8 @@ from meshd.crdt.replica import MergeResult, Replica
 
 from . import wire
 from .ratelimit import PeerRateLimiter
-from .security import ClusterKeys, HandshakeReporter, secure, watch_handshakes
+from .security import ClusterKeys, HandshakeReporter, watch_handshakes
+from .sockets import CONTROL, bind, decode_frame, open_socket
 from .stats import DropCounters
 
 log = logging.getLogger("meshd.gossip")
@@ -76,28 +77,9 @@ class _Peer:
     pulling: bool = False
 
 
-#: ZMTP heartbeats: a connection silent this long is dropped and redialled, so a healed
-#: network is used again at once instead of after TCP's retransmission backoff.
-HEARTBEAT_IVL_MS = 500
-HEARTBEAT_TIMEOUT_MS = 2000
-#: Redial quickly, and give up on a connect attempt that hangs (SYN lost in a partition).
-RECONNECT_IVL_MS = 100
-RECONNECT_IVL_MAX_MS = 500
-CONNECT_TIMEOUT_MS = 500
 #: Gossip messages and mesh requests a second one peer may send (twice that in a burst).
 #: A healthy peer sends ~3 (two heartbeats, one digest) plus its changes and pulls.
 PEER_RATE = 200.0
-
-
-def configure(sock: zmq.Socket) -> None:
-    """Options every mesh socket gets: bounded frames, heartbeats, quick redial."""
-    sock.setsockopt(zmq.MAXMSGSIZE, wire.ZMQ_MAX_MSG_SIZE)
-    sock.setsockopt(zmq.LINGER, 500)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-    sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
 
 
 class Gossip:
@@ -142,20 +124,15 @@ class Gossip:
         self._tasks: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[object]] = set()
 
-        self.router = ctx.socket(zmq.ROUTER)
-        configure(self.router)
-        secure(self.router, keys, server=True)
-        self.router.bind(f"tcp://{_bracket(bind_host)}:{mesh_port}")
-        self.mesh_port = _port_of(self.router)
-        self.pub = ctx.socket(zmq.PUB)
-        configure(self.pub)
-        secure(self.pub, keys, server=True)
-        self.pub.bind(f"tcp://{_bracket(bind_host)}:0")
-        self.pub_port = _port_of(self.pub)
-        self.sub = ctx.socket(zmq.SUB)
-        configure(self.sub)
-        secure(self.sub, keys, server=False)
+        self.router = open_socket(ctx, zmq.ROUTER, CONTROL, keys, server=True)
+        self.mesh_port = bind(self.router, bind_host, mesh_port)
+        self.pub = open_socket(ctx, zmq.PUB, CONTROL, keys, server=True)
+        self.pub_port = bind(self.pub, bind_host)
+        self.sub = open_socket(ctx, zmq.SUB, CONTROL, keys, server=False)
         self.sub.setsockopt(zmq.SUBSCRIBE, cluster)
+        self._drop_request = lambda reason: self.counters.add("request", reason)
+        self._drop_mesh = lambda reason: self.counters.add("mesh", reason)
+        self._drop_gossip = lambda reason: self.counters.add("gossip", reason)
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -253,9 +230,7 @@ class Gossip:
             p.sub_addr = None
         async with p.lock:
             if p.dealer is None:
-                dealer = self.ctx.socket(zmq.DEALER)
-                configure(dealer)
-                secure(dealer, self.keys, server=False)
+                dealer = open_socket(self.ctx, zmq.DEALER, CONTROL, self.keys, server=False)
                 try:
                     dealer.connect(p.endpoint.mesh())
                 except zmq.ZMQError:
@@ -282,11 +257,7 @@ class Gossip:
         if len(frames) != 1:
             self.counters.add("request", "shape")
             return None
-        try:
-            return wire.decode(frames[0])
-        except wire.FrameError as e:
-            self.counters.add("request", e.reason)
-            return None
+        return decode_frame(frames[0], self._drop_request)
 
     def _drop_anonymous(self, key: str) -> None:
         p = self._peers.pop(key, None)
@@ -359,10 +330,8 @@ class Gossip:
         if len(frames) < 2:
             self.counters.add("mesh", "shape")
             return None
-        try:
-            msg = wire.decode(frames[1])
-        except wire.FrameError as e:
-            self.counters.add("mesh", e.reason)
+        msg = decode_frame(frames[1], self._drop_mesh)
+        if msg is None:
             return None
         if not self.limiter.allow(getattr(msg, "sender", "")):
             self.counters.add("mesh", "rate_limited")
@@ -405,10 +374,8 @@ class Gossip:
         if len(frames) != 2 or frames[0] != self.cluster:
             self.counters.add("gossip", "shape")
             return
-        try:
-            msg = wire.decode(frames[1])
-        except wire.FrameError as e:
-            self.counters.add("gossip", e.reason)
+        msg = decode_frame(frames[1], self._drop_gossip)
+        if msg is None:
             return
         if not self.limiter.allow(getattr(msg, "sender", "")):
             self.counters.add("gossip", "rate_limited")
@@ -481,7 +448,3 @@ class Gossip:
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
-
-def _port_of(sock: zmq.Socket) -> int:
-    ep = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    return int(ep.rsplit(":", 1)[1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from meshd.engines.models import DEFAULT_MODEL
+from meshd.models.resolve import DEFAULT_MODEL
 from tests.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(60)

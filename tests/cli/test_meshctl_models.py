@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from meshd.engines.models import DEFAULT_MODEL
+from meshd.models.resolve import DEFAULT_MODEL
 from tests.cluster import Cluster, NodeProc, wait_for
 
 pytestmark = pytest.mark.timeout(180)

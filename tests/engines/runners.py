@@ -22,11 +22,10 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from meshd.engines.runner import RunnerConfig
+from meshd.engines.protocol import RunnerConfig
 from meshd.transport import wire
 from meshd.transport.security import SECRET_ENV
-
-from .conftest import MODEL_SHA256
+from tests.conftest import MODEL_SHA256
 
 #: Layers of the default model.
 N_LAYERS = 30

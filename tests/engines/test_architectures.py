@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 from meshd.crdt.views import InstanceSpec
-from meshd.engines.gguf_facts import file_sha256, read_facts
-from meshd.engines.llama_stage import LlamaStage, StageInput
-from meshd.engines.slicing import slice_gguf
+from meshd.engines.llama_stage import LlamaStage
+from meshd.engines.stage import StageInput
+from meshd.models.facts import read_facts
+from meshd.models.hashing import file_sha256
+from meshd.models.slicing import slice_gguf
 from meshd.placement import PlacementError, place
 from meshd.placement.resources import NodeResources
 

@@ -12,16 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshd.engines.llama_stage import (
-    ContextFullError,
-    LlamaStage,
-    StageInput,
-    StageInputError,
-    runner_env,
-)
-from meshd.engines.slicing import slice_gguf
-
-from .conftest import MODEL_SHA256
+from meshd.engines.llama_stage import LlamaStage
+from meshd.engines.stage import ContextFullError, StageInput, StageInputError
+from meshd.engines.threads import runner_env
+from meshd.models.slicing import slice_gguf
+from tests.conftest import MODEL_SHA256
 
 REPO = Path(__file__).resolve().parents[2]
 N_CTX = 1024
@@ -310,7 +305,7 @@ def test_tokenizer_helpers_work_on_every_slice(three_stages: list[LlamaStage]) -
 
 _CONFIGURE = """
 import os, sys
-from meshd.engines.llama_stage import configure_threads
+from meshd.engines.threads import configure_threads
 if sys.argv[1] == "late":
     import llama_cpp
 ok = configure_threads()

@@ -21,19 +21,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshd.engines.gguf_facts import ModelFormatError, read_facts
-from meshd.engines.hf_vocab import HfVocab
-from meshd.engines.llama_stage import LlamaVocab, StageInput
-from meshd.engines.mlx_folder import (
+from meshd.engines.llama_stage import LlamaVocab
+from meshd.engines.mlx_stage import MlxStage
+from meshd.engines.stage import StageInput
+from meshd.models.chat import chat_template_at
+from meshd.models.convert import gguf_to_mlx_folder
+from meshd.models.errors import ModelFormatError, UnsupportedModelError
+from meshd.models.facts import read_facts
+from meshd.models.folder import (
     check_folder_for_mlx,
     folder_sha256,
-    gguf_to_mlx_folder,
     inspect_folder,
     is_mlx_folder,
     read_folder_facts,
 )
-from meshd.engines.mlx_stage import MlxStage, UnsupportedModelError
-from meshd.engines.models import chat_template_at
+from meshd.models.vocab import HfVocab
 
 N_CTX = 128
 N_GEN = 12

@@ -25,23 +25,13 @@ import gguf
 import numpy as np
 import pytest
 
-from meshd.engines.gguf_facts import ModelFormatError
-from meshd.engines.llama_stage import (
-    ContextFullError,
-    LlamaStage,
-    StageError,
-    StageInput,
-    StageInputError,
-)
-from meshd.engines.mlx_stage import (
-    MlxStage,
-    UnsupportedModelError,
-    UnsupportedQuantError,
-    check_gguf_for_mlx,
-)
-from meshd.engines.slicing import slice_gguf
-
-from .conftest import MODEL_SHA256
+from meshd.engines.llama_stage import LlamaStage
+from meshd.engines.mlx_stage import MlxStage
+from meshd.engines.stage import ContextFullError, StageError, StageInput, StageInputError
+from meshd.models.errors import ModelFormatError, UnsupportedModelError
+from meshd.models.mlx_layout import UnsupportedQuantError, check_gguf_for_mlx
+from meshd.models.slicing import slice_gguf
+from tests.conftest import MODEL_SHA256
 
 N_CTX = 256
 #: llama.cpp threads in these tests: MLX's CPU backend computes on this thread, and

@@ -72,7 +72,7 @@ def llama_cpp_prompt_tokens(llm, template: str, messages: list[dict]) -> list[in
 def stage0(model_path: Path, slice_dir: Path) -> Iterator[Runner]:
     """A runner object around the whole model (its loop is not started: only its
     prompt rendering is used)."""
-    from meshd.engines.models import chat_template_at
+    from meshd.models.chat import chat_template_at
 
     stage = LlamaStage(model_path, first=True, last=True, n_ctx=1024, n_seq_max=1)
     ctx = zmq.Context()

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import zmq
 
-from meshd.engines.models import DEFAULT_MODEL
+from meshd.models.resolve import DEFAULT_MODEL
 from meshd.transport import wire
 from tests.cluster import Cluster, wait_for
 

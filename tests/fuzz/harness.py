@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, Phase, settings
 from meshd.crdt.hlc import HLC
 from meshd.crdt.lww import Entry
 from meshd.crdt.views import NodeCard, encode, node_key
-from meshd.engines.models import DEFAULT_MODEL
+from meshd.models.resolve import DEFAULT_MODEL
 from meshd.transport import wire
 from tests.cluster import Cluster, NodeProc, wait_for
 

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from meshd.api import schemas
 from meshd.api.app import create_app
 from meshd.api.instances import PlaceRequest
-from meshd.engines.models import AmbiguousModelError, ModelNotFoundError, resolve_model
+from meshd.models.resolve import AmbiguousModelError, ModelNotFoundError, resolve_model
 from meshd.node.metrics import Metrics
 
 from .harness import FIGURES, Env, completion, fuzz_settings, stable_state

@@ -22,7 +22,7 @@ from meshd.api import schemas
 from meshd.crdt.hlc import HLC
 from meshd.crdt.lww import N_BUCKETS, Entry
 from meshd.crdt.views import Health, NodeCard, encode, health_key, node_key
-from meshd.engines.models import DEFAULT_MODEL
+from meshd.models.resolve import DEFAULT_MODEL
 from meshd.transport import wire
 from tests.cluster import Cluster, NodeProc, wait_for
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from meshd.engines.models import DEFAULT_MODEL
+from meshd.models.resolve import DEFAULT_MODEL
 from tests import faultlab
 from tests.cluster import Cluster, NodeProc, wait_for
 from tests.node.test_pipeline import place

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from meshd.engines.models import DEFAULT_MODEL, resolve_model
+from meshd.models.resolve import DEFAULT_MODEL, resolve_model
 from tests import faultlab
 from tests.cluster import Cluster, NodeProc, wait_for
 
@@ -144,8 +144,8 @@ def _poison_slices(data_dir: Path) -> None:
     Slices are cached as ``<data dir>/cache/<sha256[:16]>/<start>-<end>.gguf`` and
     trusted when present; a garbage file there makes the runner fail to load each
     time it starts, a real crash loop of a real runner process."""
-    from meshd.engines.gguf_facts import read_facts
-    from meshd.engines.slicing import slice_path
+    from meshd.models.facts import read_facts
+    from meshd.models.slicing import slice_path
 
     path = Path(resolve_model(DEFAULT_MODEL).path)
     facts = read_facts(path, DEFAULT_MODEL, cache_dir=data_dir / "cache")

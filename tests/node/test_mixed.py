@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from meshd.engines.models import DEFAULT_MODEL, resolve_model
+from meshd.models.resolve import DEFAULT_MODEL, resolve_model
 from tests.cluster import Cluster, NodeProc, wait_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -21,8 +21,10 @@ N = 6
 
 def _greedy_whole(engine: str) -> str:
     """Greedy text of the whole model in one in-process stage of ``engine``."""
-    from meshd.engines.llama_stage import LlamaStage, StageInput, default_threads
+    from meshd.engines.llama_stage import LlamaStage
     from meshd.engines.mlx_stage import MlxStage
+    from meshd.engines.stage import StageInput
+    from meshd.engines.threads import default_threads
 
     path = Path(resolve_model(DEFAULT_MODEL).path)
     if engine == "mlx":
@@ -95,7 +97,7 @@ def test_mlx_hops_in_half_precision_keep_the_greedy_tokens(
 def test_an_mlx_folder_splits_over_two_nodes_with_the_ggufs_tokens(
     trio: list[NodeProc], wholes: dict[str, str], tmp_path: Path
 ) -> None:
-    from meshd.engines.mlx_folder import gguf_to_mlx_folder
+    from meshd.models.convert import gguf_to_mlx_folder
 
     folder = gguf_to_mlx_folder(Path(resolve_model(DEFAULT_MODEL).path), tmp_path / "smol-mlx")
     r = httpx.post(trio[0].api + "/v1/instances", timeout=60, json={
@@ -125,7 +127,7 @@ def test_a_folder_of_an_unsupported_architecture_is_a_400(
 ) -> None:
     import json
 
-    from meshd.engines.mlx_folder import gguf_to_mlx_folder
+    from meshd.models.convert import gguf_to_mlx_folder
 
     folder = gguf_to_mlx_folder(Path(resolve_model(DEFAULT_MODEL).path), tmp_path / "odd")
     cfg = json.loads((folder / "config.json").read_text())

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from meshd.engines.models import DEFAULT_MODEL, resolve_model
+from meshd.models.resolve import DEFAULT_MODEL, resolve_model
 from tests.cluster import Cluster, NodeProc, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,7 +37,7 @@ def reference() -> dict[str, str]:
     """
     from llama_cpp import Llama
 
-    from meshd.engines.llama_stage import default_threads
+    from meshd.engines.threads import default_threads
 
     t = default_threads()
     llm = Llama(

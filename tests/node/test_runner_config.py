@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshd.engines.llama_stage import default_threads
-from meshd.node.supervisor import threads_per_runner
+from meshd.engines.threads import default_threads, threads_per_runner
 
 
 def test_cores_are_split_among_a_nodes_runners(monkeypatch: pytest.MonkeyPatch) -> None:

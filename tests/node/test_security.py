@@ -17,7 +17,7 @@ import zmq
 
 from meshd.crdt.hlc import pack
 from meshd.crdt.lww import Entry
-from meshd.engines.models import DEFAULT_MODEL
+from meshd.models.resolve import DEFAULT_MODEL
 from meshd.transport import wire
 from meshd.transport.security import derive_keys, secure, write_secret
 from tests.cluster import Cluster, NodeProc, wait_for

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from meshd.engines.models import DEFAULT_MODEL
+from meshd.models.resolve import DEFAULT_MODEL
 from tests.cluster import Cluster, wait_for
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,10 +13,10 @@ import gguf
 import numpy as np
 import pytest
 
-from meshd.engines.gguf_facts import ModelFormatError, read_facts
-from meshd.engines.slicing import slice_gguf, slice_path
-
-from .conftest import MODEL_SHA256
+from meshd.models.errors import ModelFormatError
+from meshd.models.facts import read_facts
+from meshd.models.slicing import slice_gguf, slice_path
+from tests.conftest import MODEL_SHA256
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,7 +110,7 @@ _CUTTER = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from meshd.engines.slicing import slice_gguf
+    from meshd.models.slicing import slice_gguf
     src, out, sha = sys.argv[1:4]
     print(slice_gguf(Path(src), 20, 30, Path(out), sha))
     """

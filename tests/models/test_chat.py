@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.engines.chat import CHATML_TEMPLATE, ChatTemplateError, normalize_messages, render_chat
+from meshd.models.chat import CHATML_TEMPLATE, ChatTemplateError, normalize_messages, render_chat
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

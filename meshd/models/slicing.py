@@ -24,7 +24,8 @@ from pathlib import Path
 
 import gguf
 
-from .gguf_facts import ModelFormatError, architecture, open_gguf
+from .errors import ModelFormatError
+from .gguf import architecture, open_gguf, read_metadata
 
 __all__ = ["slice_gguf", "slice_path"]
 
@@ -55,12 +56,7 @@ def slice_gguf(src: Path, start: int, end: int, out_dir: Path, sha256: str) -> P
 
     # The whole range is the source itself: answer from the header alone (gguf-py's
     # reader parses the whole vocabulary, seconds on a big one).
-    from .models import read_gguf_metadata
-
-    try:
-        meta = read_gguf_metadata(src)
-    except ValueError as e:
-        raise ModelFormatError(str(e)) from None
+    meta = read_metadata(src)
     n_total = meta.get(f"{meta.get('general.architecture', '')}.block_count")
     if start == 0 and isinstance(n_total, int) and end == n_total:
         return src

@@ -24,16 +24,15 @@ opens a split model through its first shard.
 from __future__ import annotations
 
 import importlib.util
-import json
-import mmap
 import os
 import re
-import struct
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
+
+from .gguf import is_gguf
 
 __all__ = [
     "ALIASES",
@@ -45,10 +44,8 @@ __all__ = [
     "ModelNotFoundError",
     "PackagedModel",
     "ResolvedModel",
-    "chat_template",
     "hf_hub_cache",
     "local_models",
-    "read_gguf_metadata",
     "resolve_model",
 ]
 
@@ -296,7 +293,7 @@ def _snapshot(repo_dir: Path) -> Path | None:
 def _from_path(asked: str, path: Path, spec: str | None, looked: list[str]) -> ResolvedModel:
     path = path.absolute()
     if path.is_file():
-        if not _is_gguf(path):
+        if not is_gguf(path):
             looked.append(f"{path} (exists but is not a GGUF file)")
             raise ModelNotFoundError(asked, looked)
         return ResolvedModel(name=asked, path=str(path), format="gguf")
@@ -363,158 +360,6 @@ def _pick_gguf(
         if matching:
             raise AmbiguousModelError(asked, str(root), matching)
     raise AmbiguousModelError(asked, str(root), list(choices))
-
-
-# --------------------------------------------------------------------- model metadata
-
-_GGUF_MAGIC = b"GGUF"
-_GGUF_STRING = 8
-_GGUF_ARRAY = 9
-# GGUF value type -> struct format (8 is a string, 9 an array).
-_GGUF_SCALARS = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
-
-
-def _is_gguf(path: Path) -> bool:
-    try:
-        with path.open("rb") as f:
-            return f.read(4) == _GGUF_MAGIC
-    except OSError:
-        return False
-
-
-def read_gguf_metadata(path: str | Path, *, keys: Collection[str] | None = None) -> dict[str, Any]:
-    """Scalar and string key/values from a GGUF header (arrays such as the vocabulary
-    are skipped), stopping early once every key of ``keys`` has been read.
-
-    A small reader of its own rather than ``gguf.GGUFReader``: that one builds numpy
-    views of every array item and tensor descriptor (2-4 s on SmolLM2's 49k-token
-    vocabulary) where this skips arrays and stops at the end of the key/values
-    (~0.05 s), cheap enough for the API path. Raises ``ValueError`` on a file that is
-    not GGUF (v2 or v3, either byte order) or whose header is truncated.
-    """
-    wanted = None if keys is None else set(keys)
-    out: dict[str, Any] = {}
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != _GGUF_MAGIC:
-            raise ValueError(f"{path} is not a GGUF file")
-        # The version is small, so its byte order tells the file's byte order.
-        order = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"
-        version = struct.unpack_from(order + "I", buf, 4)[0]
-        if version not in (2, 3):
-            raise ValueError(f"{path}: unsupported GGUF version {version}")
-        reader = _HeaderReader(buf, order, 8)
-        reader.scalar(10)  # tensor count
-        for _ in range(reader.scalar(10)):
-            key = reader.string()
-            kind = reader.scalar(4)
-            if kind == _GGUF_ARRAY or (wanted is not None and key not in wanted):
-                reader.skip(kind)
-                continue
-            out[key] = reader.string() if kind == _GGUF_STRING else reader.scalar(kind)
-            if wanted is not None and wanted.issubset(out):
-                break
-    return out
-
-
-class _HeaderReader:
-    """Sequential reader over a GGUF header: a cursor and struct calls."""
-
-    def __init__(self, buf: mmap.mmap, order: str, offset: int) -> None:
-        self.buf = buf
-        self.order = order
-        self.offset = offset
-
-    def scalar(self, kind: int) -> Any:
-        fmt = _GGUF_SCALARS.get(kind)
-        if fmt is None:
-            raise ValueError(f"GGUF: unknown value type {kind} at offset {self.offset}")
-        try:
-            (value,) = struct.unpack_from(self.order + fmt, self.buf, self.offset)
-        except struct.error:
-            raise ValueError("GGUF header is truncated") from None
-        self.offset += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        size = self.scalar(10)
-        end = self.offset + size
-        if end > len(self.buf):
-            raise ValueError("GGUF header is truncated")
-        text = self.buf[self.offset : end].decode("utf-8", errors="replace")
-        self.offset = end
-        return text
-
-    def skip(self, kind: int) -> None:
-        if kind == _GGUF_STRING:
-            size = self.scalar(10)
-            self.offset += size
-        elif kind == _GGUF_ARRAY:
-            item = self.scalar(4)
-            count = self.scalar(10)
-            fmt = _GGUF_SCALARS.get(item)
-            if fmt is not None:  # fixed-size items: one jump
-                self.offset += count * struct.calcsize(fmt)
-            else:
-                for _ in range(count):
-                    self.skip(item)
-        else:
-            self.scalar(kind)
-        if self.offset > len(self.buf):
-            raise ValueError("GGUF header is truncated")
-
-
-def chat_template(model: ResolvedModel) -> str | None:
-    """The chat template shipped with a model, or None if it has none.
-
-    GGUF: ``tokenizer.chat_template``. MLX folder: ``chat_template.jinja`` (newer
-    transformers), else ``chat_template`` in ``chat_template.json`` or
-    ``tokenizer_config.json`` (a string, or a list of named templates of which
-    ``default`` is taken).
-    """
-    if model.format == "gguf":
-        key = "tokenizer.chat_template"
-        value = read_gguf_metadata(model.path, keys=[key]).get(key)
-        return value if isinstance(value, str) and value else None
-    folder = Path(model.path)
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8") or None
-    for fname in ("chat_template.json", "tokenizer_config.json"):
-        f = folder / fname
-        if not f.is_file():
-            continue
-        try:
-            value = json.loads(f.read_text(encoding="utf-8")).get("chat_template")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(value, list):
-            named = {
-                t.get("name"): t.get("template")
-                for t in value
-                if isinstance(t, dict) and isinstance(t.get("template"), str)
-            }
-            value = named.get("default") or next(iter(named.values()), None)
-        if isinstance(value, str) and value:
-            return value
-    return None
-
-
-def chat_template_at(path: str | Path) -> str | None:
-    """:func:`chat_template` of the model at ``path`` (a GGUF file or an MLX folder)."""
-    fmt: ModelFormat = "mlx" if Path(path).is_dir() else "gguf"
-    return chat_template(ResolvedModel(name=str(path), path=str(path), format=fmt))
 
 
 def canonical_name(name: str) -> str:

@@ -15,6 +15,7 @@ import functools
 import json
 from collections.abc import Iterable, Mapping
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -23,7 +24,17 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.sandbox
 
-__all__ = ["CHATML_TEMPLATE", "ChatTemplateError", "normalize_messages", "render_chat"]
+from .gguf import read_metadata
+from .resolve import ModelFormat, ResolvedModel
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "ChatTemplateError",
+    "chat_template",
+    "chat_template_at",
+    "normalize_messages",
+    "render_chat",
+]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -40,6 +51,48 @@ class ChatTemplateError(ValueError):
     A ``ValueError`` because the usual cause is a conversation the template rejects
     (roles out of order, an unsupported role): the API answers it as a bad request.
     """
+
+
+def chat_template(model: ResolvedModel) -> str | None:
+    """The chat template shipped with a model, or None if it has none.
+
+    GGUF: ``tokenizer.chat_template``. MLX folder: ``chat_template.jinja`` (newer
+    transformers), else ``chat_template`` in ``chat_template.json`` or
+    ``tokenizer_config.json`` (a string, or a list of named templates of which
+    ``default`` is taken).
+    """
+    if model.format == "gguf":
+        key = "tokenizer.chat_template"
+        value = read_metadata(model.path, keys=[key]).get(key)
+        return value if isinstance(value, str) and value else None
+    folder = Path(model.path)
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8") or None
+    for fname in ("chat_template.json", "tokenizer_config.json"):
+        f = folder / fname
+        if not f.is_file():
+            continue
+        try:
+            value = json.loads(f.read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(value, list):
+            named = {
+                t.get("name"): t.get("template")
+                for t in value
+                if isinstance(t, dict) and isinstance(t.get("template"), str)
+            }
+            value = named.get("default") or next(iter(named.values()), None)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def chat_template_at(path: str | Path) -> str | None:
+    """:func:`chat_template` of the model at ``path`` (a GGUF file or an MLX folder)."""
+    fmt: ModelFormat = "mlx" if Path(path).is_dir() else "gguf"
+    return chat_template(ResolvedModel(name=str(path), path=str(path), format=fmt))
 
 
 def normalize_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -12,15 +12,12 @@ import msgspec
 import pytest
 
 from meshd.crdt.views import ModelFacts
-from meshd.engines.gguf_facts import (
-    ModelFormatError,
-    file_sha256,
-    read_facts,
-    special_tokens,
-)
-from meshd.engines.models import chat_template_at
-
-from .conftest import MODEL_SHA256
+from meshd.models.chat import chat_template_at
+from meshd.models.errors import ModelFormatError
+from meshd.models.facts import read_facts
+from meshd.models.gguf import special_tokens
+from meshd.models.hashing import file_sha256
+from tests.conftest import MODEL_SHA256
 
 
 @pytest.mark.timeout(60)
@@ -115,7 +112,7 @@ def test_non_gguf_files_raise_model_format_error(tmp_path: Path, model_path: Pat
 def test_header_reader_sizes_every_tensor_as_the_gguf_package_does(model_path: Path) -> None:
     # read_header skips the vocabulary (GGUFReader takes seconds on it); the tensor
     # table it returns must still be the file's, byte for byte.
-    from meshd.engines.gguf_facts import read_header
+    from meshd.models.gguf import read_header
 
     header = read_header(model_path)
     reader = gguf.GGUFReader(model_path)

@@ -29,6 +29,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .errors import ModelFormatError
+
 __all__ = ["EOG_TEXTS", "HfVocab", "byte_decoder"]
 
 #: Token texts llama.cpp's vocabulary loader (llama-vocab.cpp) marks end-of-generation
@@ -131,8 +133,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except ValueError as e:
-        from .gguf_facts import ModelFormatError
-
         raise ModelFormatError(f"{path}: not valid JSON ({e})") from e
     return data if isinstance(data, dict) else {}
 
@@ -196,8 +196,6 @@ class HfVocab:
         """
         from tokenizers import Tokenizer
 
-        from .gguf_facts import ModelFormatError
-
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
@@ -230,9 +228,7 @@ class HfVocab:
 
     def _open(self) -> Any:
         if self._tok is None:
-            from .llama_stage import StageError
-
-            raise StageError("vocabulary is closed")
+            raise RuntimeError("vocabulary is closed")
         return self._tok
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:

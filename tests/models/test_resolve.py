@@ -10,18 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshd.engines import models
-from meshd.engines.models import (
+from meshd.models import resolve as models
+from meshd.models.chat import chat_template
+from meshd.models.gguf import read_metadata
+from meshd.models.resolve import (
     DEFAULT_MODEL,
     INSTALL_DEFAULT_MODEL,
     AmbiguousModelError,
     ModelNotFoundError,
     PackagedModel,
     ResolvedModel,
-    chat_template,
     hf_hub_cache,
     local_models,
-    read_gguf_metadata,
     resolve_model,
 )
 
@@ -356,16 +356,16 @@ def test_gguf_metadata_reader_agrees_with_the_gguf_package(tmp_path: Path, endia
     writer.write_kv_data_to_file()
     writer.close()
 
-    ours = read_gguf_metadata(path)
+    ours = read_metadata(path)
     theirs = non_array_fields(gguf.GGUFReader(path))
     assert ours == theirs
-    assert read_gguf_metadata(path, keys=["x.str"]) == {"x.str": "héllo 🎉"}
+    assert read_metadata(path, keys=["x.str"]) == {"x.str": "héllo 🎉"}
 
 
 def test_default_model_metadata_and_chat_template_match_the_gguf_package() -> None:
     model = default_model_or_skip()
     theirs = non_array_fields(gguf.GGUFReader(model.path))
-    ours = read_gguf_metadata(model.path)
+    ours = read_metadata(model.path)
     assert ours.keys() == theirs.keys()
     for key, value in theirs.items():
         expected = pytest.approx(value) if isinstance(value, float) else value
@@ -378,7 +378,7 @@ def test_truncated_gguf_raises_value_error(tmp_path: Path) -> None:
     path = tmp_path / "cut.gguf"
     path.write_bytes(gguf_bytes(tmp_path)[:40])
     with pytest.raises(ValueError, match="truncated"):
-        read_gguf_metadata(path)
+        read_metadata(path)
 
 
 def test_gguf_model_without_template_has_none(tmp_path: Path) -> None:

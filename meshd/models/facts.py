@@ -1,0 +1,177 @@
+"""What placement needs to know about a model, read from its own files.
+
+Every number comes from the model itself (``<arch>.block_count``, tensor sizes, ...):
+nothing about a particular model is hard-coded here, so a new GGUF works as soon as
+llama.cpp can load it. Only headers are read. GGUF facts are cached in
+``cache_dir/facts.json`` by (path, size, mtime).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from meshd.crdt.views import ModelFacts
+
+from .errors import ModelFormatError
+from .folder import read_folder_facts
+from .gguf import read_header
+from .hashing import file_key, file_sha256
+from .mlx_layout import MLX_TYPES
+from .resolve import resolve_model
+
+__all__ = ["read_facts", "read_model_facts"]
+
+#: f16 K and V cache entries: the type llama.cpp uses by default.
+_KV_ELEMENT_BYTES = 2
+
+_BLK = re.compile(r"^blk\.(\d+)\.")
+
+
+def read_model_facts(model: str, cache_dir: Path | str | None) -> ModelFacts:
+    """Facts of the model named ``model`` on this machine (GGUF or MLX folder).
+
+    Raises ModelNotFoundError when it is not here, ModelFormatError when it is no
+    usable model.
+    """
+    resolved = resolve_model(model)
+    cache = None if cache_dir is None else Path(cache_dir)
+    if resolved.format == "mlx":
+        return read_folder_facts(Path(resolved.path), name=model, cache_dir=cache)
+    return read_facts(Path(resolved.path), name=model, cache_dir=cache)
+
+
+def read_facts(
+    path: Path, name: str, sha256: str | None = None, cache_dir: Path | None = None
+) -> ModelFacts:
+    """Read a GGUF model's placement facts from its metadata.
+
+    ``name`` is what the user asked for (alias, path or repo id). ``sha256`` may be
+    passed when already known; otherwise the file is hashed (cached in ``cache_dir``
+    when given, see :func:`file_sha256`). Raises ModelFormatError for a file that is
+    not a usable GGUF model, FileNotFoundError for a missing one.
+    """
+    path = Path(path)
+    cached = _cached_facts(path, cache_dir)
+    if cached is not None:
+        return msgspec.structs.replace(cached, name=name)
+    facts = _read_facts(path, name, sha256, cache_dir)
+    _cache_facts(path, cache_dir, facts)
+    return facts
+
+
+_FACTS_FILE = "facts.json"
+
+
+def _cached_facts(path: Path, cache_dir: Path | None) -> ModelFacts | None:
+    """Facts parsed before for this very file (same path, size and mtime)."""
+    if cache_dir is None:
+        return None
+    try:
+        table = json.loads((Path(cache_dir) / _FACTS_FILE).read_text())
+        raw = table.get(file_key(path))
+        return None if raw is None else msgspec.convert(raw, ModelFacts)
+    except (OSError, ValueError, msgspec.ValidationError):
+        return None
+
+
+def _cache_facts(path: Path, cache_dir: Path | None, facts: ModelFacts) -> None:
+    if cache_dir is None:
+        return
+    f = Path(cache_dir) / _FACTS_FILE
+    try:
+        table = json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, ValueError):
+        table = {}
+    key = file_key(path)
+    prefix = key.rsplit("|", 2)[0] + "|"
+    table = {k: v for k, v in table.items() if not k.startswith(prefix)}
+    table[key] = msgspec.to_builtins(facts)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table))
+    os.replace(tmp, f)
+
+
+def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | None) -> ModelFacts:
+    header = read_header(path)
+    kv = header.kv
+    arch = kv.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise ModelFormatError(f"{path}: GGUF metadata lacks general.architecture")
+    n_layers = _required_int(kv, f"{arch}.block_count", path)
+    hidden = _required_int(kv, f"{arch}.embedding_length", path)
+    n_ctx_train = _int(kv, f"{arch}.context_length") or 0
+    n_head = _int(kv, f"{arch}.attention.head_count") or 0
+    # Grouped-query attention: K/V heads default to the query heads when absent.
+    n_head_kv = _int(kv, f"{arch}.attention.head_count_kv") or n_head
+    # key_length/value_length are explicit for models whose head dim is not
+    # hidden / heads (e.g. Gemma); otherwise llama.cpp derives it the same way.
+    head_dim = hidden // n_head if n_head else 0
+    k_len = _int(kv, f"{arch}.attention.key_length") or head_dim
+    v_len = _int(kv, f"{arch}.attention.value_length") or k_len
+
+    layer_bytes = [0] * n_layers
+    embed_bytes = 0
+    head_bytes = 0
+    types: set[str] = set()
+    for tname, (type_name, _shape) in header.tensors.items():
+        types.add(type_name)
+        nbytes = header.nbytes[tname]
+        m = _BLK.match(tname)
+        if m is not None:
+            i = int(m.group(1))
+            # Tensors past block_count (e.g. next-token-prediction layers) are not
+            # loaded by llama.cpp as layers; leave them out of the layer sizes.
+            if i < n_layers:
+                layer_bytes[i] += nbytes
+        elif tname in ("output.weight", "output_norm.weight", "output_norm.bias"):
+            head_bytes += nbytes
+        else:
+            # token_embd.weight plus the small global tensors (rope_freqs, ...) that
+            # every llama.cpp slice carries: count them where every stage pays them.
+            embed_bytes += nbytes
+
+    quant_types = sorted(types)
+    engines = ["llama_cpp"]
+    if types <= MLX_TYPES:
+        # Any other type either fails to load in mx.load or, worse (Q4_K), loads
+        # with wrong values: such a model must never be placed on an MLX stage.
+        engines.append("mlx")
+
+    return ModelFacts(
+        name=name,
+        sha256=sha256 if sha256 is not None else file_sha256(path, cache_dir),
+        format="gguf",
+        architecture=arch,
+        n_layers=n_layers,
+        hidden_size=hidden,
+        n_ctx_train=n_ctx_train,
+        layer_bytes=layer_bytes,
+        embed_bytes=embed_bytes,
+        head_bytes=head_bytes,
+        kv_bytes_per_token_layer=n_head_kv * (k_len + v_len) * _KV_ELEMENT_BYTES,
+        quant_types=quant_types,
+        engines=engines,
+    )
+
+
+def _int(kv: dict[str, Any], key: str) -> int | None:
+    v = kv.get(key)
+    if v is None:
+        return None
+    # Some architectures store per-layer head counts as an array: size for the
+    # largest layer so the KV estimate never comes out short.
+    return int(max(v) if isinstance(v, list) else v)
+
+
+def _required_int(kv: dict[str, Any], key: str, path: Path) -> int:
+    v = _int(kv, key)
+    if v is None:
+        raise ModelFormatError(f"{path}: GGUF metadata lacks {key!r}")
+    return v

@@ -1,0 +1,250 @@
+"""GGUF headers: key/values and tensor descriptors, read without loading the file.
+
+One small reader of our own rather than ``gguf.GGUFReader``: that one builds numpy views
+of every vocabulary string (2-4 s on a 49k-token vocabulary, most of a fresh node's time
+to its first token); this memory-maps the file and skips what it does not need
+(~0.05-0.1 s), cheap enough for the API path. Both byte orders, GGUF v2 and v3.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import struct
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import msgspec
+
+from .errors import ModelFormatError
+
+__all__ = [
+    "GgufHeader",
+    "SpecialTokens",
+    "architecture",
+    "is_gguf",
+    "open_gguf",
+    "read_header",
+    "read_metadata",
+    "special_tokens",
+]
+
+GGUF_MAGIC = b"GGUF"
+#: GGUF value types with a fixed size: type id -> struct format.
+_GGUF_SCALARS = {
+    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
+}  # fmt: skip
+_GGUF_STRING = 8
+_GGUF_ARRAY = 9
+#: Numeric arrays up to this length are read (per-layer head counts); longer ones
+#: (token types, scores) and string arrays (the vocabulary) are skipped.
+_GGUF_ARRAY_READ_MAX = 4096
+
+
+class SpecialTokens(msgspec.Struct, frozen=True):
+    """Special token ids from the GGUF tokenizer metadata (None where absent)."""
+
+    bos: int | None = None
+    eos: int | None = None
+    eot: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GgufHeader:
+    """A GGUF header: key/values (big arrays left out) and tensor descriptors."""
+
+    kv: dict[str, Any]
+    #: name -> (GGUF type name such as ``Q4_1``, shape with ``ne[0]`` first).
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    #: name -> bytes of the tensor's data in the file.
+    nbytes: dict[str, int]
+
+
+class _Cursor:
+    """Sequential reader over a GGUF header: an offset and struct calls."""
+
+    def __init__(self, buf: mmap.mmap, path: Path | str) -> None:
+        if buf[:4] != GGUF_MAGIC:
+            raise ModelFormatError(f"{path} is not a GGUF file (magic {bytes(buf[:4])!r})")
+        # The version is a small number, so its byte order gives the file's.
+        self.order = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"
+        version = struct.unpack_from(self.order + "I", buf, 4)[0]
+        if version not in (2, 3):
+            raise ModelFormatError(f"{path}: unsupported GGUF version {version}")
+        self.buf = buf
+        self.path = path
+        self.pos = 8
+
+    def scalar(self, kind: int) -> Any:
+        fmt = _GGUF_SCALARS.get(kind)
+        if fmt is None:
+            raise ModelFormatError(f"{self.path}: unknown GGUF value type {kind}")
+        (v,) = struct.unpack_from(self.order + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return v
+
+    def string(self) -> str:
+        n = self.scalar(10)
+        end = self.pos + n
+        if end > len(self.buf):
+            raise ModelFormatError(f"{self.path}: GGUF header is truncated")
+        text = bytes(self.buf[self.pos : end]).decode("utf-8", "replace")
+        self.pos = end
+        return text
+
+    def value(self, kind: int, arrays: bool) -> Any:
+        """The value of type ``kind`` at the cursor; an array is read only when
+        ``arrays`` and numeric and short (else skipped: None)."""
+        if kind == _GGUF_STRING:
+            return self.string()
+        if kind != _GGUF_ARRAY:
+            return self.scalar(kind)
+        item, count = self.scalar(4), self.scalar(10)
+        fmt = _GGUF_SCALARS.get(item)
+        if fmt is None:
+            for _ in range(count):
+                self.value(item, arrays=False)
+            return None
+        size = count * struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise ModelFormatError(f"{self.path}: GGUF header is truncated")
+        if not arrays or count > _GGUF_ARRAY_READ_MAX:
+            self.pos += size
+            return None
+        items = list(struct.unpack_from(f"{self.order}{count}{fmt}", self.buf, self.pos))
+        self.pos += size
+        return items
+
+
+def _truncated(path: Path | str, e: Exception) -> ModelFormatError:
+    return ModelFormatError(f"{path}: truncated or corrupt GGUF header ({e})")
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` is a file that starts like a GGUF."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def read_metadata(path: str | Path, *, keys: Collection[str] | None = None) -> dict[str, Any]:
+    """Scalar and string key/values of a GGUF header (arrays such as the vocabulary
+    are left out), stopping early once every key of ``keys`` has been read.
+
+    Raises :class:`ModelFormatError` (a ``ValueError``) on a file that is not GGUF or
+    whose header is truncated.
+    """
+    wanted = None if keys is None else set(keys)
+    out: dict[str, Any] = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cur = _Cursor(buf, path)
+        try:
+            cur.scalar(10)  # tensor count
+            for _ in range(cur.scalar(10)):
+                key = cur.string()
+                kind = cur.scalar(4)
+                v = cur.value(kind, arrays=False)
+                if kind == _GGUF_ARRAY or (wanted is not None and key not in wanted):
+                    continue
+                out[key] = v
+                if wanted is not None and wanted.issubset(out):
+                    break
+        except (struct.error, IndexError) as e:
+            raise _truncated(path, e) from e
+    return out
+
+
+def read_header(path: Path) -> GgufHeader:
+    """Read a GGUF header: every key/value (short numeric arrays included) and every
+    tensor's type, shape and size.
+
+    Raises ModelFormatError for a file that is not GGUF v2/v3 or is truncated,
+    FileNotFoundError for a missing one.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"no model file at {path}")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cur = _Cursor(buf, path)
+        try:
+            n_tensors, n_kv = cur.scalar(10), cur.scalar(10)
+            kv: dict[str, Any] = {}
+            for _ in range(n_kv):
+                key = cur.string()
+                kv[key] = cur.value(cur.scalar(4), arrays=True)
+            tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+            nbytes: dict[str, int] = {}
+            starts: list[int] = []
+            unsized: list[tuple[int, str]] = []
+            for _ in range(n_tensors):
+                name = cur.string()
+                shape = tuple(cur.scalar(10) for _ in range(cur.scalar(4)))
+                kind = cur.scalar(4)
+                offset = cur.scalar(10)
+                try:
+                    qtype = gguf.GGMLQuantizationType(kind)
+                except ValueError:
+                    # A type newer than this gguf package: llama.cpp may still run it;
+                    # its size comes from where the next tensor starts (below).
+                    tensors[name] = (f"type {kind}", shape)
+                    unsized.append((offset, name))
+                    continue
+                block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+                tensors[name] = (qtype.name, shape)
+                nbytes[name] = math.prod(shape) // block_size * type_size
+                starts.append(offset)
+        except (struct.error, IndexError) as e:
+            raise _truncated(path, e) from e
+        if unsized:
+            align = int(kv.get("general.alignment") or 32)
+            data_start = -(-cur.pos // align) * align
+            ends = sorted(starts + [o for o, _ in unsized] + [len(buf) - data_start])
+            for offset, name in unsized:
+                nbytes[name] = next(e for e in ends if e > offset) - offset
+    return GgufHeader(kv=kv, tensors=tensors, nbytes=nbytes)
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    """Open a GGUF file with ``gguf.GGUFReader`` (to copy tensors: slicing), turning any
+    parse failure into ModelFormatError.
+
+    A missing file raises FileNotFoundError (a caller may want to fetch it); anything
+    that is there but does not parse is a ModelFormatError.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no model file at {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:
+        # GGUFReader reports bad files with ValueError, IndexError, struct and numpy
+        # errors depending on where the bytes stop making sense: one typed error here.
+        raise ModelFormatError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def architecture(reader: gguf.GGUFReader, path: Path | str = "") -> str:
+    """The ``general.architecture`` of an open GGUF file."""
+    arch = _field(reader, "general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise ModelFormatError(f"{path}: GGUF metadata lacks general.architecture")
+    return arch
+
+
+def special_tokens(path: Path) -> SpecialTokens:
+    """bos/eos/eot token ids from a GGUF's tokenizer metadata."""
+    kv = read_header(path).kv
+
+    def tid(key: str) -> int | None:
+        v = kv.get(f"tokenizer.ggml.{key}_token_id")
+        return None if v is None else int(v)
+
+    return SpecialTokens(bos=tid("bos"), eos=tid("eos"), eot=tid("eot"))

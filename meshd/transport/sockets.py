@@ -1,0 +1,199 @@
+"""The socket edge: every ZeroMQ socket meshd opens is made, secured and read here.
+
+Two kinds of traffic, two option sets (:class:`SocketOptions`):
+
+* :data:`CONTROL`: gossip (mesh ROUTER, PUB, SUB, per-peer DEALERs). Frames up to
+  :data:`~meshd.transport.wire.ZMQ_MAX_MSG_SIZE`; a short linger so a goodbye leaves
+  before the socket closes.
+* :data:`DATA`: the data plane (the API node's ROUTER and DEALERs, every runner's
+  ROUTER and DEALERs). Frames up to :data:`~meshd.transport.wire.MAX_DATA_FRAME`
+  (activations of a long prompt); no linger: a request whose peer is gone is ended by
+  its own timeouts, never by a socket that will not close.
+
+Both get ZMTP heartbeats (a dead link is noticed in seconds and redialled at once when
+the network heals) and CURVE when the cluster has keys (:func:`~.security.secure`).
+:class:`DealerCache` keeps the DEALERs of the data plane, one per endpoint, least
+recently used first out. :func:`decode_frame` is the one door from a received frame
+to a typed message: what fails is dropped and counted, never raised.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from . import wire
+from .addresses import choose_address
+from .security import ClusterKeys, secure
+
+__all__ = [
+    "CONTROL",
+    "DATA",
+    "MAX_DEALERS",
+    "DealerCache",
+    "SocketOptions",
+    "bind",
+    "configure",
+    "decode_frame",
+    "endpoint",
+    "open_socket",
+]
+
+#: ZMTP heartbeats: a connection silent this long is dropped and redialled, so a healed
+#: network is used again at once instead of after TCP's retransmission backoff.
+HEARTBEAT_IVL_MS = 500
+HEARTBEAT_TIMEOUT_MS = 2000
+#: Redial quickly, and give up on a connect attempt that hangs (SYN lost in a partition).
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 500
+CONNECT_TIMEOUT_MS = 500
+#: Messages queued towards one data-plane peer before sends are dropped (and counted):
+#: a peer that is gone must not grow a queue without bound, and a live one never lags
+#: this far behind (one message a token per request).
+DATA_SNDHWM = 1000
+#: Connections one process keeps to runners and API nodes (least recently used go):
+#: a flood of made-up reply addresses must not use up ZeroMQ's sockets (1023) nor keep
+#: dead peers being redialled.
+MAX_DEALERS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SocketOptions:
+    """What a socket of one kind of traffic is set up with."""
+
+    #: ZMQ_MAXMSGSIZE: libzmq disconnects a peer that sends more.
+    max_msg: int
+    #: How long a closing socket keeps trying to deliver what it holds.
+    linger_ms: int
+    #: Send high-water mark; None keeps ZeroMQ's default (1000).
+    sndhwm: int | None = None
+
+
+CONTROL = SocketOptions(max_msg=wire.ZMQ_MAX_MSG_SIZE, linger_ms=500)
+#: Room for the header beside the largest tensor frame.
+DATA = SocketOptions(max_msg=wire.MAX_DATA_FRAME + (1 << 20), linger_ms=0, sndhwm=DATA_SNDHWM)
+
+
+def configure(sock: zmq.Socket, options: SocketOptions = CONTROL) -> None:
+    """Bounded frames, linger, heartbeats and quick redial (before bind/connect)."""
+    sock.setsockopt(zmq.MAXMSGSIZE, options.max_msg)
+    sock.setsockopt(zmq.LINGER, options.linger_ms)
+    if options.sndhwm is not None:
+        sock.setsockopt(zmq.SNDHWM, options.sndhwm)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
+
+
+def open_socket(
+    ctx: zmq.Context,
+    kind: int,
+    options: SocketOptions,
+    keys: ClusterKeys | None,
+    *,
+    server: bool,
+) -> zmq.Socket:
+    """A socket of ``kind`` (``zmq.ROUTER``...), configured and secured: ``server`` for
+    one that binds, else it connects. Works for asyncio and plain contexts alike."""
+    sock = ctx.socket(kind)
+    try:
+        configure(sock, options)
+        secure(sock, keys, server=server)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def bind(sock: zmq.Socket, host: str, port: int = 0) -> int:
+    """Bind ``sock`` on ``host`` (``port`` 0: one the OS picks); the bound port."""
+    h = f"[{host}]" if ":" in host else host
+    sock.bind(f"tcp://{h}:{port}")
+    return int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+
+
+def endpoint(addr: wire.Addr, own_addresses: list[str]) -> str:
+    """ZeroMQ address of ``addr`` as seen from a host with ``own_addresses``."""
+    host = choose_address(own_addresses, addr.addresses) if addr.addresses else "127.0.0.1"
+    if host == "127.0.0.1" and host not in addr.addresses and addr.addresses:
+        host = next((a for a in addr.addresses if a in own_addresses), addr.addresses[0])
+    return f"tcp://[{host}]:{addr.port}" if ":" in host else f"tcp://{host}:{addr.port}"
+
+
+class DealerCache:
+    """Connected DEALERs, one per peer endpoint, at most :data:`MAX_DEALERS` of them
+    (the least recently used is closed first). Used from one thread or loop."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        *,
+        keys: ClusterKeys | None,
+        own_addresses: list[str],
+        options: SocketOptions = DATA,
+        limit: int = MAX_DEALERS,
+    ) -> None:
+        self._ctx = ctx
+        self._keys = keys
+        self._own = own_addresses
+        self._options = options
+        self._limit = limit
+        self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()
+        #: Addr -> endpoint, resolved once per address rather than once per message.
+        self._resolved: OrderedDict[tuple[int, ...] | tuple, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._socks)
+
+    def to(self, addr: wire.Addr) -> zmq.Socket:
+        """The DEALER connected to ``addr`` (connecting one when there is none).
+
+        Raises ``zmq.ZMQError`` for an address ZeroMQ cannot connect to (it came from
+        the network: it may be anything); nothing is left open then.
+        """
+        key = (addr.port, *addr.addresses)
+        ep = self._resolved.get(key)
+        if ep is None:
+            ep = endpoint(addr, self._own)
+            self._resolved[key] = ep
+            if len(self._resolved) > 4 * self._limit:
+                self._resolved.popitem(last=False)
+        sock = self._socks.get(ep)
+        if sock is not None:
+            self._socks.move_to_end(ep)
+            return sock
+        if len(self._socks) >= self._limit:
+            self._socks.popitem(last=False)[1].close(linger=0)
+        sock = open_socket(self._ctx, zmq.DEALER, self._options, self._keys, server=False)
+        try:
+            sock.connect(ep)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        self._socks[ep] = sock
+        return sock
+
+    def close(self) -> None:
+        """Close every DEALER."""
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()
+
+
+def decode_frame(
+    frame: bytes | memoryview,
+    on_drop: Callable[[str], None],
+    limit: int = wire.MAX_CONTROL_FRAME,
+) -> wire.Message | None:
+    """The message in one header frame, or None after counting why it was dropped
+    (``on_drop(reason)``: ``oversized``, ``malformed``...)."""
+    try:
+        return wire.decode(frame, limit)
+    except wire.FrameError as e:
+        on_drop(e.reason)
+        return None
