@@ -21,6 +21,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from meshd.models import AmbiguousModelError, ModelNotFoundError, UnsupportedModelError
+from meshd.node.errors import ModelLoading, RequestFailed
+from meshd.placement import PlacementError
+
 from .schemas import ErrorDetail, ErrorResponse
 
 __all__ = [
@@ -32,8 +36,10 @@ __all__ = [
     "internal_error",
     "model_loading",
     "model_not_found",
+    "node_error",
     "overloaded",
     "payload_too_large",
+    "request_failed",
     "unsupported_media_type",
     "upstream_failed",
 ]
@@ -205,6 +211,64 @@ def internal_error() -> ApiError:
         type="server_error",
         code="internal_error",
     )
+
+
+# ---------------------------------------------------------------------------------------
+# what the node raises, in HTTP: one mapping for every route
+
+#: Retry-After given while a model loads, or a request waits for a stage to come back.
+LOADING_RETRY_S = 5.0
+
+
+def request_failed(e: RequestFailed) -> ApiError:
+    """A request that ended without a result, with its typed code and HTTP status."""
+    if e.code == "context_length_exceeded":
+        return ApiError(400, e.message, type="invalid_request_error", param="messages",
+                        code="context_length_exceeded")  # fmt: skip
+    if e.status == 400:
+        return ApiError(400, e.message, type="invalid_request_error", code=e.code)
+    if e.status == 503:
+        return ApiError(503, e.message, type="service_unavailable", code=e.code,
+                        retry_after=LOADING_RETRY_S)  # fmt: skip
+    if e.status == 504:
+        return ApiError(504, e.message, type="server_error", code=e.code)
+    return ApiError(502, e.message, type="server_error", code=e.code)
+
+
+def node_error(e: Exception, model: str, *, placing: bool = False) -> ApiError | None:
+    """The HTTP answer to what the node raised while finding, placing or running
+    ``model``; None for an exception that is no node error (a bug: a 500).
+
+    ``placing``: an explicit ``POST /v1/instances``, where a model that does not fit
+    the cluster as it is conflicts with its state (409, and the not-found message says
+    where the node looked); for a completion the model is unavailable (503, and no
+    Retry-After: it lasts until a node joins or frees memory).
+    """
+    if isinstance(e, ModelNotFoundError | AmbiguousModelError):
+        if placing:
+            return ApiError(404, str(e), type="not_found_error", code="model_not_found")
+        return model_not_found(model)
+    if isinstance(e, ModelLoading):
+        return model_loading(model, LOADING_RETRY_S)
+    if isinstance(e, RequestFailed):
+        return request_failed(e)
+    if isinstance(e, PlacementError):
+        msg = str(e) if placing else f"cannot place {model}: {e}"
+        if e.reason in ("bad_spec", "unknown_node"):
+            return bad_request(msg, param=None if placing else "model", code=e.reason)
+        if placing:
+            return ApiError(409, msg, type="invalid_request_error", code=e.reason)
+        return ApiError(503, msg, type="service_unavailable", code=e.reason)
+    if isinstance(e, UnsupportedModelError) and placing:
+        return ApiError(
+            400, f"{model} cannot run on MLX: {e}", type="invalid_request_error",
+            param="engines", code="unsupported_quant",
+        )  # fmt: skip
+    if isinstance(e, ValueError):  # a file that is no usable model (ModelFormatError), ...
+        return bad_request(
+            f"{model}: {e}", param="model", code=None if placing else "invalid_model"
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------------------

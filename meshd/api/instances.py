@@ -6,13 +6,22 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from meshd.crdt.views import InstanceSpec, instances
-from meshd.models.resolve import AmbiguousModelError, ModelNotFoundError, canonical_name
-from meshd.placement import PlacementError
+from meshd.crdt.views import Instance, InstanceSpec
+from meshd.node.cluster import ClusterView
 from meshd.transport.tensors import ACTIVATION_DTYPES
 
 from .bodies import parse_body
-from .errors import ApiError, bad_request
+from .errors import ApiError, node_error
+from .services import context
+
+__all__ = [
+    "PlaceRequest",
+    "create_instance",
+    "delete_instance",
+    "get_instance",
+    "instance_view",
+    "list_instances",
+]
 
 
 class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -38,16 +47,16 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError("engines must name one engine per entry of nodes")
 
 
-def instance_view(node, inst) -> dict:
+def instance_view(view: ClusterView, inst: Instance) -> dict:
     """The JSON shape of one instance."""
-    states = node.inference.stage_states(inst)
+    states = view.stage_states(inst)
     # Nodes left out of this instance for good, and why (durable: from the nodes'
     # heartbeats, which keep a given-up runner after the stage moved away).
     excluded = [
         {"node": nid, "stage": r.stage, "generation": r.generation, "reason": r.reason}
-        for nid, r in node.inference.gave_up_on(inst).items()
+        for nid, r in view.gave_up_on(inst).items()
     ]
-    unrepairable = node.inference.unrepairable(inst)
+    unrepairable = view.unrepairable(inst)
     return {
         "id": inst.id,
         "model": inst.spec.model,
@@ -69,75 +78,51 @@ def instance_view(node, inst) -> dict:
     }
 
 
-async def _check_mlx(model: str, pinned: bool) -> None:
-    """Refuse, before anything runs, a model MLX would read wrongly or not at all: a
-    GGUF pinned to MLX stages, or any MLX folder (only MLX can run one)."""
-    import asyncio
-
-    from meshd.models.errors import UnsupportedModelError
-    from meshd.models.folder import check_folder_for_mlx
-    from meshd.models.mlx_layout import check_gguf_for_mlx
-    from meshd.models.resolve import resolve_model
-
+async def create_instance(request: Request) -> Response:
+    """``POST /v1/instances``: place a model as asked."""
+    body = await parse_body(request, PlaceRequest)
+    services = context(request).services
+    spec = InstanceSpec(
+        model=body.model,
+        min_nodes=body.min_nodes,
+        nodes=body.nodes,
+        engines=body.engines,
+        activations=body.activations,
+    )
     try:
-        resolved = resolve_model(model)
-    except LookupError:
-        return  # not on this machine: facts() says where it looked, or finds it
-    if resolved.format == "gguf" and not pinned:
-        return
-    check = check_gguf_for_mlx if resolved.format == "gguf" else check_folder_for_mlx
-    try:
-        await asyncio.to_thread(check, resolved.path)
-    except UnsupportedModelError as e:
-        raise ApiError(
-            400, f"{model} cannot run on MLX: {e}", type="invalid_request_error",
-            param="engines", code="unsupported_quant",
-        ) from None  # fmt: skip
+        inst = await services.place(spec)
+    except Exception as e:
+        err = node_error(e, body.model, placing=True)
+        if err is None:
+            raise
+        raise err from None
+    return JSONResponse(instance_view(services.view(), inst), status_code=201)
 
 
-def routes(node):
-    """Handlers bound to ``node``."""
+async def list_instances(request: Request) -> Response:
+    """``GET /v1/instances``."""
+    view = context(request).services.view()
+    insts = sorted(view.instances.values(), key=lambda i: i.id)
+    return JSONResponse({"object": "list", "data": [instance_view(view, i) for i in insts]})
 
-    async def create(request: Request) -> Response:
-        body = await parse_body(request, PlaceRequest)
-        try:
-            await _check_mlx(body.model, pinned="mlx" in body.engines)
-            facts = await node.inference.facts(body.model, node.cache_dir)
-        except (ModelNotFoundError, AmbiguousModelError) as e:
-            raise ApiError(404, str(e), type="not_found_error", code="model_not_found") from None
-        except PlacementError as e:
-            raise bad_request(str(e), code=e.reason) from None
-        except ValueError as e:
-            raise bad_request(f"{body.model}: {e}", param="model") from None
-        spec = InstanceSpec(
-            model=canonical_name(body.model),
-            min_nodes=body.min_nodes,
-            nodes=body.nodes,
-            engines=body.engines,
-            activations=body.activations,
-        )
-        try:
-            inst = await node.inference.create_instance(spec, facts)
-        except PlacementError as e:
-            status = 400 if e.reason in ("unknown_node", "bad_spec") else 409
-            raise ApiError(status, str(e), type="invalid_request_error", code=e.reason) from None
-        return JSONResponse(instance_view(node, inst), status_code=201)
 
-    async def list_(request: Request) -> Response:
-        insts = sorted(instances(node.replica.map).values(), key=lambda i: i.id)
-        return JSONResponse({"object": "list", "data": [instance_view(node, i) for i in insts]})
+async def get_instance(request: Request) -> Response:
+    """``GET /v1/instances/{id}``."""
+    iid = request.path_params["instance_id"]
+    view = context(request).services.view()
+    inst = view.instances.get(iid)
+    if inst is None:
+        raise _no_instance(iid)
+    return JSONResponse(instance_view(view, inst))
 
-    async def delete(request: Request) -> Response:
-        iid = request.path_params["instance_id"]
-        if not node.inference.delete_instance(iid):
-            raise ApiError(404, f"no instance {iid!r}", type="not_found_error", code="not_found")
-        return JSONResponse({"id": iid, "object": "instance", "deleted": True})
 
-    async def get(request: Request) -> Response:
-        iid = request.path_params["instance_id"]
-        inst = instances(node.replica.map).get(iid)
-        if inst is None:
-            raise ApiError(404, f"no instance {iid!r}", type="not_found_error", code="not_found")
-        return JSONResponse(instance_view(node, inst))
+async def delete_instance(request: Request) -> Response:
+    """``DELETE /v1/instances/{id}``."""
+    iid = request.path_params["instance_id"]
+    if not context(request).services.remove(iid):
+        raise _no_instance(iid)
+    return JSONResponse({"id": iid, "object": "instance", "deleted": True})
 
-    return create, list_, get, delete
+
+def _no_instance(iid: str) -> ApiError:
+    return ApiError(404, f"no instance {iid!r}", type="not_found_error", code="not_found")

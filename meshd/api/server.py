@@ -1,4 +1,5 @@
-"""uvicorn on the node's own event loop, on a socket we bind (so port 0 works)."""
+"""uvicorn on the node's own event loop, on a socket bound beforehand (so port 0 works
+and the port is known before the node announces itself)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import socket
 from collections.abc import Generator
 
 import uvicorn
+from starlette.types import ASGIApp
 
-from .app import NodeView, create_app
+__all__ = ["ApiServer", "bind_api"]
 
 
 class _Server(uvicorn.Server):
@@ -19,52 +21,56 @@ class _Server(uvicorn.Server):
         yield
 
 
+def bind_api(host: str, port: int) -> socket.socket:
+    """The API's listening socket; ``port`` 0 takes one the OS picks."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only
+    # when the listener says so, and without it every response's last segment waits
+    # for the client's delayed ACK (~40 ms a request).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(
+            e.errno, f"cannot listen on {host}:{port} for the API: {e.strerror}"
+        ) from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
 class ApiServer:
-    """Serves the node's API until stopped."""
+    """Serves an app on a bound socket until stopped."""
 
-    def __init__(self, node: NodeView) -> None:
-        self.app = create_app(node)
-        self._server: _Server | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self, host: str, port: int) -> int:
-        """Bind and start serving; return the bound port."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only
-        # when the listener says so, and without it every response's last segment waits
-        # for the client's delayed ACK (~40 ms a request).
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            sock.close()
-            raise OSError(
-                e.errno, f"cannot listen on {host}:{port} for the API: {e.strerror}"
-            ) from None
-        sock.listen(128)
-        sock.setblocking(False)
-        bound = sock.getsockname()[1]
+    def __init__(self, app: ASGIApp, sock: socket.socket, *, stop_grace: float) -> None:
         # h11 by name: uvicorn would pick httptools when it happens to be installed, and
         # the two parsers answer malformed requests differently (httptools refuses any
         # method it does not know with a bare text 400, before the app can say why).
         config = uvicorn.Config(
-            self.app, http="h11", log_level="warning", lifespan="off", access_log=False
+            app, http="h11", log_level="warning", lifespan="off", access_log=False
         )
         self._server = _Server(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="api")
+        self._sock = sock
+        self._stop_grace = stop_grace
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Start serving (returns once the server accepts)."""
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]), name="api")
         while not self._server.started:
             if self._task.done():
                 self._task.result()
             await asyncio.sleep(0.01)
-        return bound
 
     async def stop(self) -> None:
-        """Stop accepting, finish in-flight responses (bounded), close."""
-        if self._server is None or self._task is None:
+        """Stop accepting, finish in-flight responses (bounded by the grace), close."""
+        if self._task is None:
+            self._sock.close()
             return
         self._server.should_exit = True
         try:
-            await asyncio.wait_for(self._task, 5.0)
+            await asyncio.wait_for(self._task, self._stop_grace)
         except (TimeoutError, asyncio.CancelledError):
             self._task.cancel()

@@ -11,24 +11,34 @@ import sys
 from pathlib import Path
 
 import meshd
+from meshd.api.app import create_app
+from meshd.api.server import ApiServer, bind_api
+from meshd.api.services import ApiSettings
 from meshd.cli.argtypes import positive_float, positive_int
 from meshd.crdt.hlc import DEFAULT_MAX_DRIFT_MS
-from meshd.models.resolve import DEFAULT_MODEL
-from meshd.node.inference import REPLAY_WAIT_S
-from meshd.transport.security import SECRET_ENV, load_secret
-
-from ..node.config import (
+from meshd.models import DEFAULT_MODEL
+from meshd.node.config import (
     API_KEY_ENV,
+    CHUNK_TIMEOUT_S,
     DEFAULT_API_PORT,
     DEFAULT_CLUSTER,
     DEFAULT_MAX_REQUESTS,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MESH_PORT,
+    DRAIN_TIMEOUT_S,
     FORGET_AFTER_S,
+    LOAD_WAIT_S,
+    MAX_RESTARTS,
+    REPLAY_WAIT_S,
+    REQUEST_EXPIRY_S,
+    STOP_GRACE_S,
     TOMBSTONE_GRACE_MS,
+    NodeConfig,
     parse_peer,
     parse_size,
 )
+from meshd.node.daemon import ApiAddress, Node
+from meshd.transport.security import SECRET_ENV, load_secret
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -151,24 +161,58 @@ def _parser() -> argparse.ArgumentParser:
         help="how long a request broken by a dead stage waits for the repaired plan "
         "before it ends with stage_lost (default: %(default)s)",
     )
+    up.add_argument(
+        "--load-wait",
+        type=positive_float,
+        default=LOAD_WAIT_S,
+        metavar="SECONDS",
+        help="how long a request waits for its model to load before a 503 with "
+        "Retry-After (default: %(default)s)",
+    )
+    up.add_argument(
+        "--chunk-timeout",
+        type=positive_float,
+        default=CHUNK_TIMEOUT_S,
+        metavar="SECONDS",
+        help="silence between two chunks of a request before it ends with timeout "
+        "(default: %(default)s)",
+    )
+    up.add_argument(
+        "--request-expiry",
+        type=positive_float,
+        default=REQUEST_EXPIRY_S,
+        metavar="SECONDS",
+        help="a runner frees a request idle this long; keep it above --chunk-timeout "
+        "(default: %(default)s)",
+    )
+    up.add_argument(
+        "--stop-grace",
+        type=positive_float,
+        default=STOP_GRACE_S,
+        metavar="SECONDS",
+        help="how long a runner gets to exit before SIGKILL (default: %(default)s)",
+    )
+    up.add_argument(
+        "--max-restarts",
+        type=positive_int,
+        default=MAX_RESTARTS,
+        metavar="N",
+        help="runner exits in a minute before it is given up and its stage moves "
+        "(default: %(default)s)",
+    )
+    up.add_argument(
+        "--drain-timeout",
+        type=positive_float,
+        default=DRAIN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long a stopping node waits for its stages to move and its requests "
+        "to finish (default: %(default)s)",
+    )
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
 
-def _ready_line(node) -> None:
-    # One machine-readable line on stdout: scripts and tests wait for it.
-    print(
-        f"meshd ready node={node.node_id} name={node.config.name} "
-        f"api=http://{node.api_host}:{node.api_port} "
-        f"mesh={node.gossip.mesh_port} pub={node.gossip.pub_port}",
-        flush=True,
-    )
-
-
-async def _up(args: argparse.Namespace) -> int:
-    from ..node.config import NodeConfig
-    from ..node.daemon import Node
-
+def _config(args: argparse.Namespace) -> NodeConfig:
     cfg = NodeConfig(
         cluster=args.cluster,
         api_host=args.api_host,
@@ -188,16 +232,59 @@ async def _up(args: argparse.Namespace) -> int:
         replay_wait=args.replay_wait,
         max_clock_drift_ms=args.max_clock_drift,
         tombstone_grace_ms=args.tombstone_grace,
+        load_wait=args.load_wait,
+        chunk_timeout=args.chunk_timeout,
+        request_expiry=args.request_expiry,
+        stop_grace=args.stop_grace,
+        max_restarts=args.max_restarts,
+        drain_timeout=args.drain_timeout,
     )
     if args.name:
         cfg.name = args.name
     if args.data_dir:
         cfg.data_dir = args.data_dir
-    node = Node(cfg)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, node.request_stop)
-    return await node.run(on_ready=_ready_line)
+    return cfg
+
+
+async def up(cfg: NodeConfig) -> int:
+    """Run a node and its API until a stop signal; the process exit code.
+
+    The composition root: the API socket is bound first (its port goes in the node's
+    card), the node is built and started, the API serves the node's services; at the
+    stop, the node drains, leaves, the API stops, the node closes.
+    """
+    host = cfg.api_listen_host()
+    sock = bind_api(host, cfg.api_port)
+    try:
+        node = await Node.start(cfg, ApiAddress(host, sock.getsockname()[1]))
+    except BaseException:
+        sock.close()
+        raise
+    settings = ApiSettings(
+        api_key=cfg.api_key, max_requests=cfg.max_requests, max_tokens=cfg.max_tokens
+    )
+    server = ApiServer(create_app(node.services, settings), sock, stop_grace=cfg.api_stop_grace)
+    try:
+        await server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, node.request_stop)
+        # One machine-readable line on stdout: scripts and tests wait for it.
+        card = node.presence.card
+        print(
+            f"meshd ready node={node.node_id} name={cfg.name} "
+            f"api=http://{card.api_host}:{card.api_port} "
+            f"mesh={card.mesh_port} pub={card.pub_port}",
+            flush=True,
+        )
+        await node.wait()
+        if not node.hurried:
+            await node.drain()
+    finally:
+        await node.leave()
+        await server.stop()
+        await node.close()
+    return node.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for p in args.peer:
             parse_peer(p)
-        return asyncio.run(_up(args))
+        return asyncio.run(up(_config(args)))
     except ValueError as e:
         print(f"meshd: {e}", file=sys.stderr)
         return 2

@@ -122,28 +122,6 @@ class Stage(Protocol):
         ...
 
 
-class _StageShape(Protocol):
-    """The part of :class:`Stage` that input validation reads."""
-
-    first: bool
-    n_vocab: int
-    hidden_size: int
-    n_ctx: int
-    n_seq_max: int
-
-    def n_past(self, seq: int) -> int: ...
-
-
-class _StageShape(Protocol):
-    first: bool
-    n_vocab: int
-    hidden_size: int
-    n_ctx: int
-    n_seq_max: int
-
-    def n_past(self, seq: int) -> int: ...
-
-
 def stage_role(first: bool, last: bool) -> str:
     """``first+last``, ``first``, ``last`` or ``middle``: a stage's place, for reprs."""
     if first:
@@ -157,7 +135,7 @@ def check_seq(seq: int, n_seq_max: int) -> None:
         raise StageInputError(f"seq {seq} outside [0, {n_seq_max})")
 
 
-def validate_inputs(stage: _StageShape, items: Sequence[StageInput]) -> list[np.ndarray]:
+def validate_inputs(stage: Stage, items: Sequence[StageInput]) -> list[np.ndarray]:
     """Check every item for ``stage`` before anything runs; return its input as arrays.
 
     One rule book for every engine: tokens on a first stage, ``(n, hidden)`` rows

@@ -1,4 +1,6 @@
-"""Node settings: every default in one place (documented in docs/operations.md)."""
+"""Node settings: every default in one place, each with its reason (documented in
+docs/operations.md). ``meshd up`` fills a :class:`NodeConfig` from its flags; the parts
+of the node read their numbers from it, never from constants of their own."""
 
 from __future__ import annotations
 
@@ -7,12 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshd.crdt import hlc, liveness
-from meshd.models.resolve import DEFAULT_MODEL
+from meshd.engines.protocol import REQUEST_EXPIRY_S
+from meshd.models import DEFAULT_MODEL
 from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
 from meshd.transport import gossip
 
 from .identity import default_data_dir
-from .inference import REPLAY_WAIT_S
 
 #: The OpenAI-compatible HTTP API.
 DEFAULT_API_PORT = 7470
@@ -31,6 +33,47 @@ TOMBSTONE_GRACE_MS = 60_000
 #: A node silent (dead or left) this long is forgotten: it stops counting for tombstone
 #: collection (a dead member freezes it) and survivors tombstone its card and heartbeat.
 FORGET_AFTER_S = 600.0
+#: A request waits this long for its model to load, then gets 503 + Retry-After: a
+#: first load of a big model takes tens of seconds, and a client should hear something.
+LOAD_WAIT_S = 60.0
+#: Stage 0 answers every request with its prompt size first; no answer this long means
+#: the pipeline is not there (a runner wedged without dying).
+FIRST_CHUNK_TIMEOUT_S = 30.0
+#: Silence between two chunks of a request before it ends with ``timeout``: far above
+#: any token time, below the runners' request expiry (the API node gives up first).
+CHUNK_TIMEOUT_S = 30.0
+#: A stage whose node is merely *suspect* ends a request that has also been silent
+#: this long: a healthy pipeline keeps producing, so both together mean it is gone.
+SUSPECT_SILENCE_S = 1.0
+#: How long a broken request waits for its repaired instance to serve before it ends
+#: with ``stage_lost``. A repair that placement says is impossible ends it at once;
+#: this bounds a repair that is possible but slow (weights loading on the new node).
+REPLAY_WAIT_S = 30.0
+#: While a streamed request waits for its repair, an SSE comment goes out this often
+#: so that clients and proxies with idle timeouts keep the connection.
+KEEPALIVE_S = 1.0
+#: Replays one request may go through: a drain and a repair can follow each other,
+#: but a plan that keeps changing under a request must not keep it forever.
+MAX_REPLAYS = 4
+#: Survivors re-place the instances of dead nodes at least this often (and at once on
+#: a change of the cluster).
+REPAIR_INTERVAL_S = 0.5
+#: A runner gets this long to exit after SIGTERM before SIGKILL: it frees its KV and
+#: closes its sockets; a wedged engine call must not hold a plan change up.
+STOP_GRACE_S = 3.0
+#: Crash-loop breaker: more than this many unexpected exits within the window and the
+#: runner is given up (``failed``, reason ``crash loop``); placement then moves it.
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
+#: First restart delay, doubled at each restart (a crash at load must not spin).
+RESTART_BACKOFF_S = 0.5
+#: How long a stopping node waits for its stages to move and its requests to finish.
+DRAIN_TIMEOUT_S = 30.0
+#: After the drain, the API server's grace for responses still being written.
+API_STOP_GRACE_S = 5.0
+#: Seconds to wait for peers before placing the default model, so a node joining a
+#: cluster that already serves it does not place it again.
+SETTLE_S = 2.0
 
 
 @dataclass
@@ -60,12 +103,28 @@ class NodeConfig:
     forget_after: float = FORGET_AFTER_S
     #: Seconds a request broken by a fault waits for its repaired plan to serve.
     replay_wait: float = REPLAY_WAIT_S
+    load_wait: float = LOAD_WAIT_S
+    first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT_S
+    chunk_timeout: float = CHUNK_TIMEOUT_S
+    suspect_silence: float = SUSPECT_SILENCE_S
+    keepalive: float = KEEPALIVE_S
+    max_replays: int = MAX_REPLAYS
+    repair_interval: float = REPAIR_INTERVAL_S
+    #: A runner frees a request idle this long (its stage 0 died, no cancel can come);
+    #: above ``chunk_timeout`` so that the API node gives up on a silent pipeline first.
+    request_expiry: float = REQUEST_EXPIRY_S
+    stop_grace: float = STOP_GRACE_S
+    max_restarts: int = MAX_RESTARTS
+    restart_window: float = RESTART_WINDOW_S
+    restart_backoff: float = RESTART_BACKOFF_S
+    drain_timeout: float = DRAIN_TIMEOUT_S
+    api_stop_grace: float = API_STOP_GRACE_S
     #: How far (ms) a peer's clock may run ahead of ours before its entries are refused.
     max_clock_drift_ms: int = hlc.DEFAULT_MAX_DRIFT_MS
     #: Model to make sure the cluster serves; "" for none.
     model: str = DEFAULT_MODEL
     #: Seconds to wait for peers before placing ``model`` (so a joiner does not re-place).
-    settle_s: float = 2.0
+    settle_s: float = SETTLE_S
     #: Context (tokens) per request, and requests in flight, per runner: what
     #: placement reserves KV memory for, so they share its constants.
     n_ctx: int = KV_TOKENS

@@ -15,7 +15,7 @@ API node replays those requests on the new plan.)
 A runner that is given up (crash loop, model missing) is remembered after its stage
 moved away: the node keeps reporting it, ``failed`` with its reason, in its heartbeat
 until the instance is deleted or the node restarts. That is what keeps the node out
-of the instance's plans (``Inference.repair``) and what the API and ``meshctl top``
+of the instance's plans (``ClusterView.repairs``) and what the API and ``meshctl top``
 show as the reason.
 """
 
@@ -44,27 +44,19 @@ from meshd.engines.protocol import (
     encode,
 )
 from meshd.engines.threads import runner_env, threads_per_runner
+from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
 from meshd.transport.security import SECRET_ENV
 
+from .cluster import CRASH_LOOP, MODEL_MISSING, gave_up
+from .config import (
+    MAX_RESTARTS,
+    REQUEST_EXPIRY_S,
+    RESTART_BACKOFF_S,
+    RESTART_WINDOW_S,
+    STOP_GRACE_S,
+)
+
 log = logging.getLogger("meshd.supervisor")
-
-#: How long a runner gets to exit after SIGTERM before SIGKILL.
-STOP_GRACE_S = 3.0
-#: Crash-loop breaker: more than this many unexpected exits within the window and the
-#: runner is given up (``failed``, reason ``crash loop``); placement then moves it.
-MAX_RESTARTS = 3
-RESTART_WINDOW_S = 60.0
-#: First restart delay, doubled at each restart.
-RESTART_BACKOFF_S = 0.5
-CRASH_LOOP = "crash loop"
-
-
-MODEL_MISSING = "model not available here"
-
-
-def gave_up(status: RunnerStatus) -> bool:
-    """True when a runner will not come back on its own: placement should move it."""
-    return status.state == "failed" and status.reason.startswith((CRASH_LOOP, MODEL_MISSING))
 
 
 @dataclass(frozen=True)
@@ -128,9 +120,14 @@ class Supervisor:
         cache_dir: Path,
         bind_host: str,
         on_status: Callable[[], None],
-        n_ctx: int = 4096,
-        n_seq_max: int = 8,
+        n_ctx: int = KV_TOKENS,
+        n_seq_max: int = KV_SEQUENCES,
         secret: str | None = None,
+        request_expiry: float = REQUEST_EXPIRY_S,
+        stop_grace: float = STOP_GRACE_S,
+        max_restarts: int = MAX_RESTARTS,
+        restart_window: float = RESTART_WINDOW_S,
+        restart_backoff: float = RESTART_BACKOFF_S,
     ) -> None:
         self.node_id = node_id
         self.secret = secret
@@ -140,11 +137,35 @@ class Supervisor:
         self.on_status = on_status
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
+        self.request_expiry = request_expiry
+        self.stop_grace = stop_grace
+        self.max_restarts = max_restarts
+        self.restart_window = restart_window
+        self.restart_backoff = restart_backoff
         self.runners: dict[tuple[str, int], RunnerProc] = {}
         #: Given-up runners whose stage moved away, by instance (see the module doc).
         self.given_up: dict[str, RunnerStatus] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()
+        self._scheduled = False
+        self._closed = False
+        self._reconciles: set[asyncio.Task[None]] = set()
+
+    def schedule(self, instances: Callable[[], dict[str, Instance]]) -> None:
+        """Reconcile soon with what ``instances()`` says then (a burst of plan changes
+        is one reconcile; a change during a reconcile is another)."""
+        if self._scheduled:
+            return
+        self._scheduled = True
+
+        async def run() -> None:
+            await asyncio.sleep(0)  # coalesce a burst of changes
+            self._scheduled = False
+            await self.reconcile(instances())
+
+        t = asyncio.get_running_loop().create_task(run(), name="reconcile")
+        self._reconciles.add(t)
+        t.add_done_callback(self._reconciles.discard)
 
     def statuses(self) -> list[RunnerStatus]:
         """Every runner's state, for the heartbeat, and the runners given up here."""
@@ -154,6 +175,8 @@ class Supervisor:
     async def reconcile(self, instances: dict[str, Instance]) -> None:
         """Make the running set match the plans (idempotent; serialized)."""
         async with self._lock:
+            if self._closed:
+                return
             desired: dict[tuple[str, int], tuple[Instance, int]] = {}
             for inst in instances.values():
                 for i, st in enumerate(inst.stages):
@@ -211,6 +234,7 @@ class Supervisor:
                     n_seq_max=self.n_seq_max,
                     send_dtype=send_dtype(inst, i),
                     n_threads=threads_per_runner(len(desired)),
+                    request_expiry_s=self.request_expiry,
                 )
                 self.runners[k] = await self._start(key, cfg)
 
@@ -272,20 +296,20 @@ class Supervisor:
             return
         reason = r.reason if r.state == "failed" and r.reason else f"exited with code {code}"
         now = asyncio.get_running_loop().time()
-        r.crashes = [t for t in r.crashes if now - t < RESTART_WINDOW_S] + [now]
-        if len(r.crashes) > MAX_RESTARTS:
+        r.crashes = [t for t in r.crashes if now - t < self.restart_window] + [now]
+        if len(r.crashes) > self.max_restarts:
             r.state = "failed"
             # When, in the reason itself: it travels in the heartbeat and is shown by
             # the API and `meshctl top` long after the stage moved away.
             at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             r.reason = (
-                f"{CRASH_LOOP}: {len(r.crashes)} exits in {RESTART_WINDOW_S:.0f} s "
+                f"{CRASH_LOOP}: {len(r.crashes)} exits in {self.restart_window:.0f} s "
                 f"({reason}); given up at {at}"
             )
             log.error("runner %s stage %d given up: %s", r.key.instance, r.key.stage, r.reason)
             self.on_status()
             return
-        delay = RESTART_BACKOFF_S * 2 ** (len(r.crashes) - 1)
+        delay = self.restart_backoff * 2 ** (len(r.crashes) - 1)
         log.warning(
             "runner %s stage %d %s; restarting in %.1f s",
             r.key.instance, r.key.stage, reason, delay,
@@ -309,7 +333,7 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 p.terminate()
             try:
-                await asyncio.wait_for(p.wait(), STOP_GRACE_S)
+                await asyncio.wait_for(p.wait(), self.stop_grace)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
@@ -327,6 +351,7 @@ class Supervisor:
 
     async def stop_all(self) -> None:
         """Stop every runner (node shutdown)."""
+        self._closed = True  # no reconcile starts a runner after this
         async with self._lock:
             runners = [self.runners.pop(k) for k in list(self.runners)]
             await asyncio.gather(*(self._stop(r) for r in runners), *list(self._retiring))

@@ -447,4 +447,3 @@ class Gossip:
         t = asyncio.create_task(coro)
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
-

@@ -1,0 +1,248 @@
+"""One request on the pipeline as the API sees it, whatever dialect it came in.
+
+A dialect's handler parses its body into a :class:`GenerateRequest` (the one internal
+request model: messages or a prompt, and how to sample), then :func:`admit` decides
+whether the node takes it (draining: 503, full: 429), finds or places the model's
+instance and waits for stage 0's acknowledgement (so errors arrive before the response
+starts). The :class:`Run` it returns yields the chunks that follow,
+recording the request's metrics; the handler renders them in its own shape, whole
+(:meth:`Run.collect`, stopped at once when the client leaves) or streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from meshd.crdt.views import Instance
+from meshd.node.errors import RequestFailed
+from meshd.node.metrics import Metrics
+from meshd.transport import wire
+
+from .errors import ApiError, bad_request, node_error, overloaded, request_failed
+from .limits import Ticket
+from .services import ApiContext
+
+__all__ = [
+    "DRAINING_RETRY_S",
+    "OVERLOADED_RETRY_S",
+    "Collected",
+    "GenerateRequest",
+    "Run",
+    "admit",
+    "until_disconnected",
+]
+
+#: Retry-After given when the node carries its limit of requests.
+OVERLOADED_RETRY_S = 1.0
+#: Retry-After given while the node drains (stops): another node answers at once.
+DRAINING_RETRY_S = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """A request for text, in no dialect: what every API adapter parses into."""
+
+    model: str
+    #: A chat (rendered with the model's template by stage 0), or a plain prompt.
+    messages: list[wire.ChatTurn] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def sampling(self, cap: int) -> wire.Sampling:
+        """The pipeline's sampling parameters; ``max_tokens`` over ``cap`` is a 400,
+        none at all means ``cap`` (or the context's end)."""
+        if self.max_tokens is not None and self.max_tokens > cap:
+            raise bad_request(
+                f"max_tokens is too large: {self.max_tokens}. This node generates at most "
+                f"{cap} tokens per request (meshd up --max-tokens).",
+                param="max_tokens",
+                code="max_tokens_too_large",
+            )
+        return wire.Sampling(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            max_tokens=cap if self.max_tokens is None else self.max_tokens,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+@dataclass
+class Collected:
+    """A whole answer."""
+
+    text: str
+    finish_reason: str
+    usage: wire.Usage
+
+
+class Run:
+    """One admitted request with stage 0's acknowledgement in hand."""
+
+    def __init__(
+        self,
+        chunks: AsyncIterator[wire.DataChunk],
+        first: wire.DataChunk,
+        *,
+        model: str,
+        route: str,
+        ticket: Ticket,
+        metrics: Metrics,
+        t0: float,
+    ) -> None:
+        self.chunks = chunks
+        self.first = first
+        self.n_prompt = first.n_prompt or 0
+        self.model = model
+        self.route = route
+        self.ticket = ticket
+        self.metrics = metrics
+        self.t0 = t0
+        self._closed = False
+        metrics.in_flight.inc()
+
+    async def pieces(self) -> AsyncIterator[wire.DataChunk]:
+        """Every chunk after the acknowledgement, recording time to first token,
+        inter-token time, per-stage compute and the per-hop overhead."""
+        m, model = self.metrics, self.model
+        last = None
+        n = 0
+        try:
+            async for c in self.chunks:
+                now = time.perf_counter()
+                if c.tokens:
+                    for i, sec in enumerate(c.compute):
+                        m.stage_compute.labels(model, str(i)).observe(sec)
+                    if last is None:
+                        m.ttft.labels(model).observe(now - self.t0)
+                    else:
+                        m.itl.labels(model).observe(now - last)
+                        hops = len(c.compute)  # n stages: n-1 forward hops + 1 back
+                        if hops:
+                            extra = max(0.0, now - last - sum(c.compute))
+                            m.hop_overhead.labels(model).observe(extra / hops)
+                    last = now
+                    n += len(c.tokens)
+                yield c
+        finally:
+            m.prompt_tokens.labels(model).inc(self.n_prompt)
+            m.completion_tokens.labels(model).inc(n)
+
+    async def collect(self) -> Collected:
+        """The whole answer (raises RequestFailed)."""
+        text, finish, usage = [], "stop", None
+        async for c in self.pieces():
+            text.append(c.text)
+            if c.finish_reason:
+                finish, usage = c.finish_reason, c.usage
+        return Collected("".join(text), finish, usage or wire.Usage(self.n_prompt, 0))
+
+    async def collect_unless_gone(self, request: Request) -> Collected | None:
+        """:meth:`collect`, or None as soon as the client closes the connection: the
+        answer has no reader then, so the stages stop now, not after ``max_tokens``
+        more tokens (an SDK's timeout and retry would multiply the work)."""
+        work = asyncio.ensure_future(self.collect())
+        gone = asyncio.ensure_future(until_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+            return None
+        finally:
+            gone.cancel()
+
+    def count(self, outcome: str) -> None:
+        """Count the request's outcome (``200``, a status, ``client_closed``)."""
+        self.metrics.requests.labels(self.route, self.model, outcome).inc()
+
+    async def close(self) -> None:
+        """Free the request on every stage if it did not finish, give its slot back
+        (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.ticket.release()
+        await self.chunks.aclose()
+        self.metrics.in_flight.dec()
+
+
+async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
+    """Take a request, find (or place) the model's instance and start the request.
+
+    Raises :class:`ApiError` (503 draining, 429 full, the node's typed errors); every
+    refusal is counted under ``route``. The caller must :meth:`Run.close` the run.
+    """
+    services = ctx.services
+    metrics = services.metrics
+    model = req.model
+    t0 = time.perf_counter()
+    if services.draining:
+        # A stopping node takes no new work: what it accepts now it would have to
+        # finish (or cut) within the drain; the client retries on another node.
+        metrics.requests.labels(route, model, "503").inc()
+        raise ApiError(
+            503, "this node is draining (shutting down); send the request to another node",
+            type="service_unavailable", code="draining", retry_after=DRAINING_RETRY_S,
+        )  # fmt: skip
+    ticket = ctx.admission.enter()
+    if ticket is None:
+        metrics.requests.labels(route, model, "429").inc()
+        raise overloaded(OVERLOADED_RETRY_S)
+    try:
+        params = req.sampling(ctx.settings.max_tokens)
+        inst = await _instance(ctx, model)
+        chunks = services.generate(inst, messages=req.messages, prompt=req.prompt, sampling=params)
+        first = await _first(chunks)
+    except ApiError as e:
+        ticket.release()
+        metrics.requests.labels(route, model, str(e.status)).inc()
+        raise
+    except BaseException:
+        ticket.release()
+        raise
+    return Run(chunks, first, model=model, route=route, ticket=ticket, metrics=metrics, t0=t0)
+
+
+async def _instance(ctx: ApiContext, model: str) -> Instance:
+    try:
+        return await ctx.services.instance_for(model)
+    except Exception as e:
+        err = node_error(e, model)
+        if err is None:
+            raise
+        raise err from None
+
+
+async def _first(chunks: AsyncIterator[wire.DataChunk]) -> wire.DataChunk:
+    """Stage 0's acknowledgement (or its error)."""
+    try:
+        return await anext(chunks)
+    except RequestFailed as e:
+        await chunks.aclose()  # type: ignore[attr-defined]
+        raise request_failed(e) from None
+    except StopAsyncIteration:
+        raise ApiError(502, "the pipeline ended without output", type="server_error") from None
+
+
+async def until_disconnected(request: Request) -> None:
+    """Return when the client closes the connection (its body is already read, so the
+    next ASGI message can only be ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,107 @@
+"""What the API needs from the node it runs on, and how a handler reaches it.
+
+The node implements :class:`Services` (``meshd.node.services.NodeServices``); the
+composition root (``meshd up``) builds the app with it. Handlers are plain functions of
+a request: :func:`context` gives them the services, the settings and the admission
+counter of their app.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from starlette.requests import Request
+
+from meshd.crdt.views import Instance, InstanceSpec
+from meshd.node.cluster import ClusterView
+from meshd.node.metrics import Metrics
+from meshd.node.services import Vitals
+from meshd.transport import wire
+
+from .limits import Admission
+
+__all__ = ["ApiContext", "ApiSettings", "Services", "context"]
+
+
+class Services(Protocol):
+    """The node's side of the API boundary."""
+
+    metrics: Metrics
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def cluster_name(self) -> str: ...
+
+    @property
+    def draining(self) -> bool:
+        """The node is stopping: new requests go elsewhere (503 ``draining``)."""
+        ...
+
+    def view(self) -> ClusterView:
+        """The cluster as of now."""
+        ...
+
+    def vitals(self) -> Vitals:
+        """This node's own vitals (``GET /healthz``)."""
+        ...
+
+    def sync_metrics(self) -> None:
+        """Bring gauges kept elsewhere into :attr:`metrics` (before a scrape)."""
+        ...
+
+    async def instance_for(self, model: str) -> Instance:
+        """The ready instance serving ``model``, placing one if needed (bounded wait)."""
+        ...
+
+    async def place(self, spec: InstanceSpec) -> Instance:
+        """Place an instance as asked."""
+        ...
+
+    def remove(self, instance_id: str) -> bool:
+        """Delete an instance; False if there is none with that id."""
+        ...
+
+    def generate(
+        self,
+        inst: Instance,
+        *,
+        messages: list[wire.ChatTurn] | None = None,
+        prompt: str | None = None,
+        sampling: wire.Sampling,
+    ) -> AsyncIterator[wire.DataChunk]:
+        """Run one request on ``inst``: its chunks, the first one the acknowledgement."""
+        ...
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """What ``meshd up`` was told about its API (defaults live in ``NodeConfig``)."""
+
+    #: Bearer token every route but ``/healthz`` demands; None serves anyone.
+    api_key: str | None
+    #: Completion requests in flight through this node; more get 429.
+    max_requests: int
+    #: Most tokens one request may generate (``max_tokens`` above it is a 400).
+    max_tokens: int
+
+
+@dataclass
+class ApiContext:
+    """Everything a handler of one app works with."""
+
+    services: Services
+    settings: ApiSettings
+    admission: Admission = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.settings.max_requests)
+
+
+def context(request: Request) -> ApiContext:
+    """The context of the app that took ``request``."""
+    ctx: ApiContext = request.app.state.ctx
+    return ctx

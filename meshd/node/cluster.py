@@ -1,0 +1,283 @@
+"""The cluster as one node sees it at one moment, and the questions asked of it.
+
+:class:`ClusterView` is a frozen snapshot: the node cards, heartbeats and instances of
+the shared map, decoded once, plus each node's liveness on this node's clock at the
+moment the view was taken. Every query on it is a pure function of the snapshot (no
+clock, no I/O), so the request path, the repair loop, the API and the tests ask the
+same questions and get the same answers; build one from literals in a REPL to try a
+rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+from meshd.crdt.liveness import Liveness, State
+from meshd.crdt.lww import LWWMap
+from meshd.crdt.views import (
+    Health,
+    Instance,
+    InstanceSpec,
+    ModelFacts,
+    NodeCard,
+    RunnerStatus,
+    cards,
+    healths,
+    instances,
+)
+from meshd.models import canonical_name
+from meshd.placement import NodeResources, PlacementError, node_resources, place, repair_needed
+from meshd.transport import wire
+
+__all__ = [
+    "CRASH_LOOP",
+    "MODEL_MISSING",
+    "ClusterView",
+    "StageState",
+    "gave_up",
+]
+
+#: Reason prefixes of a runner its node gave up on (it will not come back by itself).
+CRASH_LOOP = "crash loop"
+MODEL_MISSING = "model not available here"
+
+
+def gave_up(status: RunnerStatus) -> bool:
+    """True when a runner will not come back on its own: placement should move it."""
+    return status.state == "failed" and status.reason.startswith((CRASH_LOOP, MODEL_MISSING))
+
+
+@dataclass(frozen=True, slots=True)
+class StageState:
+    """What the cluster says about one stage of an instance."""
+
+    node: str
+    state: str
+    reason: str
+    addr: wire.Addr | None
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """The shared state at one moment, with each node's liveness as seen from here."""
+
+    self_id: str
+    cards: Mapping[str, NodeCard]
+    healths: Mapping[str, Health]
+    instances: Mapping[str, Instance]
+    #: Liveness of every node a heartbeat was seen from (this node: ``alive``).
+    liveness: Mapping[str, State]
+    #: Seconds since each node's last heartbeat arrived (this node: 0).
+    ages: Mapping[str, float]
+
+    @classmethod
+    def build(cls, m: LWWMap, self_id: str, liveness: Liveness, now: float) -> ClusterView:
+        """A view of ``m`` with ``liveness`` read at ``now`` (monotonic seconds)."""
+        states: dict[str, State] = {}
+        ages: dict[str, float] = {}
+        for nid in liveness.nodes():
+            st = liveness.state(nid, now)
+            age = liveness.age(nid, now)
+            if st is not None:
+                states[nid] = st
+            if age is not None:
+                ages[nid] = age
+        states[self_id] = "alive"
+        ages[self_id] = 0.0
+        return cls(self_id, cards(m), healths(m), instances(m), states, ages)
+
+    # -- nodes ---------------------------------------------------------------------
+    def is_live(self, nid: str) -> bool:
+        """Alive or suspect: still counted by placement (suspect does not move work)."""
+        return self.liveness.get(nid) in ("alive", "suspect")
+
+    def is_alive(self, nid: str) -> bool:
+        """Alive and not even suspect (stricter than :meth:`is_live`)."""
+        return self.liveness.get(nid) == "alive"
+
+    def serving(self, nid: str) -> bool:
+        """Live and not draining: a node placement may give stages to."""
+        h = self.healths.get(nid)
+        return self.is_live(nid) and (h is None or h.state == "up")
+
+    def label(self, nid: str) -> str:
+        """``name (id)`` for logs, or the bare id of a node without a card."""
+        c = self.cards.get(nid)
+        return f"{c.name} ({nid})" if c else nid
+
+    # -- models --------------------------------------------------------------------
+    def known_models(self) -> list[str]:
+        """Models the cluster can serve: placed ones and those some live node holds."""
+        names = {canonical_name(i.spec.model) for i in self.instances.values()}
+        for nid, c in self.cards.items():
+            if self.is_live(nid):
+                names.update(canonical_name(x) for x in c.models)
+        return sorted(names)
+
+    def is_known(self, model: str) -> bool:
+        """A model some live node holds, or that an instance serves."""
+        return canonical_name(model) in self.known_models()
+
+    def facts_from_peers(self, model: str) -> ModelFacts | None:
+        """Facts of ``model`` as a live node that holds it advertises them."""
+        canon = canonical_name(model)
+        for nid, c in sorted(self.cards.items()):
+            if not self.is_live(nid):
+                continue
+            for f in c.model_facts:
+                if canonical_name(f.name) == canon:
+                    return msgspec.structs.replace(f, name=model)
+        return None
+
+    # -- instances -----------------------------------------------------------------
+    def find_instance(self, model: str) -> Instance | None:
+        """The instance serving ``model`` (ready ones first, then by id)."""
+        canon = canonical_name(model)
+        found = [i for i in self.instances.values() if canonical_name(i.spec.model) == canon]
+        if not found:
+            return None
+        found.sort(key=lambda i: (not self.is_ready(i), i.id))
+        return found[0]
+
+    def stage_states(self, inst: Instance) -> list[StageState]:
+        """Each stage's runner state and address, from the nodes' heartbeats."""
+        out = []
+        for i, st in enumerate(inst.stages):
+            card, h = self.cards.get(st.node), self.healths.get(st.node)
+            state, reason, addr = "pending", "", None
+            if card is None or not self.is_live(st.node):
+                state, reason = "unavailable", f"node {st.node} is not live"
+            elif h is not None:
+                # Newest generation first: a given-up runner of an older plan may still
+                # be reported beside the current one (it records why the node was left
+                # out), and must not hide it.
+                mine = [r for r in h.runners if r.instance == inst.id and r.stage == i]
+                for r in sorted(mine, key=lambda r: -r.generation)[:1]:
+                    state, reason = r.state, r.reason
+                    if r.generation != inst.generation and r.state == "ready":
+                        state = "loading"
+                    if r.port:
+                        addr = wire.Addr(node=st.node, addresses=card.addresses, port=r.port)
+            out.append(StageState(st.node, state, reason, addr))
+        return out
+
+    def is_ready(self, inst: Instance) -> bool:
+        """Every stage's runner is ready at the instance's generation."""
+        return all(s.state == "ready" and s.addr is not None for s in self.stage_states(inst))
+
+    def gave_up_on(self, inst: Instance) -> dict[str, RunnerStatus]:
+        """Nodes whose runner for ``inst`` was given up (crash loop, model missing), with
+        that runner's status: its ``reason`` says why and when.
+
+        The node keeps reporting a given-up runner in its heartbeat after the instance
+        moved away (see ``Supervisor``), so the exclusion and its reason outlive the
+        repair: placement never puts the stage back there, and the API and ``meshctl
+        top`` can say why the node is not in the plan.
+        """
+        out: dict[str, RunnerStatus] = {}
+        for nid, h in sorted(self.healths.items()):
+            for r in h.runners:
+                if r.instance == inst.id and gave_up(r) and nid not in out:
+                    out[nid] = r
+        return out
+
+    # -- placement inputs ----------------------------------------------------------
+    def live_resources(self, model: str) -> dict[str, NodeResources]:
+        """Resources of the serving nodes that hold ``model`` (placement's input).
+
+        A model named by path or repo id may go on any serving node: its runner says
+        whether the file is there (and is the placed one)."""
+        canon = canonical_name(model)
+        anywhere = "/" in model or model.endswith(".gguf")
+        holders = [
+            nid for nid, c in self.cards.items()
+            if self.serving(nid)
+            and (anywhere or canon in {canonical_name(x) for x in c.models})
+        ]  # fmt: skip
+        return node_resources(self.cards, self.healths, holders)
+
+    def relocatable(self, inst: Instance, without: str) -> bool:
+        """Whether the serving nodes other than ``without`` can hold ``inst``."""
+        if inst.facts is None:
+            return False
+        nodes = {k: v for k, v in self.live_resources(inst.spec.model).items() if k != without}
+        try:
+            place(InstanceSpec(model=inst.spec.model), inst.facts, nodes, previous=inst)
+        except PlacementError:
+            return False
+        return True
+
+    def _repair_nodes(self, inst: Instance, strict: bool = False) -> dict[str, NodeResources]:
+        """Placement's input for a repair of ``inst``: serving nodes that hold the model,
+        less those that gave up on it (and, ``strict``, less the merely suspect ones)."""
+        excluded = set(self.gave_up_on(inst))
+        return {
+            k: v for k, v in self.live_resources(inst.spec.model).items()
+            if k not in excluded and (not strict or self.is_alive(k))
+        }  # fmt: skip
+
+    def unrepairable(self, inst: Instance, strict: bool = False) -> str | None:
+        """Why ``inst`` cannot serve and cannot be repaired, or None.
+
+        A stage is lost when its node is not live (``strict``: not alive, i.e. even
+        suspect) or its runner was given up. When a stage is lost and placement finds
+        no plan on the nodes left, the instance will not serve again by itself: a
+        request should end now with this reason rather than wait for a repair that
+        :meth:`repairs` (the same inputs) will never propose.
+        """
+        if inst.facts is None:
+            return None
+        gone = self.gave_up_on(inst)
+        up = self.is_alive if strict else self.is_live
+        lost = [st.node for st in inst.stages if st.node in gone or not up(st.node)]
+        if not lost:
+            return None
+        try:
+            place(InstanceSpec(model=inst.spec.model), inst.facts,
+                  self._repair_nodes(inst, strict), previous=inst)  # fmt: skip
+        except PlacementError as e:
+            why = gone[lost[0]].reason if lost[0] in gone else "node not answering"
+            return f"stage on node {lost[0]} lost ({why}); no repair possible: {e}"
+        return None
+
+    def repairs(self) -> tuple[list[Instance], dict[str, str]]:
+        """The new plans of every instance with a stage on a node that is gone or gave
+        up, and why each instance that needs one cannot have it (by instance id).
+
+        Every survivor computes this on its own and, ``place`` being pure and sticky,
+        gets the same plans; they carry ``generation + 1``, so concurrent identical
+        writes converge through the LWW map. Nodes that gave up a runner of an instance
+        are left out of its plans for good (until the node restarts or the instance is
+        deleted). Pins and ``min_nodes`` shaped the first plan; a repair keeps what
+        survives where it is and serves with what is left rather than not at all.
+        """
+        live = {n for n in self.cards if self.serving(n)}
+        plans: list[Instance] = []
+        failed: dict[str, str] = {}
+        for inst in self.instances.values():
+            if inst.facts is None:
+                continue
+            excluded = set(self.gave_up_on(inst))
+            if not repair_needed(inst, live - excluded):
+                continue
+            relaxed = InstanceSpec(model=inst.spec.model)
+            try:
+                stages = place(relaxed, inst.facts, self._repair_nodes(inst), previous=inst)
+            except PlacementError as e:
+                failed[inst.id] = str(e)
+                continue
+            if stages == inst.stages:
+                continue
+            plans.append(
+                Instance(
+                    id=inst.id,
+                    spec=inst.spec,
+                    stages=stages,
+                    generation=inst.generation + 1,
+                    facts=inst.facts,
+                )
+            )
+        return plans, failed

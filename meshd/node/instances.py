@@ -1,0 +1,246 @@
+"""Instances as the node that serves an API sees them: which instance serves a model
+(placing one when none does, and waiting for it to load), placing and removing them,
+and repairing those that lost a stage.
+
+A plan is computed with the pure ``place()`` and written as ``instance/<id>``; every
+node that runs a stage of it reconciles its runners. Waits for readiness are woken by
+changes of the cluster, never by polling, and keep their time limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from meshd.crdt.views import Instance, InstanceSpec, ModelFacts, instance_key
+from meshd.models import ModelNotFoundError, canonical_name, resolve_model
+from meshd.models.facts import read_model_facts
+from meshd.models.folder import check_folder_for_mlx
+from meshd.models.mlx_layout import check_gguf_for_mlx
+from meshd.placement import place
+
+from .config import NodeConfig
+from .errors import ModelLoading, RequestFailed
+from .state import ClusterState
+
+__all__ = ["Instances", "auto_instance_id"]
+
+log = logging.getLogger("meshd.inference")
+
+#: Repairs run at most this often, however fast the cluster changes.
+_REPAIR_FLOOR_S = 0.1
+
+
+def _check_mlx(model: str, pinned: bool) -> None:
+    """Raise UnsupportedModelError when MLX must run ``model`` (pinned, or a folder)
+    and cannot. A model not on this machine is not checked here."""
+    try:
+        resolved = resolve_model(model)
+    except LookupError:
+        return  # not on this machine: facts() says where it looked, or finds it
+    if resolved.format == "gguf" and not pinned:
+        return
+    check = check_gguf_for_mlx if resolved.format == "gguf" else check_folder_for_mlx
+    check(resolved.path)
+
+
+def auto_instance_id(model: str) -> str:
+    """Id of the instance placed on demand for ``model``: the same on every node, so
+    nodes that place it at once write one instance, not one each (LWW keeps one plan)."""
+    canon = canonical_name(model)
+    return "auto-" + hashlib.blake2b(canon.encode(), digest_size=6).hexdigest()
+
+
+class Instances:
+    """Placing, finding, waiting for and repairing instances."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        config: NodeConfig,
+        *,
+        cache_dir: Path,
+        aborted: Callable[[], str | None],
+    ) -> None:
+        self.state = state
+        self.config = config
+        self.cache_dir = cache_dir
+        self._aborted = aborted
+        self._facts: dict[str, ModelFacts] = {}
+        self._facts_lock = asyncio.Lock()
+        self._unrepairable: set[tuple[str, int]] = set()
+
+    # -- models --------------------------------------------------------------------
+    async def facts(self, model: str) -> ModelFacts:
+        """Facts of ``model``: read from this node's file (hashing runs off the event
+        loop, once), else as a live node that holds it advertises them.
+
+        Raises ModelNotFoundError when neither has it, ModelFormatError (a ValueError)
+        for a file that is no usable model.
+        """
+        canon = canonical_name(model)
+        async with self._facts_lock:
+            f = self._facts.get(canon)
+            if f is None:
+                try:
+                    f = await asyncio.to_thread(read_model_facts, canon, self.cache_dir)
+                except ModelNotFoundError:
+                    # Not on this disk: a live node that holds it may have said what it
+                    # is (its card), which is all placement needs (it places on holders).
+                    f = self.state.view().facts_from_peers(canon)
+                    if f is None:
+                        raise
+                    return f  # not cached: the holder may change its file
+                self._facts[canon] = f
+            return f
+
+    # -- placing -------------------------------------------------------------------
+    async def place(
+        self, spec: InstanceSpec, facts: ModelFacts, instance_id: str | None = None
+    ) -> Instance:
+        """Compute a plan and write it; raise PlacementError when none fits."""
+        nodes = self.state.view().live_resources(spec.model)
+        stages = place(spec, facts, nodes)
+        inst = Instance(
+            id=instance_id or secrets.token_hex(4),
+            spec=spec,
+            stages=stages,
+            generation=1,
+            facts=facts,
+        )
+        self.state.write(instance_key(inst.id), inst)
+        log.info(
+            "placed %s as %s: %s", spec.model, inst.id,
+            ", ".join(f"{s.node}[{s.start}:{s.end}) {s.engine}" for s in stages),
+        )  # fmt: skip
+        return inst
+
+    async def place_requested(self, spec: InstanceSpec) -> Instance:
+        """Place ``spec`` as a user asked for it (``POST /v1/instances``).
+
+        Before anything runs, refuses a model MLX would read wrongly or not at all (a
+        GGUF pinned to MLX stages, or any MLX folder: only MLX can run one) with
+        UnsupportedModelError; then as :meth:`place`, with the model's facts.
+        """
+        await asyncio.to_thread(_check_mlx, spec.model, "mlx" in spec.engines)
+        facts = await self.facts(spec.model)
+        return await self.place(
+            msgspec.structs.replace(spec, model=canonical_name(spec.model)), facts
+        )
+
+    def remove(self, instance_id: str) -> bool:
+        """Delete an instance; False if there is none with that id."""
+        if instance_id not in self.state.view().instances:
+            return False
+        self.state.delete(instance_key(instance_id))
+        return True
+
+    async def instance_for(self, model: str, wait: float | None = None) -> Instance:
+        """The ready instance serving ``model``: the one placed, else one placed now;
+        waits (bounded) for it to load.
+
+        Raises ModelNotFoundError (no node holds it), a ValueError (not a usable model),
+        PlacementError (the cluster cannot hold it), :class:`ModelLoading` (not ready in
+        time) and :class:`RequestFailed` (a stage failed or was lost for good).
+        """
+        inst = self.state.view().find_instance(model)
+        if inst is None:
+            facts = await self.facts(model)
+            spec = InstanceSpec(model=canonical_name(model))
+            inst = await self.place(spec, facts, auto_instance_id(model))
+        return await self.wait_ready(inst.id, model, wait)
+
+    async def wait_ready(self, instance_id: str, model: str, wait: float | None = None) -> Instance:
+        """Until every stage of the instance is ready (woken by cluster changes)."""
+        deadline = time.monotonic() + (self.config.load_wait if wait is None else wait)
+        while True:
+            view = self.state.view()
+            cur = view.instances.get(instance_id)
+            if cur is None:
+                raise RequestFailed("instance_deleted", f"instance {instance_id} was deleted", 503)
+            states = view.stage_states(cur)
+            if all(s.state == "ready" and s.addr for s in states):
+                return cur
+            # A stage that is gone (dead node, given-up runner) is repaired within a
+            # moment when the cluster can hold the instance; when it cannot, nothing
+            # will change by waiting: say so now, with placement's reason, instead of a
+            # 503 "loading" after the whole wait.
+            why = view.unrepairable(cur)
+            if why is not None:
+                raise RequestFailed("stage_lost", f"instance {cur.id} of {model}: {why}", 503)
+            failed = [s for s in states if s.state == "failed"]
+            if failed and not view.gave_up_on(cur):
+                raise RequestFailed(
+                    "stage_failed",
+                    f"instance {cur.id} of {model}: stage on {failed[0].node} failed: "
+                    f"{failed[0].reason}",
+                    503,
+                )
+            aborted = self._aborted()
+            if aborted is not None:
+                raise RequestFailed("node_stopping", aborted, 503)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                detail = ", ".join(f"{s.node}: {s.state}" for s in states)
+                raise ModelLoading(model, detail)
+            await self.state.changes.wait(left)
+
+    async def serve_default(self, model: str) -> None:
+        """Make sure the cluster has an instance of ``model`` (``meshd up``'s default).
+
+        Waits ``settle_s`` for the first peers to answer so a node joining a cluster
+        that already serves the model does not place it again; the instance id is the
+        same on every node, so nodes starting together converge on one instance.
+        """
+        # Read the model's facts while peers answer: the first request needs them too.
+        reading = asyncio.ensure_future(self.facts(model))
+        await asyncio.sleep(self.config.settle_s)
+        try:
+            facts = await reading
+        except Exception as e:
+            log.warning("not serving %s: %s", model, e)
+            return
+        if self.state.view().find_instance(model) is not None:
+            return
+        try:
+            await self.place(
+                InstanceSpec(model=canonical_name(model)), facts, auto_instance_id(model)
+            )
+        except Exception as e:
+            log.warning("could not place %s: %s", model, e)
+
+    # -- repairs -------------------------------------------------------------------
+    def repair(self) -> list[Instance]:
+        """Write the repaired plan of every instance that lost a stage (see
+        :meth:`ClusterView.repairs`); what this node wrote."""
+        view = self.state.view()
+        plans, failed = view.repairs()
+        for iid, why in failed.items():
+            cur = view.instances.get(iid)
+            key = (iid, cur.generation if cur else 0)
+            if key not in self._unrepairable:
+                self._unrepairable.add(key)
+                log.warning("instance %s cannot be repaired: %s", iid, why)
+        for new in plans:
+            self.state.write(instance_key(new.id), new)
+            excluded = sorted(view.gave_up_on(new))
+            log.info(
+                "repaired %s (generation %d): %s%s", new.id, new.generation,
+                ", ".join(f"{s.node}[{s.start}:{s.end})" for s in new.stages),
+                f" (left out: {', '.join(excluded)})" if excluded else "",
+            )  # fmt: skip
+        return plans
+
+    async def run_repairs(self) -> None:
+        """Repair at every change of the cluster, and at least every ``repair_interval``."""
+        while True:
+            await self.state.changes.wait(self.config.repair_interval)
+            self.repair()
+            await asyncio.sleep(_REPAIR_FLOOR_S)

@@ -1,0 +1,143 @@
+"""What this node says about itself: its card (written at start and when it changes)
+and its heartbeat (every ``heartbeat_interval``, and at once when a runner changes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from meshd.crdt.lww import Entry
+from meshd.crdt.views import (
+    Health,
+    HealthState,
+    ModelFacts,
+    NodeCard,
+    RunnerStatus,
+    health_key,
+    node_key,
+)
+
+from . import sysinfo
+from .state import ClusterState
+from .tasks import Tasks
+
+__all__ = ["BEAT_COALESCE_S", "Presence", "cap_memory"]
+
+log = logging.getLogger("meshd.node")
+
+#: A burst of runner changes within this is one heartbeat, not one each.
+BEAT_COALESCE_S = 0.02
+
+
+def cap_memory(n: int, max_memory: int) -> int:
+    """``n`` bytes, but never more than ``max_memory`` (``--max-memory``; 0: no cap)."""
+    return min(n, max_memory) if max_memory > 0 else n
+
+
+class Presence:
+    """This node's card and heartbeat in the shared map."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        tasks: Tasks,
+        card: NodeCard,
+        *,
+        heartbeat_interval: float,
+        max_memory: int,
+        synced: Callable[[], int],
+        runners: Callable[[], list[RunnerStatus]],
+        in_flight: Callable[[], int],
+    ) -> None:
+        self.state = state
+        self.tasks = tasks
+        self.card = card
+        self.heartbeat_interval = heartbeat_interval
+        self.max_memory = max_memory
+        self._synced = synced
+        self._runners = runners
+        self._in_flight = in_flight
+        #: Set by the drain: the heartbeat says ``draining`` and placement avoids us.
+        self.draining = False
+        self._seq = 0
+        self._beat_pending = False
+        self._shape: tuple[str, list[RunnerStatus]] | None = None
+
+    def health(self, state: HealthState = "up") -> Health:
+        """A new heartbeat."""
+        self._seq += 1
+        if state == "up" and self.draining:
+            state = "draining"
+        return Health(
+            seq=self._seq,
+            state=state,
+            mem_available=cap_memory(sysinfo.mem_available(), self.max_memory),
+            load=round(sysinfo.load(), 3),
+            synced=self._synced(),
+            queue_depth=self._in_flight(),
+            runners=self._runners(),
+        )
+
+    def announce(self) -> None:
+        """Write the card and a first heartbeat (not yet published: gossip starts after)."""
+        self.state.replica.write(node_key(self.card.id), self.card)
+        self.state.replica.write(health_key(self.card.id), self.health())
+
+    def own_entries(self) -> list[Entry]:
+        """This node's card and heartbeat entries (what a ``Hello`` carries)."""
+        m = self.state.map
+        keys = (node_key(self.card.id), health_key(self.card.id))
+        return [e for k in keys if (e := m.get(k))]
+
+    def update_card(self, **changes: object) -> None:
+        """Change fields of the card and publish it."""
+        self.card = msgspec.structs.replace(self.card, **changes)  # type: ignore[arg-type]
+        self.state.write(node_key(self.card.id), self.card)
+
+    async def beat(self, state: HealthState = "up") -> None:
+        """Write and publish a heartbeat now (``stopped``: the goodbye)."""
+        h = self.health(state)
+        await self.state.write_now(health_key(self.card.id), h)
+        shape = (h.state, h.runners)
+        if shape != self._shape:
+            # A runner here changed state (or the node drains): whoever waits on the
+            # cluster here must look again, as peers do when they get this beat.
+            self._shape = shape
+            self.state.changes.notify()
+
+    def beat_soon(self) -> None:
+        """A heartbeat within :data:`BEAT_COALESCE_S` (a runner changed: news for every
+        API node), one for a burst of changes."""
+        if self._beat_pending:
+            return
+        self._beat_pending = True
+
+        async def beat() -> None:
+            await asyncio.sleep(BEAT_COALESCE_S)
+            self._beat_pending = False
+            await self.beat()
+
+        self.tasks.spawn(beat())
+
+    async def run(self) -> None:
+        """Beat every ``heartbeat_interval``."""
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            await self.beat()
+
+    async def advertise_facts(self, read: Callable[[str], Awaitable[ModelFacts]]) -> None:
+        """Put the facts of the models this node holds in its card (read once, cached on
+        disk), so that a node without the file can place one of them on the nodes that
+        hold it."""
+        found: list[ModelFacts] = []
+        for m in self.card.models:
+            try:
+                found.append(await read(m))
+            except Exception as e:  # a file that is no usable model: nothing to say
+                log.debug("no facts for %s: %s", m, e)
+        if found:
+            self.update_card(model_facts=found)

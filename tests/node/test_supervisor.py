@@ -1,0 +1,113 @@
+"""Reconcile: the runners a node runs follow the plans that name it.
+
+In this process, against the supervisor itself: a stage whose model is not here fails
+without a process and the node keeps saying so after the stage moves; a burst of plan
+changes is one reconcile; a real runner keeps its process when only the plan's
+generation moves, and is replaced when its range does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from meshd.crdt.views import Instance
+from meshd.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+from meshd.models.facts import read_model_facts
+from meshd.node.cluster import MODEL_MISSING, gave_up
+from meshd.node.supervisor import Supervisor
+
+from .test_cluster_view import inst
+
+
+def supervisor(tmp_path: Path, resolve=None) -> Supervisor:
+    def missing(model: str) -> str:
+        raise ModelNotFoundError(model, ["nowhere"])
+
+    return Supervisor(
+        "a", resolve_path=resolve or missing, cache_dir=tmp_path, bind_host="127.0.0.1",
+        on_status=lambda: None, n_ctx=512, n_seq_max=2, stop_grace=2.0,
+    )  # fmt: skip
+
+
+async def test_a_stage_whose_model_is_not_here_fails_and_stays_reported_after_it_moves(
+    tmp_path: Path,
+) -> None:
+    sup = supervisor(tmp_path)
+    await sup.reconcile({"x": inst("x", "a")})
+    (st,) = sup.statuses()
+    assert st.state == "failed" and st.reason.startswith(MODEL_MISSING) and gave_up(st)
+    assert all(r.proc is None for r in sup.runners.values())  # nothing was started
+    # The plan moves the stage to b: this node keeps reporting why it is out of it.
+    await sup.reconcile({"x": inst("x", "b", gen=2)})
+    assert [s.reason for s in sup.statuses()] == [st.reason]
+    # The instance is deleted: nothing left to say.
+    await sup.reconcile({})
+    assert sup.statuses() == []
+    await sup.stop_all()
+
+
+async def test_a_burst_of_plan_changes_is_one_reconcile(tmp_path: Path) -> None:
+    sup = supervisor(tmp_path)
+    reads: list[int] = []
+
+    def plans() -> dict[str, Instance]:
+        reads.append(1)
+        return {}
+
+    for _ in range(5):
+        sup.schedule(plans)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert reads == [1]
+    sup.schedule(plans)  # a change after it: one more
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert reads == [1, 1]
+    await sup.stop_all()
+
+
+async def _ready(sup: Supervisor, generation: int, timeout: float = 90) -> None:
+    async with asyncio.timeout(timeout):
+        while not any(s.state == "ready" and s.generation == generation for s in sup.statuses()):
+            if any(s.state == "failed" for s in sup.statuses()):
+                pytest.fail(f"runner failed: {sup.statuses()}")
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(180)
+async def test_a_new_generation_keeps_the_runner_and_a_new_range_replaces_it(
+    tmp_path: Path,
+) -> None:
+    try:
+        path = resolve_model(DEFAULT_MODEL).path
+    except LookupError:
+        pytest.skip("the default model is not installed")
+    facts = await asyncio.to_thread(read_model_facts, DEFAULT_MODEL, tmp_path)
+    sup = supervisor(tmp_path, resolve=lambda m: path)
+
+    def plan(gen: int, end: int) -> dict[str, Instance]:
+        i = inst("x", "a", gen=gen, model=DEFAULT_MODEL)
+        stage = i.stages[0]
+        i.stages = [type(stage)(node="a", start=0, end=end, engine="llama_cpp")]
+        i.facts = facts
+        return {"x": i}
+
+    n = facts.n_layers
+    try:
+        await sup.reconcile(plan(1, n))
+        await _ready(sup, 1)
+        first = sup.runners[("x", 0)].proc
+        assert first is not None
+        await sup.reconcile(plan(2, n))  # a repair elsewhere: same stage, same weights
+        await _ready(sup, 2)
+        assert sup.runners[("x", 0)].proc is first and first.returncode is None
+        await sup.reconcile(plan(3, n - 1))  # another range: another runner
+        second = sup.runners[("x", 0)].proc
+        assert second is not None and second is not first
+        assert first.returncode is not None
+    finally:
+        await sup.stop_all()
+    assert all(r.proc is None or r.proc.returncode is not None for r in sup.runners.values())
