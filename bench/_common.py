@@ -29,6 +29,8 @@ from typing import Any
 
 import httpx
 
+from meshd.transport.security import write_secret
+
 DEFAULT_MODEL = "smollm2-135m"
 PROMPT = "Write a long story about a robot who learns to paint."
 #: The llama_cpp.server options that match meshd's runners (n_ctx per request).
@@ -161,6 +163,12 @@ class Proc:
         with self._cv:
             return next((t for t, line in self.lines if rx.search(line)), None)
 
+    def write_stdin(self, data: bytes) -> None:
+        """Write to the process's stdin (opened with ``stdin=subprocess.PIPE``)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
     def tail(self, n: int = 30) -> str:
         with self._cv:
             return "\n".join(line for _, line in self.lines[-n:])
@@ -261,12 +269,20 @@ def start_node(
     cluster: str,
     peers: Sequence[Node] = (),
     timeout: float = 60.0,
+    extra: Sequence[str] = (),
 ) -> Node:
-    """``meshd up --no-model`` on loopback, OS-chosen ports; wait for its ready line."""
+    """``meshd up --no-model`` on loopback, OS-chosen ports; wait for its ready line.
+
+    The nodes of one ``cluster`` share a secret file in ``tmp`` (made on first use), so
+    they are members at once, as a secured household's nodes are after approval.
+    """
+    secret = tmp / f"{cluster}.secret"
+    if not secret.exists():
+        write_secret(secret)
     args = [
         *meshd_command(), "up", "--name", name, "--cluster", cluster, "--no-model",
         "--no-discovery", "--api-port", "0", "--mesh-port", "0", "--mesh-host", "127.0.0.1",
-        "--data-dir", str(tmp / f"data-{name}"),
+        "--data-dir", str(tmp / f"data-{name}"), "--secret-file", str(secret), *extra,
     ]  # fmt: skip
     for p in peers:
         args += ["--peer", f"127.0.0.1:{p.mesh_port}"]
@@ -745,9 +761,10 @@ def runner_pids(node_pid: int, instance: str) -> dict[int, int]:
                     cmd = f.read().split(b"\0")
                 if b"meshd.engines.runner" not in cmd:
                     continue
-                cfg = json.loads(cmd[cmd.index(b"meshd.engines.runner") + 1])
-                if cfg.get("instance") == instance:
-                    out[int(cfg["stage"])] = int(d)
+                # argv: ... -m meshd.engines.runner INSTANCE STAGE (the config is on stdin)
+                at = cmd.index(b"meshd.engines.runner")
+                if cmd[at + 1].decode() == instance:
+                    out[int(cmd[at + 2])] = int(d)
     return out
 
 

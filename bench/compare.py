@@ -528,8 +528,13 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
             log(f"starting meshd nodes on loopback; placing {stage_counts} stage(s)")
             cluster = f"compare-{os.getpid()}-{time.monotonic_ns()}"
             names = ["a", "b", "c"][: max(stage_counts)]
+            # The model's other names live in a folder every node takes as a model root
+            # (a node loads only from its own roots, whatever a plan names).
+            models_dir = tmp / "models"
+            models_dir.mkdir(exist_ok=True)
             for name in names:
-                nodes.append(start_node(tmp, name, cluster, peers=nodes[:1]))
+                nodes.append(start_node(tmp, name, cluster, peers=nodes[:1],
+                                        extra=["--models", str(models_dir)]))  # fmt: skip
             a = nodes[0]
             wait_live(client, a, set(names), 30.0)
             # One GGUF, three names (the alias and two symlinks), so the three instances
@@ -537,7 +542,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
             for n in stage_counts:
                 name = model
                 if n > 1:
-                    link = tmp / f"{Path(model_path).stem}-{n}stages.gguf"
+                    link = models_dir / f"{Path(model_path).stem}-{n}stages.gguf"
                     link.symlink_to(model_path)
                     name = str(link)
                 label = f"meshd, {n} stage{'s' if n > 1 else ''} (loopback nodes)"

@@ -1,10 +1,12 @@
-"""What the cluster secret costs: meshd 2 stages on loopback, open vs CURVE, same run.
+"""What security costs the data plane: meshd 2 stages on loopback, open vs secured.
 
     python bench/curve.py [--tokens 64] [--repeats 3]
 
-Starts two `meshd up` pairs (one open, one with a fresh secret), places the default
-model over each pair, and times greedy streams through both, interleaved so drift
-hits both alike. Prints decode tok/s and time to first token, and CURVE/open ratios.
+Starts two `meshd up` pairs (one `--open`, one secured as by default: per-node CURVE
+keys, ZAP admitting members only, signed gossip; its members share a secret file so
+no approval is needed), places the default model over each pair, and times greedy
+streams through both, interleaved so drift hits both alike. Prints decode tok/s and
+time to first token, and secured/open ratios.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshd.models.resolve import DEFAULT_MODEL
-from meshd.transport.security import write_secret
 from tests.cluster import Cluster, NodeProc, wait_for
 
 PROMPT = "Write a short story about a lighthouse keeper."
@@ -63,11 +64,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="meshd-curve-"))
-    secret = tmp / "secret"
-    write_secret(secret)
-    with Cluster(tmp) as c:
-        apis = {"open": _pair(c, "o", []).api,
-                "curve": _pair(c, "s", ["--secret-file", str(secret)]).api}  # fmt: skip
+    with Cluster(tmp) as c:  # its nodes share the cluster's secret file unless --open
+        apis = {"open": _pair(c, "o", ["--open"]).api,
+                "secured": _pair(c, "s", []).api}  # fmt: skip
         for api in apis.values():
             _stream(api, 8)  # warm up
         got: dict[str, list[tuple[float, float]]] = {k: [] for k in apis}
@@ -80,8 +79,8 @@ def main() -> None:
     for k, (ttft, tps) in med.items():
         spread = [round(s, 1) for _, s in got[k]]
         print(f"  {k:6s} TTFT {ttft * 1000:7.1f} ms   decode {tps:6.1f} tok/s   runs {spread}")
-    print(f"  curve/open: decode {med['curve'][1] / med['open'][1]:.3f}, "
-          f"TTFT {med['curve'][0] / med['open'][0]:.3f}")  # fmt: skip
+    print(f"  secured/open: decode {med['secured'][1] / med['open'][1]:.3f}, "
+          f"TTFT {med['secured'][0] / med['open'][0]:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

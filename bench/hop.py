@@ -84,7 +84,7 @@ def relay_main(kind: str, hidden: int) -> int:
             if sys.stdin.fileno() in events and not sys.stdin.readline():
                 return 0
     from meshd.engines.protocol import RunnerConfig
-    from meshd.engines.runner import Runner
+    from meshd.engines.runner import Runner, StdinLines
     from meshd.transport import wire
 
     router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_DATA_FRAME)
@@ -99,13 +99,13 @@ def relay_main(kind: str, hidden: int) -> int:
     runner = Runner(cfg, IdentityStage(hidden), ctx, router)
     prof = os.environ.get("MESHD_HOP_PROFILE")
     if not prof:
-        runner.serve()  # until stdin closes
+        runner.serve(StdinLines())  # until stdin closes
         return 0
     import cProfile
     import pstats
 
     pr = cProfile.Profile()
-    pr.runcall(runner.serve)
+    pr.runcall(runner.serve, StdinLines())
     with open(prof, "w") as f:
         pstats.Stats(pr, stream=f).sort_stats("tottime").print_stats(25)
     return 0

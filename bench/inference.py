@@ -178,10 +178,9 @@ class BareRunner:
     script, as a node would drive it: no node, no asyncio, no HTTP, no SSE."""
 
     def __init__(self, tmp: Path, model_path: str, n_layers: int) -> None:
-        import msgspec
         import zmq
 
-        from meshd.engines.protocol import RunnerConfig
+        from meshd.engines.protocol import RunnerConfig, runner_command
         from meshd.engines.threads import runner_env
         from meshd.models.hashing import file_sha256
 
@@ -191,12 +190,13 @@ class BareRunner:
             sha256=file_sha256(Path(model_path)), start=0, end=n_layers, n_layers=n_layers,
             cache_dir=str(tmp / "bare-cache"), bind_host="127.0.0.1",
         )  # fmt: skip
-        args = [sys.executable, "-m", "meshd.engines.runner", msgspec.json.encode(cfg).decode()]
+        args, config_line = runner_command(cfg)
         # stdin stays open: the runner exits when it closes.
         self.proc = Proc(args, tmp / "bare-runner.log", env=runner_env(), stdin=subprocess.PIPE)
-        _, m = self.proc.wait_line(re.compile(r'"event": "listening", "port": (\d+)'), 60.0)
+        self.proc.write_stdin(config_line)
+        _, m = self.proc.wait_line(re.compile(r'"event": ?"listening", ?"port": ?(\d+)'), 60.0)
         self.port = int(m[1])
-        self.proc.wait_line(re.compile(r'"event": "ready"'), 120.0)
+        self.proc.wait_line(re.compile(r'"event": ?"ready"'), 120.0)
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)

@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from meshd.transport.security import write_secret
+
 _READY = re.compile(
     r"meshd ready node=(?P<id>\S+) name=(?P<name>\S+) api=(?P<api>\S+) "
     r"mesh=(?P<mesh>\d+) pub=(?P<pub>\d+)"
@@ -94,6 +96,12 @@ class Cluster:
         self.cluster_name = f"{cluster}-{os.getpid()}-{time.monotonic_ns()}"
         self.discovery = discovery
         self.nodes: list[NodeProc] = []
+        #: The cluster's secret: every node of the test cluster starts with it (the
+        #: automation path: members at once, no approval), unless a test says how its
+        #: node gets in (--secret-file, --join, --open).
+        self.secret_file = tmp / "cluster.secret"
+        if not self.secret_file.exists():
+            write_secret(self.secret_file)
 
     def start(
         self,
@@ -106,12 +114,14 @@ class Cluster:
         timeout: float = 30.0,
         model: str | None = None,
         env: dict[str, str] | None = None,
+        secret: bool = True,
     ) -> NodeProc:
         """Start `meshd up --name NAME` seeded with ``peers``; wait for its ready line.
 
         ``model``: what `meshd up` should make the cluster serve (default: nothing, so
         control-plane tests load no weights). ``env``: variables added to this process's
-        environment for the node."""
+        environment for the node. ``secret``: False starts it as a user would, with no
+        way in but approval (or what ``extra_args`` say)."""
         data_dir = data_dir or self.tmp / name
         args = [
             sys.executable, "-m", "meshd.cli.meshd", "up",
@@ -127,7 +137,10 @@ class Cluster:
         args += ["--no-model"] if model is None else ["--model", model]
         for p in peers or []:
             args += ["--peer", f"127.0.0.1:{p.mesh_port}"]
-        args += extra_args or []
+        extra = list(extra_args or [])
+        if secret and not {"--secret-file", "--join", "--open"} & set(extra):
+            args += ["--secret-file", str(self.secret_file)]
+        args += extra
         log_path = self.tmp / f"{name}-{len(self.nodes)}.log"
         f = open(log_path, "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
@@ -160,7 +173,8 @@ class Cluster:
         assert not n.alive()
         return self.start(
             n.name, data_dir=n.data_dir, mesh_port=n.mesh_port, timeout=timeout,
-            extra_args=list(_peer_args(n.args)), model=_model_arg(n.args),
+            extra_args=list(_peer_args(n.args)) + list(_access_args(n.args)),
+            model=_model_arg(n.args),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -186,6 +200,15 @@ class Cluster:
 
 def _model_arg(args: list[str]) -> str | None:
     return args[args.index("--model") + 1] if "--model" in args else None
+
+
+def _access_args(args: list[str]) -> Iterator[str]:
+    """How the node got in: ``--open``, or ``--secret-file PATH`` (a code is one use)."""
+    if "--open" in args:
+        yield "--open"
+    if "--secret-file" in args:
+        yield "--secret-file"
+        yield args[args.index("--secret-file") + 1]
 
 
 def _peer_args(args: list[str]) -> Iterator[str]:

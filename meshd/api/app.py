@@ -9,9 +9,10 @@ from __future__ import annotations
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from . import cluster, instances, openai
+from . import cluster, instances, members, openai
 from .auth import BearerAuth
 from .errors import install_error_handlers
+from .origins import HostOriginGuard
 from .services import ApiContext, ApiSettings, Services
 
 __all__ = ["ROUTES", "create_app"]
@@ -27,6 +28,10 @@ ROUTES = [
     Route("/v1/instances", instances.create_instance, methods=["POST"]),
     Route("/v1/instances/{instance_id}", instances.get_instance, methods=["GET"]),
     Route("/v1/instances/{instance_id}", instances.delete_instance, methods=["DELETE"]),
+    Route("/v1/members", members.list_members, methods=["GET"]),
+    Route("/v1/members", members.approve, methods=["POST"]),
+    Route("/v1/members/{node_id}", members.remove_member, methods=["DELETE"]),
+    Route("/v1/invites", members.create_invite, methods=["POST"]),
 ]
 
 
@@ -37,4 +42,6 @@ def create_app(services: Services, settings: ApiSettings) -> Starlette:
     install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(BearerAuth, key=settings.api_key)
+    # Added last, so it runs first: a foreign Host or Origin gets nothing else.
+    app.add_middleware(HostOriginGuard, hosts=settings.hosts)
     return app

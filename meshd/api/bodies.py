@@ -8,6 +8,7 @@ offending field in ``param`` and msgspec's JSON path in the message.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import TypeVar
 
@@ -17,10 +18,12 @@ from starlette.requests import ClientDisconnect, Request
 from .errors import ApiError, bad_request, payload_too_large, unsupported_media_type
 from .schemas import FieldError
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "parse_body", "validation_error"]
+__all__ = ["BODY_TIMEOUT_S", "DEFAULT_MAX_BODY_BYTES", "parse_body", "validation_error"]
 
 #: Default body limit: 8 MiB holds a few hundred thousand tokens of prompt text.
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+#: A body must arrive within this (8 MiB at 1 MB/s takes 8 s).
+BODY_TIMEOUT_S = 30.0
 
 T = TypeVar("T")
 
@@ -59,14 +62,14 @@ def validation_error(exc: msgspec.ValidationError) -> ApiError:
 
 
 def _check_content_type(request: Request) -> None:
+    # JSON only, and said so. A web page can send a form, text/plain or a typeless blob
+    # cross-site without a CORS preflight; none of those is JSON, so a page the user
+    # visits cannot make the node act (see docs/operations.md, "Security").
     raw = request.headers.get("content-type")
     if raw is None:
-        return  # tolerate clients that send none
+        raise unsupported_media_type("none")
     media = raw.split(";", 1)[0].strip().lower()
-    # `curl -d '{...}'` labels JSON as a form; the body decides, so let it through.
-    if media in ("", "application/json", "text/json", "application/x-www-form-urlencoded"):
-        return
-    if media.endswith("+json"):
+    if media in ("application/json", "text/json") or media.endswith("+json"):
         return
     raise unsupported_media_type(raw)
 
@@ -83,28 +86,41 @@ def _declared_length(request: Request, max_bytes: int) -> None:
         raise payload_too_large(max_bytes)
 
 
-async def _read_bounded(request: Request, max_bytes: int) -> bytes:
+async def _read_bounded(request: Request, max_bytes: int, timeout: float) -> bytes:
     chunks: list[bytes] = []
     size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise payload_too_large(max_bytes)
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise payload_too_large(max_bytes)
+                chunks.append(chunk)
     except ClientDisconnect:
         raise bad_request("Client disconnected while sending the request body.") from None
+    except TimeoutError:
+        # A body trickled in byte by byte holds a connection and a handler: bounded.
+        raise ApiError(
+            408, f"The request body did not arrive within {timeout:g} s.",
+            type="invalid_request_error", code="request_timeout",
+        ) from None  # fmt: skip
     return b"".join(chunks)
 
 
-async def parse_body(request: Request, typ: type[T], max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> T:
+async def parse_body(
+    request: Request,
+    typ: type[T],
+    max_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    timeout: float = BODY_TIMEOUT_S,
+) -> T:
     """Read ``request``'s JSON body into ``typ`` (a msgspec Struct, usually).
 
     Raises :class:`~meshd.api.errors.ApiError`:
 
     * 413 when ``Content-Length`` or the bytes actually received exceed ``max_bytes``
       (checked while streaming, so a lying or absent header does not matter);
-    * 415 when ``Content-Type`` is present and not JSON (absent is tolerated);
+    * 408 when the body takes longer than ``timeout`` seconds to arrive;
+    * 415 when ``Content-Type`` is absent or not JSON;
     * 400 for an empty body, invalid JSON (or UTF-8), a body that is not an object,
       nesting too deep, a missing or mistyped field, or a field that breaks a rule.
 
@@ -112,7 +128,7 @@ async def parse_body(request: Request, typ: type[T], max_bytes: int = DEFAULT_MA
     """
     _check_content_type(request)
     _declared_length(request, max_bytes)
-    body = await _read_bounded(request, max_bytes)
+    body = await _read_bounded(request, max_bytes, timeout)
     if not body.strip():
         raise bad_request("Request body is empty; expected a JSON object.")
     try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from meshd.crdt.views import Instance
+from meshd.models import canonical_name
 from meshd.node.errors import RequestFailed
 from meshd.node.metrics import Metrics
 from meshd.transport import wire
@@ -42,6 +43,8 @@ __all__ = [
 OVERLOADED_RETRY_S = 1.0
 #: Retry-After given while the node drains (stops): another node answers at once.
 DRAINING_RETRY_S = 1.0
+#: The metrics label of a model the cluster does not know.
+UNKNOWN_MODEL = "(unknown)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,7 +194,10 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
     """
     services = ctx.services
     metrics = services.metrics
-    model = req.model
+    # Metrics are labelled by model: only a model the cluster knows becomes a label (a
+    # client's made-up names must not grow the registry without bound).
+    known = services.view().is_known(req.model)
+    model = canonical_name(req.model) if known else UNKNOWN_MODEL
     t0 = time.perf_counter()
     if services.draining:
         # A stopping node takes no new work: what it accepts now it would have to
@@ -207,7 +213,7 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
         raise overloaded(OVERLOADED_RETRY_S)
     try:
         params = req.sampling(ctx.settings.max_tokens)
-        inst = await _instance(ctx, model)
+        inst = await _instance(ctx, req.model)
         chunks = services.generate(inst, messages=req.messages, prompt=req.prompt, sampling=params)
         first = await _first(chunks)
     except ApiError as e:
@@ -217,6 +223,7 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
     except BaseException:
         ticket.release()
         raise
+    model = inst.spec.model  # placed now if it was not: a name the cluster knows
     return Run(chunks, first, model=model, route=route, ticket=ticket, metrics=metrics, t0=t0)
 
 

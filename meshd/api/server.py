@@ -1,17 +1,101 @@
 """uvicorn on the node's own event loop, on a socket bound beforehand (so port 0 works
-and the port is known before the node announces itself)."""
+and the port is known before the node announces itself).
+
+Connections are bounded: a client address holds at most :data:`MAX_CONNECTIONS_PER_IP`
+connections, the server at most :data:`MAX_CONNECTIONS`, and a connection must finish
+sending its request headers within :data:`HEADER_TIMEOUT_S` (uvicorn's h11 protocol has
+no such limit: a slowloris client would hold its connections forever). Bodies have their
+own limit (``bodies.py``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import socket
+from collections import Counter
 from collections.abc import Generator
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["ApiServer", "bind_api"]
+__all__ = [
+    "HEADER_TIMEOUT_S",
+    "MAX_CONNECTIONS",
+    "MAX_CONNECTIONS_PER_IP",
+    "ApiServer",
+    "bind_api",
+]
+
+log = logging.getLogger("meshd.api")
+
+#: A connection that has not sent complete request headers this long after it opened
+#: (or after its previous response) is closed.
+HEADER_TIMEOUT_S = 10.0
+#: Open connections one client address may hold; more are closed at once.
+MAX_CONNECTIONS_PER_IP = 128
+#: Open connections in all; more are closed at once (file descriptors are finite, and a
+#: device with many addresses must not take them all).
+MAX_CONNECTIONS = 1024
+#: The key of the total in the connection counter (no client address is empty-bracketed).
+_ALL = "[all]"
+
+
+class _Guarded(H11Protocol):
+    """uvicorn's h11 protocol with a header deadline and connection caps (per address,
+    in all)."""
+
+    def __init__(self, *args: Any, per_ip: Counter[str], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._per_ip = per_ip
+        self._ip = ""
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._ip = self.client[0] if self.client else ""
+        self._per_ip[self._ip] += 1
+        self._per_ip[_ALL] += 1
+        if self._per_ip[self._ip] > MAX_CONNECTIONS_PER_IP or self._per_ip[_ALL] > MAX_CONNECTIONS:
+            transport.close()
+            return
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        for key in (self._ip, _ALL):
+            self._per_ip[key] -= 1
+            if self._per_ip[key] <= 0:
+                del self._per_ip[key]
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None:
+            self._disarm()  # a request is in: its body and handler have their own limits
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()  # the next request on this connection gets the same deadline
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):
@@ -45,11 +129,15 @@ class ApiServer:
     """Serves an app on a bound socket until stopped."""
 
     def __init__(self, app: ASGIApp, sock: socket.socket, *, stop_grace: float) -> None:
-        # h11 by name: uvicorn would pick httptools when it happens to be installed, and
+        # h11 always: uvicorn would pick httptools when it happens to be installed, and
         # the two parsers answer malformed requests differently (httptools refuses any
         # method it does not know with a bare text 400, before the app can say why).
         config = uvicorn.Config(
-            app, http="h11", log_level="warning", lifespan="off", access_log=False
+            app,
+            http=functools.partial(_Guarded, per_ip=Counter()),  # type: ignore[arg-type]
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
         )
         self._server = _Server(config)
         self._sock = sock

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from meshd.crdt.views import Instance, InstanceSpec
 from meshd.node.cluster import ClusterView
 from meshd.node.metrics import Metrics
-from meshd.node.services import Vitals
+from meshd.node.services import MemberView, PendingView, Vitals
 from meshd.transport import wire
 
 from .limits import Admission
@@ -65,6 +65,22 @@ class Services(Protocol):
         """Delete an instance; False if there is none with that id."""
         ...
 
+    def members(self) -> tuple[list[MemberView], list[PendingView]]:
+        """The members, and the nodes waiting for approval here (NotSecured: open)."""
+        ...
+
+    def approve(self, ref: str) -> MemberView:
+        """Let a pending node in (LookupError when none or several match)."""
+        ...
+
+    def invite(self) -> tuple[str, float]:
+        """A pairing code and the seconds it stays good."""
+        ...
+
+    def remove_member(self, node_id: str) -> bool:
+        """Revoke a member; False if there is none."""
+        ...
+
     def generate(
         self,
         inst: Instance,
@@ -87,6 +103,8 @@ class ApiSettings:
     max_requests: int
     #: Most tokens one request may generate (``max_tokens`` above it is a 400).
     max_tokens: int
+    #: Names a request's Host (and a browser's Origin) may carry (see ``origins.py``).
+    hosts: frozenset[str]
 
 
 @dataclass

@@ -161,6 +161,18 @@ class NodeClient:
         """``DELETE /v1/instances/ID``."""
         return self._send("DELETE", f"/v1/instances/{instance_id}")
 
+    def members(self) -> dict[str, Any]:
+        """``GET /v1/members``: members and nodes waiting for approval."""
+        return self._get_json("/v1/members")
+
+    def approve(self, ref: str) -> dict[str, Any]:
+        """``POST /v1/members``: let a pending node in."""
+        return self._send("POST", "/v1/members", {"approve": ref})
+
+    def invite(self) -> dict[str, Any]:
+        """``POST /v1/invites``: a pairing code."""
+        return self._send("POST", "/v1/invites", {})
+
     def chat_stream(self, body: dict[str, Any], timeout: float = 600.0) -> Iterator[str]:
         """``POST /v1/chat/completions`` with ``stream``: yield the text deltas."""
         body = {**body, "stream": True}

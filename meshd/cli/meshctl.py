@@ -231,6 +231,57 @@ def _add_chat(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
     p.set_defaults(func=cmd_chat)
 
 
+def cmd_members(args: argparse.Namespace, client: NodeClient) -> int:
+    """The cluster's members, and the nodes waiting for approval at this node."""
+    got = client.members()
+    if args.json:
+        sys.stdout.write(json.dumps(got, indent=2) + "\n")
+        return EXIT_OK
+    for m in got.get("data") or []:
+        by = "" if m.get("by") == m.get("id") else f"  (approved by {m.get('by')})"
+        print(f"{m.get('name')}  {m.get('id')}{by}")
+    for p in got.get("pending") or []:
+        print(
+            f"{p.get('name')}  {p.get('id')}  waiting {p.get('waiting_s')} s: "
+            f"meshctl approve {p.get('name')}"
+        )
+    return EXIT_OK
+
+
+def cmd_approve(args: argparse.Namespace, client: NodeClient) -> int:
+    """Let a node that asked to join in (by its name or id)."""
+    m = client.approve(args.node_ref)
+    print(f"approved {m.get('name')} ({m.get('id')}); it joins within a few seconds")
+    return EXIT_OK
+
+
+def cmd_invite(args: argparse.Namespace, client: NodeClient) -> int:
+    """A pairing code: start a new node with `meshd up --join CODE`."""
+    got = client.invite()
+    code, ttl = got.get("code"), got.get("expires_in_s")
+    if args.json:
+        sys.stdout.write(json.dumps(got) + "\n")
+        return EXIT_OK
+    print(code)
+    print(
+        f"on the new machine: meshd up --join {code}   (one use, good for {ttl:.0f} s)",
+        file=sys.stderr,
+    )
+    return EXIT_OK
+
+
+def _add_members(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("members", parents=[common], help=cmd_members.__doc__)
+    p.add_argument("--json", action="store_true", help="print the raw lists")
+    p.set_defaults(func=cmd_members)
+    a = sub.add_parser("approve", parents=[common], help=cmd_approve.__doc__)
+    a.add_argument("node_ref", metavar="NAME", help="the waiting node's name or id")
+    a.set_defaults(func=cmd_approve)
+    i = sub.add_parser("invite", parents=[common], help=cmd_invite.__doc__)
+    i.add_argument("--json", action="store_true", help="print the code as JSON")
+    i.set_defaults(func=cmd_invite)
+
+
 def cmd_secret(args: argparse.Namespace) -> int:
     """Make a fresh cluster secret: print it, or write it to a file (mode 0600)."""
     if args.output is None:
@@ -258,7 +309,9 @@ def _add_secret(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.set_defaults(func=None, local=cmd_secret)
 
 
-COMMANDS = [_add_top, _add_nodes, _add_place, _add_ls, _add_rm, _add_chat, _add_secret]
+COMMANDS = [
+    _add_top, _add_nodes, _add_place, _add_ls, _add_rm, _add_chat, _add_members, _add_secret
+]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

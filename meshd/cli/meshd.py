@@ -7,11 +7,13 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
 import meshd
 from meshd.api.app import create_app
+from meshd.api.origins import allowed_hosts
 from meshd.api.server import ApiServer, bind_api
 from meshd.api.services import ApiSettings
 from meshd.cli.argtypes import positive_float, positive_int
@@ -31,6 +33,7 @@ from meshd.node.config import (
     MAX_RESTARTS,
     REPLAY_WAIT_S,
     REQUEST_EXPIRY_S,
+    SLICE_CACHE_BYTES,
     STOP_GRACE_S,
     TOMBSTONE_GRACE_MS,
     NodeConfig,
@@ -38,6 +41,7 @@ from meshd.node.config import (
     parse_size,
 )
 from meshd.node.daemon import ApiAddress, Node
+from meshd.transport.addresses import local_addresses
 from meshd.transport.security import SECRET_ENV, load_secret
 
 
@@ -61,6 +65,14 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get(API_KEY_ENV) or None,
         metavar="KEY",
         help=f"bearer token every API route but /healthz demands (default: ${API_KEY_ENV})",
+    )
+    up.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name the API is reached by (a reverse proxy's, a DNS name); "
+        "requests naming any other Host or browser Origin are refused (repeatable)",
     )
     up.add_argument(
         "--api-port",
@@ -104,6 +116,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--no-model", action="store_true", help="do not place any model")
     up.add_argument(
+        "--models",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="DIR",
+        help="a folder of models this node may load and serve (repeatable); besides it "
+        "loads only packaged aliases, the HF cache and paths given here or to its own API",
+    )
+    up.add_argument(
         "--max-memory",
         type=parse_size,
         default=0,
@@ -111,11 +132,30 @@ def _parser() -> argparse.ArgumentParser:
         help="most memory this node offers the cluster, e.g. 8G (default: all it has)",
     )
     up.add_argument(
+        "--slice-cache",
+        type=parse_size,
+        default=SLICE_CACHE_BYTES,
+        metavar="SIZE",
+        help="disk kept for cached model slices no stage uses, e.g. 40G (default: 16G); "
+        "least recently used go first",
+    )
+    up.add_argument(
         "--secret-file",
         type=Path,
         metavar="PATH",
-        help=f"cluster secret: CURVE-encrypt and authenticate every mesh socket "
-        f"(default: ${SECRET_ENV}; make one with `meshctl secret new`)",
+        help=f"the cluster's secret: a node holding it is a member at once, no approval "
+        f"(for automation; default: ${SECRET_ENV}; make one with `meshctl secret new`)",
+    )
+    up.add_argument(
+        "--join",
+        metavar="CODE",
+        help="join the cluster with a pairing code from `meshctl invite`",
+    )
+    up.add_argument(
+        "--open",
+        action="store_true",
+        help="an OPEN cluster for labs: no keys, any machine on the LAN joins and reads "
+        "the traffic (the default asks a member to approve each new node)",
     )
     up.add_argument(
         "--max-requests",
@@ -213,6 +253,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> NodeConfig:
+    if args.open and (args.secret_file or args.join):
+        raise ValueError("--open runs a cluster without keys: it takes no --secret-file or --join")
+    if args.join and args.secret_file:
+        raise ValueError("--join and --secret-file are two ways in: give one")
+    if args.open and args.api_key:
+        logging.getLogger("meshd").warning(
+            "--api-key guards the API, but --open leaves the mesh open: any machine on "
+            "the LAN can join the cluster and read prompts as they pass through it"
+        )
     cfg = NodeConfig(
         cluster=args.cluster,
         api_host=args.api_host,
@@ -223,9 +272,14 @@ def _config(args: argparse.Namespace) -> NodeConfig:
         discovery=not args.no_discovery,
         advertise=args.advertise,
         model="" if args.no_model else args.model,
+        model_dirs=list(args.models),
         max_memory=args.max_memory,
+        slice_cache=args.slice_cache,
         secret=load_secret(args.secret_file),
+        join_code=args.join,
+        open=args.open,
         api_key=args.api_key,
+        allow_hosts=args.allow_host,
         max_requests=args.max_requests,
         max_tokens=args.max_tokens,
         forget_after=args.forget_after,
@@ -249,19 +303,33 @@ def _config(args: argparse.Namespace) -> NodeConfig:
 async def up(cfg: NodeConfig) -> int:
     """Run a node and its API until a stop signal; the process exit code.
 
-    The composition root: the API socket is bound first (its port goes in the node's
-    card), the node is built and started, the API serves the node's services; at the
-    stop, the node drains, leaves, the API stops, the node closes.
+    The composition root: the node finds its cluster (a new one waits for approval),
+    the API socket is bound (its port goes in the node's card), the node is built and
+    started, the API serves the node's services; at the stop, the node drains, leaves,
+    the API stops, the node closes.
     """
     host = cfg.api_listen_host()
-    sock = bind_api(host, cfg.api_port)
+    bound: list[socket.socket] = []
+
+    def bind() -> ApiAddress:
+        bound.append(bind_api(host, cfg.api_port))
+        return ApiAddress(host, bound[0].getsockname()[1])
+
     try:
-        node = await Node.start(cfg, ApiAddress(host, sock.getsockname()[1]))
+        node = await Node.start(cfg, bind)
     except BaseException:
-        sock.close()
+        for s in bound:
+            s.close()
         raise
+    sock = bound[0]
+    card = node.presence.card
     settings = ApiSettings(
-        api_key=cfg.api_key, max_requests=cfg.max_requests, max_tokens=cfg.max_tokens
+        api_key=cfg.api_key,
+        max_requests=cfg.max_requests,
+        max_tokens=cfg.max_tokens,
+        hosts=allowed_hosts(
+            card.addresses, local_addresses(), [host, socket.gethostname()], cfg.allow_hosts
+        ),
     )
     server = ApiServer(create_app(node.services, settings), sock, stop_grace=cfg.api_stop_grace)
     try:
@@ -270,7 +338,6 @@ async def up(cfg: NodeConfig) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, node.request_stop)
         # One machine-readable line on stdout: scripts and tests wait for it.
-        card = node.presence.card
         print(
             f"meshd ready node={node.node_id} name={cfg.name} "
             f"api=http://{card.api_host}:{card.api_port} "

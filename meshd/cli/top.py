@@ -1,8 +1,10 @@
 """``meshctl top``: a live view of the cluster as one node sees it.
 
-``render`` is pure: it turns the JSON of ``GET /v1/cluster`` into a rich renderable and
-reads no clock and no network, so it can be tested with literal dicts. ``run_top``
-fetches and draws, once or in a ``rich.live.Live`` loop.
+``render`` is pure: it turns the JSON of ``GET /v1/cluster`` (and the nodes waiting for
+approval, from ``GET /v1/members``) into a rich renderable and reads no clock and no
+network, so it can be tested with literal dicts. ``run_top`` fetches and draws, once or
+in a ``rich.live.Live`` loop; on a terminal, the keys 1-9 approve the waiting node of
+that number and q quits.
 
 Fields a node omits (msgspec ``omit_defaults``) or a ``null`` health are shown as ``-``;
 a malformed field never raises.
@@ -10,9 +12,12 @@ a malformed field never raises.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
+import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -427,15 +432,43 @@ def header(cluster: Mapping[str, Any]) -> Text:
     return text
 
 
-def render(cluster: Mapping[str, Any], now_ms: int | None = None) -> RenderableType:
-    """The whole ``top`` frame for one ``GET /v1/cluster`` answer.
+def pending_table(pending: list[Mapping[str, Any]]) -> Table:
+    """The nodes waiting for approval at this node, numbered for the approve keys."""
+    table = Table(
+        title="waiting to join (press the number to approve)",
+        title_justify="left",
+        title_style="bold yellow",
+        box=box.SIMPLE_HEAD,
+    )
+    for col in ("#", "name", "id", "waiting"):
+        table.add_column(col)
+    for i, p in enumerate(pending[:9], 1):
+        table.add_row(
+            Text(str(i), style="bold"),
+            Text(str(p.get("name") or "?")),
+            Text(str(p.get("id") or "?"), style="dim"),
+            Text(_age(_num(p.get("waiting_s")))),
+        )
+    return table
+
+
+def render(
+    cluster: Mapping[str, Any],
+    now_ms: int | None = None,
+    pending: list[Mapping[str, Any]] | None = None,
+) -> RenderableType:
+    """The whole ``top`` frame for one ``GET /v1/cluster`` answer, and the nodes waiting
+    for approval (the ``pending`` list of ``GET /v1/members``) when there are any.
 
     Pure: ``now_ms`` (wall clock, ms) is only used for node uptimes, shown as ``-`` when
     it is None.
     """
-    return Group(
+    parts: list[RenderableType] = [
         header(cluster), Text(), nodes_table(cluster, now_ms), Text(), instances_table(cluster)
-    )
+    ]  # fmt: skip
+    if pending:
+        parts += [Text(), pending_table(pending)]
+    return Group(*parts)
 
 
 # ---------------------------------------------------------------- the loop
@@ -460,15 +493,75 @@ def error_panel(error: Exception, base_url: str, last_ok: float | None, now: flo
     return Panel(body, title=f"meshd node {base_url}", title_align="left", border_style="red")
 
 
-def _frame(client: NodeClient, interval: float) -> RenderableType:
+def waiting(client: NodeClient) -> list[Mapping[str, Any]]:
+    """The nodes waiting for approval at ``client``'s node; none in an open cluster or
+    when the node does not say (the cluster view must not fail for it)."""
+    try:
+        return [_dict(p) for p in _list(client.members().get("pending"))]
+    except MeshctlError:
+        return []
+
+
+def _frame(
+    client: NodeClient, interval: float, pending: list[Mapping[str, Any]], status: str
+) -> RenderableType:
     now = time.time()
     cluster = client.cluster()
+    pending[:] = waiting(client)
+    keys = "1-9 approve · q or Ctrl-C to quit" if _keys_available() else "Ctrl-C to quit"
     footer = Text(
         f"{client.base_url} · {time.strftime('%H:%M:%S', time.localtime(now))}"
-        f" · every {interval:g}s · Ctrl-C to quit",
+        f" · every {interval:g}s · {keys}",
         style="dim",
     )
-    return Group(render(cluster, now_ms=int(now * 1000)), footer)
+    parts: list[RenderableType] = [render(cluster, int(now * 1000), pending), footer]
+    if status:
+        parts.append(Text(status, style="bold"))
+    return Group(*parts)
+
+
+def _keys_available() -> bool:
+    return sys.platform != "win32" and sys.stdin.isatty()
+
+
+@contextlib.contextmanager
+def _cbreak() -> Iterator[None]:
+    """Keys reach ``_key`` one at a time, unechoed, while the view runs (a terminal only)."""
+    if not _keys_available():
+        yield
+        return
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd)
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def _key(timeout: float) -> str:
+    """A key pressed within ``timeout`` seconds, or "" (then it just waited)."""
+    if not _keys_available():
+        time.sleep(timeout)
+        return ""
+    ready, _, _ = select.select([sys.stdin], [], [], timeout)
+    return os.read(sys.stdin.fileno(), 1).decode(errors="replace") if ready else ""
+
+
+def approve_key(client: NodeClient, key: str, pending: list[Mapping[str, Any]]) -> str:
+    """Approve the waiting node numbered ``key``; what happened, in one line."""
+    if not key.isdigit() or not 1 <= int(key) <= len(pending):
+        return ""
+    p = pending[int(key) - 1]
+    ref = str(p.get("id") or p.get("name") or "")
+    try:
+        m = client.approve(ref)
+    except MeshctlError as exc:
+        return f"could not approve {p.get('name')}: {exc}"
+    return f"approved {m.get('name')} ({m.get('id')}); it joins within a few seconds"
 
 
 def run_top(
@@ -485,15 +578,18 @@ def run_top(
     """
     console = console or stdout_console()
     if once:
-        console.print(render(client.cluster(), now_ms=int(time.time() * 1000)))
+        cluster = client.cluster()
+        console.print(render(cluster, int(time.time() * 1000), waiting(client)))
         return 0
 
     last_ok: float | None = None
+    pending: list[Mapping[str, Any]] = []
+    status = ""
 
     def frame() -> RenderableType:
         nonlocal last_ok
         try:
-            out = _frame(client, interval)
+            out = _frame(client, interval, pending, status)
         except MeshctlError as exc:
             return error_panel(exc, client.base_url, last_ok, time.time())
         except Exception as exc:  # a malformed answer must not kill the view
@@ -512,9 +608,18 @@ def run_top(
                 console.print(frame())
                 console.rule(style="dim")
                 time.sleep(interval)
-        with Live(frame(), console=console, auto_refresh=False, transient=False) as live:
+        with _cbreak(), Live(frame(), console=console, auto_refresh=False) as live:
+            next_at = time.monotonic() + interval
             while True:
-                time.sleep(interval)
+                key = _key(max(0.0, next_at - time.monotonic()))
+                if key in ("q", "Q"):
+                    return 0
+                if key:
+                    said = approve_key(client, key, pending)
+                    if not said:
+                        continue  # not a key of ours: keep waiting for the next frame
+                    status = said
+                next_at = time.monotonic() + interval
                 live.update(frame(), refresh=True)
     except KeyboardInterrupt:
         return 0

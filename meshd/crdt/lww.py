@@ -30,12 +30,18 @@ _MASK64 = (1 << 64) - 1
 
 
 class Entry(msgspec.Struct, frozen=True, array_like=True):
-    """One LWW register. ``value is None`` marks a tombstone."""
+    """One LWW register. ``value is None`` marks a tombstone.
+
+    ``sig`` is the writer's signature of the other fields (empty in an open cluster);
+    it is not part of the order nor of the content hash: a signature is deterministic,
+    so one entry has one.
+    """
 
     key: str
     hlc: int
     writer: str
     value: bytes | None = None
+    sig: bytes = b""
 
     @property
     def is_tombstone(self) -> bool:
@@ -194,6 +200,22 @@ class LWWMap:
             return []
         return [e for k, e in self._entries.items() if bucket_of(k) in wanted]
 
+    def diff_page(
+        self,
+        remote: tuple[int, ...] | list[int] | None,
+        after: tuple[int, str] | None = None,
+        budget: int = 1 << 20,
+    ) -> tuple[list[Entry], tuple[int, str] | None]:
+        """One page of :meth:`diff` (``remote`` None: of every entry), in (bucket, key)
+        order, starting past the cursor ``after``, about ``budget`` bytes; and the
+        cursor to ask for the next page with (None: nothing is left)."""
+        wanted = None if remote is None else set(self.differing_buckets(remote))
+        keyed = sorted(
+            ((bucket_of(k), k), e) for k, e in self._entries.items()
+            if wanted is None or bucket_of(k) in wanted
+        )  # fmt: skip
+        return page(keyed, after, budget)
+
     def version_vector(self) -> dict[str, int]:
         """Largest clock held from each writer."""
         vv: dict[str, int] = {}
@@ -243,6 +265,31 @@ class LWWMap:
     def same_state(self, other: LWWMap) -> bool:
         """True if both replicas hold exactly the same entries."""
         return self._entries == other._entries
+
+
+def entry_size(e: Entry) -> int:
+    """About how many bytes ``e`` takes on the wire (for paging)."""
+    return len(e.key) + len(e.writer) + len(e.value or b"") + len(e.sig) + 24
+
+
+def page(
+    keyed: list[tuple[tuple[int, str], Entry]],
+    after: tuple[int, str] | None,
+    budget: int,
+) -> tuple[list[Entry], tuple[int, str] | None]:
+    """The entries of ``keyed`` (sorted by cursor) past ``after``, up to ``budget``
+    bytes (at least one), and the cursor of the last one taken if any is left."""
+    out: list[Entry] = []
+    size = 0
+    for i, (cursor, e) in enumerate(keyed):
+        if after is not None and cursor <= after:
+            continue
+        n = entry_size(e)
+        if out and size + n > budget:
+            return out, keyed[i - 1][0]
+        out.append(e)
+        size += n
+    return out, None
 
 
 def stable_horizon(synced: Mapping[str, int]) -> int:

@@ -4,7 +4,8 @@
 |-------------------|------------|-----------------------|
 | ``node/<id>``     | NodeCard   | node ``<id>`` only    |
 | ``health/<id>``   | Health     | node ``<id>`` only    |
-| ``instance/<id>`` | Instance   | any node              |
+| ``instance/<id>`` | Instance   | any member            |
+| ``member/<id>``   | Member     | any member            |
 
 Values are msgpack-encoded Structs; a value that fails to decode is skipped by the
 views (and never crashes a reader), so an old node cannot break a new one.
@@ -22,6 +23,9 @@ from .lww import LWWMap
 NODE = "node/"
 HEALTH = "health/"
 INSTANCE = "instance/"
+MEMBER = "member/"
+#: Every key space the cluster knows; a key outside them is refused.
+KEY_SPACES = (NODE, HEALTH, INSTANCE, MEMBER)
 
 
 def node_key(node_id: str) -> str:
@@ -37,6 +41,28 @@ def health_key(node_id: str) -> str:
 def instance_key(instance_id: str) -> str:
     """Key of a placed model instance."""
     return INSTANCE + instance_id
+
+
+def member_key(node_id: str) -> str:
+    """Key of a member's entry (its public key)."""
+    return MEMBER + node_id
+
+
+class Member(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A node the cluster admits: its Ed25519 public key, and who let it in.
+
+    ``id`` must be the node id that ``key`` gives. An entry is taken when its writer is
+    already a member (an approval), or when ``proof`` shows a holder of the cluster key
+    vouches for ``key`` (a node started with the cluster's secret file).
+    """
+
+    id: str
+    name: str
+    key: bytes
+    #: The member that approved it, or ``id`` itself with a ``proof``.
+    by: str
+    at_ms: int = 0
+    proof: bytes = b""
 
 
 class NodeCard(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -158,14 +184,45 @@ class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     activations: str = "f32"
 
 
+class NodeResources(msgspec.Struct, frozen=True):
+    """One live node as placement sees it.
+
+    ``backends`` are engine backends such as ``llama_cpp-cpu`` or ``mlx-metal``
+    (``<engine>-<device>``). ``mem_available`` and ``mem_total`` are bytes.
+    ``tokens_per_s`` is the node's measured decode speed; 0 means not measured.
+    ``holds`` lists the instances this node has a runner loading or ready for: the
+    memory those runners hold is no longer in ``mem_available``, and a repair credits
+    it back (see ``Policy.credit_held``).
+    """
+
+    id: str
+    name: str
+    backends: list[str]
+    mem_available: int
+    mem_total: int = 0
+    tokens_per_s: float = 0.0
+    holds: list[str] = []
+
+
+class PlanBasis(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """What a plan was computed from: the spec placement got (a repair relaxes pins),
+    the nodes as it saw them, the stages it repaired. Any node can compute the plan
+    again from these and refuse one that does not come out the same."""
+
+    spec: InstanceSpec
+    nodes: list[NodeResources]
+    previous: list[Stage] | None = None
+
+
 class Instance(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A placed model: its spec, its plan and the plan's generation."""
+    """A placed model: its spec, its plan, the plan's generation and what it came from."""
 
     id: str
     spec: InstanceSpec
     stages: list[Stage]
     generation: int = 1
     facts: ModelFacts | None = None
+    basis: PlanBasis | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -211,3 +268,9 @@ def healths(m: LWWMap) -> dict[str, Health]:
 def instances(m: LWWMap) -> dict[str, Instance]:
     """Placed model instances by instance id."""
     return {iid: i for iid, i, _ in _view(m, INSTANCE, Instance) if i.id == iid}
+
+
+def members(m: LWWMap) -> dict[str, Member]:
+    """Members by node id (entries whose id does not match their key are left out by
+    the trust rules before they get here)."""
+    return {nid: x for nid, x, _ in _view(m, MEMBER, Member) if x.id == nid}

@@ -1,17 +1,27 @@
 """The runner <-> supervisor protocol: one JSON object a line over the runner's stdio.
 
-The supervisor starts ``python -m meshd.engines.runner CONFIG_JSON`` (a
-:class:`RunnerConfig`). The runner reports on stdout (:data:`RunnerEvent`, tagged by
-``"event"``): ``listening`` with its port, then ``ready`` or ``failed`` with a reason;
-later ``load`` (requests holding KV), ``generation`` (a plan generation adopted) and
-``expired`` (a request freed after idling). It reads commands on stdin
-(:data:`RunnerCommand`, tagged by ``"cmd"``): ``generation`` (adopt a new plan
-generation) and ``stop``. EOF on stdin means the node is gone: the runner exits.
+The supervisor starts ``python -m meshd.engines.runner INSTANCE STAGE`` (the two words
+only name the process for ``ps``) and writes a :class:`RunnerConfig` as the first line
+of its stdin: the config carries the keys of the node's sockets, which must never be in
+an argument list (every user of the machine can read those) or in the environment
+(inherited by whatever the runner starts). :func:`runner_command` builds both.
+
+The runner reports on stdout (:data:`RunnerEvent`, tagged by ``"event"``): ``listening``
+with its port, then ``ready`` or ``failed`` with a reason; later ``load`` (requests
+holding KV), ``generation`` (a plan generation adopted) and ``expired`` (a request
+freed after idling). It reads commands on stdin after the config (:data:`RunnerCommand`,
+tagged by ``"cmd"``): ``generation`` (adopt a new plan generation), ``members`` (the
+client keys its sockets admit) and ``stop``. EOF on stdin means the node is gone: the
+runner exits.
 """
 
 from __future__ import annotations
 
+import sys
+
 import msgspec
+
+from meshd.transport.security import ClusterKeys
 
 __all__ = [
     "REQUEST_EXPIRY_S",
@@ -25,10 +35,14 @@ __all__ = [
     "RunnerConfig",
     "RunnerEvent",
     "SetGeneration",
+    "SetMembers",
+    "SocketKeys",
     "Stop",
     "decode_command",
+    "decode_config",
     "decode_event",
     "encode",
+    "runner_command",
 ]
 
 #: Default idle time after which a request's KV is freed. Above the API node's chunk
@@ -36,8 +50,42 @@ __all__ = [
 REQUEST_EXPIRY_S = 60.0
 
 
+class SocketKeys(msgspec.Struct, kw_only=True, frozen=True):
+    """CurveZMQ keys (Z85) of a runner's sockets: the pair its ROUTER binds with, the
+    pair its DEALERs connect with, and the client keys its ROUTER admits."""
+
+    server_public: str
+    server_secret: str
+    client_public: str
+    client_secret: str
+    members: list[str] = []
+
+    def __repr__(self) -> str:  # never print secret keys into a log
+        return "SocketKeys(<keys hidden>)"
+
+    @classmethod
+    def of(cls, keys: ClusterKeys, members: list[bytes]) -> SocketKeys:
+        """A node's keys, for its runners."""
+        return cls(
+            server_public=keys.server_public.decode(),
+            server_secret=keys.server_secret.decode(),
+            client_public=keys.client_public.decode(),
+            client_secret=keys.client_secret.decode(),
+            members=[m.decode() for m in members],
+        )
+
+    def cluster_keys(self) -> ClusterKeys:
+        """The keys as the socket edge takes them."""
+        return ClusterKeys(
+            self.server_public.encode(),
+            self.server_secret.encode(),
+            self.client_public.encode(),
+            self.client_secret.encode(),
+        )
+
+
 class RunnerConfig(msgspec.Struct, kw_only=True):
-    """Everything a runner needs, passed as JSON on its command line."""
+    """Everything a runner needs, the first line of its stdin."""
 
     instance: str
     generation: int
@@ -61,6 +109,11 @@ class RunnerConfig(msgspec.Struct, kw_only=True):
     #: A request with no message and no compute for this long is freed (see
     #: ``Runner.expire``); 0 or less never expires one.
     request_expiry_s: float = REQUEST_EXPIRY_S
+    #: Most tokens a request may generate here, whatever its ``max_tokens`` says
+    #: (None: up to the context's end).
+    max_tokens: int | None = None
+    #: None: an open cluster (no CURVE).
+    keys: SocketKeys | None = None
 
 
 # -- events: runner -> supervisor (stdout) ---------------------------------------------
@@ -113,11 +166,17 @@ class SetGeneration(msgspec.Struct, tag="generation", tag_field="cmd"):
     value: int
 
 
+class SetMembers(msgspec.Struct, tag="members", tag_field="cmd"):
+    """Admit exactly these client keys (Z85) from now on (the cluster's members)."""
+
+    keys: list[str]
+
+
 class Stop(msgspec.Struct, tag="stop", tag_field="cmd"):
     """Exit now."""
 
 
-RunnerCommand = SetGeneration | Stop
+RunnerCommand = SetGeneration | SetMembers | Stop
 
 _events = msgspec.json.Decoder(RunnerEvent)
 _commands = msgspec.json.Decoder(RunnerCommand)
@@ -127,6 +186,18 @@ _encoder = msgspec.json.Encoder()
 def encode(msg: RunnerEvent | RunnerCommand | RunnerConfig) -> bytes:
     """One line (no newline) of the protocol."""
     return _encoder.encode(msg)
+
+
+def runner_command(cfg: RunnerConfig) -> tuple[list[str], bytes]:
+    """The argument list that starts a runner for ``cfg`` and the first bytes to write
+    to its stdin (the config, one line)."""
+    argv = [sys.executable, "-m", "meshd.engines.runner", cfg.instance, str(cfg.stage)]
+    return argv, encode(cfg) + b"\n"
+
+
+def decode_config(line: bytes) -> RunnerConfig:
+    """The config line a runner reads first (raises msgspec errors on a bad one)."""
+    return msgspec.json.decode(line, type=RunnerConfig)
 
 
 def decode_event(line: bytes | str) -> RunnerEvent | None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import select
 import signal
 import sys
 import time
@@ -40,7 +39,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from meshd.models.chat import CHATML_TEMPLATE, render_chat
+from meshd.models.chat import CHATML_TEMPLATE, chat_template_at, render_chat
 from meshd.models.folder import folder_sha256
 from meshd.models.hashing import file_sha256
 from meshd.models.slicing import slice_gguf
@@ -50,9 +49,6 @@ from meshd.transport.security import (
     HANDSHAKE_EVENTS,
     ClusterKeys,
     HandshakeReporter,
-    SecretError,
-    derive_keys,
-    load_secret,
     start_zap,
 )
 from meshd.transport.sockets import DATA, DealerCache, bind, decode_frame, open_socket
@@ -69,8 +65,10 @@ from .protocol import (
     RunnerConfig,
     RunnerEvent,
     SetGeneration,
+    SetMembers,
     Stop,
     decode_command,
+    decode_config,
     encode,
 )
 from .sampling import Sampler, SamplingParams
@@ -78,6 +76,10 @@ from .stage import StageInput
 from .threads import configure_threads
 
 log = logging.getLogger("meshd.runner")
+
+#: Requests stage 0 queues per KV slot before it refuses more (``overloaded``): the
+#: API nodes' own admission keeps far below this; a flood of Generates does not grow it.
+MAX_WAITING_PER_SEQ = 8
 
 #: Cancelled request ids remembered, so that a request's first activation arriving
 #: after its cancel (from another sender, so unordered) is not admitted.
@@ -201,10 +203,14 @@ class Runner:
         )
 
     # -- loop ----------------------------------------------------------------------
-    def serve(self) -> None:
+    def serve(self, stdin: StdinLines, members: set[bytes] | None = None) -> None:
+        """Serve until the node closes stdin or says ``stop``. ``members``: the client
+        keys the ZAP handler admits, replaced in place on a ``members`` command."""
+        self.stdin = stdin
+        self.members = members
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
-        poller.register(sys.stdin.fileno(), zmq.POLLIN)
+        poller.register(stdin.fd, zmq.POLLIN)
         mon = None
         if self.keys is not None:
             mon = self.router.get_monitor_socket(HANDSHAKE_EVENTS)
@@ -217,7 +223,7 @@ class Runner:
                 self.drain()
             if mon is not None and mon in events:
                 reporter.event("stage", mon.recv_multipart())
-            if sys.stdin.fileno() in events and not self.control():
+            if stdin.fd in events and not self.control():
                 return
             if self.work:
                 self.step()
@@ -227,18 +233,23 @@ class Runner:
                 self.expire(now)
 
     def control(self) -> bool:
-        """Handle one stdin line; False when the node closed stdin (it is gone)."""
-        r, _, _ = select.select([sys.stdin], [], [], 0)
-        if not r:
-            return True
-        line = sys.stdin.readline()
-        if not line:
+        """Handle the commands waiting on stdin; False when the node closed stdin (it
+        is gone) or said ``stop``."""
+        lines = self.stdin.read()
+        if lines is None:
             return False
-        cmd = decode_command(line)
-        if isinstance(cmd, SetGeneration):
-            self.set_generation(cmd.value)
-        elif isinstance(cmd, Stop):
-            return False
+        for line in lines:
+            cmd = decode_command(line)
+            if isinstance(cmd, SetGeneration):
+                self.set_generation(cmd.value)
+            elif isinstance(cmd, SetMembers) and self.members is not None:
+                # One set, changed in place: the ZAP thread reads it (a set's updates
+                # are atomic under the GIL), and it never sees it empty by mistake.
+                new = {k.encode() for k in cmd.keys}
+                self.members.intersection_update(new)
+                self.members.update(new)
+            elif isinstance(cmd, Stop):
+                return False
         return True
 
     def set_generation(self, generation: int) -> None:
@@ -323,9 +334,11 @@ class Runner:
             elif msg.req in self.cancelled:
                 self.counters.dropped["cancelled"] += 1
             elif self.free_seqs:
-                self.admit(msg)
+                self.admit(self.capped(msg))
+            elif len(self.waiting) >= MAX_WAITING_PER_SEQ * self.cfg.n_seq_max:
+                self.fail(msg.reply_to, msg.req, "overloaded", "stage 0 has too many queued")
             else:
-                self.waiting.append(msg)
+                self.waiting.append(self.capped(msg))
         elif isinstance(msg, wire.Activation):
             self.on_activation(msg, raw)
         elif isinstance(msg, wire.Token):
@@ -348,6 +361,19 @@ class Runner:
             self.release(msg.req, msg.reason)
         else:
             self.counters.dropped["unexpected"] += 1
+
+    def capped(self, g: wire.Generate) -> wire.Generate:
+        """``g`` with ``max_tokens`` within this runner's cap (a request from any
+        member must not hold a slot for longer than the node allows)."""
+        cap = self.cfg.max_tokens
+        if cap is None:
+            return g
+        mt = g.sampling.max_tokens
+        if mt is not None and mt <= cap:
+            return g
+        return msgspec.structs.replace(
+            g, sampling=msgspec.structs.replace(g.sampling, max_tokens=cap)
+        )
 
     def refuse_generation(self, g: wire.Generate) -> None:
         """End ``g`` with a typed error: it names another plan generation."""
@@ -626,9 +652,37 @@ class Runner:
                 self.admit(g)
 
 
+class StdinLines:
+    """Lines from the node on fd 0, read without Python's buffering (so that the poller
+    and the reader never disagree about what is waiting)."""
+
+    def __init__(self, fd: int = 0) -> None:
+        self.fd = fd
+        self._buf = b""
+
+    def read(self) -> list[bytes] | None:
+        """The complete lines available now; None at EOF (the node is gone)."""
+        data = os.read(self.fd, 1 << 16)
+        if not data:
+            return None
+        self._buf += data
+        *lines, self._buf = self._buf.split(b"\n")
+        return [line for line in lines if line.strip()]
+
+    def first(self) -> bytes:
+        """Block for the first line (the config); EOF before it raises EOFError."""
+        while b"\n" not in self._buf:
+            data = os.read(self.fd, 1 << 16)
+            if not data:
+                raise EOFError("the node closed stdin before sending the config")
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of a runner process."""
-    argv = sys.argv[1:] if argv is None else argv
+    """Entry point of a runner process (``python -m meshd.engines.runner INSTANCE STAGE``,
+    the config on stdin)."""
     # A Ctrl-C in the node's terminal reaches its whole process group; the node drains
     # (its stages move, its streams finish) and then stops its runners itself. A runner
     # that died on the same SIGINT would cut every stream mid-drain and count as a
@@ -640,16 +694,19 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
-    cfg = msgspec.json.decode(argv[0], type=RunnerConfig)
-    ctx = zmq.Context()
+    stdin = StdinLines()
     try:
-        secret = load_secret(None)
-    except SecretError as e:
-        emit(Failed(reason=str(e)))
+        cfg = decode_config(stdin.first())
+    except (EOFError, msgspec.DecodeError, msgspec.ValidationError) as e:
+        emit(Failed(reason=f"bad runner config: {e}"))
         return 1
-    keys = None if secret is None else derive_keys(secret)
-    if keys is not None:
-        start_zap(ctx, keys, lambda: log.warning("refused a peer whose key is not the cluster's"))
+    ctx = zmq.Context()
+    keys = cfg.keys.cluster_keys() if cfg.keys is not None else None
+    members: set[bytes] | None = None
+    if cfg.keys is not None:
+        members = {k.encode() for k in cfg.keys.members}
+        admitted = members
+        start_zap(ctx, admitted.__contains__, lambda: log.warning("refused a non-member peer"))
     router = open_socket(ctx, zmq.ROUTER, DATA, keys, server=True)
     port = bind(router, cfg.bind_host)
     emit(Listening(port=port))
@@ -657,17 +714,17 @@ def main(argv: list[str] | None = None) -> int:
         stage = load_stage(cfg)
         template = None
         if cfg.stage == 0:
-            from meshd.models.chat import chat_template_at
-
             template = chat_template_at(cfg.model_path)
     except Exception as e:
         log.exception("could not load the stage")
         emit(Failed(reason=f"{type(e).__name__}: {e}"))
         return 1
     emit(Ready())
+    runner = Runner(cfg, stage, ctx, router, template, keys)
     try:
-        Runner(cfg, stage, ctx, router, template, keys).serve()
+        runner.serve(stdin, members)
     finally:
+        runner.dealers.close()
         router.close(linger=0)
     return 0
 

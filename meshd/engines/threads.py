@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 __all__ = [
     "GOMP_SPINCOUNT",
+    "RUNNER_ENV_KEEP",
     "THREADS_ENV",
     "configure_threads",
     "default_threads",
@@ -61,18 +62,42 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+#: What a runner keeps of its node's environment (a name, or a prefix ending in ``_``):
+#: what Python, the engines, their thread pools, the GPU runtimes and the HF cache read.
+#: Nothing else reaches a runner: not the API key, not the cluster secret, nor whatever
+#: the node's own environment happens to hold.
+RUNNER_ENV_KEEP = (
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "LC_", "TZ", "TMPDIR", "TEMP",
+    "TMP", "PYTHONPATH", "PYTHONHOME", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE",
+    "VIRTUAL_ENV", "LD_LIBRARY_PATH", "DYLD_", "OMP_", "GOMP_", "KMP_", "MKL_",
+    "OPENBLAS_", THREADS_ENV, "HF_", "HUGGINGFACE_", "XDG_CACHE_HOME", "CUDA_", "NVIDIA_",
+    "HIP_", "ROCM_", "MLX_", "METAL_", "GGML_", "LLAMA_", "SYSTEMROOT", "WINDIR",
+)  # fmt: skip
+
+
 def runner_env(
-    base: Mapping[str, str] | None = None, *, spincount: int = GOMP_SPINCOUNT
+    base: Mapping[str, str] | None = None,
+    *,
+    spincount: int = GOMP_SPINCOUNT,
+    minimal: bool = False,
 ) -> dict[str, str]:
     """Environment for a runner subprocess that will run llama.cpp stages.
 
     Returns a copy of ``base`` (``os.environ`` when None) with ``GOMP_SPINCOUNT`` set,
     unless the user set it already. Use it to spawn a runner: libgomp reads the
-    variable once, when it is loaded, so the runner must start with it.
+    variable once, when it is loaded, so the runner must start with it. ``minimal``
+    keeps only :data:`RUNNER_ENV_KEEP` (what a node's runners get).
     """
     env = dict(os.environ if base is None else base)
+    if minimal:
+        env = {k: v for k, v in env.items() if _kept(k)}
+        env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("GOMP_SPINCOUNT", str(int(spincount)))
     return env
+
+
+def _kept(name: str) -> bool:
+    return any(name == k or (k.endswith("_") and name.startswith(k)) for k in RUNNER_ENV_KEEP)
 
 
 def configure_threads(spincount: int = GOMP_SPINCOUNT) -> bool:

@@ -11,6 +11,8 @@ first stage embeds, the last one normalizes and projects, the others ignore them
 Slices are cached on disk under ``out_dir/<sha256[:16]>/<start>-<end>.gguf``; a slice
 is written to a temporary file and renamed into place, so a reader never sees half a
 slice and two processes cutting the same one at once both end with a whole file.
+The cache is bounded by :func:`trim_slices`: slices no stage uses are deleted, least
+recently used first, while the cache is over its quota (a slice's mtime is its last use).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import gguf
@@ -27,7 +30,7 @@ import gguf
 from .errors import ModelFormatError
 from .gguf import architecture, open_gguf, read_metadata
 
-__all__ = ["slice_gguf", "slice_path"]
+__all__ = ["slice_gguf", "slice_path", "trim_slices"]
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.*)$")
 
@@ -51,7 +54,10 @@ def slice_gguf(src: Path, start: int, end: int, out_dir: Path, sha256: str) -> P
         raise ValueError(f"bad layer range [{start}, {end})")
     dest = slice_path(out_dir, sha256, start, end)
     if dest.is_file():
-        # Only ever renamed into place whole, so existing means complete.
+        # Only ever renamed into place whole, so existing means complete. Touched: the
+        # cache quota evicts the slices used least recently.
+        with contextlib.suppress(OSError):
+            os.utime(dest)
         return dest
 
     # The whole range is the source itself: answer from the header alone (gguf-py's
@@ -88,6 +94,36 @@ def slice_gguf(src: Path, start: int, end: int, out_dir: Path, sha256: str) -> P
             tmp.unlink()
         raise
     return dest
+
+
+def trim_slices(out_dir: Path, keep: Collection[Path], quota: int) -> list[Path]:
+    """Delete cached slices not in ``keep``, least recently used first, until the
+    slices under ``out_dir`` take at most ``quota`` bytes; returns what was deleted.
+
+    Slices in ``keep`` (those of the stages this node runs or is about to start) are
+    never deleted, even when they alone exceed the quota: a running stage needs its file.
+    """
+    keep_set = {Path(p) for p in keep}
+    slices: list[tuple[float, int, Path]] = []
+    for path in Path(out_dir).glob("*/*.gguf"):
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            slices.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in slices)
+    removed: list[Path] = []
+    for _, size, path in sorted(slices):
+        if total <= quota:
+            break
+        if path in keep_set:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        total -= size
+        removed.append(path)
+    for folder in {p.parent for p in removed}:
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty
+    return removed
 
 
 #: A temporary slice older than this is a leftover of a cutter that died.

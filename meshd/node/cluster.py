@@ -11,7 +11,7 @@ rule.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -21,20 +21,25 @@ from meshd.crdt.views import (
     Health,
     Instance,
     InstanceSpec,
+    Member,
     ModelFacts,
     NodeCard,
+    PlanBasis,
     RunnerStatus,
     cards,
     healths,
     instances,
+    members,
 )
 from meshd.models import canonical_name
 from meshd.placement import NodeResources, PlacementError, node_resources, place, repair_needed
 from meshd.transport import wire
+from meshd.transport.identity import curve_public_of
 
 __all__ = [
     "CRASH_LOOP",
     "MODEL_MISSING",
+    "REFUSED",
     "ClusterView",
     "StageState",
     "gave_up",
@@ -43,11 +48,15 @@ __all__ = [
 #: Reason prefixes of a runner its node gave up on (it will not come back by itself).
 CRASH_LOOP = "crash loop"
 MODEL_MISSING = "model not available here"
+#: The node will not take the stage (more stages or memory than it admits).
+REFUSED = "refused by this node"
 
 
 def gave_up(status: RunnerStatus) -> bool:
     """True when a runner will not come back on its own: placement should move it."""
-    return status.state == "failed" and status.reason.startswith((CRASH_LOOP, MODEL_MISSING))
+    return status.state == "failed" and status.reason.startswith(
+        (CRASH_LOOP, MODEL_MISSING, REFUSED)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +81,8 @@ class ClusterView:
     liveness: Mapping[str, State]
     #: Seconds since each node's last heartbeat arrived (this node: 0).
     ages: Mapping[str, float]
+    #: The members of a secured cluster (empty in an open one).
+    members: Mapping[str, Member] = field(default_factory=dict)
 
     @classmethod
     def build(cls, m: LWWMap, self_id: str, liveness: Liveness, now: float) -> ClusterView:
@@ -87,7 +98,7 @@ class ClusterView:
                 ages[nid] = age
         states[self_id] = "alive"
         ages[self_id] = 0.0
-        return cls(self_id, cards(m), healths(m), instances(m), states, ages)
+        return cls(self_id, cards(m), healths(m), instances(m), states, ages, members(m))
 
     # -- nodes ---------------------------------------------------------------------
     def is_live(self, nid: str) -> bool:
@@ -102,6 +113,14 @@ class ClusterView:
         """Live and not draining: a node placement may give stages to."""
         h = self.healths.get(nid)
         return self.is_live(nid) and (h is None or h.state == "up")
+
+    def senders(self, inst: Instance) -> frozenset[bytes] | None:
+        """The CURVE keys (Z85) of ``inst``'s stages: the only senders a request's
+        chunks are taken from (None in an open cluster: no keys to tell them by)."""
+        if not self.members:
+            return None
+        keys = [self.members[s.node].key for s in inst.stages if s.node in self.members]
+        return frozenset(curve_public_of(k) for k in keys)
 
     def label(self, nid: str) -> str:
         """``name (id)`` for logs, or the bare id of a node without a card."""
@@ -264,13 +283,15 @@ class ClusterView:
             if not repair_needed(inst, live - excluded):
                 continue
             relaxed = InstanceSpec(model=inst.spec.model)
+            nodes = self._repair_nodes(inst)
             try:
-                stages = place(relaxed, inst.facts, self._repair_nodes(inst), previous=inst)
+                stages = place(relaxed, inst.facts, nodes, previous=inst)
             except PlacementError as e:
                 failed[inst.id] = str(e)
                 continue
             if stages == inst.stages:
                 continue
+            basis = PlanBasis(spec=relaxed, nodes=list(nodes.values()), previous=inst.stages)
             plans.append(
                 Instance(
                     id=inst.id,
@@ -278,6 +299,7 @@ class ClusterView:
                     stages=stages,
                     generation=inst.generation + 1,
                     facts=inst.facts,
+                    basis=basis,
                 )
             )
         return plans, failed

@@ -67,6 +67,10 @@ MAX_RESTARTS = 3
 RESTART_WINDOW_S = 60.0
 #: First restart delay, doubled at each restart (a crash at load must not spin).
 RESTART_BACKOFF_S = 0.5
+#: Stages one node runs at most, whatever the plans say (a plan is any member's word).
+MAX_RUNNERS = 16
+#: Bytes of cached GGUF slices kept beyond those in use (least recently used go first).
+SLICE_CACHE_BYTES = 16 << 30
 #: How long a stopping node waits for its stages to move and its requests to finish.
 DRAIN_TIMEOUT_S = 30.0
 #: After the drain, the API server's grace for responses still being written.
@@ -115,6 +119,8 @@ class NodeConfig:
     request_expiry: float = REQUEST_EXPIRY_S
     stop_grace: float = STOP_GRACE_S
     max_restarts: int = MAX_RESTARTS
+    max_runners: int = MAX_RUNNERS
+    slice_cache: int = SLICE_CACHE_BYTES
     restart_window: float = RESTART_WINDOW_S
     restart_backoff: float = RESTART_BACKOFF_S
     drain_timeout: float = DRAIN_TIMEOUT_S
@@ -123,6 +129,9 @@ class NodeConfig:
     max_clock_drift_ms: int = hlc.DEFAULT_MAX_DRIFT_MS
     #: Model to make sure the cluster serves; "" for none.
     model: str = DEFAULT_MODEL
+    #: Folders whose models this node may load (``--models DIR``), beside its packaged
+    #: aliases, the HF cache, and paths given on its command line or through its API.
+    model_dirs: list[Path] = field(default_factory=list)
     #: Seconds to wait for peers before placing ``model`` (so a joiner does not re-place).
     settle_s: float = SETTLE_S
     #: Context (tokens) per request, and requests in flight, per runner: what
@@ -131,10 +140,17 @@ class NodeConfig:
     n_seq_max: int = KV_SEQUENCES
     #: Most memory (bytes) this node offers the cluster; 0 = what the machine has.
     max_memory: int = 0
-    #: The cluster secret (CURVE on every socket); None runs an open cluster.
+    #: The cluster's secret (``--secret-file``): a node holding it is a member at once.
     secret: str | None = None
+    #: A pairing code from ``meshctl invite`` (``--join``): how a new node gets in.
+    join_code: str | None = None
+    #: Today's open lab cluster (``--open``): no keys, anyone on the LAN joins.
+    open: bool = False
     #: Bearer token the API demands; None serves anyone who can reach it.
     api_key: str | None = None
+    #: More names the API answers to (a reverse proxy's, a DNS name): the Host and
+    #: Origin checks refuse names that are not this node's own.
+    allow_hosts: list[str] = field(default_factory=list)
     #: Completion requests in flight through this node's API; more get 429.
     max_requests: int = DEFAULT_MAX_REQUESTS
     #: Most tokens one request may generate (``max_tokens`` above it is a 400).

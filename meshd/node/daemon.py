@@ -15,6 +15,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,19 +26,23 @@ from meshd.crdt import Liveness
 from meshd.crdt.hlc import HLC
 from meshd.crdt.lww import Entry
 from meshd.crdt.replica import Replica
-from meshd.crdt.views import INSTANCE, NodeCard, instances
+from meshd.crdt.views import INSTANCE, MEMBER, NodeCard, instances
 from meshd.engines.probe import probe
-from meshd.models import local_models, resolve_model
+from meshd.models import local_models
 from meshd.transport import wire
 from meshd.transport.addresses import local_addresses, virtual_addresses
 from meshd.transport.dataplane import DataPlane
 from meshd.transport.gossip import Gossip
-from meshd.transport.security import ClusterKeys, HandshakeReporter, derive_keys, start_zap
+from meshd.transport.identity import verify_entry
+from meshd.transport.sockets import free_port_pair
 from meshd.transport.stats import DropCounters
 
 from . import sysinfo
+from .access import Access
 from .changes import Changes
+from .cluster_store import ClusterStore, StoredCluster
 from .config import NodeConfig
+from .enrollment import enroll, join_port_of
 from .identity import ID_FILE, Identity, load_identity
 from .instances import Instances
 from .membership import Membership
@@ -45,6 +50,7 @@ from .metrics import Metrics
 from .peers import Peers
 from .presence import Presence, cap_memory
 from .requests import Requests
+from .roots import ModelRoots
 from .services import NodeServices
 from .state import ClusterState
 from .supervisor import Supervisor
@@ -85,7 +91,9 @@ class Node:
         metrics: Metrics,
         counters: DropCounters,
         tasks: Tasks,
-        zap: Any,
+        access: Access,
+        ctx: zmq.asyncio.Context,
+        join_port: int,
     ) -> None:
         self.config = config
         self.identity = identity
@@ -113,8 +121,12 @@ class Node:
             supervisor=supervisor,
             metrics=metrics,
             counters=counters,
+            access=access,
         )
-        self._zap = zap
+        self.access = access
+        self.ctx = ctx
+        #: Where nodes that are not members ask to join (0: an open cluster).
+        self.join_port = join_port
         self._discovery: Any = None
         self._stopping = asyncio.Event()
         self._hurry = asyncio.Event()
@@ -131,11 +143,15 @@ class Node:
 
     # -- building ------------------------------------------------------------------
     @classmethod
-    async def start(cls, config: NodeConfig, api: ApiAddress) -> Node:
-        """Build every part, publish this node's card and start its loops."""
+    async def start(cls, config: NodeConfig, bind_api: Callable[[], ApiAddress]) -> Node:
+        """Find this node's cluster (waiting for approval if it is new), bind its API
+        (``bind_api``: its address goes in the card), build every part, publish the
+        card and start the loops."""
         identity = load_identity(config.data_dir)
         try:
-            node = await _assemble(config, identity, api)
+            ctx = zmq.asyncio.Context.instance()
+            cluster = await enroll(config, identity, ctx)
+            node = await _assemble(config, identity, bind_api(), ctx, cluster)
         except BaseException:
             identity.release()
             raise
@@ -151,6 +167,8 @@ class Node:
         self.tasks.spawn(self.peers.run(), name="hello")
         self.tasks.spawn(self.membership.run(), name="liveness")
         self.tasks.spawn(self.instances.run_repairs(), name="repair")
+        if self.access.desk is not None:
+            self.tasks.spawn(self.access.desk.run(), name="join-desk")
         if cfg.discovery:
             await self._start_discovery()
         if cfg.model:
@@ -172,12 +190,13 @@ class Node:
         self._discovery = Discovery(
             node_id=self.node_id,
             name=self.config.name,
-            cluster_hash=wire.cluster_hash(self.config.cluster).hex(),
+            cluster_hash=self.gossip.cluster.hex(),
             mesh_port=self.gossip.mesh_port,
             api_port=card.api_port,
             version=meshd.__version__,
             addresses=card.addresses,
             on_peer=self.peers.on_discovered,
+            join_port=self.join_port,
         )
         try:
             await self._discovery.start()
@@ -187,13 +206,38 @@ class Node:
 
     # -- wiring --------------------------------------------------------------------
     def _on_remote(self, changed: list[Entry]) -> None:
-        """Entries merged from the network: liveness, peers, runners, waiters."""
+        """Entries merged from the network: liveness, peers, runners, members, waiters."""
         moved = self.membership.on_entries(changed)
         if any(e.key.startswith(INSTANCE) for e in changed):
             self._reconcile()
             moved = True
+        if any(e.key.startswith(MEMBER) for e in changed):
+            self._members_changed()
+            moved = True
         if moved:
             self.state.changes.notify()
+
+    def _on_local(self, e: Entry) -> None:
+        """An entry this node wrote."""
+        if e.key.startswith(INSTANCE):
+            self._reconcile()
+            self.state.changes.notify()
+        elif e.key.startswith(MEMBER):
+            self._members_changed()
+            self.state.changes.notify()
+
+    def _members_changed(self) -> None:
+        self.access.refresh(self.state.replica)
+        self.access.save_soon(self.state.replica, self.tasks)
+
+    async def _introduce(self, host: str, join_port: int) -> bool:
+        """Vouch for this node at a peer's join desk (a node started with the cluster's
+        secret), so its sockets admit this node before the first hello; False when the
+        peer did not take it."""
+        changed = await self.access.introduce(self.ctx, self.state.replica, host, join_port)
+        if changed:
+            self._on_remote(changed)
+        return changed is not None
 
     def _reconcile(self) -> None:
         self.supervisor.schedule(lambda: instances(self.state.map))
@@ -303,27 +347,38 @@ class Node:
         await self.supervisor.stop_all()
         await self.dataplane.stop()
         await self.gossip.stop()
-        if self._zap is not None:
-            self._zap.stop()
+        self.access.close()
         self.identity.release()
 
 
-async def _assemble(cfg: NodeConfig, identity: Identity, api: ApiAddress) -> Node:
+async def _assemble(
+    cfg: NodeConfig,
+    identity: Identity,
+    api: ApiAddress,
+    ctx: zmq.asyncio.Context,
+    cluster: StoredCluster | None,
+) -> Node:
     """Every part of a node, built and wired (nothing runs yet)."""
     node: Node  # bound below; the callbacks run only once the parts have started
     metrics = Metrics()
     counters = DropCounters(lambda sock, reason, n: metrics.dropped.labels(sock, reason).inc(n))
     tasks = Tasks()
     changes = Changes()
-    replica = Replica(identity.node_id, HLC(max_drift_ms=cfg.max_clock_drift_ms))
+    access = Access(ctx, cluster, identity.key, ClusterStore(cfg.data_dir), counters)
+    keys = access.keys
+    replica = Replica(
+        identity.node_id, HLC(max_drift_ms=cfg.max_clock_drift_ms), **access.replica_options()
+    )
+    access.install(replica, cfg.name)
     backends = await probe()
-    ctx = zmq.asyncio.Context.instance()
-    keys, zap = _secure(ctx, cfg.secret, counters)
     incarnation = secrets.token_hex(6)
+    mesh_port = cfg.mesh_port
+    if access.secured and mesh_port == 0:
+        mesh_port = free_port_pair(cfg.mesh_host)
     gossip = Gossip(
         replica,
         ctx=ctx,
-        cluster=wire.cluster_hash(cfg.cluster),
+        cluster=wire.cluster_hash(cluster.id if cluster is not None else cfg.cluster),
         incarnation=incarnation,
         own_entries=lambda: node.presence.own_entries(),
         on_change=lambda changed: node._on_remote(changed),
@@ -331,7 +386,7 @@ async def _assemble(cfg: NodeConfig, identity: Identity, api: ApiAddress) -> Nod
         on_own_welcome=lambda ep, peer, w: node.twins.on_own_welcome(ep, peer, w),
         counters=counters,
         bind_host=cfg.mesh_host,
-        mesh_port=cfg.mesh_port,
+        mesh_port=mesh_port,
         digest_interval=cfg.digest_interval,
         request_timeout=cfg.request_timeout,
         keys=keys,
@@ -352,18 +407,26 @@ async def _assemble(cfg: NodeConfig, identity: Identity, api: ApiAddress) -> Nod
         publish=gossip.publish,
         changes=changes,
         tasks=tasks,
-        on_instances=lambda: node._reconcile(),
+        on_write=lambda e: node._on_local(e),
+    )
+    join_port = access.open_desk(
+        ctx, state, cfg.name, cfg.mesh_host, join_port_of(gossip.mesh_port)
     )
     cache_dir = cfg.data_dir / "cache"
+    roots = ModelRoots(cfg.model_dirs, allowed=[cfg.model] if cfg.model else [])
     supervisor = Supervisor(
         identity.node_id,
-        resolve_path=lambda m: resolve_model(m).path,
+        resolve_path=lambda m: roots.resolve(m).path,
         cache_dir=cache_dir,
         bind_host=cfg.mesh_host,
         on_status=lambda: node.presence.beat_soon(),
         n_ctx=cfg.n_ctx,
         n_seq_max=cfg.n_seq_max,
-        secret=cfg.secret,
+        keys=keys,
+        max_tokens=cfg.max_tokens,
+        max_runners=cfg.max_runners,
+        slice_cache=cfg.slice_cache,
+        memory=cap_memory(sysinfo.mem_total(), cfg.max_memory),
         request_expiry=cfg.request_expiry,
         stop_grace=cfg.stop_grace,
         max_restarts=cfg.max_restarts,
@@ -371,7 +434,9 @@ async def _assemble(cfg: NodeConfig, identity: Identity, api: ApiAddress) -> Nod
         restart_backoff=cfg.restart_backoff,
     )
     requests = Requests(state, dataplane, cfg)
-    instances_ = Instances(state, cfg, cache_dir=cache_dir, aborted=lambda: requests.aborted)
+    instances_ = Instances(
+        state, cfg, cache_dir=cache_dir, aborted=lambda: requests.aborted, roots=roots
+    )
     peers = Peers(
         state,
         gossip,
@@ -380,6 +445,7 @@ async def _assemble(cfg: NodeConfig, identity: Identity, api: ApiAddress) -> Nod
         virtual=virtual_addresses(),
         seeds=list(cfg.peers),
         hello_interval=cfg.hello_interval,
+        introduce=(lambda h, p: node._introduce(h, p)) if cfg.secret else None,
     )
     membership = Membership(
         state,
@@ -428,6 +494,7 @@ async def _assemble(cfg: NodeConfig, identity: Identity, api: ApiAddress) -> Nod
         card=lambda: node.presence.card,
         identity_file=identity.data_dir / ID_FILE,
         on_give_way=lambda: node._give_way(),
+        authentic=(lambda e: verify_entry(identity.key.public, e)) if access.secured else None,
     )
     node = Node(
         config=cfg,
@@ -445,26 +512,13 @@ async def _assemble(cfg: NodeConfig, identity: Identity, api: ApiAddress) -> Nod
         metrics=metrics,
         counters=counters,
         tasks=tasks,
-        zap=zap,
+        access=access,
+        ctx=ctx,
+        join_port=join_port,
     )
+    access.on_members(supervisor.set_members)
+    access.refresh(replica)  # the runners start with the members known now
     return node
-
-
-def _secure(
-    ctx: zmq.asyncio.Context, secret: str | None, counters: DropCounters
-) -> tuple[ClusterKeys | None, Any]:
-    """Start ZAP and return the cluster keys, or say once that the cluster is open."""
-    if secret is None:
-        log.warning(
-            "no cluster secret: gossip and activations travel in clear and any machine "
-            "on the LAN can join; use --secret-file (see `meshctl secret new`)"
-        )
-        return None, None
-    keys = derive_keys(secret)
-    reporter = HandshakeReporter(counters.add)
-    zap = start_zap(ctx, keys, lambda: reporter.denied("zap"))
-    log.info("cluster secret set: every mesh and data socket uses CURVE")
-    return keys, zap
 
 
 def _advertised(bind_host: str) -> list[str]:

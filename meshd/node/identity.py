@@ -1,10 +1,11 @@
 """A node's stable identity, kept in its data directory.
 
-The id survives restarts so a restarted node rejoins as itself. It must never be shared:
-the identity file records a fingerprint of the machine and of the data directory's
-path; a copy of the directory on another machine (or moved elsewhere) gets a fresh id
-instead of silently impersonating the original. Two processes on one data directory
-are stopped by an exclusive lock.
+The identity is an Ed25519 key (``node.key``, 0600; see ``meshd.transport.identity``);
+the node id is derived from its public half. It survives restarts so a restarted node
+rejoins as itself. It must never be shared: the identity file records a fingerprint of
+the machine and of the data directory's path; a copy of the directory on another
+machine (or moved elsewhere) gets a fresh key and id instead of silently impersonating
+the original. Two processes on one data directory are stopped by an exclusive lock.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import logging
 import os
 import platform
 import re
-import secrets
 import shutil
 import socket
 import subprocess
@@ -25,9 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from meshd.transport.identity import NodeKey
+from meshd.transport.security import read_private, write_private
+
 log = logging.getLogger("meshd.node")
 
 ID_FILE = "identity.json"
+KEY_FILE = "node.key"
 LOCK_FILE = "meshd.lock"
 
 
@@ -87,20 +91,20 @@ def fingerprint(data_dir: Path) -> str:
     return hashlib.blake2b(raw, digest_size=12).hexdigest()
 
 
-def new_node_id() -> str:
-    """A fresh random node id (16 hex chars)."""
-    return secrets.token_hex(8)
-
-
 @dataclass
 class Identity:
-    """The node id and the open lock that keeps the data directory ours."""
+    """The node's key and the open lock that keeps the data directory ours."""
 
-    node_id: str
+    key: NodeKey
     data_dir: Path
     _lock: IO[str] | None = None
-    #: True when the id was created now (first start, or a copied data directory).
+    #: True when the key was created now (first start, or a copied data directory).
     fresh: bool = False
+
+    @property
+    def node_id(self) -> str:
+        """The node id (derived from the key)."""
+        return self.key.node_id
 
     def release(self) -> None:
         """Release the data directory lock."""
@@ -126,27 +130,37 @@ def _lock(data_dir: Path) -> IO[str]:
 
 
 def load_identity(data_dir: Path) -> Identity:
-    """Lock ``data_dir`` and return its node id, making a new one when needed."""
+    """Lock ``data_dir`` and return its identity, making a new key when needed."""
     data_dir.mkdir(parents=True, exist_ok=True)
     lock = _lock(data_dir)
+    try:
+        return _load(data_dir, lock)
+    except BaseException:
+        lock.close()
+        raise
+
+
+def _load(data_dir: Path, lock: IO[str]) -> Identity:
     fp = fingerprint(data_dir)
     path = data_dir / ID_FILE
     try:
         saved = json.loads(path.read_text())
         node_id, saved_fp = str(saved["node_id"]), str(saved["fingerprint"])
+        key = NodeKey(read_private(data_dir / KEY_FILE))
     except (OSError, ValueError, KeyError, TypeError):
-        node_id, saved_fp = "", ""
-    if node_id and saved_fp == fp:
-        return Identity(node_id, data_dir, lock)
+        node_id, saved_fp, key = "", "", None
+    if key is not None and key.node_id == node_id and saved_fp == fp:
+        return Identity(key, data_dir, lock)
     if node_id:
         log.warning(
-            "data dir %s was copied or moved (fingerprint changed): new node id, "
+            "data dir %s was copied or moved (fingerprint changed): new node key and id, "
             "so this node cannot be mistaken for %s",
             data_dir,
             node_id,
         )
-    node_id = new_node_id()
+    key = NodeKey.generate()
+    write_private(data_dir / KEY_FILE, key.seed, replace=(data_dir / KEY_FILE).exists())
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"node_id": node_id, "fingerprint": fp}))
+    tmp.write_text(json.dumps({"node_id": key.node_id, "fingerprint": fp}))
     os.replace(tmp, path)
-    return Identity(node_id, data_dir, lock, fresh=True)
+    return Identity(key, data_dir, lock, fresh=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-from meshd.crdt.views import Instance, InstanceSpec, ModelFacts, instance_key
+from meshd.crdt.views import Instance, InstanceSpec, ModelFacts, PlanBasis, instance_key
 from meshd.models import ModelNotFoundError, canonical_name, resolve_model
 from meshd.models.facts import read_model_facts
 from meshd.models.folder import check_folder_for_mlx
@@ -28,6 +28,7 @@ from meshd.placement import place
 
 from .config import NodeConfig
 from .errors import ModelLoading, RequestFailed
+from .roots import ModelRoots
 from .state import ClusterState
 
 __all__ = ["Instances", "auto_instance_id"]
@@ -68,11 +69,14 @@ class Instances:
         *,
         cache_dir: Path,
         aborted: Callable[[], str | None],
+        roots: ModelRoots | None = None,
     ) -> None:
         self.state = state
         self.config = config
         self.cache_dir = cache_dir
         self._aborted = aborted
+        #: This node's model roots: a model named through its own API joins them.
+        self.roots = roots
         self._facts: dict[str, ModelFacts] = {}
         self._facts_lock = asyncio.Lock()
         self._unrepairable: set[tuple[str, int]] = set()
@@ -114,6 +118,7 @@ class Instances:
             stages=stages,
             generation=1,
             facts=facts,
+            basis=PlanBasis(spec=spec, nodes=list(nodes.values())),
         )
         self.state.write(instance_key(inst.id), inst)
         log.info(
@@ -131,6 +136,7 @@ class Instances:
         """
         await asyncio.to_thread(_check_mlx, spec.model, "mlx" in spec.engines)
         facts = await self.facts(spec.model)
+        self._own_api_named(spec.model)
         return await self.place(
             msgspec.structs.replace(spec, model=canonical_name(spec.model)), facts
         )
@@ -153,6 +159,7 @@ class Instances:
         inst = self.state.view().find_instance(model)
         if inst is None:
             facts = await self.facts(model)
+            self._own_api_named(model)
             spec = InstanceSpec(model=canonical_name(model))
             inst = await self.place(spec, facts, auto_instance_id(model))
         return await self.wait_ready(inst.id, model, wait)
@@ -191,6 +198,11 @@ class Instances:
                 detail = ", ".join(f"{s.node}: {s.state}" for s in states)
                 raise ModelLoading(model, detail)
             await self.state.changes.wait(left)
+
+    def _own_api_named(self, model: str) -> None:
+        # This node's own (authenticated) API asked for it: its runners may load it.
+        if self.roots is not None:
+            self.roots.allow(model)
 
     async def serve_default(self, model: str) -> None:
         """Make sure the cluster has an instance of ``model`` (``meshd up``'s default).

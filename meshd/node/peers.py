@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from meshd.crdt.liveness import Liveness
@@ -48,6 +49,7 @@ class Peers:
         virtual: set[str],
         seeds: list[tuple[str, int]],
         hello_interval: float,
+        introduce: Callable[[str, int], Awaitable[bool]] | None = None,
     ) -> None:
         self.state = state
         self.gossip = gossip
@@ -57,6 +59,10 @@ class Peers:
         self.virtual = virtual
         self.seeds = seeds
         self.hello_interval = hello_interval
+        #: Vouches for this node at a peer's join desk before the first hello (a node
+        #: holding the cluster's secret); None: nothing to do.
+        self.introduce = introduce
+        self._introduced: set[tuple[str, int]] = set()
         #: Address a peer was actually reached at (seed or Bonjour): preferred to guesses.
         self._hints: dict[str, str] = {}
         self._seed_ids: dict[tuple[str, int], str] = {}
@@ -80,10 +86,16 @@ class Peers:
         if peer.node_id == self.state.node_id:
             return
         self._hints.setdefault(peer.node_id, peer.host)
-        self.tasks.spawn(self.greet(peer.host, peer.port))
+        self.tasks.spawn(self.greet(peer.host, peer.port, join_port=peer.join))
 
-    async def greet(self, host: str, port: int) -> str | None:
-        """Send a ``Hello`` to ``host:port``; the id of the peer that answered, if any."""
+    async def greet(self, host: str, port: int, join_port: int | None = None) -> str | None:
+        """Send a ``Hello`` to ``host:port``; the id of the peer that answered, if any.
+        (Introduced first at its join desk, ``join_port``, by default the mesh port + 1,
+        when this node vouches for itself.)"""
+        if self.introduce is not None and (host, port) not in self._introduced:
+            if not await self.introduce(host, join_port or port + 1):
+                return None  # not up yet, or another cluster: greeted again later
+            self._introduced.add((host, port))
         # No re-stamp of our card here: however old it is, a node's own card is exempt
         # from the GC horizon (Replica.merge_remote), and a peer that had forgotten us
         # sends the tombstone that makes us re-stamp it.

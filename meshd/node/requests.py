@@ -184,11 +184,12 @@ class Requests:
         resume: list[int],
     ) -> AsyncIterator[wire.DataChunk]:
         """One try of a request on one plan."""
-        route = [s.addr for s in self.state.view().stage_states(inst)]
+        view = self.state.view()
+        route = [s.addr for s in view.stage_states(inst)]
         if any(a is None for a in route):
             raise RequestFailed("not_ready", f"instance {inst.id} is not ready", 503)
         req = secrets.token_hex(8)
-        q = self.dataplane.open(req)
+        q = self.dataplane.open(req, view.senders(inst))
         self._open[req] = q
         done = False
         try:

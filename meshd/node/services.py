@@ -12,12 +12,13 @@ from collections.abc import AsyncIterator
 import msgspec
 
 import meshd
-from meshd.crdt.views import Instance, InstanceSpec
+from meshd.crdt.views import Instance, InstanceSpec, member_key, members
 from meshd.transport import wire
 from meshd.transport.dataplane import DataPlane
 from meshd.transport.gossip import Gossip
 from meshd.transport.stats import DropCounters
 
+from .access import Access
 from .cluster import ClusterView
 from .config import NodeConfig
 from .instances import Instances
@@ -27,7 +28,29 @@ from .requests import Requests
 from .state import ClusterState
 from .supervisor import Supervisor
 
-__all__ = ["NodeServices", "Vitals"]
+__all__ = ["MemberView", "NodeServices", "NotSecured", "PendingView", "Vitals"]
+
+
+class NotSecured(Exception):
+    """An open cluster has no members to approve or invite."""
+
+
+class MemberView(msgspec.Struct, kw_only=True):
+    """A member of the cluster."""
+
+    id: str
+    name: str
+    #: Who approved it (its own id: it came with the cluster's key).
+    by: str
+    at_ms: int
+
+
+class PendingView(msgspec.Struct, kw_only=True):
+    """A node waiting at this node's join desk for approval."""
+
+    id: str
+    name: str
+    waiting_s: float
 
 
 class Vitals(msgspec.Struct, kw_only=True):
@@ -69,6 +92,7 @@ class NodeServices:
         supervisor: Supervisor,
         metrics: Metrics,
         counters: DropCounters,
+        access: Access,
     ) -> None:
         self._config = config
         self._state = state
@@ -79,6 +103,7 @@ class NodeServices:
         self._requests = requests
         self._supervisor = supervisor
         self._counters = counters
+        self._access = access
         self._started = time.monotonic()
         self.metrics = metrics
 
@@ -116,7 +141,7 @@ class NodeServices:
             digest=f"{self._state.map.root():016x}",
             data_port=self._dataplane.port,
             requests_in_flight=self._requests.in_flight(),
-            secured=self._config.secret is not None,
+            secured=self._access.secured,
             dropped=self._counters.snapshot(),
             draining=self._presence.draining,
         )
@@ -140,6 +165,52 @@ class NodeServices:
     def remove(self, instance_id: str) -> bool:
         """Delete an instance; False if there is none with that id."""
         return self._instances.remove(instance_id)
+
+    # -- membership ------------------------------------------------------------------
+    @property
+    def secured(self) -> bool:
+        """Whether the cluster has keys and members (not ``--open``)."""
+        return self._access.secured
+
+    def members(self) -> tuple[list[MemberView], list[PendingView]]:
+        """The members, and the nodes waiting at this node's join desk."""
+        desk = self._access.desk
+        if desk is None:
+            raise NotSecured("an open cluster (--open) has no members")
+        ms = [
+            MemberView(id=m.id, name=m.name, by=m.by, at_ms=m.at_ms)
+            for m in sorted(members(self._state.map).values(), key=lambda m: (m.name, m.id))
+        ]
+        now = time.monotonic()
+        pending = [
+            PendingView(id=p.node_id, name=p.name, waiting_s=round(now - p.first_seen, 1))
+            for p in desk.pending.values()
+        ]
+        return ms, pending
+
+    def approve(self, ref: str) -> MemberView:
+        """Let a pending node in (by name or id); LookupError when none or several match."""
+        desk = self._access.desk
+        if desk is None:
+            raise NotSecured("an open cluster (--open) lets every node in")
+        p = desk.approve(ref)
+        return MemberView(id=p.node_id, name=p.name, by=self._state.node_id, at_ms=0)
+
+    def invite(self) -> tuple[str, float]:
+        """A pairing code for ``meshd up --join CODE`` and the seconds it stays good."""
+        desk = self._access.desk
+        if desk is None:
+            raise NotSecured("an open cluster (--open) needs no invitation")
+        return desk.invite()
+
+    def remove_member(self, node_id: str) -> bool:
+        """Revoke a member (its sockets are refused from then on); False if none."""
+        if self._access.desk is None:
+            raise NotSecured("an open cluster (--open) has no members")
+        if node_id not in members(self._state.map):
+            return False
+        self._state.delete(member_key(node_id))
+        return True
 
     def generate(
         self,

@@ -1,7 +1,7 @@
 """This node's replica of the shared map: its writes, and views of it for queries.
 
-A write goes into the replica at once and is published as a delta; a write to an
-``instance/`` key also tells the supervisor to reconcile its runners. Views
+A write goes into the replica at once and is published as a delta; the node hears of
+each (a new plan: its runners reconcile; a new member: its sockets admit it). Views
 (:class:`~meshd.node.cluster.ClusterView`) are decoded snapshots with each node's
 liveness read on this node's clock.
 """
@@ -16,7 +16,6 @@ import msgspec
 from meshd.crdt.liveness import Liveness
 from meshd.crdt.lww import Entry, LWWMap
 from meshd.crdt.replica import Replica
-from meshd.crdt.views import INSTANCE
 
 from .changes import Changes
 from .cluster import ClusterView
@@ -36,14 +35,14 @@ class ClusterState:
         publish: Callable[[list[Entry]], Awaitable[None]],
         changes: Changes,
         tasks: Tasks,
-        on_instances: Callable[[], None],
+        on_write: Callable[[Entry], None],
     ) -> None:
         self.replica = replica
         self.liveness = liveness
         self.changes = changes
         self._publish = publish
         self._tasks = tasks
-        self._on_instances = on_instances
+        self._on_write = on_write
 
     @property
     def node_id(self) -> str:
@@ -88,7 +87,5 @@ class ClusterState:
 
     def _written(self, e: Entry) -> Entry:
         self.publish([e])
-        if e.key.startswith(INSTANCE):
-            self._on_instances()
-            self.changes.notify()
+        self._on_write(e)
         return e

@@ -17,6 +17,9 @@ moved away: the node keeps reporting it, ``failed`` with its reason, in its hear
 until the instance is deleted or the node restarts. That is what keeps the node out
 of the instance's plans (``ClusterView.repairs``) and what the API and ``meshctl top``
 show as the reason.
+
+Slices of GGUF files cut for llama.cpp stages are cached in ``cache_dir``; after each
+reconcile the slices no desired stage uses are trimmed to ``slice_cache`` bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,19 +43,25 @@ from meshd.engines.protocol import (
     Ready,
     RunnerConfig,
     SetGeneration,
+    SetMembers,
+    SocketKeys,
     decode_event,
     encode,
+    runner_command,
 )
 from meshd.engines.threads import runner_env, threads_per_runner
-from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
-from meshd.transport.security import SECRET_ENV
+from meshd.models.slicing import slice_path, trim_slices
+from meshd.placement.place import KV_SEQUENCES, KV_TOKENS, stage_need
+from meshd.transport.security import ClusterKeys
 
-from .cluster import CRASH_LOOP, MODEL_MISSING, gave_up
+from .cluster import CRASH_LOOP, MODEL_MISSING, REFUSED, gave_up
 from .config import (
     MAX_RESTARTS,
+    MAX_RUNNERS,
     REQUEST_EXPIRY_S,
     RESTART_BACKOFF_S,
     RESTART_WINDOW_S,
+    SLICE_CACHE_BYTES,
     STOP_GRACE_S,
 )
 
@@ -100,6 +109,15 @@ class RunnerProc:
         )
 
 
+_PATH = re.compile(r"(?<![\w.])(?:~|/)[^\s'\"():,]*")
+
+
+def public_reason(reason: str) -> str:
+    """A runner's failure as it may travel in the heartbeat: paths replaced, so that no
+    peer learns what is on this node's disk (the node's own log keeps the whole text)."""
+    return _PATH.sub("<path>", reason)[:300]
+
+
 def send_dtype(inst: Instance, i: int) -> str:
     """Wire type of the activations stage ``i`` sends: the spec's choice on a hop
     between two MLX stages, float32 on every other hop."""
@@ -122,7 +140,11 @@ class Supervisor:
         on_status: Callable[[], None],
         n_ctx: int = KV_TOKENS,
         n_seq_max: int = KV_SEQUENCES,
-        secret: str | None = None,
+        keys: ClusterKeys | None = None,
+        max_tokens: int | None = None,
+        max_runners: int = MAX_RUNNERS,
+        memory: int = 0,
+        slice_cache: int = SLICE_CACHE_BYTES,
         request_expiry: float = REQUEST_EXPIRY_S,
         stop_grace: float = STOP_GRACE_S,
         max_restarts: int = MAX_RESTARTS,
@@ -130,7 +152,14 @@ class Supervisor:
         restart_backoff: float = RESTART_BACKOFF_S,
     ) -> None:
         self.node_id = node_id
-        self.secret = secret
+        self.keys = keys
+        self.max_tokens = max_tokens
+        #: At most this many stages here, needing at most ``memory`` bytes (0: no cap).
+        self.max_runners = max_runners
+        self.memory = memory
+        self.slice_cache = slice_cache
+        #: The members' client keys (Z85): what runners admit.
+        self.members: list[bytes] = []
         self.resolve_path = resolve_path
         self.cache_dir = cache_dir
         self.bind_host = bind_host
@@ -191,15 +220,29 @@ class Supervisor:
                     if gave_up(r.status()):
                         self.given_up.setdefault(k[0], r.status())
                     self._retire(r)
+            admitted = self._admit(desired)
             for k, (inst, i) in desired.items():
                 st = inst.stages[i]
                 facts = inst.facts
+                if k not in admitted:
+                    r = self.runners.get(k)
+                    if r is None or not r.reason.startswith(REFUSED):
+                        if r is not None:
+                            await self._stop(r)
+                        why = f"{REFUSED}: more stages than this node takes"
+                        log.warning("stage %s/%d: %s", inst.id, i, why)
+                        self.runners[k] = _failed(inst, i, why)
+                        self.on_status()
+                    continue
                 try:
                     path = self.resolve_path(inst.spec.model)
                 except Exception as e:
+                    # What was looked at stays in this node's log: a reason travels in
+                    # the heartbeat, and the disk's contents are nobody else's business.
+                    log.info("stage %s/%d: %s", inst.id, i, e)
                     r = self.runners.get(k)
                     if r is None or r.state != "failed":
-                        self.runners[k] = _failed(inst, i, f"{MODEL_MISSING}: {e}")
+                        self.runners[k] = _failed(inst, i, MODEL_MISSING)
                         self.on_status()
                     continue
                 key = StageKey(
@@ -235,8 +278,55 @@ class Supervisor:
                     send_dtype=send_dtype(inst, i),
                     n_threads=threads_per_runner(len(desired)),
                     request_expiry_s=self.request_expiry,
+                    max_tokens=self.max_tokens,
+                    keys=self._socket_keys(),
                 )
                 self.runners[k] = await self._start(key, cfg)
+            await self._trim_slices(desired)
+
+    def _admit(self, desired: dict[tuple[str, int], tuple[Instance, int]]) -> set[tuple[str, int]]:
+        """The stages this node takes: at most ``max_runners``, and no more memory than
+        the machine has, whatever a plan says (running stages first, then by id)."""
+        admitted: set[tuple[str, int]] = set()
+        total = 0
+        for k in sorted(desired, key=lambda k: (k not in self.runners, k)):
+            inst, i = desired[k]
+            st = inst.stages[i]
+            need = stage_need(inst.facts, st.start, st.end, st.engine) if inst.facts else 0
+            if len(admitted) >= self.max_runners or (self.memory and total + need > self.memory):
+                continue
+            total += need
+            admitted.add(k)
+        return admitted
+
+    async def _trim_slices(self, desired: dict[tuple[str, int], tuple[Instance, int]]) -> None:
+        keep = [
+            slice_path(self.cache_dir, inst.facts.sha256, st.start, st.end)
+            for inst, i in desired.values()
+            if inst.facts is not None
+            for st in [inst.stages[i]]
+        ]
+        try:
+            gone = await asyncio.to_thread(trim_slices, self.cache_dir, keep, self.slice_cache)
+        except OSError as e:
+            log.warning("slice cache: %s", e)
+            return
+        for path in gone:
+            log.info("slice cache: removed %s (unused, cache over its quota)", path)
+
+    def _socket_keys(self) -> SocketKeys | None:
+        if self.keys is None:
+            return None
+        return SocketKeys.of(self.keys, self.members or [self.keys.client_public])
+
+    def set_members(self, keys: list[bytes]) -> None:
+        """The client keys the runners' sockets admit from now on (every runner is told
+        at once; a runner started later gets them in its config)."""
+        self.members = list(keys)
+        line = encode(SetMembers(keys=[k.decode() for k in keys])) + b"\n"
+        for r in self.runners.values():
+            if r.proc is not None and r.proc.stdin is not None and r.proc.returncode is None:
+                r.proc.stdin.write(line)
 
     async def _start(self, key: StageKey, cfg: RunnerConfig) -> RunnerProc:
         r = RunnerProc(key, cfg, generation=cfg.generation)
@@ -249,27 +339,20 @@ class Supervisor:
         log.info(
             "starting runner %s stage %d [%d, %d)", key.instance, key.stage, key.start, key.end
         )
+        argv, config_line = runner_command(cfg)
         r.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "meshd.engines.runner",
-            encode(cfg).decode(),
+            *argv,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            env=self._env(),
+            env=runner_env(minimal=True),
             # Its own session: Ctrl-C at the terminal or a SIGTERM to the node's process
             # group reaches the node only, which drains before it stops its runners
             # (a runner also ends when its stdin closes, so a killed node leaves none).
             start_new_session=True,
         )  # fmt: skip
+        assert r.proc.stdin is not None
+        r.proc.stdin.write(config_line)
         r.tasks.append(asyncio.create_task(self._watch(r)))
         self.on_status()
-
-    def _env(self) -> dict[str, str]:
-        # The secret travels in the environment (readable by this user only), never
-        # on the command line where `ps` shows it to everyone.
-        env = {**runner_env(), "PYTHONUNBUFFERED": "1"}
-        env.pop(SECRET_ENV, None)
-        if self.secret is not None:
-            env[SECRET_ENV] = self.secret
-        return env
 
     async def _watch(self, r: RunnerProc) -> None:
         assert r.proc is not None and r.proc.stdout is not None
@@ -286,7 +369,7 @@ class Supervisor:
             elif isinstance(ev, Load):
                 r.active = ev.active
             elif isinstance(ev, Failed):
-                r.state, r.reason = "failed", ev.reason
+                r.state, r.reason = "failed", public_reason(ev.reason)
                 log.warning("runner %s stage %d failed: %s", r.key.instance, r.key.stage, r.reason)
             elif ev is None:
                 continue

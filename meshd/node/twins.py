@@ -3,8 +3,9 @@ dir) are found and settled without a fight.
 
 An entry under our id that is newer than anything this process wrote is refused and
 out-stamped (the replica does that); if it is a card with another incarnation, the
-address it names is greeted. Only a ``Welcome`` sent under our id with that incarnation
-proves a live twin: node ids are public and a forged packet must not stop a node. Then
+address it names is greeted. Only a ``Welcome`` sent under our id with that incarnation,
+its card signed with this node's own key, proves a live twin: node ids are public and
+nothing a process without this node's key sends can stop it. Then
 the process that started later gives way (it stops with :data:`EXIT_ID_CLASH`) and the
 older one keeps the id, stamping its card again once the twin stops answering.
 """
@@ -54,6 +55,7 @@ class Twins:
         card: Callable[[], NodeCard],
         identity_file: Path,
         on_give_way: Callable[[], None],
+        authentic: Callable[[Entry], bool] | None = None,
     ) -> None:
         self.state = state
         self.gossip = gossip
@@ -62,6 +64,9 @@ class Twins:
         self._card = card
         self._identity_file = identity_file
         self._on_give_way = on_give_way
+        #: Whether an entry under our id carries our own key's signature (in a secured
+        #: cluster only a process holding this node's key can make one).
+        self._authentic = authentic or (lambda e: True)
         #: True once this process gave its id way to an older process with the same id.
         self.gave_way = False
         #: Foreign incarnation seen on a card under our id -> when we last checked it.
@@ -100,6 +105,11 @@ class Twins:
         theirs = next(
             (e for e in welcome.entries if e.key == node_key(self.node_id) and e.value), None
         )
+        if theirs is not None and not self._authentic(theirs):
+            # Anyone can answer a hello under our id; only our own key signs our card.
+            log.warning("%s answered under this node's id with a card it did not sign: "
+                        "ignored", ep.mesh())  # fmt: skip
+            return
         card = decode(theirs.value, NodeCard) if theirs and theirs.value else None
         if card is not None and card.incarnation != self._card().incarnation:
             self.found(card, ep)

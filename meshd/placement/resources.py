@@ -4,29 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-import msgspec
+from meshd.crdt.views import Health, NodeCard, NodeResources
 
-from meshd.crdt.views import Health, NodeCard
-
-
-class NodeResources(msgspec.Struct, frozen=True):
-    """One live node as placement sees it.
-
-    ``backends`` are engine backends such as ``llama_cpp-cpu`` or ``mlx-metal``
-    (``<engine>-<device>``). ``mem_available`` and ``mem_total`` are bytes.
-    ``tokens_per_s`` is the node's measured decode speed; 0 means not measured.
-    ``holds`` lists the instances this node has a runner loading or ready for: the
-    memory those runners hold is no longer in ``mem_available``, and a repair credits
-    it back (see ``Policy.credit_held``).
-    """
-
-    id: str
-    name: str
-    backends: list[str]
-    mem_available: int
-    mem_total: int = 0
-    tokens_per_s: float = 0.0
-    holds: list[str] = []
+__all__ = ["MEM_QUANTUM", "NodeResources", "node_resources", "quantize_mem"]
 
 
 #: ``mem_available`` is rounded down to a multiple of this many bytes (or of 1/16 of

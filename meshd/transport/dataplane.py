@@ -4,7 +4,9 @@ Runners bind their own ROUTERs (see ``meshd.engines.runner``). The node that own
 request sends ``Generate``/``Release`` to them over DEALERs and receives every
 ``DataChunk`` on one ROUTER of its own, advertised as ``data_port`` in its card.
 Chunks are handed to the request's queue by request id; chunks of unknown requests
-(finished, cancelled) are dropped and counted.
+(finished, cancelled), from a sender that is not one of the request's stages (told
+by its authenticated CURVE key), or past a request's queue bound are dropped and
+counted.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from .sockets import DATA, DealerCache, bind, decode_frame, open_socket
 from .stats import DropCounters
 
 log = logging.getLogger("meshd.dataplane")
+
+#: Chunks one request may have waiting unread (a reader that stopped reading is gone;
+#: the request's own timeouts end it).
+MAX_QUEUED_CHUNKS = 4096
 
 
 class DataPlane:
@@ -45,6 +51,8 @@ class DataPlane:
         self.router = open_socket(ctx, zmq.ROUTER, DATA, keys, server=True)
         self.port = bind(self.router, bind_host)
         self._streams: dict[str, asyncio.Queue[wire.DataChunk]] = {}
+        #: Request id -> the CURVE keys (Z85) of its stages: the only senders taken.
+        self._senders: dict[str, frozenset[bytes]] = {}
         self._dealers = DealerCache(ctx, keys=keys, own_addresses=own_addresses)
         self._drop = lambda reason: self.counters.add("data", reason)
         self._task: asyncio.Task[None] | None = None
@@ -73,15 +81,21 @@ class DataPlane:
         self._dealers.close()
         self.router.close(linger=0)
 
-    def open(self, req: str) -> asyncio.Queue[wire.DataChunk]:
-        """Start collecting the chunks of request ``req``."""
-        q: asyncio.Queue[wire.DataChunk] = asyncio.Queue()
+    def open(
+        self, req: str, senders: frozenset[bytes] | None = None
+    ) -> asyncio.Queue[wire.DataChunk]:
+        """Start collecting the chunks of request ``req``; ``senders``: the CURVE keys
+        of the stages that may send them (None: any, in an open cluster)."""
+        q: asyncio.Queue[wire.DataChunk] = asyncio.Queue(maxsize=MAX_QUEUED_CHUNKS)
         self._streams[req] = q
+        if senders is not None:
+            self._senders[req] = senders
         return q
 
     def close(self, req: str) -> None:
         """Stop collecting chunks of ``req``; later ones are dropped."""
         self._streams.pop(req, None)
+        self._senders.pop(req, None)
 
     def in_flight(self) -> int:
         """Requests this node currently owns."""
@@ -95,18 +109,18 @@ class DataPlane:
 
     async def _recv_loop(self) -> None:
         while True:
-            frames = await self.router.recv_multipart(copy=True)
+            frames = await self.router.recv_multipart(copy=False)
             try:
                 self._on_frames(frames)
             except Exception:  # one bad frame must never stop every request's output
                 log.exception("error handling a data-plane frame")
                 self.counters.add("data", "error")
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
         if len(frames) != 2:
             self.counters.add("data", "shape")
             return
-        msg = decode_frame(frames[1], self._drop)
+        msg = decode_frame(frames[1].buffer, self._drop)
         if msg is None:
             return
         if not isinstance(msg, wire.DataChunk):
@@ -116,4 +130,20 @@ class DataPlane:
         if q is None:
             self.counters.add("data", "unknown_request")
             return
-        q.put_nowait(msg)
+        senders = self._senders.get(msg.req)
+        if senders is not None and _user_id(frames[1]) not in senders:
+            self.counters.add("data", "foreign_sender")
+            return
+        try:
+            q.put_nowait(msg)
+        except asyncio.QueueFull:
+            self.counters.add("data", "queue_full")
+
+
+def _user_id(frame: zmq.Frame) -> bytes:
+    """The CURVE key (Z85) the sender authenticated with (b"" without CURVE)."""
+    try:
+        uid = frame.get("User-Id")
+    except zmq.ZMQError:
+        return b""
+    return uid.encode() if isinstance(uid, str) else bytes(uid or b"")

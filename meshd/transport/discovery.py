@@ -4,9 +4,13 @@ Each node registers one ``_meshd._tcp.local.`` service named after its node id a
 browses for the others. A resolved peer in the same cluster becomes a ``PeerAddr``
 handed to ``on_peer``; that is all discovery does. It does not connect to anyone.
 
-TXT records carry only public facts: ``id`` (node id), ``c`` (cluster hash), ``mesh``
-and ``api`` (ports), ``v`` (version) and ``name`` (a human label). Never a secret:
-anyone on the link can read them.
+TXT records carry only public facts: ``id`` (node id), ``c`` (cluster id), ``mesh``,
+``join`` and ``api`` (ports), ``v`` (version) and ``name`` (a human label). Never a
+secret: anyone on the link can read them.
+
+A node that is not in a cluster yet browses without registering and with no cluster
+(``cluster_hash=None``): every meshd node it finds is reported, with its cluster, so
+that it can ask one of them to let it in.
 
 Usage::
 
@@ -55,11 +59,14 @@ _MAX_TXT_VALUE = 200
 
 
 class PeerAddr(msgspec.Struct, frozen=True):
-    """Where to reach a discovered peer's mesh socket."""
+    """Where to reach a discovered peer's mesh socket (and its join socket)."""
 
     node_id: str
     host: str
     port: int
+    #: The peer's cluster id, and its join port (0 when it has none: an open cluster).
+    cluster: str = ""
+    join: int = 0
 
 
 def _label(node_id: str) -> str:
@@ -92,7 +99,7 @@ class Discovery:
         *,
         node_id: str,
         name: str,
-        cluster_hash: str,
+        cluster_hash: str | None,
         mesh_port: int,
         api_port: int,
         version: str,
@@ -100,8 +107,13 @@ class Discovery:
         on_peer: Callable[[PeerAddr], None],
         interfaces: list[str] | None = None,
         on_peer_lost: Callable[[str], None] | None = None,
+        join_port: int = 0,
+        register: bool = True,
     ) -> None:
         self.node_id = node_id
+        self.join_port = join_port
+        #: False: browse only (a node that is not in a cluster yet announces nothing).
+        self.register = register
         self.name = name
         self.cluster_hash = cluster_hash
         self.mesh_port = mesh_port
@@ -140,6 +152,7 @@ class Discovery:
             "id": self.node_id,
             "c": self.cluster_hash,
             "mesh": str(self.mesh_port),
+            "join": str(self.join_port),
             "api": str(self.api_port),
             "v": _truncate_utf8(self.version, _MAX_TXT_VALUE),
             "name": _truncate_utf8(self.name, _MAX_TXT_VALUE),
@@ -177,6 +190,8 @@ class Discovery:
         self._browser = AsyncServiceBrowser(
             self._aiozc.zeroconf, SERVICE_TYPE, handlers=[self._on_state_change]
         )
+        if not self.register:
+            return
         self._info = self._service_info()
         announced = await asyncio.wait_for(
             self._aiozc.async_register_service(self._info, allow_name_change=True),
@@ -282,7 +297,8 @@ class Discovery:
             return
         if node_id == self.node_id:
             return
-        if props.get("c") != self.cluster_hash:
+        cluster = props.get("c") or ""
+        if self.cluster_hash is not None and cluster != self.cluster_hash:
             if name not in self._foreign:
                 self._foreign.add(name)
                 self.ignored_other_cluster += 1
@@ -291,7 +307,17 @@ class Discovery:
         if not addrs:
             log.debug("discovery: %s advertises no address", name)
             return
-        peer = PeerAddr(node_id=node_id, host=choose_address(self.addresses, addrs), port=port)
+        try:
+            join = int(props.get("join") or 0)
+        except ValueError:
+            join = 0
+        peer = PeerAddr(
+            node_id=node_id,
+            host=choose_address(self.addresses, addrs),
+            port=port,
+            cluster=cluster,
+            join=join if 0 < join < 65536 else 0,
+        )
         self._names[name] = node_id
         if self._peers.get(node_id) == peer:
             return

@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from meshd.crdt.hlc import ClockDriftError
-from meshd.crdt.lww import Entry
+from meshd.crdt.lww import Entry, bucket_of
 from meshd.crdt.replica import MergeResult, Replica
 
 from . import wire
@@ -80,6 +80,11 @@ class _Peer:
 #: Gossip messages and mesh requests a second one peer may send (twice that in a burst).
 #: A healthy peer sends ~3 (two heartbeats, one digest) plus its changes and pulls.
 PEER_RATE = 200.0
+#: Bytes of entries one welcome or pull reply carries; a larger state comes in pages
+#: (so a state of any size syncs, under the frame limit).
+PAGE_BYTES = 1 << 20
+#: Pages one pull may take before it stops (the next digest resumes it).
+MAX_PAGES = 256
 
 
 class Gossip:
@@ -282,7 +287,11 @@ class Gossip:
                 self.on_own_welcome(endpoint, peer, reply)
             return None
         self._merge(reply.entries, f"welcome from {reply.sender}", republish=True)
-        self._synced(reply.sender, reply.hlc, "request")
+        if reply.more:
+            # A large state: the rest comes by pulls, a page at a time (then synced).
+            self._spawn(self._pull_then_clear(reply.sender, reply.hlc))
+        else:
+            self._synced(reply.sender, reply.hlc, "request")
         return reply.sender
 
     async def ask_welcome(self, endpoint: Endpoint, peer: str | None = None) -> wire.Welcome | None:
@@ -300,18 +309,31 @@ class Gossip:
             return None
         return reply if isinstance(reply, wire.Welcome) else None
 
-    async def pull(self, peer: str) -> bool:
-        """Anti-entropy: fetch from ``peer`` every bucket that differs from ours."""
+    async def pull(self, peer: str, since: int | None = None) -> bool:
+        """Anti-entropy: fetch from ``peer`` every bucket that differs from ours, a page
+        at a time. True when it completed; then we hold all ``peer`` held as of its
+        clock at the first page (or ``since``, a welcome's, if older)."""
         p = self._peers.get(peer)
         if p is None:
             return False
-        msg = wire.Pull(sender=self.replica.node_id, buckets=list(self.replica.map.digest()))
-        reply = await self.request(p.endpoint, msg, peer)
-        if not isinstance(reply, wire.PullReply):
-            return False
-        self._merge(reply.entries, f"pull from {peer}", republish=True)
-        self._synced(peer, reply.hlc, "request")
-        return True
+        after_bucket, after_key = -1, ""
+        first: int | None = since
+        for _ in range(MAX_PAGES):
+            msg = wire.Pull(
+                sender=self.replica.node_id, buckets=list(self.replica.map.digest()),
+                after_bucket=after_bucket, after_key=after_key,
+            )  # fmt: skip
+            reply = await self.request(p.endpoint, msg, peer)
+            if not isinstance(reply, wire.PullReply):
+                return False
+            first = reply.hlc if first is None else min(first, reply.hlc)
+            self._merge(reply.entries, f"pull from {peer}", republish=True)
+            if not reply.more or not reply.entries:
+                self._synced(peer, first, "request")
+                return True
+            last = reply.entries[-1]
+            after_bucket, after_key = bucket_of(last.key), last.key
+        return False
 
     # -- receive loops ---------------------------------------------------------------
     async def _router_loop(self) -> None:
@@ -342,14 +364,18 @@ class Gossip:
                 self.counters.add("mesh", "wrong_cluster")
                 return wire.Refused(code="wrong_cluster", message="not a node of this cluster")
             self._merge(msg.entries, f"hello from {msg.sender}", republish=True)
+            own = self.own_entries()
+            rest, cursor = m.diff_page(None, budget=PAGE_BYTES)
             return wire.Welcome(
                 sender=self.replica.node_id,
                 hlc=self.replica.clock.now(),
-                entries=list(m.entries()),
+                entries=own + [e for e in rest if e not in own],
+                more=cursor is not None,
             )
         if isinstance(msg, wire.Pull):
+            after = None if msg.after_bucket < 0 else (msg.after_bucket, msg.after_key)
             try:
-                entries = m.diff(msg.buckets)
+                entries, cursor = m.diff_page(msg.buckets, after, PAGE_BYTES)
             except ValueError as e:
                 self.counters.add("mesh", "malformed")
                 return wire.Refused(code="bad_digest", message=str(e))
@@ -357,6 +383,7 @@ class Gossip:
                 sender=self.replica.node_id,
                 hlc=self.replica.clock.now(),
                 entries=entries,
+                more=cursor is not None,
             )
         self.counters.add("mesh", "unexpected")
         return wire.Refused(code="unexpected", message=f"{type(msg).__name__} is not a request")
@@ -399,9 +426,9 @@ class Gossip:
         p.pulling = True
         self._spawn(self._pull_then_clear(msg.sender))
 
-    async def _pull_then_clear(self, peer: str) -> None:
+    async def _pull_then_clear(self, peer: str, since: int | None = None) -> None:
         try:
-            await self.pull(peer)
+            await self.pull(peer, since)
         finally:
             p = self._peers.get(peer)
             if p is not None:

@@ -1,18 +1,15 @@
-"""The cluster secret: CURVE encryption and ZAP authentication on every ZeroMQ socket.
+"""CURVE encryption and ZAP authentication on every ZeroMQ socket; the files that hold
+secrets.
 
-One shared secret (``meshd up --secret-file PATH`` or ``MESHD_SECRET``) is the whole
-membership rule. Every member derives the same two CurveZMQ key pairs from it:
-
-* the *server* pair, used by every socket that binds (mesh ROUTER, PUB, data-plane
-  and runner ROUTERs);
-* the *client* pair, used by every socket that connects (DEALERs, SUB).
-
-A connecting socket must know the server's public key to open a CURVE handshake at
-all, and the ZAP handler then accepts only the cluster's client key, which the client
-proves it holds. Both keys come out of the secret, so a node without it (or with
-another one) cannot read gossip or activations, nor inject anything. Sharing the
-long-term pairs among members costs no confidentiality between sessions: CurveZMQ
-encrypts each connection with fresh short-term keys.
+Every member holds the **cluster key** (32 random bytes made by the first node, handed
+to each node it admits; or derived from ``meshd up --secret-file PATH`` with a slow KDF)
+and derives from it the *server* pair that every binding socket uses (mesh ROUTER, PUB,
+data-plane and runner ROUTERs): a socket that connects must know the server's public
+key to open a CURVE handshake at all, so only members can. A connecting socket (DEALER,
+SUB) uses its node's *own* client pair (``meshd.transport.identity``), and the ZAP
+handler admits only the client keys of the cluster's members: a node is authenticated
+as itself, not as "someone with the secret". CurveZMQ encrypts each connection with
+fresh short-term keys.
 
 libzmq reports a failed handshake through socket monitors only (the peer never
 reaches ZAP when it used the wrong server key or no CURVE at all);
@@ -47,12 +44,18 @@ __all__ = [
     "ClusterKeys",
     "HandshakeReporter",
     "SecretError",
+    "admits_only",
+    "cluster_id_of",
+    "cluster_key_from_secret",
+    "cluster_keys",
     "derive_keys",
     "load_secret",
     "new_secret",
+    "read_private",
     "secure",
     "start_zap",
     "watch_handshakes",
+    "write_private",
     "write_secret",
 ]
 
@@ -92,7 +95,7 @@ class ClusterKeys:
     client_secret: bytes
 
     def __repr__(self) -> str:  # never print secret keys into a log
-        return "ClusterKeys(<derived from the cluster secret>)"
+        return "ClusterKeys(<keys hidden>)"
 
 
 def _pair(secret: bytes, role: bytes) -> tuple[bytes, bytes]:
@@ -101,8 +104,16 @@ def _pair(secret: bytes, role: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(sk), sk
 
 
-def derive_keys(secret: str | bytes) -> ClusterKeys:
-    """The cluster's key pairs from its secret: same secret, same keys, on every node."""
+#: Argon2id for a secret a person may have typed: one guess costs ~0.2 s and 64 MiB, so
+#: a passphrase is not found by trying a dictionary against a captured handshake.
+_KDF = {"time_cost": 3, "memory_cost": 64 * 1024, "parallelism": 1, "hash_len": 32}
+_KDF_SALT = b"meshd-cluster-key-v1"
+
+
+def cluster_key_from_secret(secret: str | bytes) -> bytes:
+    """The cluster key a secret stands for (the same on every node; slow on purpose)."""
+    from argon2.low_level import Type, hash_secret_raw
+
     raw = secret.encode() if isinstance(secret, str) else secret
     raw = raw.strip()
     if len(raw) < MIN_SECRET_CHARS:
@@ -110,9 +121,25 @@ def derive_keys(secret: str | bytes) -> ClusterKeys:
             f"the cluster secret is {len(raw)} characters; at least {MIN_SECRET_CHARS} "
             "are needed (make one with `meshctl secret new`)"
         )
-    spub, ssec = _pair(raw, b"server")
-    cpub, csec = _pair(raw, b"client")
+    return hash_secret_raw(raw, _KDF_SALT, type=Type.ID, **_KDF)
+
+
+def cluster_id_of(cluster_key: bytes) -> str:
+    """The public name of a cluster key (Bonjour, logs): 16 hex characters."""
+    return hashlib.blake2b(cluster_key, digest_size=8, person=b"meshd-cluster").hexdigest()
+
+
+def cluster_keys(cluster_key: bytes, client: tuple[bytes, bytes] | None = None) -> ClusterKeys:
+    """A node's socket keys: the server pair of the cluster key, and the node's own
+    client pair (``client``; None: one derived from the cluster key, for tools)."""
+    spub, ssec = _pair(cluster_key, b"server")
+    cpub, csec = client if client is not None else _pair(cluster_key, b"client")
     return ClusterKeys(spub, ssec, cpub, csec)
+
+
+def derive_keys(secret: str | bytes) -> ClusterKeys:
+    """The socket keys of a tool that holds only the cluster's secret."""
+    return cluster_keys(cluster_key_from_secret(secret))
 
 
 def new_secret() -> str:
@@ -120,16 +147,43 @@ def new_secret() -> str:
     return base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=")
 
 
+def write_private(path: Path, data: bytes, *, replace: bool = False) -> None:
+    """Write ``data`` to a new file only this user can read (0600).
+
+    Created with ``O_EXCL|O_NOFOLLOW``: never through a symlink someone planted, never
+    over a file that is there. ``replace`` writes a new file beside it first and renames
+    it over the old one (atomic; a symlink at ``path`` is replaced, not followed).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    target = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp") if replace else path
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(target, flags, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        if replace:
+            os.replace(target, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(target)
+        raise
+
+
+def read_private(path: Path) -> bytes:
+    """The bytes of a secret file (not through a symlink; warns when others can read it)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(f.fileno()).st_mode & (stat.S_IRGRP | stat.S_IROTH):
+            log.warning("secret file %s is readable by other users; chmod 600 it", path)
+        return f.read()
+
+
 def write_secret(path: Path, *, force: bool = False) -> str:
     """Write a fresh secret to ``path`` (mode 0600); refuse to overwrite unless ``force``."""
     if path.exists() and not force:
         raise SecretError(f"{path} exists; pass --force to replace it")
-    path.parent.mkdir(parents=True, exist_ok=True)
     secret = new_secret()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret + "\n")
-    os.chmod(path, 0o600)
+    write_private(path, (secret + "\n").encode(), replace=force)
     return secret
 
 
@@ -141,18 +195,20 @@ def load_secret(path: str | Path | None, env: Mapping[str, str] | None = None) -
     if path is not None:
         p = Path(path).expanduser()
         try:
-            text = p.read_text()
+            text = read_private(p).decode("utf-8", "replace")
         except OSError as e:
             raise SecretError(f"cannot read the secret file {p}: {e.strerror}") from None
-        mode = p.stat().st_mode
-        if mode & (stat.S_IRGRP | stat.S_IROTH):
-            log.warning("secret file %s is readable by other users; chmod 600 it", p)
     else:
         text = (os.environ if env is None else env).get(SECRET_ENV, "")
         if not text:
             return None
-    derive_keys(text)  # validates
-    return text.strip()
+    text = text.strip()
+    if len(text) < MIN_SECRET_CHARS:
+        raise SecretError(
+            f"the cluster secret is {len(text)} characters; at least {MIN_SECRET_CHARS} "
+            "are needed (make one with `meshctl secret new`)"
+        )
+    return text
 
 
 def secure(sock: zmq.Socket, keys: ClusterKeys | None, *, server: bool) -> None:
@@ -174,21 +230,28 @@ def secure(sock: zmq.Socket, keys: ClusterKeys | None, *, server: bool) -> None:
 
 
 class _ClientKeyCheck:
-    """ZAP credentials provider: only the cluster's client key gets in."""
+    """ZAP credentials provider: only admitted client keys get in."""
 
-    def __init__(self, keys: ClusterKeys, on_denied: Callable[[], None]) -> None:
-        self._want = keys.client_public
+    def __init__(self, admits: Callable[[bytes], bool], on_denied: Callable[[], None]) -> None:
+        self._admits = admits
         self._on_denied = on_denied
 
     def callback(self, domain: str, key: bytes) -> bool:
-        ok = hmac.compare_digest(key, self._want)
+        ok = self._admits(key)
         if not ok:
             self._on_denied()
         return ok
 
 
-def start_zap(ctx: zmq.Context, keys: ClusterKeys, on_denied: Callable[[], None]):
-    """Start the ZAP handler of ``ctx`` (asyncio or threaded, matching the context).
+def admits_only(keys: ClusterKeys) -> Callable[[bytes], bool]:
+    """The admission rule of a cluster whose members all hold ``keys``' client pair."""
+    want = keys.client_public
+    return lambda key: hmac.compare_digest(key, want)
+
+
+def start_zap(ctx: zmq.Context, admits: Callable[[bytes], bool], on_denied: Callable[[], None]):
+    """Start the ZAP handler of ``ctx`` (asyncio or threaded, matching the context):
+    a CURVE client whose public key (Z85) ``admits`` refuses is turned away.
 
     Returns the authenticator; call its ``stop()`` at shutdown.
     """
@@ -203,7 +266,7 @@ def start_zap(ctx: zmq.Context, keys: ClusterKeys, on_denied: Callable[[], None]
 
         auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve_callback(ZAP_DOMAIN, _ClientKeyCheck(keys, on_denied))
+    auth.configure_curve_callback(ZAP_DOMAIN, _ClientKeyCheck(admits, on_denied))
     return auth
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "configure",
     "decode_frame",
     "endpoint",
+    "free_port_pair",
     "open_socket",
 ]
 
@@ -115,6 +116,28 @@ def bind(sock: zmq.Socket, host: str, port: int = 0) -> int:
     h = f"[{host}]" if ":" in host else host
     sock.bind(f"tcp://{h}:{port}")
     return int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+
+
+def free_port_pair(host: str, tries: int = 64) -> int:
+    """A port P such that P and P + 1 are both free on ``host`` now (a node's mesh and
+    join ports, when it was told to take any)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    bind_host = "" if host in ("0.0.0.0", "::") else host
+    for _ in range(tries):
+        with socket.socket(family, socket.SOCK_STREAM) as a:
+            a.bind((bind_host, 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket(family, socket.SOCK_STREAM) as b:
+                try:
+                    b.bind((bind_host, port + 1))
+                except OSError:
+                    continue
+        return port
+    raise OSError(f"no two free consecutive ports on {host}")
 
 
 def endpoint(addr: wire.Addr, own_addresses: list[str]) -> str:

@@ -42,11 +42,13 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
 
 
 class Welcome(msgspec.Struct, tag=True, kw_only=True):
-    """Reply to Hello: the peer's whole state, so a joiner catches up in one round trip."""
+    """Reply to Hello: the peer's state, so a joiner catches up at once. A large state
+    comes a page at a time: ``more`` says the rest is to be pulled."""
 
     sender: str
     hlc: int
     entries: list[Entry]
+    more: bool = False
 
 
 class Delta(msgspec.Struct, tag=True, kw_only=True):
@@ -65,18 +67,23 @@ class Digest(msgspec.Struct, tag=True, kw_only=True):
 
 
 class Pull(msgspec.Struct, tag=True, kw_only=True):
-    """Anti-entropy request: send me your entries in every bucket that differs from mine."""
+    """Anti-entropy request: send me your entries in every bucket that differs from mine
+    (past the cursor ``after``, bucket and key, when the last reply said ``more``)."""
 
     sender: str
     buckets: list[int]
+    after_bucket: int = -1
+    after_key: str = ""
 
 
 class PullReply(msgspec.Struct, tag=True, kw_only=True):
-    """Entries of the differing buckets, stamped with the replier's clock."""
+    """A page of the entries of the differing buckets, stamped with the replier's clock;
+    ``more``: ask again from the cursor of the last entry."""
 
     sender: str
     hlc: int
     entries: list[Entry]
+    more: bool = False
 
 
 class Refused(msgspec.Struct, tag=True, kw_only=True):
@@ -219,6 +226,69 @@ class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     compute: list[float] = []
 
 
+# -- joining: the plain (not CURVE) join port of a member ----------------------------
+#: Largest frame the join port takes: a join request is a few hundred bytes.
+MAX_JOIN_FRAME = 64 * 1024
+
+
+class JoinHello(msgspec.Struct, tag=True, kw_only=True):
+    """A node that is not a member asks to join (sent again until it is answered).
+
+    ``proof``: the node holds the cluster key (a secret file) and vouches for itself.
+    ``invite`` + ``spake``: it holds a pairing code (SPAKE2, message A). Neither: it
+    waits for a member to approve it.
+    """
+
+    name: str
+    key: bytes
+    version: str = ""
+    proof: bytes = b""
+    invite: str = ""
+    spake: bytes = b""
+
+
+class JoinChallenge(msgspec.Struct, tag=True, kw_only=True):
+    """Pairing code, step 1: the member's SPAKE2 message B and its key confirmation."""
+
+    spake: bytes
+    confirm: bytes
+
+
+class JoinConfirm(msgspec.Struct, tag=True, kw_only=True):
+    """Pairing code, step 2: the joiner's key confirmation."""
+
+    key: bytes
+    invite: str
+    confirm: bytes
+
+
+class JoinPending(msgspec.Struct, tag=True, kw_only=True):
+    """The request is held until a member approves it."""
+
+    cluster: str
+    name: str
+    message: str
+
+
+class JoinAccepted(msgspec.Struct, tag=True, kw_only=True):
+    """The node is a member: the cluster's members, and its key for the joiner only
+    (sealed to the joiner's key, or encrypted with the pairing's session key)."""
+
+    cluster: str
+    name: str
+    members: list[Entry]
+    sealed_key: bytes = b""
+
+
+class JoinRefused(msgspec.Struct, tag=True, kw_only=True):
+    """No: ``code`` is ``wrong_code``, ``unknown_invite``, ``busy``, ``bad_request``..."""
+
+    code: str
+    message: str
+
+
+JoinMessage = JoinHello | JoinChallenge | JoinConfirm | JoinPending | JoinAccepted | JoinRefused
+
 Message = (
     Hello
     | Welcome
@@ -236,9 +306,10 @@ Message = (
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+_join_decoder = msgspec.msgpack.Decoder(JoinMessage)
 
 
-def encode(msg: Message) -> bytes:
+def encode(msg: Message | JoinMessage) -> bytes:
     """Encode one message header."""
     return _encoder.encode(msg)
 
@@ -249,6 +320,16 @@ class FrameError(ValueError):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+
+
+def decode_join(frame: bytes | memoryview) -> JoinMessage:
+    """Decode one join-port frame, or raise :class:`FrameError`."""
+    if len(frame) > MAX_JOIN_FRAME:
+        raise FrameError("oversized", f"{len(frame)} bytes > {MAX_JOIN_FRAME}")
+    try:
+        return _join_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        raise FrameError("malformed", str(e)) from None
 
 
 def decode(frame: bytes | memoryview, limit: int = MAX_CONTROL_FRAME) -> Message:

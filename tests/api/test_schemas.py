@@ -174,7 +174,11 @@ def make_app() -> Starlette:
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=make_app())
-    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as c:
+    # JSON by default, as every client of the API sends it (a test may say otherwise).
+    headers = {"content-type": "application/json"}
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://testserver", headers=headers
+    ) as c:
         yield c
 
 
@@ -284,12 +288,12 @@ async def test_max_tokens_alone_sets_max_new_tokens(client: httpx.AsyncClient) -
 
 @pytest.mark.parametrize(
     "content_type",
-    [None, "application/json", "application/json; charset=utf-8", "application/vnd.api+json"],
+    ["application/json", "application/json; charset=utf-8", "application/vnd.api+json"],
 )
-async def test_json_or_absent_content_types_are_accepted(
-    client: httpx.AsyncClient, content_type: str | None
+async def test_json_content_types_are_accepted(
+    client: httpx.AsyncClient, content_type: str
 ) -> None:
-    headers = {} if content_type is None else {"content-type": content_type}
+    headers = {"content-type": content_type}
     r = await client.post("/parse/chat", content=json.dumps(chat_body()).encode(), headers=headers)
     assert r.status_code == 200, r.text
 
@@ -463,14 +467,23 @@ async def test_completion_rules(
 
 @pytest.mark.parametrize(
     "content_type",
-    ["multipart/form-data; boundary=x", "text/plain"],
+    [
+        "multipart/form-data; boundary=x",
+        "text/plain",
+        "application/x-www-form-urlencoded",  # what a cross-site form sends, no preflight
+        None,  # a typeless blob, likewise
+    ],
 )
-async def test_a_non_json_content_type_is_a_415(
-    client: httpx.AsyncClient, content_type: str
+async def test_a_body_not_declared_json_is_a_415(
+    client: httpx.AsyncClient, content_type: str | None
 ) -> None:
-    r = await client.post(
-        "/parse/chat", content=json.dumps(chat_body()), headers={"content-type": content_type}
-    )
+    body = json.dumps(chat_body()).encode()
+    if content_type is None:
+        transport = httpx.ASGITransport(app=make_app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as bare:
+            r = await bare.post("/parse/chat", content=body)
+    else:
+        r = await client.post("/parse/chat", content=body, headers={"content-type": content_type})
     err = assert_openai_error(r, 415, code="unsupported_media_type")
     assert "application/json" in err["message"]
 
@@ -557,7 +570,7 @@ async def test_a_garbage_content_length_is_a_400() -> None:
         "raw_path": b"/parse/chat",
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"content-length", b"lots")],
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"lots")],
     }
     await app(scope, receive, send)
     assert sent[0]["status"] == 400
@@ -881,7 +894,9 @@ def _to_bytes(value: Any) -> bytes:
 
 @pytest.fixture(scope="module")
 def sync_client() -> Iterator[TestClient]:
-    with TestClient(make_app(), raise_server_exceptions=True) as c:
+    with TestClient(
+        make_app(), raise_server_exceptions=True, headers={"content-type": "application/json"}
+    ) as c:
         yield c
 
 

@@ -235,9 +235,22 @@ def test_run_top_once_prints_one_frame() -> None:
         def cluster(self) -> dict:
             return CLUSTER
 
+        def members(self) -> dict:
+            return {"data": [], "pending": [{"id": "f00d" * 4, "name": "kitchen",
+                                             "waiting_s": 12.0}]}  # fmt: skip
+
     console = Console(record=True, width=140, file=io.StringIO())
     assert run_top(Stub(), interval=1.0, once=True, console=console) == 0  # type: ignore[arg-type]
-    assert "studio[0:48) mlx ready" in console.export_text()
+    out = console.export_text()
+    assert "studio[0:48) mlx ready" in out
+    (row,) = [line for line in out.splitlines() if "kitchen" in line]
+    assert row.split()[:3] == ["1", "kitchen", "f00d" * 4], row
+
+
+def test_render_lists_no_waiting_nodes_when_none_wait() -> None:
+    assert "waiting to join" not in text_of(render(CLUSTER, NOW_MS, pending=[]))
+    out = text_of(render(CLUSTER, NOW_MS, pending=[{"name": "[b]x[/b]", "id": "1"}]))
+    assert "waiting to join" in out and "[b]x[/b]" in out  # names shown literally
 
 
 class FlakyNode:
@@ -257,6 +270,10 @@ class FlakyNode:
         if self.calls >= 5:
             raise KeyboardInterrupt
         return CLUSTER
+
+    def members(self) -> dict:
+        # An open cluster's node says it has no members to list.
+        raise NodeError(self.base_url, "/v1/members", "HTTP 409: open cluster", status=409)
 
 
 @pytest.mark.parametrize("terminal", [True, False], ids=["live", "piped"])

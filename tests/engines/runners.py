@@ -1,7 +1,7 @@
 """Real runner processes for tests: ``python -m meshd.engines.runner`` and an API side.
 
-:class:`RunnerProcess` starts a runner exactly as the node's supervisor does (config
-JSON on the command line, status lines on stdout, control lines on stdin) and keeps
+:class:`RunnerProcess` starts a runner exactly as the node's supervisor does (the config
+then control lines on stdin, status lines on stdout, a minimal environment) and keeps
 its status events. :class:`ApiSide` plays the API node over real ZeroMQ sockets: a
 ROUTER the runners send DataChunks to, and DEALERs to send them Generate / Release.
 """
@@ -10,21 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
 import zmq
 
-from meshd.engines.protocol import RunnerConfig
+from meshd.engines.protocol import RunnerConfig, runner_command
+from meshd.engines.threads import runner_env
 from meshd.transport import wire
-from meshd.transport.security import SECRET_ENV
 from tests.conftest import MODEL_SHA256
 
 #: Layers of the default model.
@@ -58,15 +55,17 @@ class RunnerProcess:
 
     def __init__(self, cfg: RunnerConfig, log_dir: Path, timeout: float = 120.0) -> None:
         self.cfg = cfg
-        env = {**os.environ, "MESHD_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        env.pop(SECRET_ENV, None)
+        env = {**runner_env(minimal=True), "MESHD_THREADS": "1"}
         self.log = log_dir / f"runner-{cfg.instance}-{cfg.stage}-{time.monotonic_ns()}.log"
+        argv, config_line = runner_command(cfg)
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "meshd.engines.runner", msgspec.json.encode(cfg).decode()],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
                 env=env, start_new_session=True,
             )  # fmt: skip
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(config_line.decode())
+        self.proc.stdin.flush()
         self.events: list[dict] = []
         self._cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()

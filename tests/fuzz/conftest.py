@@ -38,7 +38,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     with Cluster(tmp_path_factory.mktemp("fuzz")) as cluster:
         try:
             # The fake peer never sends heartbeats: long runs must not see it forgotten.
-            a = cluster.start("a", extra_args=["--forget-after", "86400"])
+            # --open: the fuzzers pose as a peer and write frames by hand, which a
+            # secured cluster refuses at the handshake, before any decoder runs
+            # (tests/node/test_intruders.py covers that side).
+            a = cluster.start("a", extra_args=["--forget-after", "86400", "--open"])
             r = httpx.post(a.api + "/v1/instances",
                            json={"model": DEFAULT_MODEL, "nodes": ["a"]}, timeout=60)  # fmt: skip
             assert r.status_code == 201, r.text

@@ -99,7 +99,7 @@ def test_invalid_utf8_in_a_frame_is_dropped_and_counted(cluster: Cluster, ctx: z
     """Was: one 14-byte frame made the mesh loop log a traceback (counted as ``error``)
     and killed the data-plane receive loop silently, so every later request on the node
     timed out after 30 s (504)."""
-    n = cluster.start("u")
+    n = cluster.start("u", extra_args=["--open"])
     data_port = get(n, "/healthz")["data_port"]
     _send(ctx, n.mesh_port, BAD_UTF8)
     _send(ctx, data_port, BAD_UTF8)
@@ -143,7 +143,7 @@ def test_a_forged_entry_under_the_nodes_own_id_does_not_stop_it(
 ) -> None:
     """Was: exit code 3. Node ids are public (Bonjour TXT, GET /v1/cluster): one Hello
     from any host on the LAN stopped any node."""
-    n = cluster.start("v")
+    n = cluster.start("v", extra_args=["--open"])
     clock = HLC()
     clock.observe(clock.now() + (1 << 16) * 1000)  # a second ahead: newer than the node's
     forged = Entry(health_key(n.node_id), clock.now(), n.node_id, encode(Health(seq=1)))
@@ -160,7 +160,7 @@ def test_an_absurd_sync_clock_from_a_peer_cannot_push_the_gc_horizon(
     """The fake peer reports ``synced`` = 2**62 in its heartbeat and answers a pull with
     ``hlc`` = 2**62. Was: the node's horizon jumped there, so it refused every new key
     from then on (no node could join it again, no instance could be placed)."""
-    n = cluster.start("h")
+    n = cluster.start("h", extra_args=["--open"])
     absurd = 1 << 62
     beat = Entry(health_key(FAKE_ID), HLC().now(), FAKE_ID, encode(Health(seq=1, synced=absurd)))
     topic, pub, mesh = pose_as_peer(cluster, n, ctx, extra=[beat])
@@ -248,7 +248,7 @@ def test_a_flood_of_reply_addresses_does_not_exhaust_a_runner(
     """1100 refused Generates, each naming another reply address: the runner opens a
     DEALER for each (redialling it every 100 ms, forever) and then cannot open one more,
     so it can answer no new API node (ZMQError "Too many open files", logged per frame)."""
-    n = cluster.start("d")
+    n = cluster.start("d", extra_args=["--open"])
     r = post(n, "/v1/instances", {"model": DEFAULT_MODEL, "nodes": ["d"]})
     assert r.status_code == 201, r.text
 

@@ -15,7 +15,7 @@ import pytest
 
 from meshd.models.errors import ModelFormatError
 from meshd.models.facts import read_facts
-from meshd.models.slicing import slice_gguf, slice_path
+from meshd.models.slicing import slice_gguf, slice_path, trim_slices
 from tests.conftest import MODEL_SHA256
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,11 +80,10 @@ def test_slice_is_cut_once_and_then_served_from_the_cache(
     again = slice_gguf(model_path, 0, 10, slice_dir, MODEL_SHA256)
     assert again == path
     after = again.stat()
-    assert (after.st_mtime_ns, after.st_ino, after.st_size) == (
-        before.st_mtime_ns,
-        before.st_ino,
-        before.st_size,
-    )
+    # The same file, not cut again (a new cut is renamed into place: a new inode); its
+    # mtime moves on, as the last use the cache quota goes by.
+    assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
+    assert after.st_mtime_ns >= before.st_mtime_ns
     # No temporary file is left behind.
     assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith(".")) == []
 
@@ -148,3 +147,25 @@ def test_processes_racing_to_cut_the_same_slice_all_get_a_whole_one(
     assert sub.fields["llama.block_count"].contents() == 10
     assert len([t for t in sub.tensors if t.name.startswith("blk.9.")]) == 9
     assert [p.name for p in expected.parent.iterdir()] == [expected.name]
+
+
+@pytest.mark.timeout(120)
+def test_the_cache_keeps_slices_in_use_and_drops_the_least_recently_used(
+    model_path: Path, tmp_path: Path
+) -> None:
+    a, b, c = (slice_gguf(model_path, s, s + 2, tmp_path, MODEL_SHA256) for s in (0, 10, 20))
+    size = a.stat().st_size
+    now = time.time()
+    for age, path in ((300, a), (200, b), (100, c)):
+        os.utime(path, (now - age, now - age))
+    # a is the oldest but in use; b is the least recently used of the rest.
+    assert trim_slices(tmp_path, keep=[a], quota=2 * size + 1) == [b]
+    assert a.is_file() and c.is_file() and not b.is_file()
+    # Using a slice again (a cut served from the cache) makes it recent.
+    slice_gguf(model_path, 20, 22, tmp_path, MODEL_SHA256)
+    assert c.stat().st_mtime >= now
+    # Over a zero quota, everything unused goes; what is in use stays whatever its size.
+    assert trim_slices(tmp_path, keep=[c], quota=0) == [a]
+    assert c.is_file()
+    assert trim_slices(tmp_path, keep=[], quota=0) == [c]
+    assert not (tmp_path / MODEL_SHA256[:16]).exists()  # the emptied folder too

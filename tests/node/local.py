@@ -33,8 +33,8 @@ class Local:
     gossip: Gossip
     tasks: Tasks
     ctx: zmq.asyncio.Context
-    #: One entry per local instance write (what would make the supervisor reconcile).
-    reconciles: list[int] = field(default_factory=list)
+    #: Every entry this node wrote (what the node reacts to: reconcile, new members).
+    written: list[Entry] = field(default_factory=list)
     _others: dict[str, Replica] = field(default_factory=dict)
 
     def from_peer(self, nid: str, key: str, value: msgspec.Struct | None) -> Entry:
@@ -69,7 +69,7 @@ async def local_node(
         publish=gossip.publish,
         changes=Changes(),
         tasks=tasks,
-        on_instances=lambda: local.reconciles.append(1),
+        on_write=lambda e: local.written.append(e),
     )
     local = Local(state, gossip, tasks, ctx)
     try:

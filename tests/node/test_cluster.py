@@ -95,15 +95,21 @@ def test_clean_stop_is_seen_as_left_without_waiting_for_the_timeout(cluster: Clu
     assert time.monotonic() - t0 < 1.0
 
 
-def test_node_of_another_cluster_is_refused(cluster: Cluster, tmp_path) -> None:
-    a = cluster.start("a")
+@pytest.mark.parametrize("mode", ["secured", "open"])
+def test_node_of_another_cluster_is_refused(cluster: Cluster, tmp_path, mode: str) -> None:
+    extra = ["--open"] if mode == "open" else []
+    a = cluster.start("a", extra_args=extra)
     other = Cluster(tmp_path / "other", cluster="other")
     try:
-        x = other.start("x", peers=[a])
+        x = other.start("x", peers=[a], extra_args=extra)
         time.sleep(2.5)
         assert set(a.liveness()) == {"a"}
         assert set(x.liveness()) == {"x"}
-        assert a.get("/healthz")["dropped"]["mesh"]["wrong_cluster"] >= 1
+        dropped = a.get("/healthz")["dropped"]
+        if mode == "open":
+            assert dropped["mesh"]["wrong_cluster"] >= 1
+        else:  # another cluster key: turned away at the door (its proof is no proof)
+            assert dropped.get("join", {}).get("bad_proof", 0) >= 1, dropped
     finally:
         other.close()
 
@@ -201,10 +207,11 @@ def test_a_dead_node_is_forgotten_gc_resumes_and_it_can_come_back(cluster: Clust
     c.kill()
 
     def forgotten_and_collected() -> bool:
-        # Only a's and b's card and heartbeat are left: c's tombstones were collected,
+        # Only a's and b's card and heartbeat are left (and the three member entries:
+        # a silent member is forgotten, not removed): c's tombstones were collected,
         # which needs a horizon that c's frozen clock no longer holds back.
         return all(
-            set(_view(n)) == {a.node_id, b.node_id} and n.get("/healthz")["entries"] == 4
+            set(_view(n)) == {a.node_id, b.node_id} and n.get("/healthz")["entries"] == 4 + 3
             for n in (a, b)
         )
 
@@ -217,7 +224,8 @@ def test_a_dead_node_is_forgotten_gc_resumes_and_it_can_come_back(cluster: Clust
 def test_an_entry_stamped_past_max_clock_drift_is_refused(cluster: Cluster) -> None:
     """``--max-clock-drift 2000``: a card stamped 10 s ahead is refused (under the 60 s
     default it would be taken), a card stamped now is taken."""
-    n = cluster.start("a", extra_args=["--max-clock-drift", "2000"])
+    # --open: the test writes the hello by hand (a secured node admits members only).
+    n = cluster.start("a", extra_args=["--max-clock-drift", "2000", "--open"])
 
     def card(nid: str, hlc: int) -> Entry:
         c = NodeCard(

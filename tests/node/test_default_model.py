@@ -71,7 +71,8 @@ def test_unknown_model_and_bad_bodies_get_openai_errors_and_change_nothing(
                    timeout=30)  # fmt: skip
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found"
-    r = httpx.post(a.api + "/v1/chat/completions", content=b"{not json", timeout=10)
+    r = httpx.post(a.api + "/v1/chat/completions", content=b"{not json", timeout=10,
+                   headers={"Content-Type": "application/json"})  # fmt: skip
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(a.api + "/v1/chat/completions", json={"model": DEFAULT_MODEL}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

@@ -50,11 +50,18 @@ def wholes() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProc]]:
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every node of the trio may load models from (``--models``)."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[list[NodeProc]]:
     with Cluster(tmp_path_factory.mktemp("mixed")) as c:
-        a = c.start("a")
-        b = c.start("b", peers=[a])
-        cc = c.start("c", peers=[a])
+        roots = ["--models", str(models_dir)]
+        a = c.start("a", extra_args=roots)
+        b = c.start("b", peers=[a], extra_args=roots)
+        cc = c.start("c", peers=[a], extra_args=roots)
         wait_for(lambda: all(len(n.cluster()["nodes"]) == 3 for n in (a, b, cc)), 10)
         yield [a, b, cc]
 
@@ -95,11 +102,12 @@ def test_mlx_hops_in_half_precision_keep_the_greedy_tokens(
 
 
 def test_an_mlx_folder_splits_over_two_nodes_with_the_ggufs_tokens(
-    trio: list[NodeProc], wholes: dict[str, str], tmp_path: Path
+    trio: list[NodeProc], wholes: dict[str, str], models_dir: Path
 ) -> None:
     from meshd.models.convert import gguf_to_mlx_folder
 
-    folder = gguf_to_mlx_folder(Path(resolve_model(DEFAULT_MODEL).path), tmp_path / "smol-mlx")
+    # Under the nodes' --models: b and c load it though the placement came through a.
+    folder = gguf_to_mlx_folder(Path(resolve_model(DEFAULT_MODEL).path), models_dir / "smol-mlx")
     r = httpx.post(trio[0].api + "/v1/instances", timeout=60, json={
         "model": str(folder), "nodes": ["b", "c"]})  # fmt: skip
     assert r.status_code == 201, r.text

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from meshd.transport.security import write_secret
 from tests.netns import Host, Netns, require_netns
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.netns]
@@ -20,10 +21,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _up(host: Host, tmp: Path) -> None:
+    # The three start at once: with a shared secret file they are members at once
+    # (without one, each would start a cluster of its own and wait to be approved).
+    secret = tmp / "cluster.secret"
+    if not secret.exists():
+        write_secret(secret)
     log = open(tmp / f"{host.name}.log", "wb")  # noqa: SIM115 - closed with the process
     host.popen(
         [sys.executable, "-m", "meshd.cli.meshd", "up", "--name", f"h{host.index}",
-         "--data-dir", str(tmp / host.name)],
+         "--data-dir", str(tmp / host.name), "--secret-file", str(secret)],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
 
@@ -97,7 +103,8 @@ def test_partition_and_heal_converge_within_2s_with_one_instance(tmp_path: Path)
     with Netns.lan(n=3, prefix="mdp") as lan:
         for h in lan.hosts:
             _up(h, tmp_path)
-        # `meshd up` with no flags: one instance of the default model for the cluster.
+        # `meshd up` with a shared secret and nothing else: one instance of the default
+        # model for the cluster.
         _wait(lambda: _converged(lan.hosts), 90, "a formed cluster with one instance", tmp_path)
 
         lan.cut(2)

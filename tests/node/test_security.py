@@ -1,7 +1,8 @@
-"""The cluster secret: CURVE on every socket, ZAP, and what an outsider can and cannot do.
+"""A secured cluster: CURVE on every socket, ZAP admitting members only, and what an
+outsider can and cannot do.
 
-Real `meshd up` processes on loopback; the outsiders are real nodes (no secret, another
-secret) and raw pyzmq sockets.
+Real `meshd up` processes on loopback (members by a shared secret file); the outsiders
+are real nodes (no way in, another cluster's secret) and raw pyzmq sockets.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from meshd.models.resolve import DEFAULT_MODEL
 from meshd.transport import wire
 from meshd.transport.security import derive_keys, secure, write_secret
 from tests.cluster import Cluster, NodeProc, wait_for
+
+from .hand import HandMember
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -72,27 +75,30 @@ def test_members_with_the_secret_serve_a_split_model(secured) -> None:
     httpx.delete(f"{a.api}/v1/instances/{inst['id']}", timeout=10)
 
 
-@pytest.mark.parametrize("how", ["none", "other"])
-def test_outsider_node_never_joins_and_is_reported(secured, how: str, tmp_path: Path) -> None:
+def test_a_node_with_no_way_in_waits_and_gets_nothing(secured) -> None:
     c, _, (a, b) = secured
-    extra: list[str] = []
-    if how == "other":
-        other = tmp_path / "other"
-        write_secret(other)
-        extra = ["--secret-file", str(other)]
-    before = _handshake_failures(a, "mesh") + _handshake_failures(a, "pub")
-    x = c.start(f"x-{how}", peers=[a], extra_args=extra)
+    x = c.start("x-none", peers=[a], secret=False, wait=False)
     try:
-        # It points its SUB and DEALERs at a; a dials it back never (it cannot even
-        # learn of it). Give gossip many rounds to prove nothing crosses.
-        time.sleep(3)
-        assert _names(a) == {"a", "b"}
-        assert _names(b) == {"a", "b"}
-        assert _names(x) == {f"x-{how}"}
-        after = _handshake_failures(a, "mesh") + _handshake_failures(a, "pub")
-        assert after > before
-        if how == "none":
-            assert "no cluster secret" in x.log()
+        wait_for(lambda: "waiting for a member to approve" in x.log(), 20)
+        time.sleep(2)  # many gossip rounds: nothing crosses
+        assert "meshd ready" not in x.log()
+        assert _names(a) == {"a", "b"} and _names(b) == {"a", "b"}
+        assert [p["name"] for p in a.get("/v1/members")["pending"]] == ["x-none"]
+    finally:
+        x.proc.terminate()
+        x.proc.wait(10)
+
+
+def test_a_node_of_another_cluster_is_refused_at_the_door(secured, tmp_path: Path) -> None:
+    c, _, (a, b) = secured
+    other = tmp_path / "other"
+    write_secret(other)
+    x = c.start("x-other", peers=[a], extra_args=["--secret-file", str(other)])
+    try:
+        wait_for(lambda: _dropped(a).get("join", {}).get("bad_proof", 0) >= 1, 10)
+        time.sleep(2)
+        assert _names(a) == {"a", "b"} and _names(b) == {"a", "b"}
+        assert _names(x) == {"x-other"}
     finally:
         x.proc.terminate()
         x.proc.wait(10)
@@ -117,20 +123,25 @@ def _read_for(sock: zmq.Socket, seconds: float) -> list[list[bytes]]:
     return got
 
 
-def test_raw_subscriber_without_the_keys_reads_nothing(secured) -> None:
+def test_raw_subscriber_without_a_members_key_reads_nothing(secured) -> None:
     _, secret, (a, _b) = secured
     wrong = derive_keys("x" * 32)
+    # The cluster's server key, but a client key that no member approved.
+    shared = derive_keys(secret.read_text())
+    member = HandMember(secret, a)
     plain, other = _raw_sub(a.pub_port), _raw_sub(a.pub_port, wrong)
-    right = _raw_sub(a.pub_port, derive_keys(secret.read_text()))
+    unapproved, right = _raw_sub(a.pub_port, shared), _raw_sub(a.pub_port, member.keys())
     try:
-        # Heartbeats go out twice a second: the keyed subscriber must see them, else
+        # Heartbeats go out twice a second: the member's subscriber must see them, else
         # this test could not fail.
         assert _read_for(right, 2.0)
         assert _read_for(plain, 0.5) == []
         assert _read_for(other, 0.5) == []
+        assert _read_for(unapproved, 0.5) == []
     finally:
-        for s in (plain, other, right):
+        for s in (plain, other, unapproved, right):
             s.close(0)
+        member.close()
 
 
 def test_forged_hello_without_the_keys_changes_nothing(secured) -> None:

@@ -3,7 +3,8 @@
 In this process, against the supervisor itself: a stage whose model is not here fails
 without a process and the node keeps saying so after the stage moves; a burst of plan
 changes is one reconcile; a real runner keeps its process when only the plan's
-generation moves, and is replaced when its range does.
+generation moves, and is replaced when its range does, and the slice it no longer
+uses leaves the cache when the cache is over its quota.
 """
 
 from __future__ import annotations
@@ -16,19 +17,21 @@ import pytest
 from meshd.crdt.views import Instance
 from meshd.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 from meshd.models.facts import read_model_facts
+from meshd.models.slicing import slice_path
 from meshd.node.cluster import MODEL_MISSING, gave_up
 from meshd.node.supervisor import Supervisor
 
 from .test_cluster_view import inst
 
 
-def supervisor(tmp_path: Path, resolve=None) -> Supervisor:
+def supervisor(tmp_path: Path, resolve=None, slice_cache: int = 1 << 40) -> Supervisor:
     def missing(model: str) -> str:
         raise ModelNotFoundError(model, ["nowhere"])
 
     return Supervisor(
         "a", resolve_path=resolve or missing, cache_dir=tmp_path, bind_host="127.0.0.1",
         on_status=lambda: None, n_ctx=512, n_seq_max=2, stop_grace=2.0,
+        slice_cache=slice_cache,
     )  # fmt: skip
 
 
@@ -86,7 +89,8 @@ async def test_a_new_generation_keeps_the_runner_and_a_new_range_replaces_it(
     except LookupError:
         pytest.skip("the default model is not installed")
     facts = await asyncio.to_thread(read_model_facts, DEFAULT_MODEL, tmp_path)
-    sup = supervisor(tmp_path, resolve=lambda m: path)
+    # No room for unused slices: the one a replaced runner used goes at once.
+    sup = supervisor(tmp_path, resolve=lambda m: path, slice_cache=0)
 
     def plan(gen: int, end: int) -> dict[str, Instance]:
         i = inst("x", "a", gen=gen, model=DEFAULT_MODEL)
@@ -108,6 +112,13 @@ async def test_a_new_generation_keeps_the_runner_and_a_new_range_replaces_it(
         second = sup.runners[("x", 0)].proc
         assert second is not None and second is not first
         assert first.returncode is not None
+        await _ready(sup, 3)
+        old = slice_path(tmp_path, facts.sha256, 0, n - 1)
+        assert old.is_file()  # in use: kept, quota or not
+        await sup.reconcile(plan(4, n - 2))
+        await _ready(sup, 4)
+        assert not old.is_file()
+        assert slice_path(tmp_path, facts.sha256, 0, n - 2).is_file()
     finally:
         await sup.stop_all()
     assert all(r.proc is None or r.proc.returncode is not None for r in sup.runners.values())

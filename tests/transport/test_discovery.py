@@ -252,6 +252,7 @@ async def test_discovery_on_loopback_in_one_loop_and_stop_is_idempotent() -> Non
             addresses=["127.0.0.1"],
             on_peer=found[key].append,
             interfaces=["127.0.0.1"],
+            join_port=port + 2,
         )
 
     a = make("a", f"lo-a-{uuid.uuid4().hex[:8]}", 41000)
@@ -266,8 +267,12 @@ async def test_discovery_on_loopback_in_one_loop_and_stop_is_idempotent() -> Non
         await asyncio.gather(a.stop(), b.stop())
         await a.stop()  # a second stop is a no-op
         assert time.monotonic() - t0 < 10
-    assert found["a"] == [PeerAddr(node_id=b.node_id, host="127.0.0.1", port=42000)]
-    assert found["b"] == [PeerAddr(node_id=a.node_id, host="127.0.0.1", port=41000)]
+    assert found["a"] == [
+        PeerAddr(node_id=b.node_id, host="127.0.0.1", port=42000, cluster=cluster, join=42002)
+    ]
+    assert found["b"] == [
+        PeerAddr(node_id=a.node_id, host="127.0.0.1", port=41000, cluster=cluster, join=41002)
+    ]
     assert a.service_name.endswith(SERVICE_TYPE)
 
 

@@ -1,4 +1,10 @@
-"""Garbage and oversized frames on every socket of a real node are dropped and counted."""
+"""Garbage and oversized frames on every socket of a real node are dropped and counted.
+
+The nodes run ``--open``: these frames are written by hand by a test that holds no key,
+and a secured node refuses such a peer at the CURVE handshake before any decoder runs
+(tests/node/test_intruders.py); the join desk, the one plain socket of a secured node,
+is tested here too.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ def _request(ctx: zmq.Context, n: NodeProc, frames: list[bytes]) -> list[bytes] 
 def test_garbage_and_oversized_frames_on_the_mesh_router_are_dropped_and_counted(
     cluster: Cluster,
 ) -> None:
-    n = cluster.start("a")
+    n = cluster.start("a", extra_args=["--open"])
     ctx = zmq.Context()
     try:
         assert _request(ctx, n, [b"\xc1\xff not msgpack"]) is None
@@ -64,7 +70,7 @@ def test_garbage_and_oversized_frames_on_the_mesh_router_are_dropped_and_counted
 def test_garbage_and_oversized_gossip_from_a_peer_is_dropped_and_counted(
     cluster: Cluster,
 ) -> None:
-    n = cluster.start("a")
+    n = cluster.start("a", extra_args=["--open"])
     topic = wire.cluster_hash(cluster.cluster_name)
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
@@ -103,7 +109,7 @@ def test_garbage_and_oversized_gossip_from_a_peer_is_dropped_and_counted(
 
 
 def test_forged_entries_for_another_nodes_keys_are_refused(cluster: Cluster) -> None:
-    a = cluster.start("a")
+    a = cluster.start("a", extra_args=["--open"])
     ctx = zmq.Context()
     try:
         clock = HLC()
@@ -115,5 +121,33 @@ def test_forged_entries_for_another_nodes_keys_are_refused(cluster: Cluster) -> 
         _request(ctx, a, [wire.encode(hello)])
         wait_for(lambda: _dropped(a, "entries", "foreign_owner") == 1, timeout=2)
         assert a.cluster()["nodes"][0]["name"] == "a"
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_garbage_on_the_join_desk_of_a_secured_node_is_dropped_and_counted(
+    cluster: Cluster,
+) -> None:
+    n = cluster.start("a")
+    ctx = zmq.Context()
+    try:
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(f"tcp://127.0.0.1:{n.mesh_port + 1}")
+        d.send(b"\xc1\xff not msgpack")
+        d.send(b"\x00" * (wire.MAX_JOIN_FRAME + 10))  # libzmq cuts the peer: not answered
+        d.send_multipart([b"two", b"frames"])
+        time.sleep(1.0)
+        assert not d.poll(500)
+        d.close()
+        # Still answering: a proper request gets a proper answer.
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(f"tcp://127.0.0.1:{n.mesh_port + 1}")
+        d.send(wire.encode(wire.JoinHello(name="x", key=b"k" * 32)))
+        assert d.poll(3000)
+        assert isinstance(wire.decode_join(d.recv()), wire.JoinPending)
+        d.close()
+        assert n.alive()
     finally:
         ctx.destroy(linger=0)

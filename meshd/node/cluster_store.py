@@ -1,0 +1,126 @@
+"""What a node keeps of its cluster on disk, in its data dir.
+
+* ``cluster.key`` (0600): the cluster key, 32 bytes. Its holders derive the sockets'
+  server keys and may vouch for a new member (a proof). Made by the first node of a
+  cluster, handed to each node it admits; or derived from a secret file.
+* ``cluster.json``: the cluster's id (a hash of the key), its name, the member entries
+  this node holds (so that a restarted node admits its peers before it hears from any
+  of them), and the fingerprint of the secret file the key came from.
+
+Nothing here is read from the network: a node learns its cluster at its own start or
+through the join protocol (:mod:`meshd.node.joining`).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from meshd.crdt.lww import Entry
+from meshd.transport.security import (
+    cluster_id_of,
+    cluster_key_from_secret,
+    read_private,
+    write_private,
+)
+
+__all__ = ["KEY_FILE", "STATE_FILE", "ClusterStore", "StoredCluster"]
+
+log = logging.getLogger("meshd.node")
+
+KEY_FILE = "cluster.key"
+STATE_FILE = "cluster.json"
+
+_entries = msgspec.msgpack.Decoder(list[Entry])
+_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass
+class StoredCluster:
+    """A cluster this node belongs to."""
+
+    key: bytes
+    name: str
+    members: list[Entry] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        """The cluster's public id."""
+        return cluster_id_of(self.key)
+
+
+class ClusterStore:
+    """The two files of one data dir."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.key_file = data_dir / KEY_FILE
+        self.state_file = data_dir / STATE_FILE
+
+    def load(self) -> StoredCluster | None:
+        """The cluster this node belongs to, or None (a new node)."""
+        try:
+            key = read_private(self.key_file)
+            state = json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            return None
+        if len(key) != 32 or not isinstance(state, dict):
+            return None
+        try:
+            members = _entries.decode(base64.b64decode(state.get("members", "")))
+        except (ValueError, msgspec.DecodeError, msgspec.ValidationError):
+            members = []
+        return StoredCluster(key=key, name=str(state.get("name", "")), members=members)
+
+    def save(self, cluster: StoredCluster, *, secret_fp: str = "") -> None:
+        """Write both files (the key only if it changed)."""
+        try:
+            same = read_private(self.key_file) == cluster.key
+        except OSError:
+            same = False
+        if not same:
+            write_private(self.key_file, cluster.key, replace=self.key_file.exists())
+        state = {
+            "id": cluster.id,
+            "name": cluster.name,
+            "secret_fp": secret_fp or self._secret_fp(),
+            "members": base64.b64encode(_encoder.encode(cluster.members)).decode(),
+        }
+        tmp = self.state_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.state_file)
+
+    def save_members(self, members: list[Entry]) -> None:
+        """Record the member entries the node holds now."""
+        cluster = self.load()
+        if cluster is not None:
+            cluster.members = members
+            self.save(cluster)
+
+    def from_secret(self, secret: str, name: str) -> StoredCluster:
+        """The cluster a secret file stands for: its key derived (slowly, so only when
+        the secret changed since the last start), members kept from the last run."""
+        fp = hashlib.blake2b(secret.encode(), digest_size=16, person=b"meshd-secret").hexdigest()
+        stored = self.load()
+        if stored is not None and self._secret_fp() == fp:
+            stored.name = name
+            return stored
+        key = cluster_key_from_secret(secret)
+        cluster = StoredCluster(key=key, name=name)
+        if stored is not None and stored.key == key:
+            cluster.members = stored.members
+        self.save(cluster, secret_fp=fp)
+        return cluster
+
+    def _secret_fp(self) -> str:
+        try:
+            return str(json.loads(self.state_file.read_text()).get("secret_fp", ""))
+        except (OSError, ValueError, AttributeError):
+            return ""

@@ -1,0 +1,84 @@
+"""A member made by hand: a test that holds the cluster's secret writes every message.
+
+It gets its own key admitted at a node's join desk with a proof (as a node started with
+the secret file does), then speaks meshd's wire protocol over CURVE with that key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from meshd.crdt.hlc import HLC
+from meshd.crdt.lww import Entry
+from meshd.crdt.views import encode
+from meshd.transport import wire
+from meshd.transport.identity import NodeKey, member_proof, sign_entry
+from meshd.transport.security import cluster_id_of, cluster_key_from_secret, cluster_keys, secure
+from tests.cluster import NodeProc
+
+
+class HandMember:
+    """A member whose every message the test writes: it holds the cluster's secret, so a
+    join desk admits its key; then it speaks gossip by hand over CURVE."""
+
+    def __init__(self, secret_file: Path, node: NodeProc) -> None:
+        self.ctx = zmq.Context()
+        self.key = NodeKey.generate()
+        self.cluster_key = cluster_key_from_secret(secret_file.read_text())
+        self.node = node
+        reply = self.join(wire.JoinHello(
+            name="mallory", key=self.key.public,
+            proof=member_proof(self.cluster_key, self.key.public),
+        ))  # fmt: skip
+        assert isinstance(reply, wire.JoinAccepted), reply
+        self.clock = HLC()
+
+    def join(self, msg: wire.JoinMessage) -> wire.JoinMessage | None:
+        """One message to the node's join desk (plain ZeroMQ), its answer."""
+        d = self.ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.RCVTIMEO, 3000)
+        d.connect(f"tcp://127.0.0.1:{self.node.mesh_port + 1}")
+        try:
+            d.send(wire.encode(msg))
+            return msgspec.msgpack.decode(d.recv(), type=wire.JoinMessage)
+        except zmq.Again:
+            return None
+        finally:
+            d.close()
+
+    def hello(self, entries: list[Entry]) -> wire.Message | None:
+        """A ``Hello`` carrying ``entries`` to the node's mesh ROUTER, over CURVE with
+        this member's own key; the answer."""
+        d = self.ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.RCVTIMEO, 3000)
+        secure(d, cluster_keys(self.cluster_key, self.key.curve_pair()), server=False)
+        d.connect(f"tcp://127.0.0.1:{self.node.mesh_port}")
+        hello = wire.Hello(
+            sender=self.key.node_id,
+            cluster=wire.cluster_hash(cluster_id_of(self.cluster_key)),
+            incarnation="x", entries=entries,
+        )  # fmt: skip
+        try:
+            d.send(wire.encode(hello))
+            return wire.decode(d.recv())
+        except zmq.Again:
+            return None
+        finally:
+            d.close()
+
+    def forge(self, key: str, value: msgspec.Struct | None, writer: str) -> Entry:
+        """An entry claiming ``writer`` wrote it, signed with this member's key."""
+        e = Entry(key, self.clock.now(), writer, None if value is None else encode(value))
+        return sign_entry(self.key, e)
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+    def keys(self):
+        """This member's socket keys (the cluster's server pair, its own client pair)."""
+        return cluster_keys(self.cluster_key, self.key.curve_pair())

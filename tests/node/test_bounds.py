@@ -1,0 +1,140 @@
+"""Bounds on what members write: a large legitimate state still syncs (in pages), an
+absurd key is refused without blocking anything after it, and a plan that placement
+would not make is refused by every node."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import msgspec
+import pytest
+
+from meshd.crdt.views import (
+    Instance,
+    InstanceSpec,
+    ModelFacts,
+    NodeCard,
+    NodeResources,
+    PlanBasis,
+    Stage,
+    health_key,
+    instance_key,
+    node_key,
+)
+from meshd.models import DEFAULT_MODEL
+from tests.cluster import Cluster, wait_for
+
+from .hand import HandMember
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _dropped(n, reason: str) -> int:
+    return n.get("/healthz")["dropped"].get("entries", {}).get(reason, 0)
+
+
+def _big_card(m: HandMember, kib: int) -> NodeCard:
+    """A card as large as a member with many models may write (under its cap)."""
+    facts = [
+        ModelFacts(name=f"model-{i}", sha256=f"{i:064x}", n_layers=800, hidden_size=4096,
+                   n_ctx_train=8192, layer_bytes=[123_456_789] * 800)
+        for i in range(kib // 8)
+    ]  # fmt: skip
+    return NodeCard(
+        id=m.key.node_id, name=f"big-{m.key.node_id[:4]}", incarnation="i", cluster="c",
+        version="0", os="linux", arch="x86_64", cpu_count=1, mem_total=1, mem_available=1,
+        addresses=["127.0.0.1"], mesh_port=1, pub_port=1, api_port=1, model_facts=facts,
+    )  # fmt: skip
+
+
+def test_six_megabytes_of_legitimate_state_sync_to_a_new_node(cluster: Cluster) -> None:
+    a = cluster.start("a", extra_args=["--forget-after", "3600"])
+    members = []
+    try:
+        size = 0
+        while size < 6 * 1024 * 1024:
+            m = HandMember(cluster.secret_file, a)
+            members.append(m)
+            card = m.forge(node_key(m.key.node_id), _big_card(m, 112), writer=m.key.node_id)
+            size += len(card.value or b"")
+            assert m.hello([card]) is not None
+        wait_for(lambda: a.get("/healthz")["entries"] >= 2 * len(members), 30)
+        t0 = time.monotonic()
+        b = cluster.start("b", peers=[a], extra_args=["--forget-after", "3600"])
+
+        def same() -> bool:
+            ha, hb = a.get("/healthz"), b.get("/healthz")
+            return ha["digest"] == hb["digest"] and ha["entries"] == hb["entries"]
+
+        wait_for(same, 60, interval=0.2)
+        synced_s = time.monotonic() - t0
+        print(f"\n{size / 2**20:.1f} MiB of cards from {len(members)} members synced to a "
+              f"new node in {synced_s:.1f} s")  # fmt: skip
+        assert _dropped(b, "oversized") == 0
+    finally:
+        for m in members:
+            m.close()
+
+
+def test_an_absurd_instance_id_is_refused_and_later_instances_still_start(
+    cluster: Cluster,
+) -> None:
+    a = cluster.start("a")
+    m = HandMember(cluster.secret_file, a)
+    try:
+        spec = InstanceSpec(model=DEFAULT_MODEL)
+        huge = "x" * (200 * 1024)
+        inst = Instance(id=huge, spec=spec, stages=[])
+        assert m.hello([m.forge(instance_key(huge), inst, writer=m.key.node_id)]) is not None
+        wait_for(lambda: _dropped(a, "bad_key") >= 1, 5)
+        r = httpx.post(a.api + "/v1/instances", json={"model": DEFAULT_MODEL}, timeout=120)
+        assert r.status_code == 201, r.text
+        iid = r.json()["id"]
+        wait_for(lambda: all(s["state"] == "ready"
+                             for s in a.get(f"/v1/instances/{iid}")["stages"]), 60)  # fmt: skip
+    finally:
+        m.close()
+
+
+def test_a_plan_placement_would_not_make_is_refused_by_every_node(cluster: Cluster) -> None:
+    a = cluster.start("a")
+    b = cluster.start("b", peers=[a])
+    wait_for(lambda: all(len(n.cluster()["nodes"]) == 2 for n in (a, b)), 15)
+    m = HandMember(cluster.secret_file, a)
+    try:
+        # Real facts of the default model, from a placement a made.
+        r = httpx.post(a.api + "/v1/instances", json={"model": DEFAULT_MODEL, "nodes": ["a"]},
+                       timeout=120)  # fmt: skip
+        good = msgspec.convert(r.json(), dict)
+        inst = next(i for i in a.cluster()["instances"] if i["id"] == good["id"])
+        facts = msgspec.convert(inst["facts"], ModelFacts)
+        card_b = msgspec.convert(
+            next(n["card"] for n in a.cluster()["nodes"] if n["id"] == b.node_id), NodeCard
+        )
+        spec = InstanceSpec(model=DEFAULT_MODEL)
+        # Every layer on b, "computed" from a b that has a petabyte to offer.
+        rich = NodeResources(id=b.node_id, name="b", backends=card_b.backends,
+                             mem_available=1 << 50, mem_total=1 << 50)  # fmt: skip
+        stages = [Stage(node=b.node_id, start=0, end=facts.n_layers, engine="llama_cpp")]
+        forged = [
+            Instance(id="forged1", spec=spec, stages=stages, facts=facts,
+                     basis=PlanBasis(spec=spec, nodes=[rich])),
+            Instance(id="forged2", spec=spec, stages=stages, facts=facts),  # no basis
+        ]  # fmt: skip
+        entries = [m.forge(instance_key(i.id), i, writer=m.key.node_id) for i in forged]
+        for node in (a, b):
+            m.node = node
+            assert m.hello(entries) is not None
+        for node in (a, b):
+            wait_for(lambda n=node: _dropped(n, "implausible_plan") >= 1
+                     and _dropped(n, "unverifiable_plan") >= 1, 10)  # fmt: skip
+        time.sleep(1.0)
+        for node in (a, b):
+            ids = {i["id"] for i in node.cluster()["instances"]}
+            assert not ids & {"forged1", "forged2"}
+            runners = next(n["health"] for n in node.cluster()["nodes"] if n["id"] == b.node_id)
+            assert not any(r["instance"].startswith("forged") for r in runners.get("runners", []))
+        assert health_key(b.node_id)  # b still speaks for itself
+    finally:
+        m.close()

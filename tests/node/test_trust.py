@@ -1,0 +1,180 @@
+"""What a secured replica takes from the network, entry by entry (pure, no socket):
+signatures bound to members' keys, member entries bound to their ids, bounded keys and
+values, and plans that placement itself would make."""
+
+from __future__ import annotations
+
+import secrets
+
+import msgspec
+import pytest
+
+from meshd.crdt.hlc import HLC
+from meshd.crdt.lww import Entry
+from meshd.crdt.replica import Replica
+from meshd.crdt.views import (
+    Health,
+    Instance,
+    InstanceSpec,
+    Member,
+    NodeResources,
+    PlanBasis,
+    encode,
+    health_key,
+    instance_key,
+    member_key,
+    node_key,
+)
+from meshd.node.plans import plan_refusal
+from meshd.node.trust import MAX_INSTANCES_PER_WRITER, ClusterTrust
+from meshd.placement import place
+from meshd.transport.identity import NodeKey, member_proof, sign_entry
+
+from .test_cluster_view import FACTS, card
+
+CLUSTER_KEY = secrets.token_bytes(32)
+
+
+def member_entry(who: NodeKey, by: NodeKey, *, proof: bool = False) -> Entry:
+    m = Member(id=who.node_id, name=who.node_id[:4], key=who.public, by=by.node_id,
+               proof=member_proof(CLUSTER_KEY, who.public) if proof else b"")  # fmt: skip
+    e = Entry(member_key(who.node_id), HLC().now(), by.node_id, encode(m))
+    return sign_entry(by, e)
+
+
+def replica_of(key: NodeKey) -> Replica:
+    """A member's replica: its own member entry vouched for with the cluster key."""
+    r = Replica(key.node_id, HLC(), signer=lambda e: sign_entry(key, e),
+                trust=ClusterTrust(CLUSTER_KEY, plans=_plans))  # fmt: skip
+    r.install([member_entry(key, key, proof=True)])
+    return r
+
+
+def _plans(e: Entry, m) -> str | None:
+    from meshd.node.plans import refuse_plan_entry
+
+    return refuse_plan_entry(e, m)
+
+
+def written(
+    by: NodeKey, key: str, value: msgspec.Struct | None, writer: str | None = None
+) -> Entry:
+    e = Entry(key, HLC().now(), writer or by.node_id, None if value is None else encode(value))
+    return sign_entry(by, e)
+
+
+def refused(r: Replica, *entries: Entry) -> dict[str, int]:
+    return r.merge_remote(list(entries)).refused
+
+
+def test_a_members_signed_entries_are_taken() -> None:
+    a, b = NodeKey.generate(), NodeKey.generate()
+    r = replica_of(a)
+    assert refused(r, member_entry(b, b, proof=True)) == {}
+    assert refused(r, written(b, node_key(b.node_id), card(b.node_id)),
+                   written(b, health_key(b.node_id), Health(seq=1))) == {}  # fmt: skip
+    assert r.map.value(node_key(b.node_id)) is not None
+
+
+def test_a_forged_writer_or_signature_is_refused() -> None:
+    a, b, eve = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
+    r = replica_of(a)
+    r.merge_remote([member_entry(b, b, proof=True)])
+    # b's heartbeat, "stopped", written by another member's key: the signature fails.
+    forged = written(a, health_key(b.node_id), Health(seq=9, state="stopped"), writer=b.node_id)
+    assert refused(r, forged) == {"bad_signature": 1}
+    # A key that is no member's: refused whatever it claims.
+    assert refused(r, written(eve, node_key(eve.node_id), card(eve.node_id))) == {"not_member": 1}
+    # Tampered value under a valid signature.
+    good = written(b, health_key(b.node_id), Health(seq=1))
+    bad = msgspec.structs.replace(good, value=encode(Health(seq=1, state="stopped")))
+    assert refused(r, bad) == {"bad_signature": 1}
+
+
+def test_member_entries_are_bound_to_their_ids_and_approvers() -> None:
+    a, b, c, eve = (NodeKey.generate() for _ in range(4))
+    r = replica_of(a)
+    r.merge_remote([member_entry(c, c, proof=True)])
+    # A member may approve a new key; a stranger may not approve itself without proof.
+    assert refused(r, member_entry(eve, eve)) == {"not_member": 1}
+    assert refused(r, member_entry(b, c)) == {}
+    # Nobody binds another key to an existing id.
+    m = Member(id=b.node_id, name="b", key=eve.public, by=c.node_id)
+    assert refused(r, written(c, member_key(b.node_id), m)) == {"bad_member": 1}
+    # A proof made with another cluster's key is no proof.
+    m = Member(id=eve.node_id, name="e", key=eve.public, by=eve.node_id,
+               proof=member_proof(secrets.token_bytes(32), eve.public))  # fmt: skip
+    assert refused(r, written(eve, member_key(eve.node_id), m)) == {"bad_member": 1}
+
+
+def test_a_batch_may_bring_an_approver_with_the_members_it_approved() -> None:
+    a, b, c = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
+    r = replica_of(a)
+    # c approved by b, b vouched for by the key; the batch lists c first.
+    assert refused(r, member_entry(c, b), member_entry(b, b, proof=True)) == {}
+    assert r.map.value(member_key(c.node_id)) is not None
+
+
+@pytest.mark.parametrize(
+    ("key", "size", "why"),
+    [("instance/" + "x" * 200_000, 10, "bad_key"), ("bogus/x", 10, "bad_key"),
+     ("node/../etc", 10, "bad_key"), ("health/x", 1 << 20, "oversized")],
+)  # fmt: skip
+def test_keys_outside_the_key_spaces_and_oversized_values_are_refused(
+    key: str, size: int, why: str
+) -> None:
+    a = NodeKey.generate()
+    r = replica_of(a)
+    e = sign_entry(a, Entry(key, HLC().now(), a.node_id, b"x" * size))
+    assert refused(r, e) == {why: 1}
+    assert key not in r.map
+
+
+def test_a_writer_holds_a_bounded_number_of_instances() -> None:
+    a, b = NodeKey.generate(), NodeKey.generate()
+    r = replica_of(a)
+    r.merge_remote(
+        [member_entry(b, b, proof=True), written(b, node_key(b.node_id), card(b.node_id))]
+    )
+    taken = 0
+    for i in range(MAX_INSTANCES_PER_WRITER + 5):
+        inst = planned(f"i{i}", [card(b.node_id)])
+        got = r.merge_remote([written(b, instance_key(inst.id), inst)])
+        taken += len(got.changed)
+    assert taken == MAX_INSTANCES_PER_WRITER
+
+
+def planned(iid: str, cards: list, spec: InstanceSpec | None = None) -> Instance:
+    spec = spec or InstanceSpec(model="m")
+    nodes = {c.id: NodeResources(id=c.id, name=c.name, backends=c.backends,
+                                 mem_available=c.mem_available, mem_total=c.mem_total)
+             for c in cards}  # fmt: skip
+    stages = place(spec, FACTS, nodes)
+    return Instance(id=iid, spec=spec, stages=stages, facts=FACTS,
+                    basis=PlanBasis(spec=spec, nodes=list(nodes.values())))  # fmt: skip
+
+
+def test_a_plan_placement_would_make_is_taken_and_a_forged_one_is_not() -> None:
+    a, b = NodeKey.generate(), NodeKey.generate()
+    r = replica_of(a)
+    ca, cb = card(a.node_id), card(b.node_id)
+    r.merge_remote([member_entry(b, b, proof=True), written(b, node_key(b.node_id), cb)])
+    r.write(node_key(a.node_id), ca)
+    good = planned("x", [ca, cb])
+    assert plan_refusal(good, r.map) is None
+    assert refused(r, written(b, instance_key("x"), good)) == {}
+    # The same basis, stages moved elsewhere: placement would not make that.
+    moved = msgspec.structs.replace(good, id="y", stages=[
+        msgspec.structs.replace(s, node=b.node_id) for s in good.stages])  # fmt: skip
+    if moved.stages != good.stages:
+        assert plan_refusal(moved, r.map) == "unreproducible_plan"
+    # A node that claims memory its machine does not have.
+    rich = msgspec.structs.replace(cb, mem_total=1 << 50, mem_available=1 << 50)
+    grab = planned("z", [ca, rich])
+    assert plan_refusal(grab, r.map) == "implausible_plan"
+    # No basis at all: nothing to check it against.
+    assert plan_refusal(msgspec.structs.replace(good, basis=None), r.map) == "unverifiable_plan"
+    # A node that is no member.
+    eve = card(NodeKey.generate().node_id)
+    r.install([sign_entry(b, Entry(node_key(eve.id), HLC().now(), eve.id, encode(eve)))])
+    assert plan_refusal(planned("w", [eve]), r.map) == "implausible_plan"
