@@ -27,10 +27,13 @@ class Trial:
     suspect_s: float = float("nan")  # SIGKILL -> the API node suspects the node
 
 
-def stream(via: NodeProc, events: list[tuple[float, str]], max_tokens: int) -> None:
-    """Stream a greedy completion; append (time, SSE line) to ``events``."""
+def stream(
+    via: NodeProc, events: list[tuple[float, str]], max_tokens: int, **sampling: object
+) -> None:
+    """Stream a completion, greedy unless ``sampling`` says otherwise; append (time, SSE
+    line) to ``events``."""
     body = {"model": DEFAULT_MODEL, "prompt": "Tell a story.", "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+            "temperature": 0, "stream": True, "ignore_eos": True, **sampling}  # fmt: skip
     with httpx.stream("POST", via.api + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):

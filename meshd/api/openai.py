@@ -24,6 +24,7 @@ from . import schemas
 from .bodies import parse_body
 from .errors import request_failed
 from .runs import GenerateRequest, Run, admit
+from .sampling import SamplingRequest
 from .services import context
 from .sse import SSE_DONE, SSE_KEEPALIVE, sse_data, sse_error, sse_response
 
@@ -62,10 +63,18 @@ def _generate_request(
         messages=messages,
         prompt=prompt,
         max_tokens=body.max_new_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
+        sampling=SamplingRequest(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repeat_penalty=body.repeat_penalty,
+            repeat_last_n=body.repeat_last_n,
+            logit_bias=body.token_bias,
+            seed=body.seed,
+        ),
         stop=body.stop_sequences,
         ignore_eos=body.ignore_eos,
     )

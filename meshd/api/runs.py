@@ -25,8 +25,9 @@ from meshd.node.errors import RequestFailed
 from meshd.node.metrics import Metrics
 from meshd.transport import wire
 
-from .errors import ApiError, bad_request, node_error, overloaded, request_failed
+from .errors import ApiError, node_error, overloaded, request_failed
 from .limits import Ticket
+from .sampling import SamplingRequest, check_max_tokens, pipeline_sampling
 from .services import ApiContext
 
 __all__ = [
@@ -56,32 +57,9 @@ class GenerateRequest:
     messages: list[wire.ChatTurn] | None = None
     prompt: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    sampling: SamplingRequest = field(default_factory=SamplingRequest)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-
-    def sampling(self, cap: int) -> wire.Sampling:
-        """The pipeline's sampling parameters; ``max_tokens`` over ``cap`` is a 400,
-        none at all means ``cap`` (or the context's end)."""
-        if self.max_tokens is not None and self.max_tokens > cap:
-            raise bad_request(
-                f"max_tokens is too large: {self.max_tokens}. This node generates at most "
-                f"{cap} tokens per request (meshd up --max-tokens).",
-                param="max_tokens",
-                code="max_tokens_too_large",
-            )
-        return wire.Sampling(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            seed=self.seed,
-            max_tokens=cap if self.max_tokens is None else self.max_tokens,
-            stop=self.stop,
-            ignore_eos=self.ignore_eos,
-        )
 
 
 @dataclass
@@ -212,8 +190,12 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
         metrics.requests.labels(route, model, "429").inc()
         raise overloaded(OVERLOADED_RETRY_S)
     try:
-        params = req.sampling(ctx.settings.max_tokens)
+        max_tokens = check_max_tokens(req.max_tokens, ctx.settings.max_tokens)
         inst = await _instance(ctx, req.model)
+        params = pipeline_sampling(
+            req.sampling, inst.facts, max_tokens=max_tokens, stop=req.stop,
+            ignore_eos=req.ignore_eos,
+        )  # fmt: skip
         chunks = services.generate(inst, messages=req.messages, prompt=req.prompt, sampling=params)
         first = await _first(chunks)
     except ApiError as e:

@@ -10,20 +10,19 @@ What a request may carry
 Fields fall in four groups, decided once here:
 
 * **Honoured**: ``model``, ``messages`` / ``prompt``, ``max_tokens`` (and
-  ``max_completion_tokens`` for chat), ``temperature``, ``top_p``, ``top_k`` (an
-  extension), ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``.
+  ``max_completion_tokens`` for chat), ``temperature``, ``top_p``, ``seed``, ``stop``,
+  ``stream``, ``stream_options.include_usage``, ``presence_penalty`` and
+  ``frequency_penalty`` (-2..2, over the tokens generated so far), ``logit_bias``
+  (token id -> -100..100), and the llama.cpp extensions ``top_k``, ``min_p``,
+  ``repeat_penalty`` and ``repeat_last_n``. A sampling field left out gets the model's
+  own default or the server's (``meshd.api.sampling``).
 * **Rejected when they ask for something we cannot do** (400, ``code``
   ``unsupported_parameter``): ``n`` other than 1, ``logprobs`` / ``top_logprobs``,
-  a non-empty ``logit_bias``, non-empty ``tools`` / ``functions``, a
-  ``response_format`` other than ``text``, and for completions ``echo: true``,
-  ``best_of`` other than 1 and a non-empty ``suffix``. Each would change the shape or
-  the meaning of the answer; answering without it would silently lie to the client.
-  Their neutral values (``n: 1``, ``logprobs: false``, ``logit_bias: {}``, ``tools: []``
-  and so on) are accepted, because clients send defaults.
-* **Accepted, range-checked, not applied**: ``presence_penalty`` and
-  ``frequency_penalty`` (-2..2). They nudge sampling but never change what kind of
-  answer comes back, and many UIs send them by default. They are kept on the Struct
-  so an engine that supports them can start honouring them without an API change.
+  non-empty ``tools`` / ``functions``, a ``response_format`` other than ``text``, and
+  for completions ``echo: true``, ``best_of`` other than 1 and a non-empty ``suffix``.
+  Each would change the shape or the meaning of the answer; answering without it
+  would silently lie to the client. Their neutral values (``n: 1``, ``logprobs:
+  false``, ``tools: []`` and so on) are accepted, because clients send defaults.
 * **Ignored**: every other field, known to OpenAI (``user``, ``metadata``, ``store``,
   ``service_tier``, ``tool_choice``, ``parallel_tool_calls``, ...) or not. OpenAI
   clients add fields release after release; an unknown field must never fail a request.
@@ -41,6 +40,13 @@ import uuid
 from typing import Any, Literal
 
 import msgspec
+
+from meshd.engines.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_PENALTY,
+    MAX_REPEAT_PENALTY,
+)
 
 __all__ = [
     "MAX_STOP_SEQUENCES",
@@ -180,10 +186,12 @@ def _check_common(req: _GenerationRequest) -> None:
         raise FieldError("stop", "stop sequences must be non-empty strings")
     if req.n is not None and req.n != 1:
         raise _unsupported("n", f"only n=1 is supported (one choice per request), got {req.n}")
-    _check_range("presence_penalty", req.presence_penalty, -2.0, 2.0)
-    _check_range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias is not supported; send {} or omit it")
+    _check_range("presence_penalty", req.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _check_range("frequency_penalty", req.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+    _check_range("min_p", req.min_p, 0.0, 1.0)
+    _check_range("repeat_penalty", req.repeat_penalty, 0.0, MAX_REPEAT_PENALTY, lo_open=True)
+    _check_min("repeat_last_n", req.repeat_last_n, -1)
+    _ = req.token_bias  # raises FieldError for a bad logit_bias
 
 
 # ---------------------------------------------------------------------------------------
@@ -221,12 +229,16 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     stream_options: StreamOptions | None = None
     #: Only 1 (or absent) is accepted.
     n: int | None = None
-    #: Accepted and range-checked, not applied.
     presence_penalty: float | None = None
-    #: Accepted and range-checked, not applied.
     frequency_penalty: float | None = None
-    #: Only empty (or absent) is accepted.
+    #: Token id (as a string, as JSON keys are) -> value added to its logit.
     logit_bias: dict[str, float] | None = None
+    #: Extensions (llama.cpp): drop tokens less likely than ``min_p`` times the most
+    #: likely one; divide the logits of recent tokens by ``repeat_penalty``, counting
+    #: the last ``repeat_last_n`` generated (-1: all, 0: off).
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
     #: Extension (vLLM): keep generating past end-of-sequence until ``max_tokens``
     #: (benchmarks and tests need a fixed length).
     ignore_eos: bool = False
@@ -239,6 +251,29 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
         if isinstance(self.stop, str):
             return [self.stop]
         return list(self.stop)
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` with integer keys; FieldError names a bad key or value."""
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise FieldError(
+                "logit_bias",
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(bias)}",
+            )
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                tok = -1
+            if tok < 0 or tok > _INT64_MAX or str(tok) != key.strip():
+                raise FieldError(
+                    "logit_bias", f"logit_bias keys must be token ids (0, 1, ...), got {key!r}"
+                )
+            _check_range("logit_bias", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            out[tok] = float(value)
+        return out
 
     @property
     def include_usage(self) -> bool:

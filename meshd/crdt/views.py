@@ -141,6 +141,18 @@ class Stage(msgspec.Struct, kw_only=True, frozen=True):
     engine: str
 
 
+class SamplingDefaults(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """Sampling the model's authors ship with it (GGUF ``general.sampling.*``, an MLX
+    folder's ``generation_config.json``); None where they say nothing."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+
+
 class ModelFacts(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """What placement needs to know about a model, read once from its file.
 
@@ -170,6 +182,10 @@ class ModelFacts(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     quant_types: list[str] = []
     #: Engines that can run this model: ``llama_cpp``, ``mlx``.
     engines: list[str] = []
+    #: Token ids the model can produce at most (its embedding rows; 0: unknown).
+    n_vocab: int = 0
+    #: The sampling its authors recommend, when they ship one.
+    sampling: SamplingDefaults | None = None
 
 
 class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):

@@ -92,6 +92,20 @@ def emit(event: RunnerEvent) -> None:
     sys.stdout.flush()
 
 
+def sampling_params(s: wire.Sampling, n_vocab: int) -> SamplingParams:
+    """The sampler's parameters for a request's sampling; ValueError names what is
+    wrong (a value out of range, a biased token past the vocabulary of ``n_vocab``)."""
+    bad = [t for t in s.logit_bias if not 0 <= t < n_vocab]
+    if bad:
+        raise ValueError(f"logit_bias names token {bad[0]}; the vocabulary has {n_vocab}")
+    return SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n,
+        logit_bias=s.logit_bias, seed=s.seed,
+    )  # fmt: skip
+
+
 @dataclass
 class Request:
     """A request's state on this stage."""
@@ -389,6 +403,11 @@ class Runner:
     # -- stage 0 -------------------------------------------------------------------
     def admit(self, g: wire.Generate) -> None:
         try:
+            sampling_params(g.sampling, self.stage.n_vocab)
+        except ValueError as e:
+            self.fail(g.reply_to, g.req, "bad_sampling", str(e))
+            return
+        try:
             prompt = self.tokenize(g)
         except Exception as e:
             self.fail(g.reply_to, g.req, "bad_prompt", f"cannot tokenize the prompt: {e}")
@@ -488,7 +507,12 @@ class Runner:
             self.reqs[a.req] = r
             self.report_load()
             if self.last:
-                self.init_last(r, s.resume)
+                try:
+                    self.init_last(r, s.resume)
+                except ValueError as e:  # stage 0 checks it; a forged Start is not checked
+                    self.fail(r.reply_to, r.req, "bad_sampling", str(e))
+                    self.release(r.req, "cancel")
+                    return
         r.last_active = time.monotonic()
         self.work.append(Work(a.req, a.pos, hidden=hidden, start=a.start, compute=a.compute))
 
@@ -510,8 +534,7 @@ class Runner:
         draws what the uninterrupted run would have drawn."""
         s = r.sampling
         r.sampler = Sampler(
-            SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed),
-            position=len(resume),
+            sampling_params(s, self.stage.n_vocab), position=len(resume), history=resume
         )
         r.text = TextStream(self.stage.token_to_piece, list(s.stop))
         r.text.prime(resume)

@@ -4,17 +4,29 @@ The last rank of a plan samples, whatever engine computed the logits, so samplin
 here and not in an engine: an MLX rank and a llama.cpp rank given the same logits and
 the same seed pick the same token.
 
-Order of the filters, as in Hugging Face ``generate``: temperature scaling, then top-k,
-then top-p (nucleus) on the renormalised remainder, then one uniform draw inverted over
-the kept tokens in token-id order. Ties are broken towards the lower token id everywhere
-(greedy, the top-k boundary, the nucleus boundary), so the token depends only on the
-logits, the parameters, the seed and the token's position.
+Order of the steps:
+
+1. ``logit_bias`` is added to the logits (OpenAI: -100 bans a token, +100 forces it).
+2. Penalties over the tokens generated so far (the prompt is not counted): OpenAI's
+   ``frequency_penalty`` (times the token's count) and ``presence_penalty`` (once, if it
+   occurred) are subtracted; llama.cpp's ``repeat_penalty`` divides a positive logit and
+   multiplies a negative one, for the tokens among the last ``repeat_last_n``.
+3. Temperature scaling (0: greedy, the argmax of the adjusted logits).
+4. top-k, then top-p (nucleus) on the renormalised remainder, then min-p (tokens less
+   likely than ``min_p`` times the most likely one are dropped), as Hugging Face's
+   warpers do after temperature.
+5. One uniform draw inverted over the kept tokens in token-id order.
+
+Ties are broken towards the lower token id everywhere (greedy, the top-k boundary, the
+nucleus boundary), so the token depends only on the logits, the parameters, the tokens
+generated before, the seed and the token's position.
 
 The uniform draw of the token at position ``i`` is a pure function of ``(seed, i)``
 (a counter-based generator: a keyed hash of the position), not the i-th output of a
 stateful stream. A request replayed from position ``k`` (its first ``k`` tokens
-re-prefilled on a repaired plan) therefore draws exactly what the uninterrupted run
-would have drawn, without replaying ``k`` draws it cannot know the shape of.
+re-prefilled on a repaired plan, and given to the sampler as its history) therefore
+draws exactly what the uninterrupted run would have drawn, without replaying ``k``
+draws it cannot know the shape of.
 """
 
 from __future__ import annotations
@@ -24,14 +36,33 @@ import math
 import numbers
 import secrets
 import struct
+from collections import Counter, deque
+from collections.abc import Iterable
 
 import msgspec
 import numpy as np
 
-__all__ = ["MAX_TEMPERATURE", "Sampler", "SamplingParams", "uniform"]
+__all__ = [
+    "MAX_LOGIT_BIAS",
+    "MAX_LOGIT_BIAS_ENTRIES",
+    "MAX_PENALTY",
+    "MAX_REPEAT_PENALTY",
+    "MAX_TEMPERATURE",
+    "Sampler",
+    "SamplingParams",
+    "uniform",
+]
 
 MAX_TEMPERATURE = 2.0
 """OpenAI's upper bound for ``temperature``."""
+MAX_PENALTY = 2.0
+"""OpenAI's bound (either sign) for ``presence_penalty`` and ``frequency_penalty``."""
+MAX_REPEAT_PENALTY = 10.0
+"""Upper bound for ``repeat_penalty`` (llama.cpp's is unbounded; past this it only bans)."""
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound (either sign) for a ``logit_bias`` value."""
+MAX_LOGIT_BIAS_ENTRIES = 1024
+"""Most tokens one request may bias."""
 
 # The draw hashes the seed as an unsigned 64-bit word; folding a signed seed into this
 # range keeps every int64 a client may send valid and distinct.
@@ -50,17 +81,25 @@ _BLOCK = 512
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """How to pick the next token; defaults are OpenAI's (plain sampling at T=1).
+    """How to pick the next token; the defaults are plain sampling at T=1 with every
+    filter and penalty off (what the request model fills in is decided by the API).
 
-    ``temperature`` 0 means greedy (argmax). ``top_k`` 0 disables top-k. ``seed`` None
-    draws from fresh OS entropy; an int makes the sequence of draws reproducible.
-    Invalid values raise ``ValueError`` at construction (and a ``msgspec.ValidationError``
-    when decoded from the wire).
+    ``temperature`` 0 means greedy (argmax). ``top_k`` 0, ``top_p`` 1, ``min_p`` 0,
+    penalties 0 and ``repeat_penalty`` 1 are off. ``repeat_last_n`` -1 counts every token
+    generated so far. ``seed`` None draws from fresh OS entropy; an int makes the
+    sequence of draws reproducible. Invalid values raise ``ValueError`` at construction
+    (and a ``msgspec.ValidationError`` when decoded from the wire).
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    logit_bias: dict[int, float] = {}
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -74,6 +113,39 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not (-MAX_PENALTY <= v <= MAX_PENALTY):
+                raise ValueError(
+                    f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] "
+                    f"(0 = off), got {v!r}"
+                )
+        rp = self.repeat_penalty
+        if not _is_real(rp) or not (0.0 < rp <= MAX_REPEAT_PENALTY):
+            raise ValueError(
+                f"repeat_penalty must be a number in (0, {MAX_REPEAT_PENALTY:g}] (1 = off), "
+                f"got {rp!r}"
+            )
+        if not _is_int(self.repeat_last_n) or self.repeat_last_n < -1:
+            raise ValueError(
+                "repeat_last_n must be an integer >= -1 (-1 = every generated token, 0 = off), "
+                f"got {self.repeat_last_n!r}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, "
+                f"got {len(self.logit_bias)}"
+            )
+        for tok, bias in self.logit_bias.items():
+            if not _is_int(tok) or tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok!r}")
+            if not _is_real(bias) or not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(
+                    f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {tok}"
+                )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
@@ -81,6 +153,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (no randomness is consumed)."""
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """True when the tokens generated so far change the logits."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or (self.repeat_penalty != 1.0 and self.repeat_last_n != 0)
+        )
 
 
 def _is_real(value: object) -> bool:
@@ -98,12 +179,17 @@ class Sampler:
     One sampler per request. The token at position ``i`` (0 = the first generated
     token) uses the uniform draw :func:`uniform` ``(seed, i)``: the same seed and the
     same logits at a position give the same token whatever happened before, so a
-    sampler created at ``position=k`` continues an interrupted stream exactly. Each
-    call moves to the next position. Not thread-safe (it reuses work arrays).
+    sampler created at ``position=k`` with the ``k`` tokens already generated as its
+    ``history`` continues an interrupted stream exactly (penalties included). Each call
+    moves to the next position and adds its token to the history. Not thread-safe (it
+    reuses work arrays).
     """
 
-    def __init__(self, params: SamplingParams | None = None, position: int = 0) -> None:
-        """``position``: index of the next token to sample (the tokens already sent)."""
+    def __init__(
+        self, params: SamplingParams | None = None, position: int = 0, history: Iterable[int] = ()
+    ) -> None:
+        """``position``: index of the next token to sample (the tokens already sent);
+        ``history``: those tokens, in order (what the penalties count)."""
         self.params = params if params is not None else SamplingParams()
         seed = self.params.seed
         # No seed: a fresh random one, so an unseeded request still draws independently
@@ -114,14 +200,28 @@ class Sampler:
         #: Position of the next token :meth:`sample` picks.
         self.position = position
         self._work = _Work()
+        p = self.params
+        self._counts: Counter[int] = Counter()
+        window = None if p.repeat_last_n < 0 else p.repeat_last_n
+        self._recent: deque[int] = deque(maxlen=window)
+        self._bias_ids = np.fromiter(p.logit_bias, np.intp, len(p.logit_bias))
+        self._bias = np.fromiter(p.logit_bias.values(), np.float64, len(p.logit_bias))
+        for tok in history:
+            self.accept(tok)
+
+    def accept(self, token: int) -> None:
+        """Count ``token`` as generated (:meth:`sample` does it for the tokens it picks)."""
+        self._counts[token] += 1
+        self._recent.append(token)
 
     def sample(self, logits: np.ndarray, position: int | None = None) -> int:
         """Return the token id at ``position`` (default :attr:`position`) for a 1-D
         logits vector (one entry per vocab id); the next call defaults to the next
-        position.
+        position, and the token joins the history the penalties count.
 
         ``-inf`` entries are masked tokens and are never picked. Raises ``ValueError`` on
-        an empty or non 1-D vector, on NaN or ``+inf``, or when every entry is ``-inf``.
+        an empty or non 1-D vector, on NaN or ``+inf``, when every entry is ``-inf``, or
+        when ``logit_bias`` names a token past the vocabulary.
         """
         pos = self.position if position is None else position
         x = np.asarray(logits)
@@ -132,8 +232,44 @@ class Sampler:
         top = float(x.max())  # NaN anywhere propagates into the max: one pass checks both
         if not math.isfinite(top):
             raise ValueError(f"logits must be finite or -inf, max is {top}")
+        if self._bias_ids.size or (self.params.penalised and self._counts):
+            x = self._adjust(x)
+            top = float(x.max())
+            if not math.isfinite(top):
+                raise ValueError("logit_bias and penalties left no token to sample")
         self.position = pos + 1
+        tok = self._pick(x, top, pos)
+        self.accept(tok)
+        return tok
 
+    def _adjust(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of ``logits`` with the bias and the penalties applied (float32: the
+        engines' own precision; the copy keeps the caller's array untouched)."""
+        x = np.array(logits, dtype=np.float32)
+        p = self.params
+        if self._bias_ids.size:
+            if int(self._bias_ids.max()) >= x.size:
+                raise ValueError(
+                    f"logit_bias names token {int(self._bias_ids.max())}, past the "
+                    f"vocabulary of {x.size} tokens"
+                )
+            x[self._bias_ids] += self._bias
+        if not p.penalised or not self._counts:
+            return x
+        if p.presence_penalty or p.frequency_penalty:
+            ids = np.fromiter(self._counts, np.intp, len(self._counts))
+            counts = np.fromiter(self._counts.values(), np.float32, len(self._counts))
+            ok = ids < x.size
+            ids, counts = ids[ok], counts[ok]
+            x[ids] -= counts * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty)
+        if p.repeat_penalty != 1.0 and self._recent:
+            ids = np.unique(np.fromiter(self._recent, np.intp, len(self._recent)))
+            ids = ids[ids < x.size]
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / p.repeat_penalty, v * p.repeat_penalty)
+        return x
+
+    def _pick(self, x: np.ndarray, top: float, pos: int) -> int:
         p = self.params
         if p.temperature == 0.0:
             # np.argmax returns the first maximum: the lowest id, like llama.cpp greedy.
@@ -159,6 +295,10 @@ class Sampler:
             # Zero the tokens outside the nucleus rather than compacting: the draw skips
             # zero weights, and compacting would allocate a vocab-sized array per call.
             probs *= _best_prefix(x, probs, p.top_p * probs.sum(), work)
+        if p.min_p > 0.0:
+            # probs are relative to the most likely token (its weight is exp(0) = 1), so
+            # the cut is min_p itself; the most likely token always survives it.
+            probs[probs < p.min_p] = 0.0
 
         i = _invert_cdf(probs, uniform(self._seed, pos))
         return int(i if ids is None else ids[i])

@@ -3,7 +3,7 @@
 Every number comes from the model itself (``<arch>.block_count``, tensor sizes, ...):
 nothing about a particular model is hard-coded here, so a new GGUF works as soon as
 llama.cpp can load it. Only headers are read. GGUF facts are cached in
-``cache_dir/facts.json`` by (path, size, mtime).
+``cache_dir/facts-v2.json`` by (path, size, mtime).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from meshd.crdt.views import ModelFacts
 
 from .errors import ModelFormatError
 from .folder import read_folder_facts
+from .generation import gguf_sampling
 from .gguf import read_header
 from .hashing import file_key, file_sha256
 from .mlx_layout import MLX_TYPES
@@ -65,7 +66,8 @@ def read_facts(
     return facts
 
 
-_FACTS_FILE = "facts.json"
+#: Named by version: facts cached by an older meshd lack fields added since.
+_FACTS_FILE = "facts-v2.json"
 
 
 def _cached_facts(path: Path, cache_dir: Path | None) -> ModelFacts | None:
@@ -158,7 +160,15 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
         kv_bytes_per_token_layer=n_head_kv * (k_len + v_len) * _KV_ELEMENT_BYTES,
         quant_types=quant_types,
         engines=engines,
+        n_vocab=_n_vocab(header.tensors),
+        sampling=gguf_sampling(kv),
     )
+
+
+def _n_vocab(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> int:
+    """Rows of the token embedding (``ne[1]``): the token ids the model knows."""
+    embd = tensors.get("token_embd.weight")
+    return int(embd[1][1]) if embd is not None and len(embd[1]) > 1 else 0
 
 
 def _int(kv: dict[str, Any], key: str) -> int | None:

@@ -28,6 +28,7 @@ from typing import Any
 from meshd.crdt.views import ModelFacts
 
 from .errors import ModelFormatError, UnsupportedModelError
+from .generation import folder_sampling
 from .hashing import file_sha256
 
 __all__ = [
@@ -356,6 +357,8 @@ def read_folder_facts(path: Path | str, name: str, cache_dir: Path | None = None
         kv_bytes_per_token_layer=2 * spec.n_kv_heads * spec.head_dim * _MLX_KV_ELEMENT_BYTES,
         quant_types=sorted(types),
         engines=engines,
+        n_vocab=spec.embed_rows,
+        sampling=folder_sampling(path),
     )
 
 

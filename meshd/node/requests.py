@@ -207,7 +207,11 @@ class Requests:
                 chunk = await self._next(q, inst, timeout)
                 timeout = self.config.chunk_timeout
                 if chunk.error is not None:
-                    bad_input = chunk.error.code in ("context_length_exceeded", "bad_prompt")
+                    bad_input = chunk.error.code in (
+                        "context_length_exceeded",
+                        "bad_prompt",
+                        "bad_sampling",
+                    )
                     raise RequestFailed(
                         chunk.error.code, chunk.error.message, 400 if bad_input else 502
                     )

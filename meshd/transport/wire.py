@@ -118,11 +118,20 @@ class ChatTurn(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """How the last stage picks tokens and when it stops."""
+    """How the last stage picks tokens and when it stops (the API node resolves the
+    request's defaults: these are the values used, each filter off by default here).
+    The last stage checks them (``meshd.engines.sampling.SamplingParams``)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    #: Token id -> value added to its logit.
+    logit_bias: dict[int, float] = {}
     seed: int | None = None
     #: None: until end of sequence or the context is full.
     max_tokens: int | None = None

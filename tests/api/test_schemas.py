@@ -263,6 +263,8 @@ async def test_unknown_fields_are_ignored_at_every_level(client: httpx.AsyncClie
         {"functions": []},
         {"response_format": {"type": "text"}},
         {"presence_penalty": 1.5, "frequency_penalty": -2},
+        {"logit_bias": {"50256": -100, "7": 100, "0": 0.5}},
+        {"min_p": 0.1, "repeat_penalty": 1.1, "repeat_last_n": -1},
         {"temperature": 0, "top_p": 1},
         {"temperature": 2},
         {"max_tokens": 5, "max_completion_tokens": 5},
@@ -429,7 +431,12 @@ async def test_n_2_is_rejected_as_unsupported(client: httpx.AsyncClient) -> None
         ({"n": 0}, "n", "unsupported_parameter"),
         ({"logprobs": True}, "logprobs", "unsupported_parameter"),
         ({"top_logprobs": 3}, "top_logprobs", "unsupported_parameter"),
-        ({"logit_bias": {"50256": -100}}, "logit_bias", "unsupported_parameter"),
+        ({"logit_bias": {"50256": -101}}, "logit_bias", None),
+        ({"logit_bias": {"the": 1}}, "logit_bias", None),
+        ({"logit_bias": {"-1": 1}}, "logit_bias", None),
+        ({"min_p": 1.5}, "min_p", None),
+        ({"repeat_penalty": 0}, "repeat_penalty", None),
+        ({"repeat_last_n": -2}, "repeat_last_n", None),
         ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
         ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
         ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
@@ -861,6 +868,9 @@ _knobs = {
         "n",
         "presence_penalty",
         "frequency_penalty",
+        "min_p",
+        "repeat_penalty",
+        "repeat_last_n",
         "best_of",
         "logprobs",
         "top_logprobs",
@@ -877,7 +887,10 @@ _request_like = st.fixed_dictionaries(
         "stream": _json_values,
         "stream_options": st.fixed_dictionaries({}, optional={"include_usage": _json_values})
         | _json_values,
-        "logit_bias": _json_values,
+        "logit_bias": st.dictionaries(
+            st.text(max_size=4) | st.integers(-3, 70000).map(str), _json_values, max_size=3
+        )
+        | _json_values,
         "tools": _json_values,
         "response_format": st.fixed_dictionaries({}, optional={"type": _json_values})
         | _json_values,

@@ -74,6 +74,27 @@ def test_seeded_sampling_replayed_from_position_k_continues_the_same_stream(
     assert replay[-1].usage == wire.Usage(replay[0].n_prompt, n)
 
 
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        wire.Sampling(min_p=5.0, max_tokens=4),
+        wire.Sampling(repeat_penalty=-1.0, max_tokens=4),
+        wire.Sampling(logit_bias={10**9: 1.0}, max_tokens=4),
+    ],
+    ids=["min_p", "repeat_penalty", "logit_bias"],
+)
+def test_bad_sampling_from_the_wire_is_a_typed_error_and_the_runner_goes_on(
+    single: RunnerProcess, api: ApiSide, sampling: wire.Sampling
+) -> None:
+    # The API node checks these; a member's forged Generate must not crash the runner.
+    api.generate([single], "bad", prompt=PROMPT, sampling=sampling)
+    (chunk,) = api.result("bad")
+    assert chunk.error is not None and chunk.error.code == "bad_sampling", chunk
+    api.generate([single], "after", prompt=PROMPT, sampling=greedy(2))
+    assert api.result("after")[-1].finish_reason == "length"
+    single.wait_active(0, 5)
+
+
 def test_greedy_replay_is_exact(single: RunnerProcess, api: ApiSide) -> None:
     api.generate([single], "whole", prompt=PROMPT, sampling=greedy(16))
     whole = api.result("whole")

@@ -297,3 +297,107 @@ def test_sampling_a_49k_vocab_takes_well_under_a_few_ms(params: SamplingParams) 
         times.append(time.perf_counter() - start)
     # ~0.1-0.3 ms measured; the bound is loose because CI machines are shared.
     assert float(np.median(times)) < 3e-3
+
+
+# --------------------------------------------------------------------------- min-p, penalties, bias
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+def test_min_p_never_picks_a_token_below_its_cut(temperature: float) -> None:
+    x = llm_like_logits(3, 2000)
+    p = np.exp((x - x.max()) / temperature)  # relative to the most likely token
+    for seed in range(300):
+        tok = Sampler(SamplingParams(temperature=temperature, min_p=0.05, seed=seed)).sample(x)
+        assert p[tok] >= 0.05
+    # The cut is what decides: without it, some draws land below it.
+    below = [Sampler(SamplingParams(temperature=temperature, seed=s)).sample(x) for s in range(300)]
+    assert any(p[t] < 0.05 for t in below)
+
+
+def test_presence_and_frequency_penalties_follow_openai() -> None:
+    x = np.array([3.0, 2.6, 2.0, -1.0], np.float32)
+    greedy = {"temperature": 0.0}
+    # Token 0 generated twice: frequency 0.25 takes 0.5 off, presence 0.3 takes 0.3 off.
+    assert Sampler(SamplingParams(**greedy), history=[0, 0]).sample(x) == 0
+    assert Sampler(SamplingParams(frequency_penalty=0.25, **greedy), history=[0, 0]).sample(x) == 1
+    assert Sampler(SamplingParams(frequency_penalty=0.25, **greedy), history=[0]).sample(x) == 0
+    assert Sampler(SamplingParams(presence_penalty=0.5, **greedy), history=[0]).sample(x) == 1
+    # A negative penalty favours what was said: token 1 said once overtakes token 0.
+    assert Sampler(SamplingParams(presence_penalty=-0.5, **greedy), history=[1]).sample(x) == 1
+
+
+def test_repeat_penalty_divides_positive_and_multiplies_negative_logits_in_its_window() -> None:
+    x = np.array([2.0, 1.5, -1.0, -1.2], np.float32)
+    greedy = {"temperature": 0.0}
+    # 2.0 / 1.5 = 1.33 < 1.5: token 0 recently said loses to token 1.
+    assert Sampler(SamplingParams(repeat_penalty=1.5, **greedy), history=[0]).sample(x) == 1
+    # Out of the window (the last 2 tokens are 1, 1): token 0 is not penalised, 1 is.
+    s = Sampler(SamplingParams(repeat_penalty=1.5, repeat_last_n=2, **greedy), history=[0, 1, 1])
+    assert s.sample(x) == 0
+    # Negative logits get more negative: -1.0 * 1.5 = -1.5 < -1.2.
+    y = np.array([-1.0, -1.2], np.float32)
+    assert Sampler(SamplingParams(repeat_penalty=1.5, **greedy), history=[0]).sample(y) == 1
+
+
+def test_logit_bias_bans_and_forces_tokens_and_leaves_the_callers_logits_alone() -> None:
+    x = llm_like_logits(4, 5000)
+    before = x.copy()
+    best = int(np.argmax(x))
+    banned = Sampler(SamplingParams(temperature=0.0, logit_bias={best: -100.0}))
+    assert banned.sample(x) != best
+    for seed in range(20):
+        forced = Sampler(SamplingParams(seed=seed, logit_bias={17: 100.0}))
+        assert forced.sample(x) == 17
+    assert np.array_equal(x, before)
+    with pytest.raises(ValueError, match="past the vocabulary"):
+        Sampler(SamplingParams(logit_bias={5000: 1.0})).sample(x)
+
+
+def test_a_penalised_stream_resumed_from_its_history_continues_exactly() -> None:
+    steps = [llm_like_logits(i, 3000) for i in range(24)]
+    params = SamplingParams(
+        temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, presence_penalty=0.4,
+        frequency_penalty=0.3, repeat_penalty=1.2, repeat_last_n=8, logit_bias={3: 2.0}, seed=7,
+    )  # fmt: skip
+    whole_sampler = Sampler(params)
+    whole = [whole_sampler.sample(x) for x in steps]
+    for k in (1, 9, 23):
+        resumed = Sampler(params, position=k, history=whole[:k])
+        assert [resumed.sample(x) for x in steps[k:]] == whole[k:]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"repeat_penalty": 0.0}, "repeat_penalty"),
+        ({"repeat_last_n": -2}, "repeat_last_n"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {1: 101.0}}, "logit_bias"),
+    ],
+)
+def test_new_invalid_params_are_rejected_naming_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_penalties_cost_little_on_a_49k_vocab() -> None:
+    x = llm_like_logits(5)
+    history = list(range(0, 4000, 7))
+    plain = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1)
+    full = msgspec.structs.replace(
+        plain, presence_penalty=0.5, frequency_penalty=0.5, repeat_penalty=1.1,
+        logit_bias={i: 1.0 for i in range(50)},
+    )  # fmt: skip
+
+    def per_call(params: SamplingParams) -> float:
+        s = Sampler(params, history=history)
+        t0 = time.perf_counter()
+        for i in range(200):
+            s.sample(x, i)
+        return (time.perf_counter() - t0) / 200
+
+    per_call(full)  # warm up
+    assert per_call(full) < per_call(plain) + 1e-3  # under a millisecond more per token

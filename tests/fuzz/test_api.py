@@ -240,7 +240,9 @@ _COMMON_BAD: list[tuple[str, Any]] = [
     ("top_k", 2**70), ("top_k", 0.5), ("seed", 2**63), ("seed", -(2**63) - 1), ("seed", "s"),
     ("stop", ["a", "b", "c", "d", "e"]), ("stop", [""]), ("stop", 5), ("stop", [1]),
     ("n", 2), ("n", 0), ("n", -5), ("n", 2**70), ("presence_penalty", 3),
-    ("frequency_penalty", -2.5), ("logit_bias", {"1": 1.0}), ("logit_bias", []),
+    ("frequency_penalty", -2.5), ("logit_bias", {"1": 101.0}), ("logit_bias", {"x": 1}),
+    ("logit_bias", {"99999999": 1.0}), ("logit_bias", []), ("min_p", 1.5),
+    ("repeat_penalty", 0), ("repeat_last_n", -2),
     ("stream", "yes"), ("stream_options", []), ("ignore_eos", "no"),
 ]  # fmt: skip
 _CHAT_BAD: list[tuple[str, Any]] = [

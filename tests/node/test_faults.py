@@ -56,8 +56,15 @@ _stream = faultlab.stream
 _text = faultlab.text_of
 
 
+#: A seeded stream with every knob a replay must carry on exactly (draws and penalties).
+SAMPLED = {"temperature": 0.9, "seed": 1234, "top_k": 50, "min_p": 0.02,
+           "frequency_penalty": 0.5, "presence_penalty": 0.3, "repeat_penalty": 1.1,
+           "logit_bias": {"30": 2.0}}  # fmt: skip
+
+
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "seeded-penalised"])
 def test_killed_middle_node_stream_continues_on_the_repaired_plan_with_the_same_text(
-    cluster: Cluster,
+    cluster: Cluster, sampling: dict
 ) -> None:
     a = cluster.start("a")
     b = cluster.start("b", peers=[a])
@@ -66,11 +73,11 @@ def test_killed_middle_node_stream_continues_on_the_repaired_plan_with_the_same_
     inst = place(a, [a, b, c])
     n_tokens = 300
     reference: list[tuple[float, str]] = []
-    _stream(a, reference, n_tokens)
+    _stream(a, reference, n_tokens, **sampling)
     assert reference[-1][1] == "data: [DONE]"
 
     events: list[tuple[float, str]] = []
-    t = threading.Thread(target=_stream, args=(a, events, n_tokens))
+    t = threading.Thread(target=_stream, args=(a, events, n_tokens), kwargs=sampling)
     t.start()
     wait_for(lambda: len(events) >= 20, 30, interval=0.02)
     b.kill()
@@ -78,7 +85,7 @@ def test_killed_middle_node_stream_continues_on_the_repaired_plan_with_the_same_
     assert not t.is_alive(), "stream still open 90 s after the kill"
     assert events[-1][1] == "data: [DONE]"
     assert not any('"error"' in line for _, line in events), events[-3:]
-    # Nothing lost, nothing repeated: the same greedy text as without the failure.
+    # Nothing lost, nothing repeated: the same text as without the failure.
     assert _text(events) == _text(reference)
 
     # Every survivor computed the same repair: a new generation, without b.

@@ -1,0 +1,80 @@
+"""Small synthetic GGUF models for tests: real files llama.cpp loads, random weights."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+#: Layers of every synthetic model.
+N_LAYERS = 4
+
+
+def write_model(
+    path: Path,
+    tokenizer_from: Path,
+    arch: str,
+    *,
+    bias: bool = False,
+    tied: bool = True,
+    metadata: Mapping[str, float | int] | None = None,
+) -> Path:
+    """A 4-layer, 64-wide GGUF of ``arch`` with seeded random F32 weights and the
+    tokenizer of ``tokenizer_from``; ``metadata``: more keys (a float is written as
+    float32, an int as int32)."""
+    src = gguf.GGUFReader(tokenizer_from)
+    rng = np.random.default_rng(7)
+    hidden, heads, kv, ffn = 64, 4, 2, 128
+    hd = hidden // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_block_count(N_LAYERS)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_int32(key, value)
+    n_vocab = 0
+    for f in src.fields.values():
+        if f.name.startswith("tokenizer."):
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            value = f.contents()
+            if f.name == "tokenizer.ggml.tokens":
+                n_vocab = len(value)
+            w.add_key_value(f.name, value, f.types[0], sub_type=sub)
+
+    def t(*shape: int, scale: float = 0.05) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def norm() -> np.ndarray:
+        return (1 + t(hidden)).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", t(n_vocab, hidden, scale=0.5))
+    for i in range(N_LAYERS):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", norm())
+        for name, rows in (("attn_q", heads * hd), ("attn_k", kv * hd), ("attn_v", kv * hd)):
+            w.add_tensor(p + name + ".weight", t(rows, hidden))
+            if bias:
+                w.add_tensor(p + name + ".bias", t(rows))
+        w.add_tensor(p + "attn_output.weight", t(hidden, heads * hd))
+        w.add_tensor(p + "ffn_norm.weight", norm())
+        w.add_tensor(p + "ffn_gate.weight", t(ffn, hidden))
+        w.add_tensor(p + "ffn_up.weight", t(ffn, hidden))
+        w.add_tensor(p + "ffn_down.weight", t(hidden, ffn))
+    w.add_tensor("output_norm.weight", norm())
+    if not tied:
+        w.add_tensor("output.weight", t(n_vocab, hidden, scale=0.5))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
