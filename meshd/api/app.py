@@ -9,7 +9,7 @@ from __future__ import annotations
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from . import cluster, instances, members, openai
+from . import cluster, embeddings, instances, members, openai
 from .auth import BearerAuth
 from .errors import install_error_handlers
 from .origins import HostOriginGuard
@@ -24,6 +24,7 @@ ROUTES = [
     Route("/v1/models", openai.list_models, methods=["GET"]),
     Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
     Route("/v1/completions", openai.completions, methods=["POST"]),
+    Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
     Route("/v1/instances", instances.list_instances, methods=["GET"]),
     Route("/v1/instances", instances.create_instance, methods=["POST"]),
     Route("/v1/instances/{instance_id}", instances.get_instance, methods=["GET"]),

@@ -6,16 +6,19 @@ whether the node takes it (draining: 503, full: 429), finds or places the model'
 instance and waits for stage 0's acknowledgement (so errors arrive before the response
 starts). The :class:`Run` it returns yields the chunks that follow,
 recording the request's metrics; the handler renders them in its own shape, whole
-(:meth:`Run.collect`, stopped at once when the client leaves) or streamed.
+(:meth:`Run.collect`, stopped at once when the client leaves) or streamed. A request
+for ``n`` choices is ``n`` runs (:func:`admit_choices`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -37,8 +40,14 @@ __all__ = [
     "GenerateRequest",
     "Run",
     "admit",
+    "admit_choices",
+    "choice_request",
+    "collect_all_unless_gone",
+    "unless_gone",
     "until_disconnected",
 ]
+
+T = TypeVar("T")
 
 #: Retry-After given when the node carries its limit of requests.
 OVERLOADED_RETRY_S = 1.0
@@ -60,6 +69,16 @@ class GenerateRequest:
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    #: Alternatives to report per token with its log-probability (None: no logprobs).
+    logprobs: int | None = None
+    #: The grammar the answer must follow (``meshd.engines.grammar``; None: free text).
+    grammar: str | None = None
+    #: Functions the model may call.
+    tools: wire.ToolUse | None = None
+    #: A prompt given as token ids (embeddings inputs).
+    prompt_tokens: list[int] | None = None
+    #: An embedding of the prompt, not a continuation.
+    embed: bool = False
 
 
 @dataclass
@@ -69,6 +88,10 @@ class Collected:
     text: str
     finish_reason: str
     usage: wire.Usage
+    #: Each token's log-probability, when the request asked for them.
+    logprobs: list[wire.TokenLogprob] = field(default_factory=list)
+    #: An embeddings request's vector (float32, little-endian).
+    embedding: bytes = b""
 
 
 class Run:
@@ -88,6 +111,8 @@ class Run:
         self.chunks = chunks
         self.first = first
         self.n_prompt = first.n_prompt or 0
+        #: How the model writes tool calls (stage 0 says, when the request has tools).
+        self.tool_format = first.tool_format
         self.model = model
         self.route = route
         self.ticket = ticket
@@ -125,29 +150,15 @@ class Run:
 
     async def collect(self) -> Collected:
         """The whole answer (raises RequestFailed)."""
-        text, finish, usage = [], "stop", None
+        text, finish, usage, logprobs, embedding = [], "stop", None, [], b""
         async for c in self.pieces():
             text.append(c.text)
+            logprobs += c.logprobs
+            embedding = c.embedding or embedding
             if c.finish_reason:
                 finish, usage = c.finish_reason, c.usage
-        return Collected("".join(text), finish, usage or wire.Usage(self.n_prompt, 0))
-
-    async def collect_unless_gone(self, request: Request) -> Collected | None:
-        """:meth:`collect`, or None as soon as the client closes the connection: the
-        answer has no reader then, so the stages stop now, not after ``max_tokens``
-        more tokens (an SDK's timeout and retry would multiply the work)."""
-        work = asyncio.ensure_future(self.collect())
-        gone = asyncio.ensure_future(until_disconnected(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if work.done():
-                return work.result()
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await work
-            return None
-        finally:
-            gone.cancel()
+        usage = usage or wire.Usage(self.n_prompt, 0)
+        return Collected("".join(text), finish, usage, logprobs, embedding)
 
     def count(self, outcome: str) -> None:
         """Count the request's outcome (``200``, a status, ``client_closed``)."""
@@ -194,9 +205,13 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
         inst = await _instance(ctx, req.model)
         params = pipeline_sampling(
             req.sampling, inst.facts, max_tokens=max_tokens, stop=req.stop,
-            ignore_eos=req.ignore_eos,
+            ignore_eos=req.ignore_eos, logprobs=req.logprobs, grammar=req.grammar,
         )  # fmt: skip
-        chunks = services.generate(inst, messages=req.messages, prompt=req.prompt, sampling=params)
+        job = wire.Job(
+            messages=req.messages, prompt=req.prompt, prompt_tokens=req.prompt_tokens,
+            sampling=params, tools=req.tools, embed=req.embed,
+        )  # fmt: skip
+        chunks = services.generate(inst, job)
         first = await _first(chunks)
     except ApiError as e:
         ticket.release()
@@ -228,6 +243,64 @@ async def _first(chunks: AsyncIterator[wire.DataChunk]) -> wire.DataChunk:
         raise request_failed(e) from None
     except StopAsyncIteration:
         raise ApiError(502, "the pipeline ended without output", type="server_error") from None
+
+
+def choice_request(req: GenerateRequest, index: int) -> GenerateRequest:
+    """The request of choice ``index`` of ``n``: a seeded request's choices draw from
+    ``seed + index``, so they differ from one another and are each reproducible."""
+    seed = req.sampling.seed
+    if index == 0 or seed is None:
+        return req
+    sampling = dataclasses.replace(req.sampling, seed=(seed + index) & _INT64_MASK)
+    return dataclasses.replace(req, sampling=sampling)
+
+
+#: Seeds stay in the int64 range the wire carries (seed + index may pass its top).
+_INT64_MASK = (1 << 63) - 1
+
+
+async def admit_choices(ctx: ApiContext, route: str, req: GenerateRequest, n: int) -> list[Run]:
+    """:func:`admit` ``n`` choices of one request at once (each its own run through the
+    pipeline); if any is refused, the others are closed and the refusal raised."""
+    if n == 1:
+        return [await admit(ctx, route, req)]
+    got = await asyncio.gather(
+        *(admit(ctx, route, choice_request(req, i)) for i in range(n)), return_exceptions=True
+    )
+    runs = [g for g in got if isinstance(g, Run)]
+    failed = [g for g in got if isinstance(g, BaseException)]
+    if failed:
+        for r in runs:
+            r.count("cancelled")
+            await r.close()
+        raise failed[0]
+    return runs
+
+
+async def collect_all_unless_gone(runs: list[Run], request: Request) -> list[Collected] | None:
+    """Every run's whole answer, or None as soon as the client closes the connection:
+    the answers have no reader then, so the stages stop now, not after ``max_tokens``
+    more tokens (an SDK's timeout and retry would multiply the work). Raises the first
+    RequestFailed."""
+    answers = await unless_gone(asyncio.gather(*(r.collect() for r in runs)), request)
+    return None if answers is None else list(answers)
+
+
+async def unless_gone(work: Awaitable[T], request: Request) -> T | None:
+    """``work``'s result, or None as soon as the client closes the connection (then
+    ``work`` is cancelled: nobody would read what it makes)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        return None
+    finally:
+        gone.cancel()
 
 
 async def until_disconnected(request: Request) -> None:

@@ -68,6 +68,8 @@ def pipeline_sampling(
     max_tokens: int,
     stop: list[str],
     ignore_eos: bool = False,
+    logprobs: int | None = None,
+    grammar: str | None = None,
 ) -> wire.Sampling:
     """The values the last stage samples with (see the module doc for the defaults).
 
@@ -101,6 +103,8 @@ def pipeline_sampling(
         max_tokens=max_tokens,
         stop=stop,
         ignore_eos=ignore_eos,
+        logprobs=logprobs,
+        grammar=grammar,
     )
 
 

@@ -15,16 +15,23 @@ Fields fall in four groups, decided once here:
   ``frequency_penalty`` (-2..2, over the tokens generated so far), ``logit_bias``
   (token id -> -100..100), and the llama.cpp extensions ``top_k``, ``min_p``,
   ``repeat_penalty`` and ``repeat_last_n``. A sampling field left out gets the model's
-  own default or the server's (``meshd.api.sampling``).
+  own default or the server's (``meshd.api.sampling``). ``logprobs`` and
+  ``top_logprobs`` (chat), ``logprobs: N`` (completions): see ``meshd.api.logprobs``.
+  ``n`` (1-8) choices, each its own run through the pipeline. ``response_format``
+  ``json_object`` / ``json_schema``: the answer is constrained to the schema
+  (:mod:`meshd.engines.grammar`). ``tools``, ``tool_choice`` and
+  ``parallel_tool_calls``: see :mod:`meshd.models.tools` and :mod:`meshd.api.toolcalls`.
 * **Rejected when they ask for something we cannot do** (400, ``code``
-  ``unsupported_parameter``): ``n`` other than 1, ``logprobs`` / ``top_logprobs``,
-  non-empty ``tools`` / ``functions``, a ``response_format`` other than ``text``, and
-  for completions ``echo: true``, ``best_of`` other than 1 and a non-empty ``suffix``.
+  ``unsupported_parameter``): non-empty ``functions`` (the deprecated form of
+  ``tools``), a tool type other than ``function``,
+  a ``response_format`` type other than those three, and for completions ``echo: true``,
+  ``best_of`` other than 1 and a non-empty ``suffix``.
   Each would change the shape or the meaning of the answer; answering without it
-  would silently lie to the client. Their neutral values (``n: 1``, ``logprobs:
-  false``, ``tools: []`` and so on) are accepted, because clients send defaults.
+  would silently lie to the client. Their neutral values (``functions: []``,
+  ``echo: false`` and so on) are accepted, because clients send
+  defaults.
 * **Ignored**: every other field, known to OpenAI (``user``, ``metadata``, ``store``,
-  ``service_tier``, ``tool_choice``, ``parallel_tool_calls``, ...) or not. OpenAI
+  ``service_tier``, ...) or not. OpenAI
   clients add fields release after release; an unknown field must never fail a request.
 
 Validation lives in the ``__post_init__`` of each request Struct, so it runs on decode
@@ -35,21 +42,27 @@ msgspec wraps it in a ``ValidationError`` carrying the JSON path, and
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
 
 import msgspec
 
+from meshd.engines.grammar import GrammarError, check_grammar, json_schema_grammar
 from meshd.engines.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_PENALTY,
     MAX_REPEAT_PENALTY,
+    MAX_TOP_LOGPROBS,
 )
 
 __all__ = [
+    "MAX_CHOICES",
+    "MAX_EMBEDDING_INPUTS",
     "MAX_STOP_SEQUENCES",
+    "MAX_TOOLS",
     "AssistantMessage",
     "ChatCompletion",
     "ChatCompletionChoice",
@@ -59,35 +72,61 @@ __all__ = [
     "ChatDelta",
     "ChatMessage",
     "ChatStream",
+    "ChatTokenLogprob",
+    "ChatTopLogprob",
+    "ChoiceLogprobs",
     "Completion",
     "CompletionChoice",
     "CompletionChunk",
+    "CompletionLogprobs",
     "CompletionRequest",
     "CompletionStream",
     "ContentPart",
+    "Embedding",
+    "EmbeddingList",
+    "EmbeddingRequest",
+    "EmbeddingUsage",
     "ErrorDetail",
     "ErrorResponse",
     "FieldError",
     "FinishReason",
+    "FunctionCall",
+    "FunctionCallDelta",
+    "FunctionDef",
+    "JsonSchemaFormat",
     "Model",
     "ModelList",
+    "NamedFunction",
     "ResponseFormat",
     "Role",
     "StreamOptions",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolChoiceFunction",
     "Usage",
     "new_chat_completion_id",
     "new_completion_id",
     "unix_time",
 ]
 
+#: Most inputs one embeddings request may carry (OpenAI's limit).
+MAX_EMBEDDING_INPUTS = 2048
+
+#: Most tools a request may offer (OpenAI's limit).
+MAX_TOOLS = 128
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
 #: Most stop sequences a request may carry (OpenAI's limit).
 MAX_STOP_SEQUENCES = 4
+#: Most choices (``n``) one request may ask for: each is a run through the pipeline.
+MAX_CHOICES = 8
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
 Role = Literal["system", "user", "assistant", "developer", "tool"]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -184,8 +223,7 @@ def _check_common(req: _GenerationRequest) -> None:
         )
     if any(s == "" for s in stops):
         raise FieldError("stop", "stop sequences must be non-empty strings")
-    if req.n is not None and req.n != 1:
-        raise _unsupported("n", f"only n=1 is supported (one choice per request), got {req.n}")
+    _check_range("n", req.n, 1, MAX_CHOICES)
     _check_range("presence_penalty", req.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
     _check_range("frequency_penalty", req.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
     _check_range("min_p", req.min_p, 0.0, 1.0)
@@ -208,10 +246,60 @@ class StreamOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``response_format.json_schema``: the schema the answer must follow.
+
+    The output is constrained to the schema whatever ``strict`` says (a best effort
+    that can fail helps no client); a schema the grammar engine cannot compile is a
+    400 that says why.
+    """
+
+    name: str | None = None
+    description: str | None = None
+    #: ``schema`` on the wire (JSON Schema); a Python name that shadows no builtin.
+    json: Any = msgspec.field(name="schema", default=None)
+    strict: bool | None = None
+
+
 class ResponseFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """``response_format``: only ``{"type": "text"}`` (the default) is supported."""
+    """``response_format``: ``text`` (the default), ``json_object`` (any JSON object) or
+    ``json_schema`` (JSON valid under a schema), by grammar-constrained sampling."""
 
     type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in ("text", "json_object", "json_schema"):
+            raise _unsupported(
+                "type",
+                f"response_format type {self.type!r} is not supported; "
+                "use 'text', 'json_object' or 'json_schema'",
+            )
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.json is None:
+                raise FieldError(
+                    "json_schema", "type 'json_schema' needs json_schema.schema (a JSON Schema)"
+                )
+            if not isinstance(self.json_schema.json, dict | bool):
+                raise FieldError("json_schema.schema", "a JSON Schema is an object")
+        try:
+            grammar = self.grammar
+            if grammar is not None:
+                check_grammar(grammar)
+        except GrammarError as e:
+            param = "json_schema.schema" if self.type == "json_schema" else "type"
+            raise FieldError(
+                param, f"the schema cannot be compiled: {e}", code="invalid_json_schema"
+            ) from None
+
+    @property
+    def grammar(self) -> str | None:
+        """The grammar the answer follows (None: free text)."""
+        if self.type == "json_object":
+            return json_schema_grammar(None)
+        if self.type == "json_schema" and self.json_schema is not None:
+            return json_schema_grammar(self.json_schema.json)
+        return None
 
 
 class _GenerationRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -227,7 +315,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    #: Only 1 (or absent) is accepted.
+    #: Choices to generate (1-8), each its own run; a seeded one draws from seed + index.
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -307,21 +395,40 @@ class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise FieldError("text", "a text content part needs a string `text`")
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    """``tool_calls[].function``: a function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A function call: in an assistant message of the history, or of the answer."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One message of a chat request.
 
-    ``content`` may be ``None`` only for ``assistant`` messages (OpenAI allows it next
-    to tool calls, which are ignored here). Tool-call fields and anything else on a
-    message are ignored.
+    ``content`` may be ``None`` only for ``assistant`` messages (next to their
+    ``tool_calls``). A ``tool`` message answers the call ``tool_call_id`` names.
+    Anything else on a message is ignored.
     """
 
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.content is None and self.role != "assistant":
             raise FieldError("content", f"content is required for role {self.role!r}")
+        if self.tool_calls and self.role != "assistant":
+            raise FieldError("tool_calls", "only assistant messages carry tool_calls")
 
     @property
     def text(self) -> str:
@@ -333,20 +440,68 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
         return "\n".join(part.text or "" for part in self.content)
 
 
+class FunctionDef(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``tools[].function``: a function the model may call."""
+
+    name: str
+    description: str | None = None
+    #: JSON Schema of the arguments (an object schema; absent: no arguments).
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not _FUNCTION_NAME.fullmatch(self.name):
+            raise FieldError(
+                "name", f"a function name is 1-64 of a-z, A-Z, 0-9, _ and -, got {self.name!r}"
+            )
+        if self.parameters is not None:
+            try:
+                check_grammar(json_schema_grammar(self.parameters))
+            except GrammarError as e:
+                raise FieldError(
+                    "parameters", f"the schema cannot be compiled: {e}", code="invalid_json_schema"
+                ) from None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    """One entry of ``tools``: only functions are supported."""
+
+    type: str = "function"
+    function: FunctionDef
+
+    def __post_init__(self) -> None:
+        if self.type != "function":
+            raise _unsupported("type", f"tool type {self.type!r} is not supported; use 'function'")
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_GenerationRequest, kw_only=True, omit_defaults=True):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage]
     #: Newer name of ``max_tokens``; send either. Both must agree when both are sent.
     max_completion_tokens: int | None = None
-    #: Only ``false`` (or absent) is accepted.
+    #: Return each token's log-probability, and ``top_logprobs`` alternatives (0-20).
     logprobs: bool | None = None
-    #: Only 0 (or absent) is accepted.
     top_logprobs: int | None = None
-    #: Only ``{"type": "text"}`` (or absent) is accepted.
+    #: ``text``, ``json_object`` or ``json_schema`` (see :class:`ResponseFormat`).
     response_format: ResponseFormat | None = None
-    #: Only empty (or absent) is accepted; ``tool_choice`` is ignored.
-    tools: list[dict[str, Any]] | None = None
+    #: Functions the model may call (up to 128).
+    tools: list[Tool] | None = None
+    #: ``auto`` (the default with tools), ``none``, ``required`` or one function.
+    tool_choice: Literal["auto", "none", "required"] | ToolChoiceFunction | None = None
+    #: False: at most one call per answer (a forced choice always makes one).
+    parallel_tool_calls: bool | None = None
     #: Deprecated form of ``tools``; only empty (or absent) is accepted.
     functions: list[dict[str, Any]] | None = None
 
@@ -365,20 +520,34 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True, omit_defaults=True
                 f"max_tokens ({self.max_tokens}) and max_completion_tokens "
                 f"({self.max_completion_tokens}) disagree; send one of them",
             )
-        if self.logprobs:
-            raise _unsupported("logprobs", "logprobs are not supported; send false or omit it")
-        if self.top_logprobs:
-            raise _unsupported("top_logprobs", "top_logprobs is not supported; omit it")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise _unsupported(
-                "response_format",
-                f"response_format type {self.response_format.type!r} is not supported; "
-                "only 'text' is",
-            )
-        if self.tools:
-            raise _unsupported("tools", "tools (function calling) are not supported")
+        _check_range("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.tools and len(self.tools) > MAX_TOOLS:
+            raise FieldError("tools", f"at most {MAX_TOOLS} tools, got {len(self.tools)}")
+        if isinstance(self.tool_choice, ToolChoiceFunction):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools or ()}:
+                raise FieldError("tool_choice", f"tool_choice names {name!r}, not among tools")
+        elif self.tool_choice == "required" and not self.tools:
+            raise FieldError("tool_choice", "tool_choice 'required' needs tools")
         if self.functions:
             raise _unsupported("functions", "functions (function calling) are not supported")
+
+    @property
+    def n_logprobs(self) -> int | None:
+        """Alternatives to return per token; None: no log-probabilities at all."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools offered, or ``none``), ``auto``, ``required`` or the name of
+        the function the model must call."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, ToolChoiceFunction):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -402,7 +571,7 @@ class CompletionRequest(_GenerationRequest, kw_only=True, omit_defaults=True):
     echo: bool | None = None
     #: Only 1 (or absent) is accepted.
     best_of: int | None = None
-    #: Only absent/``null`` is accepted (log probabilities are not returned).
+    #: Return each token's log-probability and this many alternatives' (0-20).
     logprobs: int | None = None
     #: Only empty (or absent) is accepted.
     suffix: str | None = None
@@ -419,10 +588,14 @@ class CompletionRequest(_GenerationRequest, kw_only=True, omit_defaults=True):
             raise _unsupported("echo", "echo is not supported; send false or omit it")
         if self.best_of is not None and self.best_of != 1:
             raise _unsupported("best_of", f"only best_of=1 is supported, got {self.best_of}")
-        if self.logprobs is not None:
-            raise _unsupported("logprobs", "logprobs are not supported; omit it")
+        _check_range("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
         if self.suffix:
             raise _unsupported("suffix", "suffix (insertion) is not supported")
+
+    @property
+    def n_logprobs(self) -> int | None:
+        """Alternatives to return per token; None: no log-probabilities at all."""
+        return self.logprobs
 
     @property
     def prompt_text(self) -> str:
@@ -432,6 +605,78 @@ class CompletionRequest(_GenerationRequest, kw_only=True, omit_defaults=True):
 
 # ---------------------------------------------------------------------------------------
 # responses
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Body of ``POST /v1/embeddings``: one input or a list of them, each text or token
+    ids."""
+
+    model: str
+    #: A text, a list of texts, a list of token ids, or a list of such lists (one
+    #: union msgspec cannot type: checked below).
+    input: str | list[Any]
+    encoding_format: Literal["float", "base64"] = "float"
+    #: Only the model's own width (OpenAI's shortening needs a model trained for it).
+    dimensions: int | None = None
+    user: str | None = None
+
+    def __post_init__(self) -> None:
+        x = self.input
+        if isinstance(x, list) and not (
+            all(isinstance(v, str) for v in x)
+            or all(_is_token(v) for v in x)
+            or all(isinstance(v, list) and all(_is_token(t) for t in v) for v in x)
+        ):
+            raise FieldError(
+                "input", "input must be a string, a list of strings, a list of token ids "
+                "or a list of lists of token ids",
+            )  # fmt: skip
+        items = self.inputs
+        if not items:
+            raise FieldError("input", "input must hold at least one text or token list")
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise FieldError("input", f"at most {MAX_EMBEDDING_INPUTS} inputs, got {len(items)}")
+        for i, item in enumerate(items):
+            if not item:
+                raise FieldError("input", f"input {i} is empty")
+            if isinstance(item, list) and any(t < 0 or t > _INT64_MAX for t in item):
+                raise FieldError("input", f"input {i} holds a token id below 0")
+        _check_min("dimensions", self.dimensions, 1)
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        """Every input, in order: a text, or a list of token ids."""
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if x and all(isinstance(v, int) for v in x):
+            return [x]  # type: ignore[list-item]
+        return list(x)  # type: ignore[arg-type]
+
+
+def _is_token(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class Embedding(msgspec.Struct, kw_only=True):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    #: Floats, or (``encoding_format: base64``) the float32 little-endian bytes.
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct, kw_only=True):
+    """Response of ``POST /v1/embeddings``."""
+
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -452,18 +697,69 @@ class Usage(msgspec.Struct, kw_only=True):
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
-    """The message of a non-streamed chat choice."""
+    """The message of a non-streamed chat choice (``content`` null next to calls)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    #: Left out of the JSON when the answer calls nothing (as OpenAI does).
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
+
+
+class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed piece of a call: the first names it (``id``, ``function.name``), the
+    next ones add to ``function.arguments``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+class ChatTopLogprob(msgspec.Struct, kw_only=True):
+    """One likely token at a position: its text, log-probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    """A token of the answer with its log-probability and the most likely tokens'."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[ChatTopLogprob] = []
+
+
+class ChoiceLogprobs(msgspec.Struct, kw_only=True):
+    """``choices[].logprobs`` of a chat completion (and of each streamed chunk)."""
+
+    content: list[ChatTokenLogprob] | None = None
+    refusal: None = None
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """``choices[].logprobs`` of a text completion (the legacy shape)."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] | None = None
+    #: Character offset of each token in the prompt followed by the completion.
+    text_offset: list[int] = []
 
 
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
-    """One choice of a :class:`ChatCompletion` (there is only ever index 0)."""
+    """One choice of a :class:`ChatCompletion`."""
 
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -487,6 +783,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
         usage: Usage,
         id: str | None = None,
         created: int | None = None,
+        logprobs: ChoiceLogprobs | None = None,
     ) -> ChatCompletion:
         """The usual one-choice answer."""
         return cls(
@@ -495,7 +792,9 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
             model=model,
             choices=[
                 ChatCompletionChoice(
-                    message=AssistantMessage(content=content), finish_reason=finish_reason
+                    message=AssistantMessage(content=content),
+                    finish_reason=finish_reason,
+                    logprobs=logprobs,
                 )
             ],
             usage=usage,
@@ -511,6 +810,7 @@ class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
@@ -518,7 +818,7 @@ class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
 
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -546,7 +846,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
 
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -570,13 +870,14 @@ class Completion(msgspec.Struct, kw_only=True):
         usage: Usage,
         id: str | None = None,
         created: int | None = None,
+        logprobs: CompletionLogprobs | None = None,
     ) -> Completion:
         """The usual one-choice answer."""
         return cls(
             id=id or new_completion_id(),
             created=unix_time() if created is None else created,
             model=model,
-            choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
+            choices=[CompletionChoice(text=text, finish_reason=finish_reason, logprobs=logprobs)],
             usage=usage,
         )
 
@@ -650,19 +951,40 @@ class ChatStream:
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def start(self) -> ChatCompletionChunk:
-        """The first chunk: ``delta: {"role": "assistant", "content": ""}``."""
+    def start(self, index: int = 0) -> ChatCompletionChunk:
+        """The first chunk of a choice: ``delta: {"role": "assistant", "content": ""}``."""
         return self._chunk(
-            [ChatCompletionChunkChoice(delta=ChatDelta(role="assistant", content=""))]
+            [ChatCompletionChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))]
         )
 
-    def content(self, text: str) -> ChatCompletionChunk:
-        """A chunk adding ``text`` to the message."""
-        return self._chunk([ChatCompletionChunkChoice(delta=ChatDelta(content=text))])
+    def content(
+        self, text: str, logprobs: ChoiceLogprobs | None = None, *, index: int = 0
+    ) -> ChatCompletionChunk:
+        """A chunk adding ``text`` to the message (and its tokens' log-probabilities)."""
+        return self._chunk(
+            [
+                ChatCompletionChunkChoice(
+                    index=index, delta=ChatDelta(content=text), logprobs=logprobs
+                )
+            ]
+        )
 
-    def finish(self, reason: FinishReason) -> ChatCompletionChunk:
-        """The chunk that ends the choice: empty delta, ``finish_reason`` set."""
-        return self._chunk([ChatCompletionChunkChoice(delta=ChatDelta(), finish_reason=reason)])
+    def tool_call(self, call: ToolCall, n: int, *, index: int = 0) -> list[ChatCompletionChunk]:
+        """The chunks of the ``n``-th call of a choice: its name, then its arguments."""
+        f = call.function
+        return [
+            self._chunk([ChatCompletionChunkChoice(index=index, delta=ChatDelta(tool_calls=[
+                ToolCallDelta(index=n, id=call.id, type="function",
+                              function=FunctionCallDelta(name=f.name, arguments=""))]))]),
+            self._chunk([ChatCompletionChunkChoice(index=index, delta=ChatDelta(tool_calls=[
+                ToolCallDelta(index=n, function=FunctionCallDelta(arguments=f.arguments))]))]),
+        ]  # fmt: skip
+
+    def finish(self, reason: FinishReason, *, index: int = 0) -> ChatCompletionChunk:
+        """The chunk that ends a choice: empty delta, ``finish_reason`` set."""
+        return self._chunk(
+            [ChatCompletionChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)]
+        )
 
     def usage(self, usage: Usage) -> ChatCompletionChunk:
         """The usage-only chunk sent last when ``include_usage`` was asked for."""
@@ -684,13 +1006,15 @@ class CompletionStream:
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def content(self, text: str) -> CompletionChunk:
-        """A chunk adding ``text``."""
-        return self._chunk([CompletionChoice(text=text)])
+    def content(
+        self, text: str, logprobs: CompletionLogprobs | None = None, *, index: int = 0
+    ) -> CompletionChunk:
+        """A chunk adding ``text`` (and its tokens' log-probabilities)."""
+        return self._chunk([CompletionChoice(index=index, text=text, logprobs=logprobs)])
 
-    def finish(self, reason: FinishReason, text: str = "") -> CompletionChunk:
-        """The chunk that ends the choice, ``finish_reason`` set."""
-        return self._chunk([CompletionChoice(text=text, finish_reason=reason)])
+    def finish(self, reason: FinishReason, text: str = "", *, index: int = 0) -> CompletionChunk:
+        """The chunk that ends a choice, ``finish_reason`` set."""
+        return self._chunk([CompletionChoice(index=index, text=text, finish_reason=reason)])
 
     def usage(self, usage: Usage) -> CompletionChunk:
         """The usage-only chunk sent last when ``include_usage`` was asked for."""

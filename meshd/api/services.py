@@ -84,10 +84,7 @@ class Services(Protocol):
     def generate(
         self,
         inst: Instance,
-        *,
-        messages: list[wire.ChatTurn] | None = None,
-        prompt: str | None = None,
-        sampling: wire.Sampling,
+        job: wire.Job,
     ) -> AsyncIterator[wire.DataChunk]:
         """Run one request on ``inst``: its chunks, the first one the acknowledgement."""
         ...

@@ -34,7 +34,15 @@ import numpy.typing as npt
 
 from meshd.models.errors import ModelFormatError
 
-from .stage import StageError, StageInput, StageOutput, check_seq, stage_role, validate_inputs
+from .stage import (
+    StageError,
+    StageInput,
+    StageOutput,
+    check_seq,
+    stage_role,
+    validate_embed_input,
+    validate_inputs,
+)
 from .threads import default_threads
 
 __all__ = ["LlamaStage", "LlamaVocab"]
@@ -286,6 +294,7 @@ class LlamaStage:
             raise ValueError(f"n_seq_max {n_seq_max} is over llama.cpp's {max_seqs}")
         self._model: Any = None
         self._ctx: Any = None
+        self._embed_ctx: Any = None
         self._cb_eval: Any = None
         mparams = L.llama_model_default_params()
         model = L.llama_model_load_from_file(str(path).encode(), mparams)
@@ -303,25 +312,12 @@ class LlamaStage:
         self.n_ctx_train = int(L.llama_model_n_ctx_train(model))
         self._target = f"l_out-{self.n_layers - 1}".encode()
 
-        cparams = L.llama_context_default_params()
-        cparams.n_ctx = n_ctx * n_seq_max
+        cparams = self._cparams(n_ctx * n_seq_max, n_seq_max)
         self.n_batch = min(n_batch, n_ctx * n_seq_max)
         cparams.n_batch = self.n_batch
         # One ubatch per decode: the capture sees each decode's rows in one piece.
         cparams.n_ubatch = self.n_batch
-        cparams.n_seq_max = n_seq_max
-        # See the class docstring: per-sequence room and row order both need this.
-        cparams.kv_unified = True
-        # 0 = no per-sequence cap on output rows: a non-last stage outputs them all.
-        cparams.n_outputs_max_per_seq = 0
-        cparams.n_threads = self.n_threads
-        cparams.n_threads_batch = self.n_threads
         cparams.embeddings = False
-        cparams.no_perf = True
-        if exact:
-            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-            cparams.type_k = L.GGML_TYPE_F32
-            cparams.type_v = L.GGML_TYPE_F32
         if not last:
             # Held on self: llama.cpp keeps only the C pointer, and a collected
             # ctypes callback would be a call into freed memory.
@@ -342,6 +338,25 @@ class LlamaStage:
         self._cap_error: str | None = None
         self._tok = LlamaVocab(L, self._vocab)
         self._alloc_batch()
+
+    def _cparams(self, n_cells: int, n_seq_max: int) -> Any:
+        """Context parameters shared by the stage's context and its embeddings one."""
+        L = self._L
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = n_cells
+        cparams.n_seq_max = n_seq_max
+        # See the class docstring: per-sequence room and row order both need this.
+        cparams.kv_unified = True
+        # 0 = no per-sequence cap on output rows: a non-last stage outputs them all.
+        cparams.n_outputs_max_per_seq = 0
+        cparams.n_threads = self.n_threads
+        cparams.n_threads_batch = self.n_threads
+        cparams.no_perf = True
+        if self.exact:
+            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            cparams.type_k = L.GGML_TYPE_F32
+            cparams.type_v = L.GGML_TYPE_F32
+        return cparams
 
     # -- batch ---------------------------------------------------------------------
 
@@ -532,6 +547,56 @@ class LlamaStage:
                 f"{self._target.decode()} was not seen"
             )
 
+    def embed(self, item: StageInput) -> npt.NDArray[np.float32]:
+        """The final hidden states (after the output norm) of every row of one input,
+        ``(n, hidden_size)``, from a context of their own: no sequence's KV is touched
+        and nothing is kept. Last stage only (see :meth:`Stage.embed`).
+
+        That context (``embeddings`` on, no pooling: the runner pools) is made on the
+        first call, with one sequence of ``n_ctx`` cells.
+        """
+        self._check_open()
+        rows = validate_embed_input(self, item)
+        L = self._L
+        if self._embed_ctx is None:
+            cparams = self._cparams(self.n_ctx, 1)
+            cparams.n_batch = cparams.n_ubatch = min(self.n_batch, self.n_ctx)
+            cparams.embeddings = True
+            cparams.pooling_type = L.LLAMA_POOLING_TYPE_NONE
+            ctx = L.llama_init_from_model(self._model, cparams)
+            if not ctx:
+                raise StageError(f"llama.cpp made no embeddings context for {self.path}")
+            self._embed_ctx = ctx
+        ctx = self._embed_ctx
+        n = len(rows)
+        out = np.empty((n, self.hidden_size), np.float32)
+        step = min(self.n_batch, self.n_ctx)
+        try:
+            for c0 in range(0, n, step):
+                c1 = min(n, c0 + step)
+                k = c1 - c0
+                if self._b_tok is not None:
+                    self._b_tok[:k] = rows[c0:c1]
+                else:
+                    assert self._b_embd is not None
+                    self._b_embd[:k] = rows[c0:c1]
+                self._b_pos[:k] = np.arange(c0, c1, dtype=np.int32)
+                self._b_seq[:k] = 0
+                self._b_out[:k] = 1
+                self._batch.n_tokens = k
+                ret = int(L.llama_decode(ctx, self._batch))
+                if ret != 0:
+                    raise StageError(f"llama_decode (embeddings) returned {ret}")
+                ptr = L.llama_get_embeddings(ctx)
+                if not ptr:
+                    raise StageError("llama.cpp gave no embeddings")
+                out[c0:c1] = np.ctypeslib.as_array(ptr, shape=(k * self.hidden_size,)).reshape(
+                    k, self.hidden_size
+                )
+        finally:
+            L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        return out
+
     def _logits_row(self, i: int) -> npt.NDArray[np.float32]:
         ptr = self._L.llama_get_logits_ith(self._ctx, i)
         if not ptr:
@@ -569,7 +634,10 @@ class LlamaStage:
     # -- lifetime ------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the context and the model. Safe to call twice."""
+        """Free the contexts and the model. Safe to call twice."""
+        if self._embed_ctx is not None:
+            self._L.llama_free(self._embed_ctx)
+            self._embed_ctx = None
         if self._ctx is not None:
             self._L.llama_free(self._ctx)
             self._ctx = None

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from meshd.models.errors import ModelFormatError
 from meshd.models.mlx_layout import (
@@ -69,6 +70,7 @@ from .stage import (
     StageOutput,
     check_seq,
     stage_role,
+    validate_embed_input,
     validate_inputs,
 )
 
@@ -506,6 +508,24 @@ class MlxStage:
         hidden = np.concatenate([np.array(y, dtype=np.float32) for y in out_rows])
         # Views of one array made for this call: nothing else ever writes to it.
         return [hidden[s:e] for s, e in zip(starts, ends, strict=True)]
+
+    def embed(self, item: StageInput) -> npt.NDArray[np.float32]:
+        """The final hidden states (after the output norm) of every row of one input,
+        ``(n, hidden_size)``, on caches of their own that are dropped after (see
+        :meth:`Stage.embed`)."""
+        self._check_open()
+        rows = validate_embed_input(self, item)
+        assert self._norm is not None
+        mx = self._mx
+        cache = [self._KVCache() for _ in self._layers]
+        out = []
+        for c0 in range(0, len(rows), self.n_batch):
+            c1 = min(len(rows), c0 + self.n_batch)
+            h = self._run(rows[c0:c1], [(0, c1 - c0, cache)], [])
+            y = self._norm(h)
+            mx.eval(y)
+            out.append(np.array(y, dtype=np.float32))
+        return np.concatenate(out) if len(out) > 1 else out[0]
 
     def _cache(self, seq: int) -> list[Any]:
         caches = self._caches.get(seq)

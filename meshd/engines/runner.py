@@ -27,6 +27,7 @@ Python: compute blocks, and nothing else shares this process.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import signal
@@ -42,7 +43,9 @@ import zmq
 from meshd.models.chat import CHATML_TEMPLATE, chat_template_at, render_chat
 from meshd.models.folder import folder_sha256
 from meshd.models.hashing import file_sha256
+from meshd.models.pooling import Pooling, pool, pooling_of
 from meshd.models.slicing import slice_gguf
+from meshd.models.tools import ToolFormat, forced_call_lark, template_messages, tool_format
 from meshd.transport import wire
 from meshd.transport.addresses import local_addresses
 from meshd.transport.security import (
@@ -55,6 +58,14 @@ from meshd.transport.sockets import DATA, DealerCache, bind, decode_frame, open_
 from meshd.transport.tensors import TensorError, decode_rows, encode_rows
 
 from .detok import TextStream
+from .grammar import (
+    Constraint,
+    GrammarVocab,
+    bounded_strings,
+    check_grammar,
+    closed_objects,
+    lark_grammar,
+)
 from .protocol import (
     Expired,
     Failed,
@@ -71,7 +82,7 @@ from .protocol import (
     decode_config,
     encode,
 )
-from .sampling import Sampler, SamplingParams
+from .sampling import MAX_TOP_LOGPROBS, Draw, Sampler, SamplingParams
 from .stage import StageInput
 from .threads import configure_threads
 
@@ -86,6 +97,10 @@ MAX_WAITING_PER_SEQ = 8
 MAX_CANCELLED = 4096
 
 
+def _tool_dict(t: wire.ToolSpec) -> dict[str, object]:
+    return msgspec.to_builtins(t)
+
+
 def emit(event: RunnerEvent) -> None:
     """One status line for the supervisor."""
     sys.stdout.write(encode(event).decode() + "\n")
@@ -98,6 +113,8 @@ def sampling_params(s: wire.Sampling, n_vocab: int) -> SamplingParams:
     bad = [t for t in s.logit_bias if not 0 <= t < n_vocab]
     if bad:
         raise ValueError(f"logit_bias names token {bad[0]}; the vocabulary has {n_vocab}")
+    if s.logprobs is not None and not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {s.logprobs}")
     return SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
@@ -117,6 +134,8 @@ class Request:
     sampling: wire.Sampling
     n_prompt: int = 0
     n_generated: int = 0
+    #: An embeddings request: the last stage pools, nothing is sampled.
+    embed: bool = False
     #: Plan generation the request was admitted under.
     generation: int = 0
     #: time.monotonic() of the last message or compute for this request.
@@ -126,6 +145,8 @@ class Request:
     replay_end: int = 0
     sampler: Sampler | None = None
     text: TextStream | None = None
+    #: The grammar the output must follow (structured outputs, forced tool calls).
+    constraint: Constraint | None = None
 
 
 @dataclass
@@ -190,6 +211,7 @@ class Runner:
         texts = getattr(stage, "special_texts", None) if self.first else None
         self.bos_text, self.eos_text = texts() if texts is not None else ("", "")
         self.eos: set[int] = set(stage.eos_tokens()) if self.last else set()
+        self._grammar_vocab: GrammarVocab | None = None
         self.expiry = cfg.request_expiry_s
         #: Tokens one request may span: the runner's KV room per request, but never
         #: past what the model was trained for (positions beyond it are garbage).
@@ -404,6 +426,7 @@ class Runner:
     def admit(self, g: wire.Generate) -> None:
         try:
             sampling_params(g.sampling, self.stage.n_vocab)
+            g = self.with_tool_grammar(g)
         except ValueError as e:
             self.fail(g.reply_to, g.req, "bad_sampling", str(e))
             return
@@ -427,16 +450,24 @@ class Runner:
             return
         seq = self.free_seqs.pop()
         r = Request(
-            g.req, seq, list(g.route), g.reply_to, g.sampling, n_prompt=n, generation=g.generation
-        )
+            g.req, seq, list(g.route), g.reply_to, g.sampling, n_prompt=n,
+            generation=g.generation, embed=g.embed,
+        )  # fmt: skip
         self.reqs[g.req] = r
         self.report_load()
-        self.chunk(r, g.reply_to, g.req, n_prompt=n)
+        fmt = self.tool_format if g.tools else None
+        self.chunk(r, g.reply_to, g.req, n_prompt=n, tool_format=fmt)
         start = wire.Start(
-            route=r.route, reply_to=r.reply_to, sampling=r.sampling, n_prompt=n, resume=resume
-        )
-        if self.last:
-            self.init_last(r, resume)
+            route=r.route, reply_to=r.reply_to, sampling=r.sampling, n_prompt=n, resume=resume,
+            embed=g.embed,
+        )  # fmt: skip
+        if self.last and not g.embed:
+            try:
+                self.init_last(r, resume)
+            except ValueError as e:  # a grammar the vocabulary cannot follow
+                self.fail(r.reply_to, r.req, "bad_sampling", str(e))
+                self.release(r.req, "cancel")
+                return
         self.work.append(Work(g.req, 0, tokens=np.asarray(prompt, np.int32), start=start))
         # The tokens already sent go through one decode step each, as they did the first
         # time: prefilling them in one batch runs other kernels (other float sums), and
@@ -449,19 +480,60 @@ class Runner:
         """Prompt token ids of ``g``: its chat messages through the model's template, or
         its plain prompt."""
         if g.messages is not None:
+            messages = [m.as_dict() for m in g.messages]
+            tools = None
+            offered = g.tools.tools if g.tools is not None else []
+            if offered or any(m.tool_calls or m.role == "tool" for m in g.messages):
+                messages, tools = template_messages(
+                    messages, [_tool_dict(t) for t in offered], self.tool_format
+                )
             text = render_chat(
                 self.template or CHATML_TEMPLATE,
-                [{"role": m.role, "content": m.content} for m in g.messages],
+                messages,
                 add_generation_prompt=True,
                 bos_token=self.bos_text,
                 eos_token=self.eos_text,
+                tools=tools or None,
             )
             # A template that writes {{ bos_token }} already starts with the BOS; adding
             # the vocabulary's own BOS too would double it (llama.cpp warns, and output
             # quality drops). Otherwise the vocabulary decides, as for a plain prompt.
             bos = bool(self.bos_text) and text.startswith(self.bos_text)
             return list(self.stage.tokenize(text, add_special=not bos, parse_special=True))
+        if g.prompt_tokens is not None:
+            bad = [t for t in g.prompt_tokens if not 0 <= t < self.stage.n_vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside [0, {self.stage.n_vocab})")
+            return list(g.prompt_tokens)
         return list(self.stage.tokenize(g.prompt or "", add_special=True, parse_special=False))
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model writes tool calls (read from its chat template)."""
+        return tool_format(self.template)
+
+    def with_tool_grammar(self, g: wire.Generate) -> wire.Generate:
+        """``g``, its output constrained to one call when its ``tool_choice`` forces
+        one (``required`` or a function's name); ValueError for a name not in its tools."""
+        if g.tools is None or g.tools.choice == "auto":
+            return g
+        tools = g.tools.tools
+        name = None if g.tools.choice == "required" else g.tools.choice
+        if name is not None and all(t.name != name for t in tools):
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        # The call's arguments: strings bounded as in structured outputs, and no
+        # argument the function does not declare.
+        shown = [
+            {**_tool_dict(t), "parameters": bounded_strings(closed_objects(t.parameters))}
+            if t.parameters is not None else _tool_dict(t)
+            for t in tools
+        ]  # fmt: skip
+        lark = forced_call_lark(shown, self.tool_format, name)
+        grammar = lark_grammar(lark)
+        check_grammar(grammar)
+        return msgspec.structs.replace(
+            g, sampling=msgspec.structs.replace(g.sampling, grammar=grammar)
+        )
 
     # -- other stages ----------------------------------------------------------------
     def on_activation(self, a: wire.Activation, raw: list) -> None:
@@ -502,14 +574,14 @@ class Runner:
             s = a.start
             r = Request(
                 a.req, self.free_seqs.pop(), list(s.route), s.reply_to, s.sampling, s.n_prompt,
-                generation=a.generation,
+                generation=a.generation, embed=s.embed,
             )  # fmt: skip
             self.reqs[a.req] = r
             self.report_load()
-            if self.last:
+            if self.last and not s.embed:
                 try:
                     self.init_last(r, s.resume)
-                except ValueError as e:  # stage 0 checks it; a forged Start is not checked
+                except ValueError as e:  # stage 0 checks sampling; grammars compile here
                     self.fail(r.reply_to, r.req, "bad_sampling", str(e))
                     self.release(r.req, "cancel")
                     return
@@ -538,6 +610,8 @@ class Runner:
         )
         r.text = TextStream(self.stage.token_to_piece, list(s.stop))
         r.text.prime(resume)
+        if s.grammar is not None:
+            r.constraint = Constraint(self.grammar_vocab(), s.grammar, resume)
         r.n_generated = len(resume)
         r.replay_end = r.n_prompt + len(resume)
 
@@ -557,6 +631,11 @@ class Runner:
                 seen.add(w.req)
                 batch.append(w)
         self.work = rest
+        if self.last:
+            # An embedding runs on its own (a context of its own, all rows out).
+            for w in [w for w in batch if self.reqs[w.req].embed]:
+                batch.remove(w)
+                self.embed_one(w)
         if not batch:
             return
         items = [
@@ -588,18 +667,72 @@ class Runner:
             elif w.pos + n >= r.replay_end:  # before it: a replay's tokens already sent
                 self.sample(r, out, w.pos + n, [*w.compute, spent])
 
+    @functools.cached_property
+    def pooling(self) -> Pooling:
+        """How this model pools an input's hidden states (read on first use)."""
+        return pooling_of(self.cfg.model_path)
+
+    def embed_one(self, w: Work) -> None:
+        """Pool the final hidden states of an embeddings request, send its vector and
+        finish it."""
+        r = self.reqs[w.req]
+        t0 = time.perf_counter()
+        try:
+            rows = self.stage.embed(StageInput(seq=r.seq, pos=0, tokens=w.tokens, hidden=w.hidden))
+            vector = pool(rows, self.pooling)
+        except Exception as e:
+            log.warning("embedding of %s failed: %s", w.req, e)
+            self.fail(r.reply_to, r.req, "bad_input", f"stage {self.cfg.stage}: {e}")
+            self.release(r.req, "cancel")
+            return
+        spent = round(time.perf_counter() - t0, 6)
+        self.chunk(
+            r, r.reply_to, r.req, embedding=vector.astype("<f4").tobytes(), finish_reason="stop",
+            usage=wire.Usage(r.n_prompt, 0), compute=[*w.compute, spent],
+        )  # fmt: skip
+        self.release(r.req, "done")
+
+    def token_logprob(self, d: Draw) -> wire.TokenLogprob:
+        """``d`` for the wire, each token with its bytes (special tokens as their text)."""
+
+        def piece(t: int) -> bytes:
+            return self.stage.token_to_piece(t, special=True)
+
+        top = [wire.TopLogprob(t, lp, piece(t)) for t, lp in d.top]
+        return wire.TokenLogprob(token=d.token, logprob=d.logprob, piece=piece(d.token), top=top)
+
+    def grammar_vocab(self) -> GrammarVocab:
+        """The vocabulary as the grammar engine reads it (built on first use)."""
+        if self._grammar_vocab is None:
+            self._grammar_vocab = GrammarVocab(self.stage)
+        return self._grammar_vocab
+
     def sample(self, r: Request, logits: np.ndarray, next_pos: int, compute: list[float]) -> None:
         """Pick the next token of ``r``, send its text, and finish or feed it back."""
         assert r.sampler is not None and r.text is not None  # last stage: init_last ran
-        tok = int(r.sampler.sample(logits, r.n_generated))
+        c = r.constraint
+        try:
+            if c is not None:
+                logits = c.mask(logits)
+            drawn = r.sampler.draw(logits, r.n_generated, r.sampling.logprobs)
+            if c is not None and drawn.token not in self.eos:
+                c.accept(drawn.token)
+        except ValueError as e:  # a bias, penalty or grammar that leaves no token
+            self.fail(r.reply_to, r.req, "bad_sampling", str(e))
+            self.release(r.req, "cancel")
+            return
+        tok = drawn.token
         r.n_generated += 1
         finish = None
         text = ""
-        if tok in self.eos and not r.sampling.ignore_eos:
-            finish = "stop"
+        logprobs: list[wire.TokenLogprob] = []
+        if tok in self.eos and (c is not None or not r.sampling.ignore_eos):
+            finish = "stop"  # the end token is not part of the answer, nor its logprob
         else:
+            if r.sampling.logprobs is not None:
+                logprobs.append(self.token_logprob(drawn))
             text, stopped = r.text.push(tok)
-            if stopped:
+            if stopped or (c is not None and c.done):
                 finish = "stop"
             elif (
                 r.sampling.max_tokens is not None and r.n_generated >= r.sampling.max_tokens
@@ -612,11 +745,14 @@ class Runner:
             text += r.text.finish()
             usage = wire.Usage(r.n_prompt, r.n_generated)
             self.chunk(
-                r, r.reply_to, r.req, text=text, tokens=[tok], finish_reason=finish, usage=usage
-            )
+                r, r.reply_to, r.req, text=text, tokens=[tok], finish_reason=finish, usage=usage,
+                logprobs=logprobs,
+            )  # fmt: skip
             self.release(r.req, "done")
             return
-        self.chunk(r, r.reply_to, r.req, text=text, tokens=[tok], compute=compute)
+        self.chunk(
+            r, r.reply_to, r.req, text=text, tokens=[tok], compute=compute, logprobs=logprobs
+        )
         if self.first:
             self.work.append(Work(r.req, next_pos, tokens=np.array([tok], np.int32)))
         else:

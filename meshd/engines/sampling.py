@@ -48,8 +48,11 @@ __all__ = [
     "MAX_PENALTY",
     "MAX_REPEAT_PENALTY",
     "MAX_TEMPERATURE",
+    "MAX_TOP_LOGPROBS",
+    "Draw",
     "Sampler",
     "SamplingParams",
+    "log_probs",
     "uniform",
 ]
 
@@ -223,6 +226,13 @@ class Sampler:
         an empty or non 1-D vector, on NaN or ``+inf``, when every entry is ``-inf``, or
         when ``logit_bias`` names a token past the vocabulary.
         """
+        return self.draw(logits, position).token
+
+    def draw(
+        self, logits: np.ndarray, position: int | None = None, logprobs: int | None = None
+    ) -> Draw:
+        """:meth:`sample`, with the token's log-probability and the ``logprobs`` most
+        likely tokens' when ``logprobs`` is not None (see :func:`log_probs`)."""
         pos = self.position if position is None else position
         x = np.asarray(logits)
         if x.ndim != 1 or x.size == 0:
@@ -240,7 +250,9 @@ class Sampler:
         self.position = pos + 1
         tok = self._pick(x, top, pos)
         self.accept(tok)
-        return tok
+        if logprobs is None:
+            return Draw(tok)
+        return log_probs(x, self.params.temperature, tok, logprobs)
 
     def _adjust(self, logits: np.ndarray) -> np.ndarray:
         """A copy of ``logits`` with the bias and the penalties applied (float32: the
@@ -302,6 +314,42 @@ class Sampler:
 
         i = _invert_cdf(probs, uniform(self._seed, pos))
         return int(i if ids is None else ids[i])
+
+
+class Draw(msgspec.Struct, frozen=True):
+    """A sampled token; with its log-probability and the most likely tokens' when asked."""
+
+    token: int
+    logprob: float = 0.0
+    #: (token, log-probability), most likely first (ties: lower id first).
+    top: list[tuple[int, float]] = []
+
+
+#: Most alternatives a token's log-probabilities may list (OpenAI's ``top_logprobs``).
+MAX_TOP_LOGPROBS = 20
+
+
+def log_probs(logits: np.ndarray, temperature: float, token: int, n_top: int) -> Draw:
+    """``token``'s log-probability and the ``n_top`` most likely tokens' under the
+    distribution it was sampled from: the logits as the sampler saw them (bias and
+    penalties applied) at ``temperature`` (1 when greedy), before the top-k, top-p and
+    min-p cuts (so a token they removed still has its probability, and a greedy
+    request still reports the model's confidence).
+    """
+    z = np.asarray(logits, np.float64) / (temperature if temperature > 0 else 1.0)
+    m = float(z.max())
+    lse = m + math.log(float(np.exp(z - m).sum()))
+    n = min(n_top, z.size)
+    top: list[tuple[int, float]] = []
+    if n > 0:
+        edge = float(z[np.argpartition(-z, n - 1)[n - 1]])  # the n-th largest value
+        above = np.flatnonzero(z > edge)
+        ties = np.flatnonzero(z == edge)[: n - above.size]
+        # (value desc, id asc): the order every other cut in this module uses.
+        order = sorted([*above.tolist(), *ties.tolist()], key=lambda i: (-z[i], i))
+        # A token masked out (-inf, by a grammar) is no alternative.
+        top = [(int(i), float(z[i] - lse)) for i in order if z[i] > -math.inf]
+    return Draw(token, float(z[token] - lse), top)
 
 
 def uniform(seed: int, position: int) -> float:

@@ -101,6 +101,12 @@ class Stage(Protocol):
         """Run one step for every item (one per sequence), in one engine call."""
         ...
 
+    def embed(self, item: StageInput) -> npt.NDArray[np.float32]:
+        """Last stage: the final hidden states (after the output norm), ``(n,
+        hidden_size)``, of one whole input, computed apart from every sequence (no KV
+        is kept or touched; ``item.seq`` is not used)."""
+        ...
+
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         """Token ids of ``text`` in the model's vocabulary."""
         ...
@@ -135,6 +141,39 @@ def check_seq(seq: int, n_seq_max: int) -> None:
         raise StageInputError(f"seq {seq} outside [0, {n_seq_max})")
 
 
+def input_rows(stage: Stage, tokens: np.ndarray | None, hidden: np.ndarray | None) -> np.ndarray:
+    """One input as the engine takes it: int32 token ids on a first stage, float32
+    ``(n, hidden)`` rows elsewhere; StageInputError for anything else."""
+    if stage.first:
+        if tokens is None or hidden is not None:
+            raise StageInputError("a first stage takes tokens, not hidden rows")
+        arr = np.asarray(tokens)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise StageInputError(f"tokens must be a 1-D int array, got {arr.dtype}")
+        if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= stage.n_vocab):
+            raise StageInputError(f"token id outside [0, {stage.n_vocab})")
+        return arr.astype(np.int32, copy=False)
+    if hidden is None or tokens is not None:
+        raise StageInputError("this stage takes hidden rows, not tokens")
+    arr = np.asarray(hidden)
+    if arr.ndim != 2 or arr.shape[1] != stage.hidden_size:
+        raise StageInputError(f"hidden must be (n, {stage.hidden_size}), got {arr.shape}")
+    # float32 on the way in: f16/bf16 rows cost ~4e-3/1e-2 in logits.
+    return arr.astype(np.float32, copy=False)
+
+
+def validate_embed_input(stage: Stage, item: StageInput) -> np.ndarray:
+    """The rows of an :meth:`Stage.embed` input (last stage; any ``seq``, ``pos`` 0)."""
+    if not stage.last:
+        raise StageInputError("only a last stage computes embeddings")
+    arr = input_rows(stage, item.tokens, item.hidden)
+    if len(arr) == 0:
+        raise StageInputError("empty input")
+    if len(arr) > stage.n_ctx:
+        raise ContextFullError(f"{len(arr)} positions exceed n_ctx {stage.n_ctx}")
+    return arr
+
+
 def validate_inputs(stage: Stage, items: Sequence[StageInput]) -> list[np.ndarray]:
     """Check every item for ``stage`` before anything runs; return its input as arrays.
 
@@ -148,23 +187,7 @@ def validate_inputs(stage: Stage, items: Sequence[StageInput]) -> list[np.ndarra
         if it.seq in seen:
             raise StageInputError(f"seq {it.seq} appears twice in one forward")
         seen.add(it.seq)
-        if stage.first:
-            if it.tokens is None or it.hidden is not None:
-                raise StageInputError("a first stage takes tokens, not hidden rows")
-            arr = np.asarray(it.tokens)
-            if arr.ndim != 1 or arr.dtype.kind not in "iu":
-                raise StageInputError(f"tokens must be a 1-D int array, got {arr.dtype}")
-            if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= stage.n_vocab):
-                raise StageInputError(f"token id outside [0, {stage.n_vocab})")
-            arr = arr.astype(np.int32, copy=False)
-        else:
-            if it.hidden is None or it.tokens is not None:
-                raise StageInputError("this stage takes hidden rows, not tokens")
-            arr = np.asarray(it.hidden)
-            if arr.ndim != 2 or arr.shape[1] != stage.hidden_size:
-                raise StageInputError(f"hidden must be (n, {stage.hidden_size}), got {arr.shape}")
-            # float32 on the way in: f16/bf16 rows cost ~4e-3/1e-2 in logits.
-            arr = arr.astype(np.float32, copy=False)
+        arr = input_rows(stage, it.tokens, it.hidden)
         n = len(arr)
         if n == 0:
             raise StageInputError(f"seq {it.seq}: empty input")

@@ -165,7 +165,22 @@ class JoinDesk:
         """Bind the join port (plain ZeroMQ: the joiner has no key to speak CURVE)."""
         sock = open_socket(ctx, zmq.ROUTER, CONTROL, None, server=True)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_JOIN_FRAME)
-        self.port = bind(sock, host, port)
+        try:
+            self.port = bind(sock, host, port)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or port == 0:
+                sock.close(linger=0)
+                raise
+            # Mesh port + 1 is only a convention (a restarted node keeps its mesh port,
+            # and meanwhile any outgoing connection may own the next one): refusing to
+            # start would be worse than a desk that discovery still advertises.
+            self.port = bind(sock, host, 0)
+            log.warning(
+                "join port %d is taken; the join desk listens on %d instead (zeroconf "
+                "advertises it; a seed given as HOST:MESH_PORT will not find it)",
+                port,
+                self.port,
+            )
         self._sock = sock
         return self.port
 

@@ -18,6 +18,8 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from meshd.crdt.views import Instance
 from meshd.transport import wire
 from meshd.transport.dataplane import DataPlane
@@ -106,10 +108,8 @@ class Requests:
     async def generate(
         self,
         inst: Instance,
+        job: wire.Job,
         *,
-        messages: list[wire.ChatTurn] | None = None,
-        prompt: str | None = None,
-        sampling: wire.Sampling,
         replay: bool = True,
     ) -> AsyncIterator[wire.DataChunk]:
         """Run one request on ``inst``; yield its chunks until the final one.
@@ -135,7 +135,7 @@ class Requests:
                 # aclosing: a caller that stops early (client gone) closes this
                 # generator; the attempt's cancel to every stage must run then, not
                 # whenever the garbage collector gets to it.
-                attempt = self._attempt(inst, messages, prompt, sampling, sent)
+                attempt = self._attempt(inst, job, sent)
                 async with contextlib.aclosing(attempt) as chunks:
                     async for c in chunks:
                         if c.n_prompt is not None and not c.tokens and c.finish_reason is None:
@@ -178,9 +178,7 @@ class Requests:
     async def _attempt(
         self,
         inst: Instance,
-        messages: list[wire.ChatTurn] | None,
-        prompt: str | None,
-        sampling: wire.Sampling,
+        job: wire.Job,
         resume: list[int],
     ) -> AsyncIterator[wire.DataChunk]:
         """One try of a request on one plan."""
@@ -198,8 +196,7 @@ class Requests:
                 wire.Generate(
                     req=req, instance=inst.id, generation=inst.generation,
                     route=route, reply_to=self.dataplane.reply_addr(),  # type: ignore[arg-type]
-                    messages=messages, prompt=prompt, sampling=sampling,
-                    resume_tokens=list(resume),
+                    resume_tokens=list(resume), **msgspec.structs.asdict(job),
                 ),
             )  # fmt: skip
             timeout = self.config.first_chunk_timeout

@@ -215,10 +215,7 @@ class NodeServices:
     def generate(
         self,
         inst: Instance,
-        *,
-        messages: list[wire.ChatTurn] | None = None,
-        prompt: str | None = None,
-        sampling: wire.Sampling,
+        job: wire.Job,
     ) -> AsyncIterator[wire.DataChunk]:
         """Run one request on ``inst`` (see :meth:`Requests.generate`)."""
-        return self._requests.generate(inst, messages=messages, prompt=prompt, sampling=sampling)
+        return self._requests.generate(inst, job)

@@ -13,6 +13,7 @@ schema, or is larger than the socket's limit, is dropped and counted by the call
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import msgspec
 
@@ -110,11 +111,58 @@ class Addr(msgspec.Struct, frozen=True, array_like=True):
     port: int
 
 
+class ToolCallTurn(msgspec.Struct, frozen=True, array_like=True):
+    """A function call an assistant turn made (OpenAI's ``tool_calls`` entry)."""
+
+    id: str
+    name: str
+    #: The arguments as a JSON text.
+    arguments: str
+
+
 class ChatTurn(msgspec.Struct, frozen=True, array_like=True):
     """One chat message, already flattened to text."""
 
     role: str
     content: str
+    #: An assistant turn's function calls.
+    tool_calls: list[ToolCallTurn] = []
+    #: A ``tool`` turn: the call it answers, and the function's name.
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        """The turn as an OpenAI message (what chat templates are given)."""
+        out: dict[str, object] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ToolSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A function the model may call (OpenAI's ``tools[].function``)."""
+
+    name: str
+    description: str | None = None
+    #: JSON Schema of its arguments.
+    parameters: dict[str, Any] | None = None
+
+
+class ToolUse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The functions a request offers, and whether the model must call one."""
+
+    tools: list[ToolSpec]
+    #: ``auto``, ``required`` (a call of any of ``tools``), or the name of the one
+    #: function to call: stage 0 then constrains the output to one call.
+    choice: str = "auto"
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -138,10 +186,32 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     stop: list[str] = []
     #: Keep going past end-of-sequence tokens (until max_tokens or the context ends).
     ignore_eos: bool = False
+    #: Send each token's log-probability and this many alternatives' (None: none).
+    logprobs: int | None = None
+    #: Constrain the output to this grammar (llguidance's JSON definition, see
+    #: ``meshd.engines.grammar``); None: free text.
+    grammar: str | None = None
+
+
+class Job(msgspec.Struct, frozen=True, kw_only=True):
+    """What a request asks of a model, whatever the plan that runs it: the fields of
+    :class:`Generate` that the API node decides (exactly one of ``messages``,
+    ``prompt`` and ``prompt_tokens`` is set)."""
+
+    messages: list[ChatTurn] | None = None
+    prompt: str | None = None
+    #: A prompt already tokenized (an embeddings input given as token ids).
+    prompt_tokens: list[int] | None = None
+    sampling: Sampling = Sampling()
+    tools: ToolUse | None = None
+    #: The input's embedding, not a continuation: the last stage pools its final
+    #: hidden states into one vector.
+    embed: bool = False
 
 
 class Generate(msgspec.Struct, tag=True, kw_only=True):
-    """API node -> stage 0: start a request. Exactly one of messages / prompt is set."""
+    """API node -> stage 0: start a request. Exactly one of messages / prompt /
+    prompt_tokens is set (see :class:`Job`)."""
 
     req: str
     instance: str
@@ -155,6 +225,10 @@ class Generate(msgspec.Struct, tag=True, kw_only=True):
     sampling: Sampling = Sampling()
     #: Tokens already streamed to the client (a replay continues after them).
     resume_tokens: list[int] = []
+    #: Functions the model may call, shown through its chat template.
+    tools: ToolUse | None = None
+    prompt_tokens: list[int] | None = None
+    embed: bool = False
 
 
 class Start(msgspec.Struct, kw_only=True):
@@ -166,6 +240,8 @@ class Start(msgspec.Struct, kw_only=True):
     n_prompt: int
     #: Tokens already streamed before a replay (the last stage primes its state).
     resume: list[int] = []
+    #: An embeddings request (see :class:`Job`).
+    embed: bool = False
 
 
 class Activation(msgspec.Struct, tag=True, kw_only=True):
@@ -217,6 +293,23 @@ class ChunkError(msgspec.Struct, frozen=True, kw_only=True):
     message: str
 
 
+class TopLogprob(msgspec.Struct, array_like=True):
+    """One alternative of a sampled token: its id, log-probability and bytes."""
+
+    token: int
+    logprob: float
+    piece: bytes
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A sampled token's log-probability, bytes and most likely alternatives."""
+
+    token: int
+    logprob: float
+    piece: bytes = b""
+    top: list[TopLogprob] = []
+
+
 class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     """Stage -> API node: a piece of a request's output (or its typed error).
 
@@ -233,6 +326,13 @@ class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     error: ChunkError | None = None
     #: Compute seconds of each stage for the step that made this chunk (metrics).
     compute: list[float] = []
+    #: Log-probabilities of ``tokens`` when the request asked for them.
+    logprobs: list[TokenLogprob] = []
+    #: Stage 0's acknowledgement of a request with tools: how the model writes calls
+    #: (``meshd.models.tools.ToolFormat``), so the API node reads them back.
+    tool_format: str | None = None
+    #: An embeddings request's vector: float32, little-endian, unit length.
+    embedding: bytes = b""
 
 
 # -- joining: the plain (not CURVE) join port of a member ----------------------------

@@ -7,46 +7,20 @@ pipeline do together, on real engines.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Iterator
 
 import httpx
+import numpy as np
 import pytest
 
 from meshd.models.resolve import DEFAULT_MODEL, resolve_model
-from tests.cluster import Cluster, NodeProc, wait_for
+from tests.cluster import NodeProc, wait_for
 from tests.synthetic import write_model
 
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, NodeProc]]:
-    """A 3-node cluster whose default model is split over a and b."""
-    with Cluster(tmp_path_factory.mktemp("openai")) as c:
-        a = c.start("a")
-        b = c.start("b", peers=[a])
-        cc = c.start("c", peers=[a])
-        wait_for(lambda: len(cc.cluster()["nodes"]) == 3, 15)
-        r = httpx.post(a.api + "/v1/instances", timeout=60,
-                       json={"model": DEFAULT_MODEL, "nodes": ["a", "b"]})  # fmt: skip
-        assert r.status_code == 201, r.text
-        path = f"/v1/instances/{r.json()['id']}"
-        wait_for(lambda: all(s["state"] == "ready" for s in cc.get(path)["stages"]), 90, 0.2)
-        yield {"a": a, "b": b, "c": cc}
-
-
-@pytest.fixture(scope="module")
-def via(trio: dict[str, NodeProc]) -> NodeProc:
-    """Node c: it holds no stage of the split."""
-    return trio["c"]
-
-
-@pytest.fixture(scope="module")
-def client(via: NodeProc):
-    return openai.OpenAI(base_url=via.api + "/v1", api_key="unused", timeout=120, max_retries=0)
 
 
 def _text(client, prompt: str, **kw) -> str:
@@ -158,3 +132,109 @@ def test_a_model_that_ships_its_sampling_gets_it_by_default(
         assert len(sampled) > 1  # a request's own field still wins
     finally:
         httpx.delete(f"{owner}/v1/instances/{iid}", timeout=10)
+
+
+def test_chat_logprobs_come_from_the_distribution_each_token_was_drawn_from(client) -> None:
+    msgs = [{"role": "user", "content": "Write one sentence about the sea."}]
+    r = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=msgs, max_tokens=24, logprobs=True, top_logprobs=5, seed=5
+    )
+    content = r.choices[0].logprobs.content
+    assert content and len(content) == r.usage.completion_tokens
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    cut = math.log(0.05)  # the default min_p
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 5
+        tops = [a.logprob for a in t.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert t.logprob >= tops[0] + cut - 1e-6  # nothing sampled below the min-p cut
+        assert bytes(t.bytes).decode(errors="replace") == t.token
+    # Without logprobs: none in the answer.
+    plain = client.chat.completions.create(model=DEFAULT_MODEL, messages=msgs, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+
+def test_streamed_logprobs_reassemble_to_the_whole_answers(client) -> None:
+    msgs = [{"role": "user", "content": "Name three fruits."}]
+    kw = {"model": DEFAULT_MODEL, "messages": msgs, "max_tokens": 20, "temperature": 0,
+          "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = []
+    for ev in client.chat.completions.create(stream=True, **kw):
+        if ev.choices and ev.choices[0].logprobs and ev.choices[0].logprobs.content:
+            streamed += ev.choices[0].logprobs.content
+    assert [(t.token, round(t.logprob, 6)) for t in streamed] == [
+        (t.token, round(t.logprob, 6)) for t in whole
+    ]
+
+
+def test_completion_logprobs_match_a_recomputation_from_the_whole_model(client) -> None:
+    from llama_cpp import Llama
+
+    from meshd.engines.threads import default_threads
+
+    prompt, n = "The capital of France is", 12
+    r = client.completions.create(
+        model=DEFAULT_MODEL, prompt=prompt, max_tokens=n, temperature=0, logprobs=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == len(prompt)
+    assert lp.text_offset == [len(prompt) + len("".join(lp.tokens[:i])) for i in range(n)]
+    assert all(len(alts) <= 3 for alts in lp.top_logprobs)
+    # The whole model in llama-cpp-python, greedy, token by token: same tokens, and the
+    # same log-probabilities (the split adds only float noise).
+    t = default_threads()
+    llm = Llama(resolve_model(DEFAULT_MODEL).path, n_ctx=512, flash_attn=True, logits_all=True,
+                n_threads=t, n_threads_batch=t, verbose=False)  # fmt: skip
+    try:
+        llm.eval(llm.tokenize(prompt.encode(), add_bos=True, special=False))
+        for i in range(n):
+            logits = np.asarray(llm.scores[llm.n_tokens - 1], np.float64)
+            logp = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+            tok = int(np.argmax(logits))
+            assert llm.detokenize([tok]).decode(errors="replace") == lp.tokens[i]
+            assert lp.token_logprobs[i] == pytest.approx(logp[tok], abs=2e-3)
+            best = max(lp.top_logprobs[i].values())
+            assert best == pytest.approx(logp.max(), abs=2e-3)
+            llm.eval([tok])
+    finally:
+        llm.close()
+
+
+def test_n_choices_each_sampled_and_streamed_by_index(client) -> None:
+    msgs = [{"role": "user", "content": "Give me a name for a cat."}]
+    r = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=msgs, n=3, max_tokens=12, seed=21, temperature=1.0
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert all(texts) and len(set(texts)) > 1  # three draws, not one copied
+    # Streamed: each choice's deltas under its own index, each finished once. (Not
+    # compared with the answer above: choices decode batched together, and a batch's
+    # float sums differ from another batch's, which moves a near-tie draw.)
+    stream = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=msgs, n=3, max_tokens=12, seed=21, temperature=1.0,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    parts: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    finished: list[int] = []
+    usage = None
+    for ev in stream:
+        for ch in ev.choices:
+            parts[ch.index].append(ch.delta.content or "")
+            if ch.finish_reason:
+                finished.append(ch.index)
+        usage = ev.usage or usage
+    assert sorted(finished) == [0, 1, 2]
+    assert all("".join(p) for p in parts.values())
+    assert usage is not None and usage.prompt_tokens == r.usage.prompt_tokens  # counted once
+    assert 3 <= usage.completion_tokens <= 36
+    # Completions too; logprobs per choice.
+    c = client.completions.create(
+        model=DEFAULT_MODEL, prompt="Once upon a time", n=2, max_tokens=6, logprobs=1, seed=4
+    )
+    assert [ch.index for ch in c.choices] == [0, 1]
+    assert all(len(ch.logprobs.tokens) == len(ch.logprobs.token_logprobs) for ch in c.choices)

@@ -257,7 +257,7 @@ async def test_unknown_fields_are_ignored_at_every_level(client: httpx.AsyncClie
         {"n": 1},
         {"n": None},
         {"logprobs": False},
-        {"top_logprobs": 0},
+        {"logprobs": True, "top_logprobs": 20},
         {"logit_bias": {}},
         {"tools": []},
         {"functions": []},
@@ -392,10 +392,11 @@ async def test_a_missing_field_is_named(
     assert f"`$.{param}`" in err["message"]
 
 
-async def test_n_2_is_rejected_as_unsupported(client: httpx.AsyncClient) -> None:
-    r = await client.post("/parse/chat", json=chat_body(n=2))
-    err = assert_openai_error(r, 400, param="n", code="unsupported_parameter")
-    assert "only n=1 is supported" in err["message"]
+async def test_n_over_the_choice_limit_is_rejected(client: httpx.AsyncClient) -> None:
+    assert (await client.post("/parse/chat", json=chat_body(n=8))).status_code == 200
+    r = await client.post("/parse/chat", json=chat_body(n=9))
+    err = assert_openai_error(r, 400, param="n")
+    assert "n must be in [1, 8]" in err["message"]
 
 
 @pytest.mark.parametrize(
@@ -428,18 +429,29 @@ async def test_n_2_is_rejected_as_unsupported(client: httpx.AsyncClient) -> None
         ),
         ({"presence_penalty": 2.5}, "presence_penalty", None),
         ({"frequency_penalty": -3}, "frequency_penalty", None),
-        ({"n": 0}, "n", "unsupported_parameter"),
-        ({"logprobs": True}, "logprobs", "unsupported_parameter"),
-        ({"top_logprobs": 3}, "top_logprobs", "unsupported_parameter"),
+        ({"n": 0}, "n", None),
+        ({"top_logprobs": 3}, "top_logprobs", None),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
         ({"logit_bias": {"50256": -101}}, "logit_bias", None),
         ({"logit_bias": {"the": 1}}, "logit_bias", None),
         ({"logit_bias": {"-1": 1}}, "logit_bias", None),
         ({"min_p": 1.5}, "min_p", None),
         ({"repeat_penalty": 0}, "repeat_penalty", None),
         ({"repeat_last_n": -2}, "repeat_last_n", None),
-        ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function", None),
+        (
+            {"tools": [{"type": "code", "function": {"name": "f"}}]},
+            "tools[0].type",
+            "unsupported_parameter",
+        ),
         ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "unsupported_parameter"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", None),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}},
+            "response_format.json_schema.schema",
+            "invalid_json_schema",
+        ),
     ],
 )
 async def test_a_rule_broken_is_a_400_naming_the_field(
@@ -458,9 +470,9 @@ async def test_a_rule_broken_is_a_400_naming_the_field(
         ({"model": "llama", "prompt": [1, 2, 3]}, "prompt[0]"),
         ({"model": "llama", "prompt": "x", "echo": True}, "echo"),
         ({"model": "llama", "prompt": "x", "best_of": 3}, "best_of"),
-        ({"model": "llama", "prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"model": "llama", "prompt": "x", "logprobs": 21}, "logprobs"),
         ({"model": "llama", "prompt": "x", "suffix": "tail"}, "suffix"),
-        ({"model": "llama", "prompt": "x", "n": 2}, "n"),
+        ({"model": "llama", "prompt": "x", "n": 9}, "n"),
         ({"model": "llama", "prompt": "x", "temperature": 9}, "temperature"),
         ({"model": "llama"}, "prompt"),
     ],
@@ -988,8 +1000,8 @@ async def test_openai_client_maps_our_errors_to_its_exceptions() -> None:
     openai, oa = _openai_client()
     async with oa:
         with pytest.raises(openai.BadRequestError) as bad:
-            await oa.chat.completions.create(model="llama", messages=USER_HI, n=2)
-        assert bad.value.code == "unsupported_parameter" and bad.value.param == "n"
+            await oa.chat.completions.create(model="llama", messages=USER_HI, n=9)
+        assert bad.value.param == "n"
         with pytest.raises(openai.NotFoundError) as nf:
             await oa.chat.completions.create(model="missing", messages=USER_HI)
         assert nf.value.code == "model_not_found"

@@ -401,3 +401,45 @@ def test_penalties_cost_little_on_a_49k_vocab() -> None:
 
     per_call(full)  # warm up
     assert per_call(full) < per_call(plain) + 1e-3  # under a millisecond more per token
+
+
+# --------------------------------------------------------------------------- log-probabilities
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    z = x.astype(np.float64)
+    return z - (z.max() + np.log(np.exp(z - z.max()).sum()))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
+def test_logprobs_are_the_tempered_softmax_before_the_cuts(temperature: float) -> None:
+    x = llm_like_logits(8, 3000)
+    params = SamplingParams(temperature=temperature, top_k=5, min_p=0.2, seed=2)
+    d = Sampler(params).draw(x, logprobs=6)
+    ref = _log_softmax(x.astype(np.float64) / (temperature or 1.0))
+    assert d.logprob == pytest.approx(ref[d.token], abs=1e-9)
+    assert [t for t, _ in d.top] == sorted(range(x.size), key=lambda i: (-x[i], i))[:6]
+    assert [lp for _, lp in d.top] == pytest.approx([ref[t] for t, _ in d.top], abs=1e-9)
+    assert Sampler(params).draw(x).top == []  # not asked: nothing computed
+
+
+def test_logprobs_see_the_bias_and_penalties_and_break_ties_to_the_lower_id() -> None:
+    x = np.array([1.0, 3.0, 3.0, 3.0, -np.inf], np.float32)
+    d = Sampler(SamplingParams(temperature=0.0)).draw(x, logprobs=2)
+    assert d.token == 1 and [t for t, _ in d.top] == [1, 2]
+    biased = Sampler(SamplingParams(temperature=0.0, logit_bias={0: 5.0})).draw(x, logprobs=1)
+    assert biased.token == 0 and biased.top[0][0] == 0
+    assert biased.logprob == pytest.approx(_log_softmax(np.array([6.0, 3, 3, 3]))[0])
+    everything = Sampler(SamplingParams()).draw(x, logprobs=20)
+    # A masked token (-inf) is no alternative: it cannot be drawn.
+    assert [t for t, _ in everything.top] == [1, 2, 3, 0]
+
+
+def test_a_default_draw_is_never_below_its_min_p_cut() -> None:
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+    cut = np.log(0.05)
+    for seed in range(200):
+        d = Sampler(msgspec.structs.replace(params, seed=seed)).draw(
+            llm_like_logits(seed, 4000), logprobs=1
+        )
+        assert d.logprob - d.top[0][1] >= cut - 1e-9

@@ -239,7 +239,7 @@ _COMMON_BAD: list[tuple[str, Any]] = [
     ("top_p", 0), ("top_p", 1.5), ("top_p", -1), ("top_k", -1), ("top_k", 2**64),
     ("top_k", 2**70), ("top_k", 0.5), ("seed", 2**63), ("seed", -(2**63) - 1), ("seed", "s"),
     ("stop", ["a", "b", "c", "d", "e"]), ("stop", [""]), ("stop", 5), ("stop", [1]),
-    ("n", 2), ("n", 0), ("n", -5), ("n", 2**70), ("presence_penalty", 3),
+    ("n", 9), ("n", 0), ("n", -5), ("n", 2**70), ("presence_penalty", 3),
     ("frequency_penalty", -2.5), ("logit_bias", {"1": 101.0}), ("logit_bias", {"x": 1}),
     ("logit_bias", {"99999999": 1.0}), ("logit_bias", []), ("min_p", 1.5),
     ("repeat_penalty", 0), ("repeat_last_n", -2),
@@ -253,13 +253,17 @@ _CHAT_BAD: list[tuple[str, Any]] = [
     ("messages", [{"role": "user", "content": [{"type": "text"}]}]),
     ("messages", [{"role": "user", "content": 7}]),
     ("messages", [{"role": "user", "content": [{"text": "x"}]}]),
-    ("max_completion_tokens", 0), ("logprobs", True), ("top_logprobs", 2),
-    ("response_format", {"type": "json_object"}), ("response_format", "text"),
+    ("max_completion_tokens", 0), ("logprobs", "yes"), ("top_logprobs", 2),
+    ("top_logprobs", -1),
+    ("response_format", {"type": "yaml"}), ("response_format", "text"),
+    ("response_format", {"type": "json_schema"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}),
     ("tools", [{"type": "function"}]), ("functions", [{}]), ("tools", {}),
 ]  # fmt: skip
 _COMPLETION_BAD: list[tuple[str, Any]] = [
     ("prompt", None), ("prompt", 5), ("prompt", []), ("prompt", ["a", "b"]), ("prompt", [1, 2]),
-    ("prompt", [[1]]), ("echo", True), ("best_of", 2), ("logprobs", 1), ("suffix", "tail"),
+    ("prompt", [[1]]), ("echo", True), ("best_of", 2), ("logprobs", 21), ("logprobs", -1),
+    ("suffix", "tail"),
 ]  # fmt: skip
 _VALID = {
     "/v1/chat/completions": {"model": "smollm2-135m", "max_tokens": 4, "temperature": 0,
@@ -374,7 +378,7 @@ def odd_valid(draw) -> tuple[str, dict[str, Any]]:
         "stream_options": draw(st.sampled_from([None, {"include_usage": True}, {}])),
         "ignore_eos": draw(st.booleans()),
         "presence_penalty": draw(st.sampled_from([None, -2, 2])),
-        "n": draw(st.sampled_from([None, 1])),
+        "n": draw(st.sampled_from([None, 1, 2])),
         "user": draw(st.text(max_size=5)),
     }  # fmt: skip
     body = {k: v for k, v in body.items() if v is not None}
@@ -413,11 +417,17 @@ def test_valid_requests_with_odd_values_complete(env: Env, client: httpx.Client)
         if body["stream"]:
             events = _events(r)
             assert not any("error" in e for e in events), events
+            n = body.get("n") or 1
             finish = [c["finish_reason"] for e in events for c in e["choices"]]
-            assert [f for f in finish if f] in (["stop"], ["length"]), events
+            assert len([f for f in finish if f]) == n, events
+            assert {f for f in finish if f} <= {"stop", "length"}, events
         else:
             answer = r.json()
-            assert answer["choices"][0]["finish_reason"] in ("stop", "length"), answer
-            assert answer["usage"]["completion_tokens"] <= body["max_tokens"], answer
+            n = body.get("n") or 1
+            assert len(answer["choices"]) == n, answer
+            for choice in answer["choices"]:
+                assert choice["finish_reason"] in ("stop", "length"), answer
+            # usage counts every choice's tokens, as OpenAI's does.
+            assert answer["usage"]["completion_tokens"] <= body["max_tokens"] * n, answer
 
     one()

@@ -92,7 +92,7 @@ async def _open_request(
     dp = DataPlane(n.ctx, node_id="a", own_addresses=["127.0.0.1"], bind_host="127.0.0.1")
     dp.start()
     requests = Requests(n.state, dp, cfg)
-    chunks = requests.generate(inst("x", "b"), prompt="hi", sampling=wire.Sampling(), replay=False)
+    chunks = requests.generate(inst("x", "b"), wire.Job(prompt="hi"), replay=False)
     return dp, chunks, asyncio.ensure_future(anext(chunks))
 
 
@@ -145,7 +145,7 @@ async def test_a_stopping_node_ends_its_open_requests_at_once() -> None:
         dp = DataPlane(n.ctx, node_id="a", own_addresses=["127.0.0.1"], bind_host="127.0.0.1")
         dp.start()
         requests = Requests(n.state, dp, NodeConfig())
-        chunks = requests.generate(inst("x", "b"), prompt="hi", sampling=wire.Sampling())
+        chunks = requests.generate(inst("x", "b"), wire.Job(prompt="hi"))
         first = asyncio.ensure_future(anext(chunks))
         try:
             await asyncio.sleep(0.3)

@@ -1,0 +1,95 @@
+"""``POST /v1/embeddings``, OpenAI-compatible.
+
+Each input is one request through the pipeline, as a chat is: stage 0 tokenizes it (or
+takes its token ids), every stage runs its layers, and the last stage pools the final
+hidden states into one unit vector (``meshd.models.pooling``), so whole and split
+instances answer alike. A few inputs run at once: the stages batch them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import msgspec
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+
+from meshd.node.errors import RequestFailed
+
+from . import schemas
+from .bodies import parse_body
+from .errors import bad_request, request_failed
+from .runs import Collected, GenerateRequest, admit, unless_gone
+from .services import ApiContext, context
+
+__all__ = ["MAX_PARALLEL_INPUTS", "embeddings"]
+
+#: Inputs of one request in flight at once (each holds a request slot of the node).
+MAX_PARALLEL_INPUTS = 4
+
+
+async def embeddings(request: Request) -> Response:
+    """``POST /v1/embeddings``."""
+    body = await parse_body(request, schemas.EmbeddingRequest)
+    ctx = context(request)
+    vectors = await unless_gone(_embed_all(ctx, body), request)
+    if vectors is None:
+        return Response(status_code=499)
+    width = len(vectors[0].embedding) // 4
+    if body.dimensions is not None and body.dimensions != width:
+        raise bad_request(
+            f"dimensions {body.dimensions} is not supported: this model's embeddings have "
+            f"{width} (send it, or leave dimensions out)",
+            param="dimensions",
+            code="unsupported_parameter",
+        )
+    data = [
+        schemas.Embedding(index=i, embedding=_encoded(v.embedding, body.encoding_format))
+        for i, v in enumerate(vectors)
+    ]
+    n = sum(v.usage.prompt_tokens for v in vectors)
+    resp = schemas.EmbeddingList(
+        data=data, model=body.model, usage=schemas.EmbeddingUsage(prompt_tokens=n, total_tokens=n)
+    )
+    return Response(msgspec.json.encode(resp), media_type="application/json")
+
+
+def _encoded(vector: bytes, fmt: str) -> list[float] | str:
+    if fmt == "base64":
+        return base64.b64encode(vector).decode("ascii")
+    return np.frombuffer(vector, "<f4").tolist()
+
+
+async def _embed_all(ctx: ApiContext, body: schemas.EmbeddingRequest) -> list[Collected]:
+    """Every input's vector, in order; the first failure cancels the rest."""
+    gate = asyncio.Semaphore(MAX_PARALLEL_INPUTS)
+
+    async def one(item: str | list[int]) -> Collected:
+        req = GenerateRequest(
+            model=body.model,
+            prompt=item if isinstance(item, str) else None,
+            prompt_tokens=item if isinstance(item, list) else None,
+            embed=True,
+        )
+        async with gate:
+            run = await admit(ctx, "embeddings", req)
+            try:
+                got = await run.collect()
+            except RequestFailed as e:
+                run.count(str(e.status))
+                raise request_failed(e) from None
+            finally:
+                await run.close()
+            run.count("200")
+            return got
+
+    tasks = [asyncio.ensure_future(one(item)) for item in body.inputs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

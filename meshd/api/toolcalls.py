@@ -1,0 +1,58 @@
+"""Tool calls read back from an answer, for every dialect: a thin layer over
+:class:`meshd.models.tools.ToolCallParser` that numbers the calls, gives them ids and
+keeps one when the client asked for no parallel calls."""
+
+from __future__ import annotations
+
+import secrets
+
+from meshd.models.tools import ParsedCall, ToolCallParser, ToolFormat
+
+from . import schemas
+
+__all__ = ["ChoiceCalls", "new_call_id"]
+
+
+def new_call_id() -> str:
+    """A call id in OpenAI's style."""
+    return "call_" + secrets.token_hex(12)
+
+
+class ChoiceCalls:
+    """One choice's output split into content and calls, as it streams."""
+
+    def __init__(self, fmt: str | None, *, parallel: bool = True) -> None:
+        """``fmt``: the model's tool format (stage 0 says which); ``parallel`` False
+        keeps only the first call."""
+        self._parser = ToolCallParser(fmt if fmt in _FORMATS else "generic")  # type: ignore[arg-type]
+        self._parallel = parallel
+        #: Every call so far, in order.
+        self.calls: list[schemas.ToolCall] = []
+
+    def feed(self, text: str) -> tuple[str, list[schemas.ToolCall]]:
+        """The content and the calls that ``text`` lets through."""
+        return self._split(self._parser.feed(text))
+
+    def finish(self) -> tuple[str, list[schemas.ToolCall]]:
+        """The rest, once the answer has ended."""
+        return self._split(self._parser.finish())
+
+    def _split(self, parts: list[str | ParsedCall]) -> tuple[str, list[schemas.ToolCall]]:
+        text: list[str] = []
+        new: list[schemas.ToolCall] = []
+        for p in parts:
+            if isinstance(p, str):
+                # Between and after calls the model writes newlines, not an answer.
+                if not (self.calls and not p.strip()):
+                    text.append(p)
+            elif self._parallel or not self.calls:
+                call = schemas.ToolCall(
+                    id=new_call_id(),
+                    function=schemas.FunctionCall(name=p.name, arguments=p.arguments),
+                )
+                self.calls.append(call)
+                new.append(call)
+        return "".join(text), new
+
+
+_FORMATS = frozenset(ToolFormat.__args__)  # type: ignore[attr-defined]

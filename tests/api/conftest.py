@@ -1,0 +1,40 @@
+"""Shared by the API tests: one 3-node cluster serving the default model split over two
+nodes, and the official ``openai`` client pointed at the third (which holds no stage)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from meshd.models.resolve import DEFAULT_MODEL
+from tests.cluster import Cluster, NodeProc, wait_for
+
+
+@pytest.fixture(scope="package")
+def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, NodeProc]]:
+    """A 3-node cluster whose default model is split over a and b."""
+    with Cluster(tmp_path_factory.mktemp("openai")) as c:
+        a = c.start("a")
+        b = c.start("b", peers=[a])
+        cc = c.start("c", peers=[a])
+        wait_for(lambda: len(cc.cluster()["nodes"]) == 3, 15)
+        r = httpx.post(a.api + "/v1/instances", timeout=60,
+                       json={"model": DEFAULT_MODEL, "nodes": ["a", "b"]})  # fmt: skip
+        assert r.status_code == 201, r.text
+        path = f"/v1/instances/{r.json()['id']}"
+        wait_for(lambda: all(s["state"] == "ready" for s in cc.get(path)["stages"]), 90, 0.2)
+        yield {"a": a, "b": b, "c": cc}
+
+
+@pytest.fixture(scope="package")
+def via(trio: dict[str, NodeProc]) -> NodeProc:
+    """Node c: it holds no stage of the split."""
+    return trio["c"]
+
+
+@pytest.fixture(scope="package")
+def client(via: NodeProc):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=via.api + "/v1", api_key="unused", timeout=120, max_retries=0)
