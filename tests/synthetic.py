@@ -78,3 +78,57 @@ def write_model(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_bert(path: Path, tokenizer_from: Path, *, pooling: int = 1) -> Path:
+    """A 4-layer, 64-wide BERT (encoder-only, non-causal) GGUF with seeded random F32
+    weights, the tokenizer of ``tokenizer_from`` and llama.cpp pooling type ``pooling``
+    (1 mean, 2 CLS, 3 last): an embedding-only model as llama.cpp runs them."""
+    src = gguf.GGUFReader(tokenizer_from)
+    rng = np.random.default_rng(11)
+    hidden, heads, ffn, n_ctx = 64, 4, 128, 512
+    w = gguf.GGUFWriter(str(path), "bert")
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(hidden)
+    w.add_block_count(N_LAYERS)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_layer_norm_eps(1e-12)
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType(pooling))
+    w.add_token_type_count(2)
+    n_vocab = 0
+    for f in src.fields.values():
+        if f.name.startswith("tokenizer."):
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            value = f.contents()
+            if f.name == "tokenizer.ggml.tokens":
+                n_vocab = len(value)
+            w.add_key_value(f.name, value, f.types[0], sub_type=sub)
+
+    def t(*shape: int, scale: float = 0.05) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def norm(prefix: str) -> None:
+        w.add_tensor(prefix + ".weight", (1 + t(hidden)).astype(np.float32))
+        w.add_tensor(prefix + ".bias", t(hidden))
+
+    w.add_tensor("token_embd.weight", t(n_vocab, hidden, scale=0.5))
+    w.add_tensor("token_types.weight", t(2, hidden))
+    w.add_tensor("position_embd.weight", t(n_ctx, hidden))
+    norm("token_embd_norm")
+    for i in range(N_LAYERS):
+        p = f"blk.{i}."
+        for name, rows, cols in (
+            ("attn_q", hidden, hidden), ("attn_k", hidden, hidden), ("attn_v", hidden, hidden),
+            ("attn_output", hidden, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn),
+        ):  # fmt: skip
+            w.add_tensor(p + name + ".weight", t(rows, cols))
+            w.add_tensor(p + name + ".bias", t(rows))
+        norm(p + "attn_output_norm")
+        norm(p + "layer_output_norm")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

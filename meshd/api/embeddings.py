@@ -27,7 +27,7 @@ from .services import ApiContext, context
 __all__ = ["MAX_PARALLEL_INPUTS", "embeddings"]
 
 #: Inputs of one request in flight at once (each holds a request slot of the node).
-MAX_PARALLEL_INPUTS = 4
+MAX_PARALLEL_INPUTS = 8
 
 
 async def embeddings(request: Request) -> Response:

@@ -40,7 +40,7 @@ from .stage import (
     StageOutput,
     check_seq,
     stage_role,
-    validate_embed_input,
+    validate_embed_inputs,
     validate_inputs,
 )
 from .threads import default_threads
@@ -508,6 +508,27 @@ class LlamaStage:
         # Views of one array made for this call: nothing else ever writes to it.
         return [hidden_out[s:e] for s, e in zip(starts, ends, strict=True)]
 
+    def _fill_batch(
+        self,
+        flat: np.ndarray,
+        pos: np.ndarray,
+        seqs: np.ndarray,
+        outs: np.ndarray,
+        c0: int,
+        c1: int,
+    ) -> None:
+        """Put rows ``c0:c1`` in the batch (tokens or hidden rows, by stage)."""
+        n = c1 - c0
+        if self._b_tok is not None:
+            self._b_tok[:n] = flat[c0:c1]
+        else:
+            assert self._b_embd is not None
+            self._b_embd[:n] = flat[c0:c1]
+        self._b_pos[:n] = pos[c0:c1]
+        self._b_seq[:n] = seqs[c0:c1]
+        self._b_out[:n] = outs[c0:c1]
+        self._batch.n_tokens = n
+
     def _decode_chunk(
         self,
         flat: np.ndarray,
@@ -519,15 +540,7 @@ class LlamaStage:
         hidden_out: npt.NDArray[np.float32] | None,
     ) -> None:
         n = c1 - c0
-        if self._b_tok is not None:
-            self._b_tok[:n] = flat[c0:c1]
-        else:
-            assert self._b_embd is not None
-            self._b_embd[:n] = flat[c0:c1]
-        self._b_pos[:n] = pos[c0:c1]
-        self._b_seq[:n] = seqs[c0:c1]
-        self._b_out[:n] = outs[c0:c1]
-        self._batch.n_tokens = n
+        self._fill_batch(flat, pos, seqs, outs, c0, c1)
         self._cap_dst = hidden_out
         self._cap_row = c0
         self._cap_end = c1
@@ -547,19 +560,35 @@ class LlamaStage:
                 f"{self._target.decode()} was not seen"
             )
 
-    def embed(self, item: StageInput) -> npt.NDArray[np.float32]:
-        """The final hidden states (after the output norm) of every row of one input,
-        ``(n, hidden_size)``, from a context of their own: no sequence's KV is touched
-        and nothing is kept. Last stage only (see :meth:`Stage.embed`).
+    def embed(self, items: Sequence[StageInput]) -> list[npt.NDArray[np.float32]]:
+        """For each item, the final hidden states (after the output norm) of every row
+        of its input, ``(n, hidden_size)``, from a context of their own: no sequence's
+        KV is touched and nothing is kept. Last stage only (see :meth:`Stage.embed`).
 
         That context (``embeddings`` on, no pooling: the runner pools) is made on the
-        first call, with one sequence of ``n_ctx`` cells.
+        first call with ``n_ctx`` cells and ``n_seq_max`` sequences; inputs share its
+        decodes, as many at once as fit.
         """
         self._check_open()
-        rows = validate_embed_input(self, item)
-        L = self._L
+        inputs = validate_embed_inputs(self, items)
+        ctx = self._embedding_context()
+        out: list[npt.NDArray[np.float32]] = []
+        group: list[np.ndarray] = []
+        for a in inputs:
+            if group and (
+                sum(map(len, group)) + len(a) > self.n_ctx or len(group) == self.n_seq_max
+            ):
+                out += self._embed_group(ctx, group)
+                group = []
+            group.append(a)
+        if group:
+            out += self._embed_group(ctx, group)
+        return out
+
+    def _embedding_context(self) -> Any:
         if self._embed_ctx is None:
-            cparams = self._cparams(self.n_ctx, 1)
+            L = self._L
+            cparams = self._cparams(self.n_ctx, self.n_seq_max)
             cparams.n_batch = cparams.n_ubatch = min(self.n_batch, self.n_ctx)
             cparams.embeddings = True
             cparams.pooling_type = L.LLAMA_POOLING_TYPE_NONE
@@ -567,35 +596,35 @@ class LlamaStage:
             if not ctx:
                 raise StageError(f"llama.cpp made no embeddings context for {self.path}")
             self._embed_ctx = ctx
-        ctx = self._embed_ctx
-        n = len(rows)
-        out = np.empty((n, self.hidden_size), np.float32)
+        return self._embed_ctx
+
+    def _embed_group(self, ctx: Any, inputs: list[np.ndarray]) -> list[npt.NDArray[np.float32]]:
+        """Inputs whose rows fit the embeddings context together, each its own sequence."""
+        L = self._L
+        lengths = [len(a) for a in inputs]
+        total = sum(lengths)
+        flat = np.concatenate(inputs) if len(inputs) > 1 else inputs[0]
+        pos = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])
+        seqs = np.repeat(np.arange(len(inputs), dtype=np.int32), lengths)
+        outs = np.ones(total, np.int8)
+        rows = np.empty((total, self.hidden_size), np.float32)
         step = min(self.n_batch, self.n_ctx)
         try:
-            for c0 in range(0, n, step):
-                c1 = min(n, c0 + step)
-                k = c1 - c0
-                if self._b_tok is not None:
-                    self._b_tok[:k] = rows[c0:c1]
-                else:
-                    assert self._b_embd is not None
-                    self._b_embd[:k] = rows[c0:c1]
-                self._b_pos[:k] = np.arange(c0, c1, dtype=np.int32)
-                self._b_seq[:k] = 0
-                self._b_out[:k] = 1
-                self._batch.n_tokens = k
+            for c0 in range(0, total, step):
+                c1 = min(total, c0 + step)
+                self._fill_batch(flat, pos, seqs, outs, c0, c1)
                 ret = int(L.llama_decode(ctx, self._batch))
                 if ret != 0:
                     raise StageError(f"llama_decode (embeddings) returned {ret}")
                 ptr = L.llama_get_embeddings(ctx)
                 if not ptr:
                     raise StageError("llama.cpp gave no embeddings")
-                out[c0:c1] = np.ctypeslib.as_array(ptr, shape=(k * self.hidden_size,)).reshape(
-                    k, self.hidden_size
-                )
+                n = (c1 - c0) * self.hidden_size
+                rows[c0:c1] = np.ctypeslib.as_array(ptr, shape=(n,)).reshape(c1 - c0, -1)
         finally:
             L.llama_memory_clear(L.llama_get_memory(ctx), True)
-        return out
+        ends = np.cumsum(lengths)
+        return [rows[e - n : e] for e, n in zip(ends, lengths, strict=True)]
 
     def _logits_row(self, i: int) -> npt.NDArray[np.float32]:
         ptr = self._L.llama_get_logits_ith(self._ctx, i)

@@ -70,7 +70,7 @@ from .stage import (
     StageOutput,
     check_seq,
     stage_role,
-    validate_embed_input,
+    validate_embed_inputs,
     validate_inputs,
 )
 
@@ -509,23 +509,33 @@ class MlxStage:
         # Views of one array made for this call: nothing else ever writes to it.
         return [hidden[s:e] for s, e in zip(starts, ends, strict=True)]
 
-    def embed(self, item: StageInput) -> npt.NDArray[np.float32]:
-        """The final hidden states (after the output norm) of every row of one input,
-        ``(n, hidden_size)``, on caches of their own that are dropped after (see
-        :meth:`Stage.embed`)."""
+    def embed(self, items: Sequence[StageInput]) -> list[npt.NDArray[np.float32]]:
+        """For each item, the final hidden states (after the output norm) of every row
+        of its input, ``(n, hidden_size)``, run together on caches of their own that are
+        dropped after (see :meth:`Stage.embed`)."""
         self._check_open()
-        rows = validate_embed_input(self, item)
+        inputs = validate_embed_inputs(self, items)
         assert self._norm is not None
         mx = self._mx
-        cache = [self._KVCache() for _ in self._layers]
-        out = []
-        for c0 in range(0, len(rows), self.n_batch):
-            c1 = min(len(rows), c0 + self.n_batch)
-            h = self._run(rows[c0:c1], [(0, c1 - c0, cache)], [])
-            y = self._norm(h)
+        lengths = [len(a) for a in inputs]
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        total = int(ends[-1])
+        flat = np.concatenate(inputs) if len(inputs) > 1 else inputs[0]
+        caches = [[self._KVCache() for _ in self._layers] for _ in inputs]
+        chunks = []
+        for c0 in range(0, total, self.n_batch):
+            c1 = min(total, c0 + self.n_batch)
+            spans = [
+                (max(int(s), c0) - c0, min(int(e), c1) - c0, cache)
+                for s, e, cache in zip(starts, ends, caches, strict=True)
+                if max(int(s), c0) < min(int(e), c1)
+            ]
+            y = self._norm(self._run(flat[c0:c1], spans, []))
             mx.eval(y)
-            out.append(np.array(y, dtype=np.float32))
-        return np.concatenate(out) if len(out) > 1 else out[0]
+            chunks.append(np.array(y, dtype=np.float32))
+        rows = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+        return [rows[s:e] for s, e in zip(starts, ends, strict=True)]
 
     def _cache(self, seq: int) -> list[Any]:
         caches = self._caches.get(seq)

@@ -632,10 +632,11 @@ class Runner:
                 batch.append(w)
         self.work = rest
         if self.last:
-            # An embedding runs on its own (a context of its own, all rows out).
-            for w in [w for w in batch if self.reqs[w.req].embed]:
-                batch.remove(w)
-                self.embed_one(w)
+            # Embeddings run apart (a context of their own, every row out), together.
+            embeds = [w for w in batch if self.reqs[w.req].embed]
+            if embeds:
+                batch = [w for w in batch if not self.reqs[w.req].embed]
+                self.embed(embeds)
         if not batch:
             return
         items = [
@@ -672,25 +673,37 @@ class Runner:
         """How this model pools an input's hidden states (read on first use)."""
         return pooling_of(self.cfg.model_path)
 
-    def embed_one(self, w: Work) -> None:
-        """Pool the final hidden states of an embeddings request, send its vector and
-        finish it."""
-        r = self.reqs[w.req]
+    def embed(self, batch: list[Work]) -> None:
+        """Pool the final hidden states of embeddings requests, send each one's vector
+        and finish them (one at a time if their engine call fails, so only the request
+        at fault ends)."""
+        items = [
+            StageInput(seq=self.reqs[w.req].seq, pos=0, tokens=w.tokens, hidden=w.hidden)
+            for w in batch
+        ]
         t0 = time.perf_counter()
         try:
-            rows = self.stage.embed(StageInput(seq=r.seq, pos=0, tokens=w.tokens, hidden=w.hidden))
-            vector = pool(rows, self.pooling)
+            rows = self.stage.embed(items)
         except Exception as e:
-            log.warning("embedding of %s failed: %s", w.req, e)
+            if len(batch) > 1:
+                for w in batch:
+                    self.embed([w])
+                return
+            r = self.reqs[batch[0].req]
+            log.warning("embedding of %s failed: %s", r.req, e)
             self.fail(r.reply_to, r.req, "bad_input", f"stage {self.cfg.stage}: {e}")
             self.release(r.req, "cancel")
             return
         spent = round(time.perf_counter() - t0, 6)
-        self.chunk(
-            r, r.reply_to, r.req, embedding=vector.astype("<f4").tobytes(), finish_reason="stop",
-            usage=wire.Usage(r.n_prompt, 0), compute=[*w.compute, spent],
-        )  # fmt: skip
-        self.release(r.req, "done")
+        for w, x in zip(batch, rows, strict=True):
+            r = self.reqs[w.req]
+            vector = pool(x, self.pooling)
+            self.chunk(
+                r, r.reply_to, r.req, embedding=vector.astype("<f4").tobytes(),
+                finish_reason="stop", usage=wire.Usage(r.n_prompt, 0),
+                compute=[*w.compute, spent],
+            )  # fmt: skip
+            self.release(r.req, "done")
 
     def token_logprob(self, d: Draw) -> wire.TokenLogprob:
         """``d`` for the wire, each token with its bytes (special tokens as their text)."""

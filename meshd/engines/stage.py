@@ -101,10 +101,10 @@ class Stage(Protocol):
         """Run one step for every item (one per sequence), in one engine call."""
         ...
 
-    def embed(self, item: StageInput) -> npt.NDArray[np.float32]:
-        """Last stage: the final hidden states (after the output norm), ``(n,
-        hidden_size)``, of one whole input, computed apart from every sequence (no KV
-        is kept or touched; ``item.seq`` is not used)."""
+    def embed(self, items: Sequence[StageInput]) -> list[npt.NDArray[np.float32]]:
+        """Last stage: for each item, the final hidden states (after the output norm),
+        ``(n, hidden_size)``, of one whole input; computed together, apart from every
+        sequence (no KV is kept or touched; ``seq`` and ``pos`` are not used)."""
         ...
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
@@ -162,16 +162,19 @@ def input_rows(stage: Stage, tokens: np.ndarray | None, hidden: np.ndarray | Non
     return arr.astype(np.float32, copy=False)
 
 
-def validate_embed_input(stage: Stage, item: StageInput) -> np.ndarray:
-    """The rows of an :meth:`Stage.embed` input (last stage; any ``seq``, ``pos`` 0)."""
+def validate_embed_inputs(stage: Stage, items: Sequence[StageInput]) -> list[np.ndarray]:
+    """The rows of each :meth:`Stage.embed` input (last stage only)."""
     if not stage.last:
         raise StageInputError("only a last stage computes embeddings")
-    arr = input_rows(stage, item.tokens, item.hidden)
-    if len(arr) == 0:
-        raise StageInputError("empty input")
-    if len(arr) > stage.n_ctx:
-        raise ContextFullError(f"{len(arr)} positions exceed n_ctx {stage.n_ctx}")
-    return arr
+    out = []
+    for it in items:
+        arr = input_rows(stage, it.tokens, it.hidden)
+        if len(arr) == 0:
+            raise StageInputError("empty input")
+        if len(arr) > stage.n_ctx:
+            raise ContextFullError(f"{len(arr)} positions exceed n_ctx {stage.n_ctx}")
+        out.append(arr)
+    return out
 
 
 def validate_inputs(stage: Stage, items: Sequence[StageInput]) -> list[np.ndarray]:

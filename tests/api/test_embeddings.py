@@ -35,7 +35,7 @@ def whole(model_path: Path) -> np.ndarray:
         out = []
         for t in TEXTS:
             toks = np.asarray(s.tokenize(t, add_special=True, parse_special=False), np.int32)
-            out.append(pool(s.embed(StageInput(seq=0, pos=0, tokens=toks)), "mean"))
+            out.append(pool(s.embed([StageInput(seq=0, pos=0, tokens=toks)])[0], "mean"))
         return np.stack(out)
 
 

@@ -31,7 +31,7 @@ def test_vectors_match_llama_cpp_python_and_leave_the_sequences_alone(model_path
         prompt = _tokens(s, "Once upon a time")
         before = s.forward([StageInput(seq=0, pos=0, tokens=prompt)])[0]
         for i, text in enumerate(TEXTS):
-            v = pool(s.embed(StageInput(seq=1, pos=0, tokens=_tokens(s, text))), "mean")
+            v = pool(s.embed([StageInput(seq=1, pos=0, tokens=_tokens(s, text))])[0], "mean")
             assert abs(float(np.linalg.norm(v)) - 1) < 1e-5
             assert float(v @ want[i]) > 0.998, text
         assert s.n_past(0) == len(prompt) and s.n_past(1) == 0
@@ -39,7 +39,7 @@ def test_vectors_match_llama_cpp_python_and_leave_the_sequences_alone(model_path
         again = s.forward([StageInput(seq=0, pos=0, tokens=prompt)])[0]
         np.testing.assert_allclose(again, before, atol=1e-4)
         with pytest.raises(StageInputError):
-            s.embed(StageInput(seq=0, pos=0, tokens=np.zeros(513, np.int32)))
+            s.embed([StageInput(seq=0, pos=0, tokens=np.zeros(513, np.int32))])[0]
 
 
 def test_a_long_input_runs_in_several_decodes_and_equals_one(model_path: Path) -> None:
@@ -47,9 +47,9 @@ def test_a_long_input_runs_in_several_decodes_and_equals_one(model_path: Path) -
     with LlamaStage(model_path, first=True, last=True, n_ctx=512, n_seq_max=1, n_batch=32) as a:
         toks = _tokens(a, text)
         assert len(toks) > 64
-        chunked = a.embed(StageInput(seq=0, pos=0, tokens=toks))
+        chunked = a.embed([StageInput(seq=0, pos=0, tokens=toks)])[0]
     with LlamaStage(model_path, first=True, last=True, n_ctx=512, n_seq_max=1) as b:
-        whole = b.embed(StageInput(seq=0, pos=0, tokens=toks))
+        whole = b.embed([StageInput(seq=0, pos=0, tokens=toks)])[0]
     assert float(pool(chunked, "mean") @ pool(whole, "mean")) > 0.9999
 
 
@@ -62,8 +62,8 @@ def test_mlx_and_llama_give_the_same_vector(model_path: Path) -> None:
         MlxStage(model_path, start=0, end=30, first=True, last=True, n_ctx=256, n_seq_max=1) as b,
     ):
         for text in TEXTS:
-            x = pool(a.embed(StageInput(seq=0, pos=0, tokens=_tokens(a, text))), "mean")
-            y = pool(b.embed(StageInput(seq=0, pos=0, tokens=_tokens(a, text))), "mean")
+            x = pool(a.embed([StageInput(seq=0, pos=0, tokens=_tokens(a, text))])[0], "mean")
+            y = pool(b.embed([StageInput(seq=0, pos=0, tokens=_tokens(a, text))])[0], "mean")
             assert float(x @ y) > 0.999, text
 
 
@@ -81,3 +81,26 @@ def test_pooling_follows_the_gguf_and_defaults_to_mean(tmp_path: Path, model_pat
     np.testing.assert_allclose(pool(np.zeros((2, 2), np.float32), "mean"), [0, 0])
     with pytest.raises(ValueError):
         pool(np.zeros((0, 2), np.float32), "mean")
+
+
+@pytest.mark.parametrize("engine", ["llama", "mlx"])
+def test_inputs_embedded_together_equal_each_alone(model_path: Path, engine: str) -> None:
+    """Several inputs share decodes (and a context too small for all of them at once
+    takes them in groups); each vector is what it would be alone."""
+    if engine == "mlx":
+        pytest.importorskip("mlx.core")
+        from meshd.engines.mlx_stage import MlxStage
+
+        stage = MlxStage(model_path, start=0, end=30, first=True, last=True, n_ctx=64,
+                         n_seq_max=4)  # fmt: skip
+    else:
+        stage = LlamaStage(model_path, first=True, last=True, n_ctx=64, n_seq_max=4, n_batch=48)
+    texts = [" ".join([t] * 4) for t in TEXTS] + TEXTS
+    with stage as s:
+        items = [StageInput(seq=0, pos=0, tokens=_tokens(s, t)) for t in texts]
+        assert sum(len(it.tokens) for it in items) > 64  # more than one group
+        together = s.embed(items)
+        for it, rows in zip(items, together, strict=True):
+            alone = s.embed([it])[0]
+            assert rows.shape == alone.shape
+            assert float(pool(rows, "mean") @ pool(alone, "mean")) > 0.9999
