@@ -28,7 +28,7 @@ from meshd.node.errors import RequestFailed
 from meshd.node.metrics import Metrics
 from meshd.transport import wire
 
-from .errors import ApiError, node_error, overloaded, request_failed
+from .errors import ApiError, bad_request, node_error, overloaded, request_failed
 from .limits import Ticket
 from .sampling import SamplingRequest, check_max_tokens, pipeline_sampling
 from .services import ApiContext
@@ -203,6 +203,13 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
     try:
         max_tokens = check_max_tokens(req.max_tokens, ctx.settings.max_tokens)
         inst = await _instance(ctx, req.model)
+        if inst.facts is not None and inst.facts.embedding_only and not req.embed:
+            raise bad_request(
+                f"model {req.model!r} is an embedding model: it answers POST /v1/embeddings, "
+                "not completions",
+                param="model",
+                code="model_not_generative",
+            )
         params = pipeline_sampling(
             req.sampling, inst.facts, max_tokens=max_tokens, stop=req.stop,
             ignore_eos=req.ignore_eos, logprobs=req.logprobs, grammar=req.grammar,

@@ -186,6 +186,8 @@ class ModelFacts(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     n_vocab: int = 0
     #: The sampling its authors recommend, when they ship one.
     sampling: SamplingDefaults | None = None
+    #: An encoder (BERT-like): it serves embeddings, never a completion, on one node.
+    embedding_only: bool = False
 
 
 class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):

@@ -33,8 +33,11 @@ import numpy as np
 import numpy.typing as npt
 
 from meshd.models.errors import ModelFormatError
+from meshd.models.facts import embedding_only
+from meshd.models.gguf import read_metadata
 
 from .stage import (
+    ContextFullError,
     StageError,
     StageInput,
     StageOutput,
@@ -310,6 +313,11 @@ class LlamaStage:
         self.n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
         #: Context the model was trained for (0 = the file does not say).
         self.n_ctx_train = int(L.llama_model_n_ctx_train(model))
+        meta = read_metadata(path, keys=["general.architecture"])
+        arch = str(meta.get("general.architecture", ""))
+        causal = read_metadata(path, keys=[f"{arch}.attention.causal"])
+        #: False for an encoder (BERT-like): it only embeds, over whole inputs at once.
+        self.generative = not embedding_only(arch, causal)
         self._target = f"l_out-{self.n_layers - 1}".encode()
 
         cparams = self._cparams(n_ctx * n_seq_max, n_seq_max)
@@ -572,12 +580,15 @@ class LlamaStage:
         self._check_open()
         inputs = validate_embed_inputs(self, items)
         ctx = self._embedding_context()
+        # An encoder attends both ways: llama.cpp needs each input whole in one ubatch,
+        # so a group is what one decode holds.
+        room = self.n_ctx if self.generative else self._embed_batch
         out: list[npt.NDArray[np.float32]] = []
         group: list[np.ndarray] = []
         for a in inputs:
-            if group and (
-                sum(map(len, group)) + len(a) > self.n_ctx or len(group) == self.n_seq_max
-            ):
+            if len(a) > room:
+                raise ContextFullError(f"{len(a)} positions exceed {room} for one input")
+            if group and (sum(map(len, group)) + len(a) > room or len(group) == self.n_seq_max):
                 out += self._embed_group(ctx, group)
                 group = []
             group.append(a)
@@ -585,11 +596,16 @@ class LlamaStage:
             out += self._embed_group(ctx, group)
         return out
 
+    @property
+    def _embed_batch(self) -> int:
+        """Rows one embeddings decode takes (an encoder's whole context: see embed)."""
+        return min(self.n_batch, self.n_ctx) if self.generative else self.n_ctx
+
     def _embedding_context(self) -> Any:
         if self._embed_ctx is None:
             L = self._L
             cparams = self._cparams(self.n_ctx, self.n_seq_max)
-            cparams.n_batch = cparams.n_ubatch = min(self.n_batch, self.n_ctx)
+            cparams.n_batch = cparams.n_ubatch = self._embed_batch
             cparams.embeddings = True
             cparams.pooling_type = L.LLAMA_POOLING_TYPE_NONE
             ctx = L.llama_init_from_model(self._model, cparams)
@@ -608,7 +624,7 @@ class LlamaStage:
         seqs = np.repeat(np.arange(len(inputs), dtype=np.int32), lengths)
         outs = np.ones(total, np.int8)
         rows = np.empty((total, self.hidden_size), np.float32)
-        step = min(self.n_batch, self.n_ctx)
+        step = self._embed_batch
         try:
             for c0 in range(0, total, step):
                 c1 = min(total, c0 + step)

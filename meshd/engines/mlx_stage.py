@@ -509,6 +509,9 @@ class MlxStage:
         # Views of one array made for this call: nothing else ever writes to it.
         return [hidden[s:e] for s, e in zip(starts, ends, strict=True)]
 
+    #: MLX stages run decoder models (llama-like) only.
+    generative = True
+
     def embed(self, items: Sequence[StageInput]) -> list[npt.NDArray[np.float32]]:
         """For each item, the final hidden states (after the output norm) of every row
         of its input, ``(n, hidden_size)``, run together on caches of their own that are

@@ -424,6 +424,12 @@ class Runner:
 
     # -- stage 0 -------------------------------------------------------------------
     def admit(self, g: wire.Generate) -> None:
+        if not g.embed and not self.stage.generative:
+            self.fail(
+                g.reply_to, g.req, "not_generative",
+                "this model is an embedding model: it embeds, it does not generate",
+            )  # fmt: skip
+            return
         try:
             sampling_params(g.sampling, self.stage.n_vocab)
             g = self.with_tool_grammar(g)

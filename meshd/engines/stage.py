@@ -88,6 +88,8 @@ class Stage(Protocol):
     n_seq_max: int
     #: Context the model was trained for (0 when unknown).
     n_ctx_train: int
+    #: False for an encoder (embeddings only): :meth:`forward` is not for it.
+    generative: bool
 
     def n_past(self, seq: int) -> int:
         """Positions the stage holds for ``seq``."""

@@ -3,7 +3,7 @@
 Every number comes from the model itself (``<arch>.block_count``, tensor sizes, ...):
 nothing about a particular model is hard-coded here, so a new GGUF works as soon as
 llama.cpp can load it. Only headers are read. GGUF facts are cached in
-``cache_dir/facts-v2.json`` by (path, size, mtime).
+``cache_dir/facts-v3.json`` by (path, size, mtime).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,7 @@ def read_facts(
 
 
 #: Named by version: facts cached by an older meshd lack fields added since.
-_FACTS_FILE = "facts-v2.json"
+_FACTS_FILE = "facts-v3.json"
 
 
 def _cached_facts(path: Path, cache_dir: Path | None) -> ModelFacts | None:
@@ -141,7 +142,8 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
 
     quant_types = sorted(types)
     engines = ["llama_cpp"]
-    if types <= MLX_TYPES:
+    encoder = embedding_only(arch, kv)
+    if types <= MLX_TYPES and not encoder:
         # Any other type either fails to load in mx.load or, worse (Q4_K), loads
         # with wrong values: such a model must never be placed on an MLX stage.
         engines.append("mlx")
@@ -162,7 +164,21 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
         engines=engines,
         n_vocab=_n_vocab(header.tensors),
         sampling=gguf_sampling(kv),
+        embedding_only=encoder,
     )
+
+
+#: Encoder-only architectures llama.cpp runs: they embed, they do not generate.
+ENCODER_ARCHITECTURES = frozenset(
+    {"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "modern-bert",
+     "neo-bert", "t5encoder"}
+)  # fmt: skip
+
+
+def embedding_only(arch: str, kv: Mapping[str, Any]) -> bool:
+    """Whether a GGUF of ``arch`` with metadata ``kv`` is an embedding model only: an
+    encoder architecture, or attention its metadata says is not causal."""
+    return arch in ENCODER_ARCHITECTURES or kv.get(f"{arch}.attention.causal") is False
 
 
 def _n_vocab(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> int:

@@ -208,6 +208,7 @@ class Requests:
                         "context_length_exceeded",
                         "bad_prompt",
                         "bad_sampling",
+                        "not_generative",
                     )
                     raise RequestFailed(
                         chunk.error.code, chunk.error.message, 400 if bad_input else 502

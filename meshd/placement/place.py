@@ -196,10 +196,15 @@ def place(
             f"min_nodes={spec.min_nodes} but model {m.name!r} has only {m.n} layer(s)",
         )
     if max(spec.min_nodes, len(spec.nodes)) > m.max_stages:
+        why = (
+            "an encoder (embeddings only) attends both ways over its whole input"
+            if m.embedding_only
+            else "llama.cpp rescales its input rows"
+        )
         raise PlacementError(
             "bad_spec",
-            f"model {m.name!r} ({m.arch}) runs on one node: llama.cpp rescales its input "
-            "rows, so its layers cannot be split across stages",
+            f"model {m.name!r} ({m.arch}) runs on one node: {why}, so its layers cannot "
+            "be split across stages",
         )
     prev = _previous_stages(previous, m.n)
     credit = {}
@@ -259,6 +264,7 @@ class _Model:
     #: Most stages the model may be cut into (1: see UNSPLITTABLE_ARCHITECTURES).
     max_stages: int
     arch: str
+    embedding_only: bool = False
 
     @staticmethod
     def of(facts: ModelFacts, policy: Policy) -> _Model:
@@ -298,7 +304,10 @@ class _Model:
             floor=policy.floor_bytes,
             engines=engines,
             preference=tuple(policy.engine_preference),
-            max_stages=1 if facts.architecture in UNSPLITTABLE_ARCHITECTURES else facts.n_layers,
+            max_stages=1
+            if facts.embedding_only or facts.architecture in UNSPLITTABLE_ARCHITECTURES
+            else facts.n_layers,
+            embedding_only=facts.embedding_only,
             arch=facts.architecture,
         )
 

@@ -14,7 +14,8 @@ from meshd.engines.llama_stage import LlamaStage
 from meshd.engines.stage import StageInput
 from meshd.models.pooling import pool
 from meshd.models.resolve import DEFAULT_MODEL
-from tests.cluster import NodeProc
+from tests.cluster import Cluster, NodeProc, wait_for
+from tests.synthetic import write_bert
 
 openai = pytest.importorskip("openai")
 
@@ -102,3 +103,33 @@ def test_bad_inputs_get_typed_errors(via: NodeProc, body, status, param) -> None
     err = r.json()["error"]
     assert err["param"] == param, r.text
     assert err["message"]
+
+
+def test_an_embedding_model_places_on_one_node_and_only_embeds(
+    cluster: Cluster, tmp_path: Path, model_path: Path
+) -> None:
+    """A BERT GGUF from a node's model dir: /v1/embeddings serves it (as llama-cpp-python
+    computes it); completions and a split are refused, saying why."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    models = tmp_path / "models"
+    models.mkdir()
+    bert = write_bert(models / "bert-mini.gguf", model_path, pooling=2)
+    a = cluster.start("a", extra_args=["--models", str(models)])
+    b = cluster.start("b", peers=[a], extra_args=["--models", str(models)])
+    wait_for(lambda: len(b.cluster()["nodes"]) == 2, 15)
+    split = httpx.post(a.api + "/v1/instances", json={"model": str(bert), "min_nodes": 2},
+                       timeout=60)  # fmt: skip
+    assert split.status_code in (400, 409), split.text
+    assert "encoder" in split.json()["error"]["message"]
+    client = openai.OpenAI(base_url=a.api + "/v1", api_key="unused", timeout=120, max_retries=0)
+    r = client.embeddings.create(model=str(bert), input=TEXTS)
+    got = np.array([d.embedding for d in r.data])
+    ref = llama_cpp.Llama(str(bert), embedding=True, verbose=False, n_ctx=512)
+    want = np.asarray(ref.embed(TEXTS, normalize=True))
+    assert np.sum(got * want, axis=1).min() > 0.9999
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=str(bert), messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    assert e.value.body["param"] == "model"
+    assert e.value.body["code"] == "model_not_generative"

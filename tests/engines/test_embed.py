@@ -10,7 +10,7 @@ import pytest
 from meshd.engines.llama_stage import LlamaStage
 from meshd.engines.stage import StageInput, StageInputError
 from meshd.models.pooling import pool, pooling_of
-from tests.synthetic import write_model
+from tests.synthetic import write_bert, write_model
 
 TEXTS = ["The cat sat on the mat.", "Quantum physics is hard to learn", "hello"]
 
@@ -104,3 +104,25 @@ def test_inputs_embedded_together_equal_each_alone(model_path: Path, engine: str
             alone = s.embed([it])[0]
             assert rows.shape == alone.shape
             assert float(pool(rows, "mean") @ pool(alone, "mean")) > 0.9999
+
+
+@pytest.mark.parametrize(("pooling", "how"), [(1, "mean"), (2, "cls")])
+def test_an_encoder_embeds_as_llama_cpp_python_does(
+    tmp_path: Path, model_path: Path, pooling: int, how: str
+) -> None:
+    """A BERT GGUF (non-causal, no output head) is an embedding model: each input whole
+    in one decode, pooled the way its GGUF says."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = write_bert(tmp_path / "bert.gguf", model_path, pooling=pooling)
+    assert pooling_of(path) == how
+    ref = llama_cpp.Llama(str(path), embedding=True, verbose=False, n_ctx=512)
+    want = np.asarray(ref.embed(TEXTS, normalize=True))
+    with LlamaStage(path, first=True, last=True, n_ctx=512, n_seq_max=4) as s:
+        assert not s.generative
+        items = [StageInput(seq=0, pos=0, tokens=_tokens(s, t)) for t in TEXTS]
+        together = s.embed(items)
+        for i, rows in enumerate(together):
+            v = pool(rows, how)
+            assert float(v @ want[i]) > 0.9999, TEXTS[i]
+            alone = pool(s.embed([items[i]])[0], how)
+            assert float(v @ alone) > 0.99999

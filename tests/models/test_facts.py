@@ -121,3 +121,15 @@ def test_header_reader_sizes_every_tensor_as_the_gguf_package_does(model_path: P
     assert got == want
     assert header.kv["general.architecture"] == "llama"
     assert header.kv["llama.block_count"] == 30
+
+
+def test_an_encoder_is_an_embedding_only_model_for_llama_cpp_alone(
+    model_path: Path, tmp_path: Path
+) -> None:
+    from tests.synthetic import write_bert, write_model
+
+    bert = read_facts(write_bert(tmp_path / "bert.gguf", model_path), name="bert")
+    assert bert.architecture == "bert" and bert.embedding_only
+    assert bert.engines == ["llama_cpp"]  # MLX stages run decoders only
+    llama = read_facts(write_model(tmp_path / "llama.gguf", model_path, "llama"), name="l")
+    assert not llama.embedding_only and "mlx" in llama.engines

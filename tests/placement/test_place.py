@@ -781,6 +781,22 @@ def test_node_resources_take_memory_from_the_heartbeat_and_skip_dead_nodes():
 GEMMA = msgspec.structs.replace(BIG, name="gemma-like", architecture="gemma2")
 
 
+def test_an_embedding_only_model_is_never_split_and_says_why() -> None:
+    encoder = msgspec.structs.replace(BIG, name="bert-like", architecture="bert",
+                                      embedding_only=True)  # fmt: skip
+    half = whole(BIG) // 2 + 4 * GiB
+    two = by_id(node("a", "a", ["llama_cpp-cpu"], half), node("b", "b", ["llama_cpp-cpu"], half))
+    with pytest.raises(PlacementError) as e:
+        place(InstanceSpec(model="m", min_nodes=2), encoder, two)
+    assert e.value.reason == "bad_spec" and "encoder" in e.value.message
+    with pytest.raises(PlacementError) as e:
+        place(InstanceSpec(model="m"), encoder, two)
+    assert e.value.reason == "insufficient_memory"
+    big = by_id(node("a", "a", ["llama_cpp-cpu"], whole(BIG) + GiB))
+    (stage,) = place(InstanceSpec(model="m"), encoder, big)
+    assert (stage.start, stage.end) == (0, encoder.n_layers)
+
+
 def test_a_model_whose_graph_rescales_its_input_rows_is_never_split() -> None:
     from meshd.placement.place import UNSPLITTABLE_ARCHITECTURES
 
