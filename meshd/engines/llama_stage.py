@@ -40,6 +40,7 @@ from .stage import (
     ContextFullError,
     StageError,
     StageInput,
+    StageInputError,
     StageOutput,
     check_seq,
     stage_role,
@@ -449,6 +450,16 @@ class LlamaStage:
         self._check_open()
         self._check_seq(seq)
         self._L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def share(self, src: int, dst: int, n: int) -> None:
+        """Make the empty ``dst`` hold ``src``'s first ``n`` positions: the cells are
+        shared (one KV buffer holds every sequence), nothing is copied."""
+        self._check_open()
+        self._check_seq(src)
+        self._check_seq(dst)
+        if self.n_past(dst) != 0 or self.n_past(src) < n:
+            raise StageInputError(f"cannot share {n} positions of seq {src} with seq {dst}")
+        self._L.llama_memory_seq_cp(self._mem, src, dst, 0, n)
 
     def _check_open(self) -> None:
         if self._ctx is None:

@@ -67,6 +67,7 @@ from .llama_stage import LlamaVocab
 from .stage import (
     StageError,
     StageInput,
+    StageInputError,
     StageOutput,
     check_seq,
     stage_role,
@@ -440,6 +441,22 @@ class MlxStage:
         self._check_open()
         self._check_seq(seq)
         self._caches.pop(seq, None)
+
+    def share(self, src: int, dst: int, n: int) -> None:
+        """Make the empty ``dst`` hold ``src``'s first ``n`` positions (their K/V rows
+        copied into caches of its own)."""
+        self._check_open()
+        self._check_seq(src)
+        self._check_seq(dst)
+        if self.n_past(dst) != 0 or self.n_past(src) < n:
+            raise StageInputError(f"cannot share {n} positions of seq {src} with seq {dst}")
+        caches = []
+        for c in self._caches[src]:
+            d = self._KVCache()
+            d.update_and_fetch(c.keys[..., :n, :], c.values[..., :n, :])
+            caches.append(d)
+        self._mx.eval([x for d in caches for x in (d.keys, d.values)])
+        self._caches[dst] = caches
 
     def _check_open(self) -> None:
         if self._vocab is None:

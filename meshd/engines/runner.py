@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import logging
 import os
 import signal
@@ -83,7 +84,7 @@ from .protocol import (
     encode,
 )
 from .sampling import MAX_TOP_LOGPROBS, Draw, Sampler, SamplingParams
-from .stage import StageInput
+from .stage import StageInput, StageInputError
 from .threads import configure_threads
 
 log = logging.getLogger("meshd.runner")
@@ -149,6 +150,40 @@ class Request:
     constraint: Constraint | None = None
 
 
+#: Prefills a stage remembers for choices of the same prompt that come after.
+MAX_SHARED_PREFILLS = 16
+#: Largest output kept for them (hidden rows of a long prompt on a wide model).
+MAX_SHARED_OUTPUT = 64 * 1024 * 1024
+
+
+@dataclass
+class Prefill:
+    """A pos-0 input this stage ran: its output, and the requests whose KV holds it
+    (the one that ran it, then those that shared it), any of which can serve another
+    request with the very same input while it lives."""
+
+    holders: list[str]
+    n: int
+    out: np.ndarray
+
+
+def _rows(w: Work) -> int:
+    return len(w.tokens) if w.tokens is not None else len(w.hidden)  # type: ignore[arg-type]
+
+
+def _prefill_key(w: Work) -> bytes | None:
+    """A digest of a pos-0 input (token ids, or the hidden rows of the stage before),
+    None for any other step. Choices of one prompt give identical bytes at every stage:
+    a shared prefill sends its leader's very rows on."""
+    if w.pos != 0:
+        return None
+    x = np.ascontiguousarray(w.tokens if w.tokens is not None else w.hidden)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{x.dtype.str}{x.shape}".encode())
+    h.update(memoryview(x).cast("B"))
+    return h.digest()
+
+
 @dataclass
 class Work:
     """One unit of compute for one request: tokens (stage 0) or hidden rows."""
@@ -171,6 +206,8 @@ class Counters:
     expired: int = 0
     #: Requests freed because the plan generation moved on.
     superseded: int = 0
+    #: Prefills taken from another request with the same input (Stage.share).
+    shared_prefills: int = 0
 
     def drop(self, reason: str) -> None:
         """Count one frame dropped for ``reason``."""
@@ -199,6 +236,7 @@ class Runner:
         self.router = router
         self.reqs: dict[str, Request] = {}
         self.free_seqs = list(range(cfg.n_seq_max - 1, -1, -1))
+        self.prefills: collections.OrderedDict[bytes, Prefill] = collections.OrderedDict()
         self.waiting: collections.deque[wire.Generate] = collections.deque()
         #: Recently cancelled ids this stage did not hold (oldest first).
         self.cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -645,34 +683,89 @@ class Runner:
                 self.embed(embeds)
         if not batch:
             return
+        # The n choices of one prompt bring the same input at pos 0: it runs once, and
+        # the others get its KV (Stage.share) and its output (see Prefill).
+        keys = [_prefill_key(w) for w in batch]
+        run: list[Work] = []
+        followers: list[tuple[Work, bytes]] = []
+        leading: set[bytes] = set()
+        for w, k in zip(batch, keys, strict=True):
+            if k is not None and (k in leading or self._live_prefill(k) is not None):
+                followers.append((w, k))
+            else:
+                run.append(w)
+                if k is not None:
+                    leading.add(k)
         items = [
             StageInput(seq=self.reqs[w.req].seq, pos=w.pos, tokens=w.tokens, hidden=w.hidden)
-            for w in batch
+            for w in run
         ]
-        t0 = time.perf_counter()
-        try:
-            outs: list = self.stage.forward(items)
-        except Exception:
-            # One bad item fails the whole call: run them one by one so only the
-            # requests at fault end (with a typed error), and the runner lives on.
-            outs = [self.forward_one(w, it) for w, it in zip(batch, items, strict=True)]
-        spent = round(time.perf_counter() - t0, 6)
-        for w, out in zip(batch, outs, strict=True):
+        outs: list = []
+        spent = 0.0
+        if items:
+            t0 = time.perf_counter()
+            try:
+                outs = self.stage.forward(items)
+            except Exception:
+                # One bad item fails the whole call: run them one by one so only the
+                # requests at fault end (with a typed error), and the runner lives on.
+                outs = [self.forward_one(w, it) for w, it in zip(run, items, strict=True)]
+            spent = round(time.perf_counter() - t0, 6)
+        for w, out in zip(run, outs, strict=True):
             if out is None:
                 continue
-            r = self.reqs[w.req]
-            r.last_active = time.monotonic()
-            n = len(w.tokens) if w.tokens is not None else len(w.hidden)  # type: ignore[arg-type]
-            if not self.last:
-                rows = encode_rows(out, self.cfg.send_dtype)
-                act = wire.Activation(
-                    req=r.req, instance=self.cfg.instance, generation=self.generation,
-                    pos=w.pos, rows=rows.shape[0], hidden=rows.shape[1], start=w.start,
-                    compute=[*w.compute, spent], dtype=self.cfg.send_dtype,
-                )  # fmt: skip
-                self.send(r.route[self.cfg.stage + 1], act, memoryview(rows))
-            elif w.pos + n >= r.replay_end:  # before it: a replay's tokens already sent
-                self.sample(r, out, w.pos + n, [*w.compute, spent])
+            k = _prefill_key(w)
+            if k is not None and out.nbytes <= MAX_SHARED_OUTPUT:
+                self._remember_prefill(k, Prefill([w.req], _rows(w), np.array(out)))
+            self.deliver(w, out, spent)
+        for w, k in followers:
+            p = self._live_prefill(k)
+            r = self.reqs.get(w.req)
+            if r is None:
+                continue
+            try:
+                if p is None:
+                    raise StageInputError("its prefill is gone")
+                holder = next(h for h in p.holders if h in self.reqs)
+                self.stage.share(self.reqs[holder].seq, r.seq, p.n)
+            except Exception:
+                item = StageInput(seq=r.seq, pos=w.pos, tokens=w.tokens, hidden=w.hidden)
+                out = self.forward_one(w, item)
+                if out is not None:
+                    self.deliver(w, out, spent)
+                continue
+            self.counters.shared_prefills += 1
+            p.holders.append(r.req)
+            self.deliver(w, p.out, 0.0)
+
+    def deliver(self, w: Work, out: np.ndarray, spent: float) -> None:
+        """Send a step's output on: hidden rows to the next stage, or a sampled token."""
+        r = self.reqs[w.req]
+        r.last_active = time.monotonic()
+        n = _rows(w)
+        if not self.last:
+            rows = encode_rows(out, self.cfg.send_dtype)
+            act = wire.Activation(
+                req=r.req, instance=self.cfg.instance, generation=self.generation,
+                pos=w.pos, rows=rows.shape[0], hidden=rows.shape[1], start=w.start,
+                compute=[*w.compute, spent], dtype=self.cfg.send_dtype,
+            )  # fmt: skip
+            self.send(r.route[self.cfg.stage + 1], act, memoryview(rows))
+        elif w.pos + n >= r.replay_end:  # before it: a replay's tokens already sent
+            self.sample(r, out, w.pos + n, [*w.compute, spent])
+
+    def _live_prefill(self, key: bytes) -> Prefill | None:
+        p = self.prefills.get(key)
+        if p is None:
+            return None
+        p.holders = [h for h in p.holders if h in self.reqs]
+        return p if p.holders else None
+
+    def _remember_prefill(self, key: bytes, p: Prefill) -> None:
+        self.prefills[key] = p
+        self.prefills.move_to_end(key)
+        while len(self.prefills) > MAX_SHARED_PREFILLS:
+            self.prefills.popitem(last=False)
 
     @functools.cached_property
     def pooling(self) -> Pooling:

@@ -99,6 +99,11 @@ class Stage(Protocol):
         """Drop ``seq``'s KV cache (idempotent)."""
         ...
 
+    def share(self, src: int, dst: int, n: int) -> None:
+        """Make the empty ``dst`` hold ``src``'s first ``n`` positions, as if it had
+        run the same input (``n`` choices of one prompt prefill it once)."""
+        ...
+
     def forward(self, items: Sequence[StageInput]) -> list[StageOutput]:
         """Run one step for every item (one per sequence), in one engine call."""
         ...
