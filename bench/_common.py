@@ -621,6 +621,17 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([fmt(header), line, *(fmt(r) for r in rows)])
 
 
+def print_pair(headline: str, series: Sequence[Series], what: str, fmt: str, fig: Figure) -> None:
+    """The closing report of a two-sided benchmark: a headline, each side's median and
+    spread in ``fmt``, then the figure."""
+    print()
+    print(headline)
+    rows = [[s.label, fmt.format(med(s.xs)), spread(s.xs, fmt)] for s in series]
+    print(table(rows, [what, f"{series[0].unit} (median)", "min-max"]))
+    print()
+    print(table([fig.row()], ["figure", "median", "min-max", "goal", "", "note"]))
+
+
 def paired(a: Series, b: Series) -> list[float]:
     """a[i] / b[i] for the repeats where both were measured."""
     return [x / y for x, y in zip(a.xs, b.xs, strict=False) if y and y == y and x == x]

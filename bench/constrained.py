@@ -30,11 +30,10 @@ from _common import (
     med,
     paired,
     place,
+    print_pair,
     run_measure,
-    spread,
     start_node,
     stream_chat,
-    table,
     version,
 )
 
@@ -104,16 +103,10 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
         lambda v: v <= 1.10,
         note=f"{len(PROMPTS)} prompts x {args.repeats}",
     )
-    print()
-    print(f"model {args.model}; {cpu_model()}; llguidance {version('llguidance')}")
-    print(
-        table(
-            [[s.label, f"{med(s.xs):.2f}", spread(s.xs, "{:.2f}")] for s in (free, held)],
-            ["decoding", "ms/token (median)", "min-max"],
-        )
-    )
-    print()
-    print(table([fig.row()], ["figure", "median", "min-max", "goal", "", "note"]))
+    print_pair(
+        f"model {args.model}; {cpu_model()}; llguidance {version('llguidance')}",
+        (free, held), "decoding", "{:.2f}", fig,
+    )  # fmt: skip
     return 0
 
 

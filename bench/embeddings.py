@@ -30,13 +30,11 @@ from _common import (
     cpu_model,
     http_client,
     log,
-    med,
     paired,
     place,
+    print_pair,
     run_measure,
-    spread,
     start_node,
-    table,
     version,
 )
 
@@ -93,16 +91,10 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
         lambda v: v >= 0.9,
         note=f"{len(batch)} inputs, mean cosine {cosine:.5f}",
     )
-    print()
-    print(f"model {args.model}; {cpu_model()}; llama-cpp-python {version('llama-cpp-python')}")
-    print(
-        table(
-            [[s.label, f"{med(s.xs):.1f}", spread(s.xs, "{:.1f}")] for s in (ours, theirs)],
-            ["embedder", "inputs/s (median)", "min-max"],
-        )
-    )
-    print()
-    print(table([fig.row()], ["figure", "median", "min-max", "goal", "", "note"]))
+    print_pair(
+        f"model {args.model}; {cpu_model()}; llama-cpp-python {version('llama-cpp-python')}",
+        (ours, theirs), "embedder", "{:.1f}", fig,
+    )  # fmt: skip
     return 0
 
 

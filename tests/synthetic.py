@@ -12,6 +12,19 @@ import numpy as np
 N_LAYERS = 4
 
 
+def _copy_tokenizer(w: gguf.GGUFWriter, src: gguf.GGUFReader) -> int:
+    """Copy every ``tokenizer.*`` key of ``src`` into ``w``; the vocabulary's size."""
+    n_vocab = 0
+    for f in src.fields.values():
+        if f.name.startswith("tokenizer."):
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            value = f.contents()
+            if f.name == "tokenizer.ggml.tokens":
+                n_vocab = len(value)
+            w.add_key_value(f.name, value, f.types[0], sub_type=sub)
+    return n_vocab
+
+
 def write_model(
     path: Path,
     tokenizer_from: Path,
@@ -42,14 +55,7 @@ def write_model(
             w.add_float32(key, value)
         else:
             w.add_int32(key, value)
-    n_vocab = 0
-    for f in src.fields.values():
-        if f.name.startswith("tokenizer."):
-            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-            value = f.contents()
-            if f.name == "tokenizer.ggml.tokens":
-                n_vocab = len(value)
-            w.add_key_value(f.name, value, f.types[0], sub_type=sub)
+    n_vocab = _copy_tokenizer(w, src)
 
     def t(*shape: int, scale: float = 0.05) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -97,14 +103,7 @@ def write_bert(path: Path, tokenizer_from: Path, *, pooling: int = 1) -> Path:
     w.add_causal_attention(False)
     w.add_pooling_type(gguf.PoolingType(pooling))
     w.add_token_type_count(2)
-    n_vocab = 0
-    for f in src.fields.values():
-        if f.name.startswith("tokenizer."):
-            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-            value = f.contents()
-            if f.name == "tokenizer.ggml.tokens":
-                n_vocab = len(value)
-            w.add_key_value(f.name, value, f.types[0], sub_type=sub)
+    n_vocab = _copy_tokenizer(w, src)
 
     def t(*shape: int, scale: float = 0.05) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)

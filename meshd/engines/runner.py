@@ -687,6 +687,7 @@ class Runner:
         # the others get its KV (Stage.share) and its output (see Prefill).
         keys = [_prefill_key(w) for w in batch]
         run: list[Work] = []
+        run_keys: list[bytes | None] = []
         followers: list[tuple[Work, bytes]] = []
         leading: set[bytes] = set()
         for w, k in zip(batch, keys, strict=True):
@@ -694,6 +695,7 @@ class Runner:
                 followers.append((w, k))
             else:
                 run.append(w)
+                run_keys.append(k)
                 if k is not None:
                     leading.add(k)
         items = [
@@ -711,10 +713,9 @@ class Runner:
                 # requests at fault end (with a typed error), and the runner lives on.
                 outs = [self.forward_one(w, it) for w, it in zip(run, items, strict=True)]
             spent = round(time.perf_counter() - t0, 6)
-        for w, out in zip(run, outs, strict=True):
+        for w, k, out in zip(run, run_keys, outs, strict=True):
             if out is None:
                 continue
-            k = _prefill_key(w)
             if k is not None and out.nbytes <= MAX_SHARED_OUTPUT:
                 self._remember_prefill(k, Prefill([w.req], _rows(w), np.array(out)))
             self.deliver(w, out, spent)
