@@ -9,7 +9,7 @@ from __future__ import annotations
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from . import cluster, embeddings, instances, members, openai
+from . import anthropic, cluster, embeddings, instances, members, ollama, openai, responses
 from .auth import BearerAuth
 from .errors import install_error_handlers
 from .origins import HostOriginGuard
@@ -25,6 +25,10 @@ ROUTES = [
     Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
     Route("/v1/completions", openai.completions, methods=["POST"]),
     Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
+    Route("/v1/responses", responses.create_response, methods=["POST"]),
+    # Anthropic Messages (Claude Code adds ?beta=true: the query string is ignored).
+    Route("/v1/messages", anthropic.messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
     Route("/v1/instances", instances.list_instances, methods=["GET"]),
     Route("/v1/instances", instances.create_instance, methods=["POST"]),
     Route("/v1/instances/{instance_id}", instances.get_instance, methods=["GET"]),
@@ -33,6 +37,22 @@ ROUTES = [
     Route("/v1/members", members.approve, methods=["POST"]),
     Route("/v1/members/{node_id}", members.remove_member, methods=["DELETE"]),
     Route("/v1/invites", members.create_invite, methods=["POST"]),
+    # Ollama, on the same port.
+    Route("/", ollama.root, methods=["GET", "HEAD"]),
+    Route("/api/version", ollama.version, methods=["GET"]),
+    Route("/api/tags", ollama.tags, methods=["GET"]),
+    Route("/api/ps", ollama.ps, methods=["GET"]),
+    Route("/api/show", ollama.show, methods=["POST"]),
+    Route("/api/chat", ollama.chat, methods=["POST"]),
+    Route("/api/generate", ollama.generate, methods=["POST"]),
+    Route("/api/embed", ollama.embed, methods=["POST"]),
+    Route("/api/embeddings", ollama.embeddings, methods=["POST"]),
+    Route("/api/pull", ollama.pull, methods=["POST"]),
+    Route("/api/delete", ollama.delete, methods=["DELETE"]),
+    *(
+        Route(path, ollama.not_supported, methods=["POST", "HEAD"])
+        for path in ("/api/create", "/api/copy", "/api/push", "/api/blobs/{digest}")
+    ),
 ]
 
 

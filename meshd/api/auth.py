@@ -1,5 +1,6 @@
-"""API keys: ``meshd up --api-key KEY`` makes every route but ``/healthz`` demand
-``Authorization: Bearer KEY`` (what OpenAI clients send as their ``api_key``)."""
+"""API keys: ``meshd up --api-key KEY`` makes every route but ``/healthz`` demand the
+key, as ``Authorization: Bearer KEY`` (what OpenAI and Ollama clients send) or as
+``x-api-key: KEY`` (what Anthropic clients send)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import ApiError
+from .errors import ApiError, dialect_of
 
 __all__ = ["OPEN_PATHS", "BearerAuth", "invalid_api_key"]
 
@@ -20,13 +21,14 @@ def invalid_api_key(provided: bool) -> ApiError:
     msg = (
         "Incorrect API key provided."
         if provided
-        else "You didn't provide an API key; send it as 'Authorization: Bearer KEY'."
+        else "You didn't provide an API key; send it as 'Authorization: Bearer KEY' "
+        "(or 'x-api-key: KEY')."
     )
     return ApiError(401, msg, type="authentication_error", code="invalid_api_key")
 
 
 class BearerAuth:
-    """ASGI middleware: a request without the right bearer token gets a 401."""
+    """ASGI middleware: a request without the right key gets a 401 (in its dialect)."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
@@ -41,12 +43,13 @@ class BearerAuth:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
                 if scheme.lower() == b"bearer":
-                    given = token.strip()
-                break
+                    given = token.strip() or given
+            elif name == b"x-api-key":
+                given = value.strip() or given
         # Constant time: the comparison must not leak how much of a guess was right.
         if given and hmac.compare_digest(given, self._key):
             await self.app(scope, receive, send)
             return
-        resp = invalid_api_key(bool(given)).to_response()
+        resp = invalid_api_key(bool(given)).to_response(dialect_of(scope.get("path", "")))
         resp.headers["WWW-Authenticate"] = "Bearer"
         await resp(scope, receive, send)

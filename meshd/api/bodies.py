@@ -16,7 +16,7 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 
 from .errors import ApiError, bad_request, payload_too_large, unsupported_media_type
-from .schemas import FieldError
+from .rules import FieldError
 
 __all__ = ["BODY_TIMEOUT_S", "DEFAULT_MAX_BODY_BYTES", "parse_body", "validation_error"]
 

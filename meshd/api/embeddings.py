@@ -19,12 +19,13 @@ from starlette.responses import Response
 from meshd.node.errors import RequestFailed
 
 from . import schemas
+from .answers import client_closed
 from .bodies import parse_body
 from .errors import bad_request, request_failed
 from .runs import Collected, GenerateRequest, admit, unless_gone
 from .services import ApiContext, context
 
-__all__ = ["MAX_PARALLEL_INPUTS", "embeddings"]
+__all__ = ["MAX_PARALLEL_INPUTS", "embed_inputs", "embeddings"]
 
 #: Inputs of one request in flight at once (each holds a request slot of the node).
 MAX_PARALLEL_INPUTS = 8
@@ -34,9 +35,9 @@ async def embeddings(request: Request) -> Response:
     """``POST /v1/embeddings``."""
     body = await parse_body(request, schemas.EmbeddingRequest)
     ctx = context(request)
-    vectors = await unless_gone(_embed_all(ctx, body), request)
+    vectors = await unless_gone(embed_inputs(ctx, body.model, body.inputs), request)
     if vectors is None:
-        return Response(status_code=499)
+        return client_closed()
     width = len(vectors[0].embedding) // 4
     if body.dimensions is not None and body.dimensions != width:
         raise bad_request(
@@ -62,13 +63,16 @@ def _encoded(vector: bytes, fmt: str) -> list[float] | str:
     return np.frombuffer(vector, "<f4").tolist()
 
 
-async def _embed_all(ctx: ApiContext, body: schemas.EmbeddingRequest) -> list[Collected]:
-    """Every input's vector, in order; the first failure cancels the rest."""
+async def embed_inputs(
+    ctx: ApiContext, model: str, items: list[str | list[int]]
+) -> list[Collected]:
+    """Every input's vector (text or token ids), in order; the first failure cancels
+    the rest (every dialect's embeddings route runs through here)."""
     gate = asyncio.Semaphore(MAX_PARALLEL_INPUTS)
 
     async def one(item: str | list[int]) -> Collected:
         req = GenerateRequest(
-            model=body.model,
+            model=model,
             prompt=item if isinstance(item, str) else None,
             prompt_tokens=item if isinstance(item, list) else None,
             embed=True,
@@ -85,7 +89,7 @@ async def _embed_all(ctx: ApiContext, body: schemas.EmbeddingRequest) -> list[Co
             run.count("200")
             return got
 
-    tasks = [asyncio.ensure_future(one(item)) for item in body.inputs]
+    tasks = [asyncio.ensure_future(one(item)) for item in items]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:

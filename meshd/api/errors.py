@@ -1,18 +1,25 @@
-"""API errors in OpenAI's shape, and the handlers that make every failure use it.
+"""API errors, each in the shape of the dialect the client speaks, and the handlers
+that make every failure use it.
 
 Route code raises :class:`ApiError` (usually from a factory below); the handlers that
 :func:`install_error_handlers` adds turn it, Starlette's own 404/405, and any
-unexpected exception into ``{"error": {"message", "type", "param", "code"}}`` with
-the right status. The ``openai`` client maps the status to its exception class
-(400 ``BadRequestError``, 404 ``NotFoundError``, 429 ``RateLimitError``, ...) and
-honours ``Retry-After`` on 429 and 503.
+unexpected exception into the body of the request's dialect (:func:`dialect_of`, by
+path) with the right status:
+
+* OpenAI (``/v1/...``): ``{"error": {"message", "type", "param", "code"}}``; the
+  ``openai`` client maps the status to its exception class (400 ``BadRequestError``,
+  404 ``NotFoundError``, 429 ``RateLimitError``, ...) and honours ``Retry-After``.
+* Anthropic (``/v1/messages...``): ``{"type": "error", "error": {"type", "message"}}``
+  with Anthropic's error types (``invalid_request_error``, ``not_found_error``,
+  ``overloaded_error``, ...).
+* Ollama (``/api/...``): ``{"error": "message"}``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 from starlette.applications import Starlette
@@ -29,9 +36,11 @@ from .schemas import ErrorDetail, ErrorResponse
 
 __all__ = [
     "ApiError",
+    "Dialect",
     "ErrorType",
     "bad_request",
     "context_overflow",
+    "dialect_of",
     "install_error_handlers",
     "internal_error",
     "model_loading",
@@ -54,6 +63,31 @@ ErrorType = Literal[
     "rate_limit_error",
     "authentication_error",
 ]
+
+
+#: The API dialects a node speaks; each has its own error shape.
+Dialect = Literal["openai", "anthropic", "ollama"]
+
+
+def dialect_of(path: str) -> Dialect:
+    """The dialect of a request path (its errors take that dialect's shape)."""
+    if path.startswith("/api/"):
+        return "ollama"
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
+    return "openai"
+
+
+#: Anthropic's error type for each status (its SDK maps the status, the type says why).
+_ANTHROPIC_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class ApiError(Exception):
@@ -88,12 +122,22 @@ class ApiError(Exception):
         )
 
     def body(self) -> ErrorResponse:
-        """The JSON body as a Struct."""
+        """The JSON body as a Struct (OpenAI's shape)."""
         return ErrorResponse(
             error=ErrorDetail(
                 message=self.message, type=self.type, param=self.param, code=self.code
             )
         )
+
+    def body_in(self, dialect: Dialect) -> dict[str, Any]:
+        """The JSON body in ``dialect``'s shape."""
+        if dialect == "ollama":
+            return {"error": self.message}
+        if dialect == "anthropic":
+            default = "api_error" if self.status >= 500 else "invalid_request_error"
+            kind = _ANTHROPIC_TYPES.get(self.status, default)
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
+        return msgspec.to_builtins(self.body())
 
     def headers(self) -> dict[str, str]:
         """Extra response headers: ``Retry-After`` when set."""
@@ -101,11 +145,9 @@ class ApiError(Exception):
             return {}
         return {"Retry-After": str(max(0, math.ceil(self.retry_after)))}
 
-    def to_response(self) -> JSONResponse:
-        """The HTTP response for this error."""
-        return JSONResponse(
-            msgspec.to_builtins(self.body()), status_code=self.status, headers=self.headers()
-        )
+    def to_response(self, dialect: Dialect = "openai") -> JSONResponse:
+        """The HTTP response for this error, in ``dialect``'s shape."""
+        return JSONResponse(self.body_in(dialect), status_code=self.status, headers=self.headers())
 
 
 # ---------------------------------------------------------------------------------------
@@ -141,16 +183,27 @@ def context_overflow(
     )
 
 
-def model_not_found(model: str) -> ApiError:
-    """404 ``model_not_found``: no instance of ``model`` is placed in the cluster."""
+def model_not_found(model: str, known: list[str] | None = None) -> ApiError:
+    """404 ``model_not_found``: the cluster has no model ``model``; the message lists
+    ``known``, the models it serves (None: not looked up)."""
+    if known is None:
+        served = "GET /v1/models lists the ones it serves."
+    elif known:
+        more = ", ..." if len(known) > _LISTED else ""
+        served = "It serves: " + ", ".join(known[:_LISTED]) + more + "."
+    else:
+        served = "It serves no model yet (see docs/operations.md to add one)."
     return ApiError(
         404,
-        f"The model `{model}` does not exist or is not placed in this cluster; "
-        "GET /v1/models lists the ones that are.",
+        f"The model `{model}` does not exist or is not placed in this cluster. {served}",
         type="not_found_error",
         param="model",
         code="model_not_found",
     )
+
+
+#: Models named in a not-found message at most (the rest: GET /v1/models).
+_LISTED = 20
 
 
 def model_loading(model: str, retry_after: float) -> ApiError:
@@ -235,7 +288,9 @@ def request_failed(e: RequestFailed) -> ApiError:
     return ApiError(502, e.message, type="server_error", code=e.code)
 
 
-def node_error(e: Exception, model: str, *, placing: bool = False) -> ApiError | None:
+def node_error(
+    e: Exception, model: str, *, placing: bool = False, known: list[str] | None = None
+) -> ApiError | None:
     """The HTTP answer to what the node raised while finding, placing or running
     ``model``; None for an exception that is no node error (a bug: a 500).
 
@@ -247,7 +302,7 @@ def node_error(e: Exception, model: str, *, placing: bool = False) -> ApiError |
     if isinstance(e, ModelNotFoundError | AmbiguousModelError):
         if placing:
             return ApiError(404, str(e), type="not_found_error", code="model_not_found")
-        return model_not_found(model)
+        return model_not_found(model, known)
     if isinstance(e, ModelLoading):
         return model_loading(model, LOADING_RETRY_S)
     if isinstance(e, RequestFailed):
@@ -302,12 +357,12 @@ def _from_http_exception(request: Request, exc: HTTPException) -> ApiError:
 
 async def _api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return exc.to_response()
+    return exc.to_response(dialect_of(request.url.path))
 
 
 async def _http_exception_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    response = _from_http_exception(request, exc).to_response()
+    response = _from_http_exception(request, exc).to_response(dialect_of(request.url.path))
     for key, value in (exc.headers or {}).items():  # e.g. Allow on a 405
         response.headers.setdefault(key, value)
     return response
@@ -316,7 +371,7 @@ async def _http_exception_handler(request: Request, exc: Exception) -> Response:
 async def _last_resort_handler(request: Request, exc: Exception) -> Response:
     # Reached only for exceptions raised outside _CatchUnexpected (in middleware added
     # after install_error_handlers); Starlette re-raises afterwards so the server logs it.
-    return internal_error().to_response()
+    return internal_error().to_response(dialect_of(request.url.path))
 
 
 class _CatchUnexpected:
@@ -351,11 +406,12 @@ class _CatchUnexpected:
             )
             if started:
                 raise
-            await internal_error().to_response()(scope, receive, send)
+            resp = internal_error().to_response(dialect_of(scope.get("path", "")))
+            await resp(scope, receive, send)
 
 
 def install_error_handlers(app: Starlette) -> None:
-    """Make every error ``app`` answers use OpenAI's shape.
+    """Make every error ``app`` answers use its dialect's shape (:func:`dialect_of`).
 
     Covers :class:`ApiError`, Starlette's ``HTTPException`` (unknown route 404, wrong
     method 405, ...) and any other exception (500, logged, no internals in the body).

@@ -8,28 +8,34 @@ shape; errors after it are an SSE error event followed by ``[DONE]``.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import weakref
 from collections.abc import AsyncIterator
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from meshd.node.errors import RequestFailed
-from meshd.node.requests import KEEPALIVE
 from meshd.transport import wire
 
 from . import schemas
+from .answers import (
+    Answer,
+    Called,
+    Finished,
+    KeepAlive,
+    Text,
+    answer,
+    client_closed,
+    events,
+    streamed,
+    whole,
+)
 from .bodies import parse_body
-from .errors import request_failed
 from .logprobs import chat_logprobs, completion_logprobs
-from .runs import Collected, GenerateRequest, Run, admit_choices, collect_all_unless_gone
+from .runs import GenerateRequest, Run, admit_choices
 from .sampling import SamplingRequest
 from .services import context
-from .sse import SSE_DONE, SSE_KEEPALIVE, sse_data, sse_error, sse_response
-from .toolcalls import ChoiceCalls
+from .sse import SSE_DONE, SSE_HEADERS, SSE_KEEPALIVE, SSE_MEDIA_TYPE, sse_data, sse_error
+from .toolcalls import Call, ChoiceCalls
 
 __all__ = ["chat_completions", "completions", "list_models"]
 
@@ -115,35 +121,15 @@ def _generate_request(
 
 async def _serve(request: Request, body: _Body, req: GenerateRequest, route: str) -> Response:
     runs = await admit_choices(context(request), route, req, body.n or 1)
+    chat = route == "chat"
     if body.stream:
-        events = _stream(runs, body, chat=route == "chat")
-        # Backstop: a stream the server never starts (client gone before the first
-        # byte) never runs its finally; its slots come back when it is freed.
-        for run in runs:
-            weakref.finalize(events, run.ticket.release)
-        return sse_response(events)
-    try:
-        return await _whole(request, runs, body, chat=route == "chat")
-    finally:
-        for run in runs:
-            await run.close()
-
-
-def _count(runs: list[Run], outcome: str) -> None:
-    for run in runs:
-        run.count(outcome)
-
-
-async def _whole(request: Request, runs: list[Run], body: _Body, *, chat: bool) -> Response:
-    try:
-        answers = await collect_all_unless_gone(runs, request)
-    except RequestFailed as e:
-        _count(runs, str(e.status))
-        raise request_failed(e) from None
+        return streamed(
+            runs, _stream(runs, body, chat=chat), lambda e: sse_error(e) + SSE_DONE,
+            media_type=SSE_MEDIA_TYPE, headers=dict(SSE_HEADERS),
+        )  # fmt: skip
+    answers = await whole(request, runs)
     if answers is None:
-        _count(runs, "client_closed")
-        return Response(status_code=499)
-    _count(runs, "200")
+        return client_closed()
     # The prompt is read once whatever the number of choices (as OpenAI counts it).
     u = schemas.Usage.of(
         answers[0].usage.prompt_tokens, sum(a.usage.completion_tokens for a in answers)
@@ -155,11 +141,11 @@ async def _whole(request: Request, runs: list[Run], body: _Body, *, chat: bool) 
             model=body.model, usage=u,
             choices=[
                 schemas.ChatCompletionChoice(
-                    index=i, message=message, finish_reason=finish,  # type: ignore[arg-type]
+                    index=i, message=_message(a), finish_reason=a.finish_reason,  # type: ignore[arg-type]
                     logprobs=None if n_top is None else chat_logprobs(a.logprobs),
                 )
-                for i, (a, run) in enumerate(zip(answers, runs, strict=True))
-                for message, finish in [_message(a, _calls(body, run))]
+                for i, (c, run) in enumerate(zip(answers, runs, strict=True))
+                for a in [answer(c, _calls(body, run))]
             ],
         )  # fmt: skip
     else:
@@ -178,76 +164,19 @@ async def _whole(request: Request, runs: list[Run], body: _Body, *, chat: bool) 
     return Response(msgspec.json.encode(resp), media_type="application/json")
 
 
-def _message(a: Collected, calls: ChoiceCalls | None) -> tuple[schemas.AssistantMessage, str]:
-    """A whole answer's message and finish reason, its tool calls read out."""
-    if calls is None:
-        return schemas.AssistantMessage(content=a.text), a.finish_reason
-    head, _ = calls.feed(a.text)
-    tail, _ = calls.finish()
-    if not calls.calls:
-        return schemas.AssistantMessage(content=head + tail), a.finish_reason
-    content = (head + tail).strip() or None
-    finish = "tool_calls" if a.finish_reason == "stop" else a.finish_reason
-    return schemas.AssistantMessage(content=content, tool_calls=calls.calls), finish
+def _tool_call(call: Call) -> schemas.ToolCall:
+    return schemas.ToolCall(
+        id=call.id, function=schemas.FunctionCall(name=call.name, arguments=call.arguments)
+    )
 
 
-async def _merged(runs: list[Run]) -> AsyncIterator[tuple[int, wire.DataChunk | object]]:
-    """Every run's chunks as they come, tagged with the choice's index (one run: read
-    directly, with no queue in the way of each token)."""
-    if len(runs) == 1:
-        async with contextlib.aclosing(runs[0].pieces()) as it:
-            async for c in it:
-                yield 0, c
-        return
-    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, run: Run) -> None:
-        try:
-            async with contextlib.aclosing(run.pieces()) as it:
-                async for c in it:
-                    await queue.put((i, c))
-        except RequestFailed as e:
-            await queue.put((i, e))
-        await queue.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(runs)]
-    try:
-        left = len(runs)
-        while left:
-            i, c = await queue.get()
-            if c is done:
-                left -= 1
-            elif isinstance(c, RequestFailed):
-                raise c
-            else:
-                yield i, c
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _tool_events(
-    s: schemas.ChatStream, reader: ChoiceCalls, c: wire.DataChunk, i: int
-) -> list[bytes]:
-    """The events of one chunk of a choice whose calls are read out: content as the
-    reader lets it through, each call as a name chunk then an arguments chunk."""
-    text, new = reader.feed(c.text)
-    if c.finish_reason:
-        rest, more = reader.finish()
-        text, new = text + rest, new + more
-    out: list[bytes] = []
-    if text or c.logprobs:
-        out.append(sse_data(s.content(text, chat_logprobs(c.logprobs) if c.logprobs else None,
-                                      index=i)))  # fmt: skip
-    for call in new:
-        n = reader.calls.index(call)
-        out += [sse_data(chunk) for chunk in s.tool_call(call, n, index=i)]
-    if c.finish_reason:
-        reason = "tool_calls" if reader.calls and c.finish_reason == "stop" else c.finish_reason
-        out.append(sse_data(s.finish(reason, index=i)))  # type: ignore[arg-type]
-    return out
+def _message(a: Answer) -> schemas.AssistantMessage:
+    """A whole answer's message, its tool calls read out."""
+    if not a.calls:
+        return schemas.AssistantMessage(content=a.text)
+    return schemas.AssistantMessage(
+        content=a.text.strip() or None, tool_calls=[_tool_call(c) for c in a.calls]
+    )
 
 
 async def _stream(runs: list[Run], body: _Body, *, chat: bool) -> AsyncIterator[bytes]:
@@ -255,50 +184,32 @@ async def _stream(runs: list[Run], body: _Body, *, chat: bool) -> AsyncIterator[
     n_top = body.n_logprobs
     # Completions: where each choice's next token starts in prompt + answer.
     offset = [0 if chat else len(body.prompt_text)] * len(runs)  # type: ignore[union-attr]
-    outcome = "200"
-    calls = [_calls(body, run) for run in runs]
-    try:
-        if chat:
-            for i in range(len(runs)):
-                yield sse_data(s.start(i))
-        usages: dict[int, wire.Usage] = {}
-        async for i, c in _merged(runs):
-            if c is KEEPALIVE:
-                # The pipeline broke and the request waits for its repair.
-                yield SSE_KEEPALIVE
-                continue
-            assert isinstance(c, wire.DataChunk)
-            if c.finish_reason and c.usage is not None:
-                usages[i] = c.usage
-            reader = calls[i]
-            if reader is not None:
-                assert isinstance(s, schemas.ChatStream)
-                for event in _tool_events(s, reader, c, i):
-                    yield event
-                continue
-            if n_top is not None and c.logprobs:
-                # Tokens whose text is held back (a possible stop string) still
-                # report their log-probabilities, in the chunk that made them.
-                if chat:
-                    yield sse_data(s.content(c.text, chat_logprobs(c.logprobs), index=i))
-                else:
-                    lp = completion_logprobs(c.logprobs, offset[i], n_top)
-                    offset[i] += sum(len(t) for t in lp.tokens)
-                    yield sse_data(s.content(c.text, lp, index=i))
-            elif c.text:
-                yield sse_data(s.content(c.text, index=i))
-            if c.finish_reason:
-                yield sse_data(s.finish(c.finish_reason, index=i))  # type: ignore[arg-type]
-        if body.include_usage and usages:
-            prompt = next(iter(usages.values())).prompt_tokens
-            total = sum(u.completion_tokens for u in usages.values())
-            yield sse_data(s.usage(schemas.Usage.of(prompt, total)))
-        yield SSE_DONE
-    except RequestFailed as e:
-        outcome = str(e.status)
-        yield sse_error(request_failed(e))
-        yield SSE_DONE
-    finally:
-        for run in runs:
-            await run.close()
-        _count(runs, outcome)
+    if chat:
+        for i in range(len(runs)):
+            yield sse_data(s.start(i))
+    usages: dict[int, wire.Usage] = {}
+    async for e in events(runs, [_calls(body, run) for run in runs]):
+        if isinstance(e, KeepAlive):
+            # The pipeline broke and the request waits for its repair.
+            yield SSE_KEEPALIVE
+        elif isinstance(e, Text):
+            if n_top is None or not e.logprobs:
+                yield sse_data(s.content(e.text, index=e.choice))
+            elif chat:
+                yield sse_data(s.content(e.text, chat_logprobs(e.logprobs), index=e.choice))
+            else:
+                lp = completion_logprobs(e.logprobs, offset[e.choice], n_top)
+                offset[e.choice] += sum(len(t) for t in lp.tokens)
+                yield sse_data(s.content(e.text, lp, index=e.choice))
+        elif isinstance(e, Called):
+            assert isinstance(s, schemas.ChatStream)
+            for chunk in s.tool_call(_tool_call(e.call), e.n, index=e.choice):
+                yield sse_data(chunk)
+        elif isinstance(e, Finished):
+            usages[e.choice] = e.usage
+            yield sse_data(s.finish(e.reason, index=e.choice))  # type: ignore[arg-type]
+    if body.include_usage and usages:
+        prompt = next(iter(usages.values())).prompt_tokens
+        total = sum(u.completion_tokens for u in usages.values())
+        yield sse_data(s.usage(schemas.Usage.of(prompt, total)))
+    yield SSE_DONE

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import ApiError
+from .errors import ApiError, dialect_of
 
 __all__ = ["HostOriginGuard", "allowed_hosts"]
 
@@ -71,7 +71,7 @@ class HostOriginGuard:
         if scope["type"] == "http":
             err = self._check(scope)
             if err is not None:
-                await err.to_response()(scope, receive, send)
+                await err.to_response(dialect_of(scope.get("path", "")))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

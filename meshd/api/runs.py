@@ -43,6 +43,7 @@ __all__ = [
     "admit_choices",
     "choice_request",
     "collect_all_unless_gone",
+    "instance_of",
     "unless_gone",
     "until_disconnected",
 ]
@@ -66,6 +67,8 @@ class GenerateRequest:
     messages: list[wire.ChatTurn] | None = None
     prompt: str | None = None
     max_tokens: int | None = None
+    #: What the dialect calls ``max_tokens`` (errors name it so).
+    max_tokens_param: str = "max_tokens"
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -79,6 +82,8 @@ class GenerateRequest:
     prompt_tokens: list[int] | None = None
     #: An embedding of the prompt, not a continuation.
     embed: bool = False
+    #: Only count the prompt's tokens (stage 0 answers at once with the count).
+    count_only: bool = False
 
 
 @dataclass
@@ -92,6 +97,8 @@ class Collected:
     logprobs: list[wire.TokenLogprob] = field(default_factory=list)
     #: An embeddings request's vector (float32, little-endian).
     embedding: bytes = b""
+    #: The stop string that ended it, if one did.
+    stop_sequence: str | None = None
 
 
 class Run:
@@ -117,7 +124,12 @@ class Run:
         self.route = route
         self.ticket = ticket
         self.metrics = metrics
+        #: perf_counter times: the request came in, stage 0 acknowledged it, the first
+        #: and the last token arrived (0: not yet). Dialects that report timings use them.
         self.t0 = t0
+        self.t_acked = time.perf_counter()
+        self.t_first = 0.0
+        self.t_last = 0.0
         self._closed = False
         metrics.in_flight.inc()
 
@@ -142,6 +154,8 @@ class Run:
                             extra = max(0.0, now - last - sum(c.compute))
                             m.hop_overhead.labels(model).observe(extra / hops)
                     last = now
+                    self.t_first = self.t_first or now
+                    self.t_last = now
                     n += len(c.tokens)
                 yield c
         finally:
@@ -151,14 +165,15 @@ class Run:
     async def collect(self) -> Collected:
         """The whole answer (raises RequestFailed)."""
         text, finish, usage, logprobs, embedding = [], "stop", None, [], b""
+        matched = None
         async for c in self.pieces():
             text.append(c.text)
             logprobs += c.logprobs
             embedding = c.embedding or embedding
             if c.finish_reason:
-                finish, usage = c.finish_reason, c.usage
+                finish, usage, matched = c.finish_reason, c.usage, c.stop_sequence
         usage = usage or wire.Usage(self.n_prompt, 0)
-        return Collected("".join(text), finish, usage, logprobs, embedding)
+        return Collected("".join(text), finish, usage, logprobs, embedding, matched)
 
     def count(self, outcome: str) -> None:
         """Count the request's outcome (``200``, a status, ``client_closed``)."""
@@ -201,8 +216,8 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
         metrics.requests.labels(route, model, "429").inc()
         raise overloaded(OVERLOADED_RETRY_S)
     try:
-        max_tokens = check_max_tokens(req.max_tokens, ctx.settings.max_tokens)
-        inst = await _instance(ctx, req.model)
+        max_tokens = check_max_tokens(req.max_tokens, ctx.settings.max_tokens, req.max_tokens_param)
+        inst = await instance_of(ctx, req.model)
         if inst.facts is not None and inst.facts.embedding_only and not req.embed:
             raise bad_request(
                 f"model {req.model!r} is an embedding model: it answers POST /v1/embeddings, "
@@ -216,7 +231,7 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
         )  # fmt: skip
         job = wire.Job(
             messages=req.messages, prompt=req.prompt, prompt_tokens=req.prompt_tokens,
-            sampling=params, tools=req.tools, embed=req.embed,
+            sampling=params, tools=req.tools, embed=req.embed, count_only=req.count_only,
         )  # fmt: skip
         chunks = services.generate(inst, job)
         first = await _first(chunks)
@@ -231,11 +246,13 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
     return Run(chunks, first, model=model, route=route, ticket=ticket, metrics=metrics, t0=t0)
 
 
-async def _instance(ctx: ApiContext, model: str) -> Instance:
+async def instance_of(ctx: ApiContext, model: str) -> Instance:
+    """The instance serving ``model`` (placed if needed), or the ApiError that says why
+    there is none (an unknown model's lists the models the cluster serves)."""
     try:
         return await ctx.services.instance_for(model)
     except Exception as e:
-        err = node_error(e, model)
+        err = node_error(e, model, known=ctx.services.view().known_models())
         if err is None:
             raise
         raise err from None

@@ -49,13 +49,14 @@ class SamplingRequest:
     seed: int | None = None
 
 
-def check_max_tokens(max_tokens: int | None, cap: int) -> int:
-    """``max_tokens`` as the pipeline takes it: over ``cap`` is a 400, none means ``cap``."""
+def check_max_tokens(max_tokens: int | None, cap: int, param: str = "max_tokens") -> int:
+    """``max_tokens`` as the pipeline takes it: over ``cap`` is a 400 naming ``param``
+    (the dialect's name for it), none means ``cap``."""
     if max_tokens is not None and max_tokens > cap:
         raise bad_request(
-            f"max_tokens is too large: {max_tokens}. This node generates at most "
+            f"{param} is too large: {max_tokens}. This node generates at most "
             f"{cap} tokens per request (meshd up --max-tokens).",
-            param="max_tokens",
+            param=param,
             code="max_tokens_too_large",
         )
     return cap if max_tokens is None else max_tokens

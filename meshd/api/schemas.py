@@ -42,7 +42,6 @@ msgspec wraps it in a ``ValidationError`` carrying the JSON path, and
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Any, Literal
@@ -57,6 +56,13 @@ from meshd.engines.sampling import (
     MAX_REPEAT_PENALTY,
     MAX_TOP_LOGPROBS,
 )
+
+from .rules import INT64_MAX as _INT64_MAX
+from .rules import MAX_TOOLS, FieldError, check_function, check_stops
+from .rules import check_int64 as _check_int64
+from .rules import check_min as _check_min
+from .rules import check_range as _check_range
+from .rules import unsupported as _unsupported
 
 __all__ = [
     "MAX_CHOICES",
@@ -113,17 +119,12 @@ __all__ = [
 #: Most inputs one embeddings request may carry (OpenAI's limit).
 MAX_EMBEDDING_INPUTS = 2048
 
-#: Most tools a request may offer (OpenAI's limit).
-MAX_TOOLS = 128
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
-#: Most stop sequences a request may carry (OpenAI's limit).
+#: Most stop sequences an OpenAI request may carry (OpenAI's limit).
 MAX_STOP_SEQUENCES = 4
 #: Most choices (``n``) one request may ask for: each is a run through the pipeline.
 MAX_CHOICES = 8
 
-_INT64_MIN = -(2**63)
-_INT64_MAX = 2**63 - 1
 
 Role = Literal["system", "user", "assistant", "developer", "tool"]
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -152,60 +153,6 @@ def unix_time() -> int:
 # validation
 
 
-class FieldError(ValueError):
-    """A request field broke a rule.
-
-    ``param`` is the field's name relative to the Struct that raised (``"temperature"``,
-    ``"content"``); the body parser prefixes the JSON path of that Struct. ``code`` is
-    the OpenAI error code, ``None`` for a plain invalid value.
-    """
-
-    def __init__(self, param: str, reason: str, code: str | None = None) -> None:
-        super().__init__(reason)
-        self.param = param
-        self.reason = reason
-        self.code = code
-
-
-def _unsupported(param: str, reason: str) -> FieldError:
-    return FieldError(param, reason, code="unsupported_parameter")
-
-
-def _check_range(
-    name: str,
-    value: float | None,
-    lo: float,
-    hi: float,
-    *,
-    lo_open: bool = False,
-) -> None:
-    if value is None:
-        return
-    # Written as "not (inside)" so that NaN fails too.
-    inside = (lo < value if lo_open else lo <= value) and value <= hi
-    if not inside:
-        left = "(" if lo_open else "["
-        raise FieldError(name, f"{name} must be in {left}{lo:g}, {hi:g}], got {value!r}")
-
-
-def _check_min(name: str, value: int | None, lo: int) -> None:
-    if value is not None and value < lo:
-        raise FieldError(name, f"{name} must be >= {lo}, got {value}")
-
-
-def _check_int64(req: msgspec.Struct) -> None:
-    """Every integer field fits in a signed 64-bit integer.
-
-    JSON integers have no bound and msgspec decodes them into Python ints, but the
-    values travel on to the runners in msgpack, which cannot carry more: a ``top_k`` of
-    2**70 must be a 400 here, not a failure to encode later.
-    """
-    for name in req.__struct_fields__:
-        value = getattr(req, name)
-        if type(value) is int and not _INT64_MIN <= value <= _INT64_MAX:
-            raise FieldError(name, f"{name} must fit in a signed 64-bit integer, got {value}")
-
-
 def _check_common(req: _GenerationRequest) -> None:
     """The rules every generation request shares, in one place."""
     # A blank name is no name: model resolution strips it and finds nothing to look up.
@@ -216,13 +163,7 @@ def _check_common(req: _GenerationRequest) -> None:
     _check_range("temperature", req.temperature, 0.0, 2.0)
     _check_range("top_p", req.top_p, 0.0, 1.0, lo_open=True)
     _check_min("top_k", req.top_k, 0)
-    stops = req.stop_sequences
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise FieldError(
-            "stop", f"stop may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}"
-        )
-    if any(s == "" for s in stops):
-        raise FieldError("stop", "stop sequences must be non-empty strings")
+    check_stops(req.stop_sequences, most=MAX_STOP_SEQUENCES)
     _check_range("n", req.n, 1, MAX_CHOICES)
     _check_range("presence_penalty", req.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
     _check_range("frequency_penalty", req.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
@@ -450,17 +391,7 @@ class FunctionDef(msgspec.Struct, kw_only=True, omit_defaults=True):
     strict: bool | None = None
 
     def __post_init__(self) -> None:
-        if not _FUNCTION_NAME.fullmatch(self.name):
-            raise FieldError(
-                "name", f"a function name is 1-64 of a-z, A-Z, 0-9, _ and -, got {self.name!r}"
-            )
-        if self.parameters is not None:
-            try:
-                check_grammar(json_schema_grammar(self.parameters))
-            except GrammarError as e:
-                raise FieldError(
-                    "parameters", f"the schema cannot be compiled: {e}", code="invalid_json_schema"
-                ) from None
+        check_function(self.name, self.parameters)
 
 
 class Tool(msgspec.Struct, kw_only=True):

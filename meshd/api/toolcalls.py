@@ -5,12 +5,12 @@ keeps one when the client asked for no parallel calls."""
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from meshd.models.tools import ParsedCall, ToolCallParser, ToolFormat
 
-from . import schemas
-
-__all__ = ["ChoiceCalls", "new_call_id"]
+__all__ = ["Call", "ChoiceCalls", "new_call_id"]
 
 
 def new_call_id() -> str:
@@ -18,38 +18,52 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
+@dataclass(frozen=True)
+class Call:
+    """One call the model made, in no dialect."""
+
+    id: str
+    name: str
+    #: The arguments as JSON text (an object).
+    arguments: str
+
+
 class ChoiceCalls:
     """One choice's output split into content and calls, as it streams."""
 
-    def __init__(self, fmt: str | None, *, parallel: bool = True) -> None:
+    def __init__(
+        self,
+        fmt: str | None,
+        *,
+        parallel: bool = True,
+        new_id: Callable[[], str] = new_call_id,
+    ) -> None:
         """``fmt``: the model's tool format (stage 0 says which); ``parallel`` False
-        keeps only the first call."""
+        keeps only the first call; ``new_id`` names each call (the dialect's style)."""
         self._parser = ToolCallParser(fmt if fmt in _FORMATS else "generic")  # type: ignore[arg-type]
         self._parallel = parallel
+        self._new_id = new_id
         #: Every call so far, in order.
-        self.calls: list[schemas.ToolCall] = []
+        self.calls: list[Call] = []
 
-    def feed(self, text: str) -> tuple[str, list[schemas.ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[Call]]:
         """The content and the calls that ``text`` lets through."""
         return self._split(self._parser.feed(text))
 
-    def finish(self) -> tuple[str, list[schemas.ToolCall]]:
+    def finish(self) -> tuple[str, list[Call]]:
         """The rest, once the answer has ended."""
         return self._split(self._parser.finish())
 
-    def _split(self, parts: list[str | ParsedCall]) -> tuple[str, list[schemas.ToolCall]]:
+    def _split(self, parts: list[str | ParsedCall]) -> tuple[str, list[Call]]:
         text: list[str] = []
-        new: list[schemas.ToolCall] = []
+        new: list[Call] = []
         for p in parts:
             if isinstance(p, str):
                 # Between and after calls the model writes newlines, not an answer.
                 if not (self.calls and not p.strip()):
                     text.append(p)
             elif self._parallel or not self.calls:
-                call = schemas.ToolCall(
-                    id=new_call_id(),
-                    function=schemas.FunctionCall(name=p.name, arguments=p.arguments),
-                )
+                call = Call(id=self._new_id(), name=p.name, arguments=p.arguments)
                 self.calls.append(call)
                 new.append(call)
         return "".join(text), new

@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 
 __all__ = ["MAX_STOPS", "IncrementalDetokenizer", "StopMatcher", "TextStream"]
 
-MAX_STOPS = 4
-"""OpenAI's limit on the number of stop strings in one request."""
+MAX_STOPS = 16
+"""Most stop strings in one request (OpenAI allows 4; Anthropic and Ollama clients may
+send more; matching cost grows with the count)."""
 
 
 class IncrementalDetokenizer:
@@ -148,6 +149,11 @@ class TextStream:
     def stopped(self) -> bool:
         """True once a stop string has ended the text."""
         return self._stops.stopped
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the text, once one has."""
+        return self._stops.matched
 
     def prime(self, tokens: Sequence[int]) -> None:
         """Feed tokens whose text the client already has (a replay), discarding it:

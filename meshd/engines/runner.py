@@ -483,6 +483,11 @@ class Runner:
         if n == 0:
             self.fail(g.reply_to, g.req, "bad_prompt", "the prompt is empty")
             return
+        if g.count_only:
+            # Counted, not run: nothing is allocated, so nothing needs releasing.
+            usage = wire.Usage(n, 0)
+            self.chunk(None, g.reply_to, g.req, n_prompt=n, finish_reason="stop", usage=usage)
+            return
         # A replay re-prefills the prompt plus the tokens the client already has.
         resume = list(g.resume_tokens)
         total = n + len(resume)
@@ -856,10 +861,12 @@ class Runner:
             # unfinished character belongs to the output (an EOS right after "Hello." with
             # stop ".\n" must not eat the "."); after a stop string finish() adds nothing.
             text += r.text.finish()
+            if r.text.matched is not None:
+                finish = "stop"  # the held-back tail completed a stop string
             usage = wire.Usage(r.n_prompt, r.n_generated)
             self.chunk(
                 r, r.reply_to, r.req, text=text, tokens=[tok], finish_reason=finish, usage=usage,
-                logprobs=logprobs,
+                logprobs=logprobs, stop_sequence=r.text.matched,
             )  # fmt: skip
             self.release(r.req, "done")
             return

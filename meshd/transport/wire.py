@@ -207,6 +207,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     #: The input's embedding, not a continuation: the last stage pools its final
     #: hidden states into one vector.
     embed: bool = False
+    #: Only count the prompt's tokens: stage 0 answers with ``n_prompt`` and a finish,
+    #: and runs nothing (Anthropic's ``count_tokens``).
+    count_only: bool = False
 
 
 class Generate(msgspec.Struct, tag=True, kw_only=True):
@@ -229,6 +232,7 @@ class Generate(msgspec.Struct, tag=True, kw_only=True):
     tools: ToolUse | None = None
     prompt_tokens: list[int] | None = None
     embed: bool = False
+    count_only: bool = False
 
 
 class Start(msgspec.Struct, kw_only=True):
@@ -333,6 +337,8 @@ class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     tool_format: str | None = None
     #: An embeddings request's vector: float32, little-endian, unit length.
     embedding: bytes = b""
+    #: The stop string that ended the answer (with ``finish_reason`` "stop").
+    stop_sequence: str | None = None
 
 
 # -- joining: the plain (not CURVE) join port of a member ----------------------------

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from meshd.models.resolve import DEFAULT_MODEL
+from tests.api.reference import WEATHER
 from tests.cluster import NodeProc
 
 openai = pytest.importorskip("openai")
@@ -16,14 +17,6 @@ jsonschema = pytest.importorskip("jsonschema")
 
 pytestmark = pytest.mark.timeout(300)
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string"},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city"],
-}
 ADD = {
     "type": "object",
     "properties": {"a": {"type": "number"}, "b": {"type": "number"}},

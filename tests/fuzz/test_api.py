@@ -1,4 +1,5 @@
-"""Random requests at every route of the HTTP API: no 5xx, OpenAI-shaped 4xx, no change.
+"""Random requests at every route of the HTTP API: no 5xx, 4xx in the shape of the
+route's dialect (OpenAI, Anthropic, Ollama), no change.
 
 The routes are read from :data:`meshd.api.app.ROUTES`, so a new route is fuzzed
 without touching this file. Every request is sent to node ``a`` (which serves the
@@ -23,8 +24,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from starlette.routing import Route
 
-from meshd.api import schemas
+from meshd.api import anthropic_schemas, ollama_schemas, responses_schemas, schemas
 from meshd.api.app import ROUTES as API_ROUTES
+from meshd.api.errors import dialect_of
 from meshd.api.instances import PlaceRequest
 from meshd.models.resolve import AmbiguousModelError, ModelNotFoundError, resolve_model
 
@@ -43,6 +45,16 @@ BODY_TYPES: dict[str, type] = {
     "/v1/chat/completions": schemas.ChatCompletionRequest,
     "/v1/completions": schemas.CompletionRequest,
     "/v1/instances": PlaceRequest,
+    "/v1/responses": responses_schemas.ResponseRequest,
+    "/v1/messages": anthropic_schemas.MessagesRequest,
+    "/v1/messages/count_tokens": anthropic_schemas.CountTokensRequest,
+    "/api/chat": ollama_schemas.ChatRequest,
+    "/api/generate": ollama_schemas.GenerateRequest,
+    "/api/embed": ollama_schemas.EmbedRequest,
+    "/api/embeddings": ollama_schemas.EmbeddingsRequest,
+    "/api/show": ollama_schemas.ModelRequest,
+    "/api/pull": ollama_schemas.ModelRequest,
+    "/api/delete": ollama_schemas.ModelRequest,
 }
 
 
@@ -81,6 +93,15 @@ def _valid_base(path: str) -> dict[str, Any]:
     if path == "/v1/chat/completions":
         return {"model": "fuzz-no-such-model", "messages": [{"role": "user", "content": "x"}]}
     if path == "/v1/completions":
+        return {"model": "fuzz-no-such-model", "prompt": "x"}
+    if path == "/v1/responses":
+        return {"model": "fuzz-no-such-model", "input": "x"}
+    if path.startswith("/v1/messages"):
+        return {"model": "fuzz-no-such-model", "max_tokens": 4,
+                "messages": [{"role": "user", "content": "x"}]}  # fmt: skip
+    if path == "/api/chat":
+        return {"model": "fuzz-no-such-model", "messages": [{"role": "user", "content": "x"}]}
+    if path == "/api/generate":
         return {"model": "fuzz-no-such-model", "prompt": "x"}
     return {"model": "fuzz-no-such-model"}
 
@@ -162,13 +183,16 @@ def _screen(method: str, template: str, path: str, body: bytes | None, env: Env)
     if method == "DELETE" and path.rstrip("/").endswith("/" + env.instance):
         raise _Skip("a real delete")
     typ = BODY_TYPES.get(template)
-    if method != "POST" or typ is None or body is None:
+    if method not in ("POST", "DELETE") or typ is None or body is None:
         return
     try:
         decoded = msgspec.json.decode(body, type=typ)
     except Exception:
         return  # the server refuses it too
-    _screen_model(decoded.model)
+    model = getattr(decoded, "model_name", None) or decoded.model
+    _screen_model(model)
+    if model.endswith(":latest"):  # Ollama's tag: the bare name is what resolves
+        _screen_model(model.removesuffix(":latest"))
 
 
 # -- checks --------------------------------------------------------------------------------
@@ -181,10 +205,19 @@ def _check_response(r: httpx.Response, method: str, allowed: set[str]) -> None:
     if allowed and method not in allowed:
         assert r.status_code == 405, f"{method} {r.request.url}: {r.status_code}"
     if r.status_code >= 400 and method != "HEAD":
-        err = r.json()["error"]
+        body = r.json()
+        dialect = dialect_of(r.request.url.path)
+        if dialect == "ollama":
+            assert set(body) == {"error"} and isinstance(body["error"], str), body
+            assert body["error"], body
+            return
+        err = body["error"]
         assert isinstance(err["message"], str) and err["message"], err
         assert isinstance(err["type"], str) and err["type"], err
-        assert "param" in err and "code" in err, err
+        if dialect == "anthropic":
+            assert body["type"] == "error" and set(err) == {"type", "message"}, body
+        else:
+            assert "param" in err and "code" in err, err
 
 
 @pytest.fixture
@@ -280,9 +313,57 @@ _KNOWN = set(schemas.ChatCompletionRequest.__struct_fields__) | set(
 )
 
 
+_HI = [{"role": "user", "content": "Hi"}]
+#: The other dialects: a valid body of each, and its own violations.
+_DIALECTS: dict[str, tuple[dict[str, Any], list[tuple[str, Any]]]] = {
+    "/v1/messages": (
+        {"model": "smollm2-135m", "max_tokens": 4, "temperature": 0, "messages": _HI},
+        [("model", ""), ("model", None), ("max_tokens", 0), ("max_tokens", None),
+         ("max_tokens", 2**70), ("temperature", 1.5), ("top_p", 0), ("top_k", -1),
+         ("stop_sequences", [""]), ("stop_sequences", ["a"] * 17), ("messages", []),
+         ("messages", [{"role": "system", "content": "x"}]),
+         ("messages", [{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+         ("messages", [{"role": "user", "content": [{"type": "tool_result"}]}]),
+         ("system", 5), ("tools", [{"name": "bad name!", "input_schema": {}}]),
+         ("tools", [{"type": "bash_20250124", "name": "bash"}]),
+         ("tool_choice", {"type": "tool"}), ("tool_choice", {"type": "any"})],
+    ),
+    "/api/chat": (
+        {"model": "smollm2-135m", "messages": _HI, "stream": False,
+         "options": {"num_predict": 4, "temperature": 0}},
+        [("model", ""), ("options", {"temperature": -1}), ("options", {"top_p": 0}),
+         ("options", {"stop": [""]}), ("options", {"seed": 2**64}), ("options", {"top_k": -1}),
+         ("options", []), ("messages", "hi"), ("messages", [{"role": "robot", "content": "x"}]),
+         ("messages", [{"role": "user", "content": "x", "images": ["aGk="]}]),
+         ("format", "yaml"), ("format", {"type": "nonsense"}), ("think", True),
+         ("tools", [{"type": "function"}]), ("tool_choice", "maybe"), ("top_logprobs", 99)],
+    ),
+    "/v1/responses": (
+        {"model": "smollm2-135m", "input": "Hi", "max_output_tokens": 4, "temperature": 0},
+        [("input", ""), ("input", []), ("input", 5), ("max_output_tokens", 0),
+         ("temperature", 3), ("previous_response_id", "resp_1"),
+         ("tools", [{"type": "web_search"}]), ("tool_choice", "required"),
+         ("text", {"format": {"type": "yaml"}}),
+         ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])],
+    ),
+    "/api/generate": (
+        {"model": "smollm2-135m", "prompt": "Hi", "stream": False,
+         "options": {"num_predict": 4, "temperature": 0}},
+        [("options", {"min_p": 2}), ("suffix", "tail"), ("template", "{{ .Prompt }}"),
+         ("context", [1, 2]), ("images", ["aGk="]), ("prompt", 5), ("raw", "yes")],
+    ),
+}  # fmt: skip
+
+
 @st.composite
 def violations(draw) -> tuple[str, dict[str, Any]]:
-    path = draw(st.sampled_from(sorted(_VALID)))
+    path = draw(st.sampled_from(sorted([*_VALID, *_DIALECTS])))
+    if path in _DIALECTS:
+        valid, own = _DIALECTS[path]
+        body = dict(valid)
+        field, bad = draw(st.sampled_from(own))
+        body[field] = bad
+        return path, body
     own = _CHAT_BAD if path == "/v1/chat/completions" else _COMPLETION_BAD
     body = dict(_VALID[path])
     # Unknown fields are ignored by design: add some next to the violation.
@@ -316,15 +397,16 @@ def _special_cases() -> Iterator[tuple[str, str, bytes | None, dict[str, str], i
     big = b'{"model": "m", "prompt": "' + b"x" * (8 * 1024 * 1024) + b'"}'
     json_h = {"content-type": "application/json"}
     for path in BODY_TYPES:
-        yield "POST", path, big, json_h, 413
-        yield "POST", path, b"[" * 200_000 + b"]" * 200_000, json_h, 400
-        yield "POST", path, b"{" * 100_000, json_h, 400
-        yield "POST", path, b'{"model": "\xc3\x28"}', json_h, 400
-        yield "POST", path, b'{"model": "\\ud800"}', json_h, 400
-        yield "POST", path, b"\xef\xbb\xbf{}", json_h, 400
-        yield "POST", path, b"null", json_h, 400
-        yield "POST", path, b"", json_h, 400
-        yield "POST", path, b"{}", {"content-type": "text/plain"}, 415
+        m = "DELETE" if "DELETE" in ROUTES[path] else "POST"
+        yield m, path, big, json_h, 413
+        yield m, path, b"[" * 200_000 + b"]" * 200_000, json_h, 400
+        yield m, path, b"{" * 100_000, json_h, 400
+        yield m, path, b'{"model": "\xc3\x28"}', json_h, 400
+        yield m, path, b'{"model": "\\ud800"}', json_h, 400
+        yield m, path, b"\xef\xbb\xbf{}", json_h, 400
+        yield m, path, b"null", json_h, 400
+        yield m, path, b"", json_h, 400
+        yield m, path, b"{}", {"content-type": "text/plain"}, 415
 
 
 def _raw(env: Env, request: bytes) -> tuple[int, bytes]:
@@ -342,21 +424,23 @@ def _raw(env: Env, request: bytes) -> tuple[int, bytes]:
 def test_size_limits_nesting_and_encodings(env: Env, client: httpx.Client) -> None:
     for method, path, body, headers, status in _special_cases():
         r = client.request(method, path, content=body, headers=headers)
-        _check_response(r, method, {"POST"})
+        _check_response(r, method, {method})
         assert r.status_code == status, f"{path} {body[:40]!r}: {r.status_code} {r.text[:200]}"
 
 
 def test_declared_length_over_the_limit_is_413_before_the_body(env: Env) -> None:
     for path in BODY_TYPES:
+        m = "DELETE" if "DELETE" in ROUTES[path] else "POST"
         req = (
-            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"{m} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {9 * 1024 * 1024}\r\nConnection: close\r\n\r\n{{}}"
         ).encode()
         status, body = _raw(env, req)
         FIGURES.api_cases += 1
         FIGURES.api_status[status] = FIGURES.api_status.get(status, 0) + 1
         assert status == 413, body
-        assert json.loads(body)["error"]["code"] == "request_too_large"
+        err = json.loads(body)["error"]
+        assert "request body is larger" in (err if isinstance(err, str) else err["message"]).lower()
 
 
 _odd_text = st.one_of(

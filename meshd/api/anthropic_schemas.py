@@ -1,0 +1,232 @@
+"""Anthropic Messages schemas (``/v1/messages``): request and response bodies as Structs.
+
+Honoured: ``system`` (a string or text blocks), ``messages`` with text, ``tool_use``
+and ``tool_result`` blocks, ``max_tokens``, ``stop_sequences``, ``temperature`` (0-1),
+``top_p``, ``top_k``, ``stream``, ``tools`` (custom tools: ``name``, ``description``,
+``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``, with
+``disable_parallel_tool_use``). ``thinking`` blocks of earlier answers are dropped (the
+model never sees them again, as with Anthropic's own models). Accepted and ignored:
+``metadata``, ``cache_control`` anywhere, ``service_tier``, ``container``, and a
+``thinking`` setting (the models meshd serves write no separate reasoning). A 400 names
+what cannot be done: image or document blocks, and server tools (web search, code
+execution, ...), which run on Anthropic's side.
+
+The ``anthropic`` SDK (2.x) takes ``temperature``, ``top_p`` and ``top_k`` through
+``extra_body`` only; they arrive in the body all the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from .rules import (
+    MAX_TOOLS,
+    FieldError,
+    check_function,
+    check_int64,
+    check_min,
+    check_range,
+    check_stops,
+    unsupported,
+)
+
+__all__ = [
+    "Block",
+    "CountTokensRequest",
+    "MessageParam",
+    "MessagesRequest",
+    "ResponseBlock",
+    "SystemBlock",
+    "ToolChoice",
+    "ToolParam",
+    "Usage",
+]
+
+#: Block types of a request meshd reads; thinking blocks are dropped.
+_READ = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+
+
+class Block(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One content block of a message (one Struct for every type: each type's fields
+    are checked below, and an unknown type gets a message naming it)."""
+
+    type: str
+    text: str | None = None
+    #: tool_use
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    #: tool_result
+    tool_use_id: str | None = None
+    content: str | list[Block] | None = None
+    is_error: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in _READ:
+            raise unsupported(
+                "type",
+                f"content block type {self.type!r} is not supported; meshd serves text "
+                "models (text, tool_use and tool_result blocks)",
+            )
+        if self.type == "text" and self.text is None:
+            raise FieldError("text", "a text block needs a string `text`")
+        if self.type == "tool_use" and (not self.id or not self.name):
+            raise FieldError("id", "a tool_use block needs `id` and `name`")
+        if self.type == "tool_use" and not isinstance(self.input, dict | None):
+            raise FieldError("input", "a tool_use block's input is an object")
+        if self.type == "tool_result" and not self.tool_use_id:
+            raise FieldError("tool_use_id", "a tool_result block needs `tool_use_id`")
+
+    @property
+    def result_text(self) -> str:
+        """A tool_result's content as text."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(b.text or "" for b in self.content if b.type == "text")
+
+
+class MessageParam(msgspec.Struct, kw_only=True):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class SystemBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolParam(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A custom tool; typed server tools (``web_search_...``, ``bash_...``) are refused."""
+
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in (None, "custom"):
+            raise unsupported(
+                "type",
+                f"tool type {self.type!r} is not supported: server tools run at Anthropic; "
+                "offer a custom tool (name, description, input_schema)",
+            )
+        check_function(self.name, self.input_schema, params_field="input_schema")
+
+
+class ToolChoice(msgspec.Struct, kw_only=True, omit_defaults=True):
+    type: Literal["auto", "any", "tool", "none"] = "auto"
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.type == "tool" and not self.name:
+            raise FieldError("name", "tool_choice type 'tool' needs the tool's `name`")
+
+
+class _Conversation(msgspec.Struct, kw_only=True, omit_defaults=True):
+    model: str
+    messages: list[MessageParam]
+    system: str | list[SystemBlock] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+
+    def _check(self) -> None:
+        if not self.model.strip():
+            raise FieldError("model", "model must be a non-empty string")
+        if not self.messages:
+            raise FieldError("messages", "messages must hold at least one message")
+        if self.tools and len(self.tools) > MAX_TOOLS:
+            raise FieldError("tools", f"at most {MAX_TOOLS} tools, got {len(self.tools)}")
+        c = self.tool_choice
+        if c is not None and c.type == "tool" and c.name not in {t.name for t in self.tools or ()}:
+            raise FieldError("tool_choice", f"tool_choice names {c.name!r}, not among tools")
+        if c is not None and c.type == "any" and not self.tools:
+            raise FieldError("tool_choice", "tool_choice 'any' needs tools")
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools, or ``none``), ``auto``, ``required`` or the tool's name."""
+        c = self.tool_choice
+        if not self.tools or (c is not None and c.type == "none"):
+            return None
+        if c is None or c.type == "auto":
+            return "auto"
+        return "required" if c.type == "any" else c.name
+
+    @property
+    def system_text(self) -> str:
+        """The system prompt as one text."""
+        if self.system is None:
+            return ""
+        if isinstance(self.system, str):
+            return self.system
+        return "\n".join(b.text for b in self.system)
+
+
+class MessagesRequest(_Conversation, kw_only=True, omit_defaults=True):
+    """Body of ``POST /v1/messages``."""
+
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self._check()
+        check_int64(self)
+        check_min("max_tokens", self.max_tokens, 1)
+        check_range("temperature", self.temperature, 0.0, 1.0)
+        check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_min("top_k", self.top_k, 0)
+        check_stops(self.stop_sequences or [], "stop_sequences")
+
+
+class CountTokensRequest(_Conversation, kw_only=True, omit_defaults=True):
+    """Body of ``POST /v1/messages/count_tokens``."""
+
+    thinking: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self._check()
+
+
+# ---------------------------------------------------------------------------------------
+# responses
+
+
+class ResponseBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A block of an answer: ``text`` or ``tool_use``."""
+
+    type: Literal["text", "tool_use"]
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+
+class Message(msgspec.Struct, kw_only=True):
+    """The body of a whole answer (and, empty, of ``message_start``)."""
+
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[ResponseBlock]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: Usage

@@ -1,0 +1,541 @@
+"""Ollama's API on the node's own port: ``/api/chat``, ``/api/generate``, ``/api/embed``,
+the model routes and ``/api/version``; a thin adapter like :mod:`.openai`.
+
+Bodies parse into the one :class:`~.runs.GenerateRequest`; answers come from
+:mod:`.answers` and are written as Ollama writes them: NDJSON objects, one per piece,
+the last with ``done: true`` and the timings, or one object when ``stream`` is false.
+Errors are ``{"error": "..."}`` (see :func:`~.errors.dialect_of`).
+
+Timings are measured on the node that serves the request, in nanoseconds:
+``load_duration`` is the wait for the model's instance (placing it when needed) and
+stage 0's acknowledgement, ``prompt_eval_duration`` from there to the first token
+(prefill through every stage), ``eval_duration`` from the first token to the last, and
+``total_duration`` the whole request.
+
+The model routes speak of what the cluster serves: ``/api/tags`` lists every model a
+live node holds or an instance serves, ``/api/ps`` the placed instances, ``/api/pull``
+places a model (meshd downloads nothing: the file must be on some node),
+``/api/delete`` removes its instances (the file stays). A name may carry Ollama's
+``:latest`` tag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import msgspec
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
+
+from meshd.crdt.views import ModelFacts
+from meshd.node.cluster import ClusterView
+from meshd.node.errors import ModelLoading
+from meshd.transport import wire
+
+from . import ollama_schemas as o
+from .answers import (
+    Called,
+    Finished,
+    KeepAlive,
+    Text,
+    answer,
+    client_closed,
+    events,
+    streamed,
+    whole,
+)
+from .bodies import parse_body
+from .embeddings import embed_inputs
+from .errors import ApiError, bad_request, model_not_found, node_error
+from .logprobs import chat_logprobs
+from .runs import GenerateRequest, Run, admit, instance_of, unless_gone
+from .sampling import SamplingRequest
+from .services import ApiContext, context
+from .toolcalls import Call, ChoiceCalls
+
+__all__ = [
+    "COMPAT_VERSION",
+    "chat",
+    "delete",
+    "embed",
+    "embeddings",
+    "generate",
+    "not_supported",
+    "ps",
+    "pull",
+    "root",
+    "show",
+    "tags",
+    "version",
+]
+
+#: The Ollama version whose API this adapter follows. Clients compare it with the
+#: versions they need (GitHub Copilot wants a number here, not meshd's own version).
+COMPAT_VERSION = "0.12.6"
+NDJSON = "application/x-ndjson"
+#: ``/api/ps`` reports no expiry: an instance stays until it is removed.
+_NEVER = "9999-12-31T23:59:59Z"
+#: How long ``/api/pull`` waits for a model's instance to become ready.
+PULL_TIMEOUT_S = 600.0
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _json(obj: object) -> Response:
+    return Response(msgspec.json.encode(obj), media_type="application/json")
+
+
+def _json_text(obj: object) -> str:
+    return msgspec.json.encode(obj).decode()
+
+
+def _model(ctx: ApiContext, name: str) -> str:
+    """``name`` as the cluster knows it: Ollama clients add ``:latest``."""
+    name = name.strip()
+    view = ctx.services.view()
+    if not view.is_known(name) and name.endswith(":latest"):
+        bare = name.removesuffix(":latest")
+        if view.is_known(bare):
+            return bare
+    return name
+
+
+async def root(request: Request) -> Response:
+    """``GET /`` and ``HEAD /``: what Ollama clients probe to find a server."""
+    return PlainTextResponse("Ollama is running")
+
+
+async def version(request: Request) -> Response:
+    """``GET /api/version``."""
+    return _json({"version": COMPAT_VERSION})
+
+
+# ---------------------------------------------------------------------------------------
+# generation
+
+
+def _sampling(opts: o.Options) -> SamplingRequest:
+    return SamplingRequest(
+        temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
+        presence_penalty=opts.presence_penalty, frequency_penalty=opts.frequency_penalty,
+        repeat_penalty=opts.repeat_penalty, repeat_last_n=opts.repeat_last_n, seed=opts.seed,
+    )  # fmt: skip
+
+
+def _turn(m: o.Message) -> wire.ChatTurn:
+    calls = [
+        wire.ToolCallTurn(
+            f"call_{i}", c.function.name, msgspec.json.encode(c.function.arguments).decode()
+        )
+        for i, c in enumerate(m.tool_calls or ())
+    ]
+    return wire.ChatTurn(m.role, m.content, calls, None, m.tool_name)
+
+
+def _request(
+    ctx: ApiContext,
+    body: o.ChatRequest | o.GenerateRequest,
+    *,
+    messages: list[wire.ChatTurn] | None = None,
+    prompt: str | None = None,
+) -> GenerateRequest:
+    opts = body.opts
+    tools = None
+    if isinstance(body, o.ChatRequest) and body.tool_mode is not None:
+        specs = [
+            wire.ToolSpec(name=t.function.name, description=t.function.description,
+                          parameters=t.function.parameters)
+            for t in body.tools or ()
+        ]  # fmt: skip
+        tools = wire.ToolUse(tools=specs, choice=body.tool_mode)
+    return GenerateRequest(
+        model=_model(ctx, body.model),
+        messages=messages,
+        prompt=prompt,
+        max_tokens=opts.max_tokens,
+        max_tokens_param="options.num_predict",
+        sampling=_sampling(opts),
+        stop=list(opts.stop or []),
+        logprobs=body.n_logprobs,
+        grammar=body.grammar,
+        tools=tools,
+    )
+
+
+async def chat(request: Request) -> Response:
+    """``POST /api/chat``."""
+    body = await parse_body(request, o.ChatRequest)
+    ctx = context(request)
+    if not body.messages:
+        return await _load_only(ctx, body, chat=True)
+    req = _request(ctx, body, messages=[_turn(m) for m in body.messages])
+    return await _serve(request, ctx, body, req, chat=True)
+
+
+async def generate(request: Request) -> Response:
+    """``POST /api/generate``."""
+    body = await parse_body(request, o.GenerateRequest)
+    ctx = context(request)
+    if not body.prompt:
+        return await _load_only(ctx, body, chat=False)
+    if body.raw:
+        req = _request(ctx, body, prompt=body.prompt)
+    else:
+        turns = [wire.ChatTurn("system", body.system)] if body.system else []
+        req = _request(ctx, body, messages=[*turns, wire.ChatTurn("user", body.prompt)])
+    return await _serve(request, ctx, body, req, chat=False)
+
+
+async def _load_only(
+    ctx: ApiContext, body: o.ChatRequest | o.GenerateRequest, *, chat: bool
+) -> Response:
+    """An empty prompt: Ollama loads the model and answers ``done_reason: "load"``."""
+    t0 = time.perf_counter()
+    model = _model(ctx, body.model)
+    await instance_of(ctx, model)
+    took = int((time.perf_counter() - t0) * 1e9)
+    common = {"model": body.model, "created_at": _now(), "done": True, "done_reason": "load",
+              "total_duration": took, "load_duration": took}  # fmt: skip
+    resp: msgspec.Struct
+    if chat:
+        resp = o.ChatResponse(message=o.AssistantMessage(role="assistant", content=""), **common)
+    else:
+        resp = o.GenerateResponse(response="", **common)
+    return _one(resp, stream=body.stream)
+
+
+def _one(obj: msgspec.Struct, *, stream: bool) -> Response:
+    if stream:
+        return Response(msgspec.json.encode(obj) + b"\n", media_type=NDJSON)
+    return _json(obj)
+
+
+def _timings(run: Run, usage: wire.Usage) -> dict:
+    """The measured timings of a finished run, in nanoseconds (see the module doc)."""
+    now = time.perf_counter()
+    first = run.t_first or now
+    return {
+        "total_duration": int((now - run.t0) * 1e9),
+        "load_duration": int((run.t_acked - run.t0) * 1e9),
+        "prompt_eval_count": usage.prompt_tokens,
+        "prompt_eval_duration": int((first - run.t_acked) * 1e9),
+        "eval_count": usage.completion_tokens,
+        "eval_duration": int(((run.t_last or first) - first) * 1e9),
+    }
+
+
+def _done_reason(reason: str) -> str:
+    # Ollama ends an answer that called tools with "stop".
+    return "length" if reason == "length" else "stop"
+
+
+def _tool_calls(calls: list[Call]) -> list[o.ToolCall] | None:
+    if not calls:
+        return None
+    out = []
+    for c in calls:
+        try:
+            args = msgspec.json.decode(c.arguments)
+        except msgspec.DecodeError:
+            args = {}
+        out.append(
+            o.ToolCall(
+                function=o.ToolCallFunction(
+                    name=c.name, arguments=args if isinstance(args, dict) else {}
+                )
+            )
+        )
+    return out
+
+
+def _piece(
+    body: o.ChatRequest | o.GenerateRequest,
+    *,
+    chat: bool,
+    text: str = "",
+    calls: list[Call] | None = None,
+    logprobs: list[wire.TokenLogprob] | None = None,
+    **done: object,
+) -> msgspec.Struct:
+    lp = chat_logprobs(logprobs).content if logprobs else None
+    common = {"model": body.model, "created_at": _now(), "done": False, "logprobs": lp, **done}
+    if chat:
+        msg = o.AssistantMessage(
+            role="assistant", content=text, tool_calls=_tool_calls(calls or [])
+        )
+        return o.ChatResponse(message=msg, **common)  # type: ignore[arg-type]
+    return o.GenerateResponse(response=text, **common)  # type: ignore[arg-type]
+
+
+def _calls(body: o.ChatRequest | o.GenerateRequest, run: Run) -> ChoiceCalls | None:
+    if isinstance(body, o.ChatRequest) and body.tool_mode is not None:
+        return ChoiceCalls(run.tool_format)
+    return None
+
+
+async def _serve(
+    request: Request,
+    ctx: ApiContext,
+    body: o.ChatRequest | o.GenerateRequest,
+    req: GenerateRequest,
+    *,
+    chat: bool,
+) -> Response:
+    run = await admit(ctx, "ollama_chat" if chat else "ollama_generate", req)
+    if body.stream:
+        return streamed([run], _stream(run, body, chat=chat), _error_line, media_type=NDJSON)
+    got = await whole(request, [run])
+    if got is None:
+        return client_closed()
+    a = answer(got[0], _calls(body, run))
+    resp = _piece(
+        body, chat=chat, text=a.text if not a.calls else a.text.strip(), calls=a.calls,
+        logprobs=a.logprobs if body.n_logprobs is not None else None,
+        done=True, done_reason=_done_reason(a.finish_reason), **_timings(run, a.usage),
+    )  # fmt: skip
+    return _json(resp)
+
+
+def _error_line(err: ApiError) -> bytes:
+    return msgspec.json.encode(err.body_in("ollama")) + b"\n"
+
+
+async def _stream(
+    run: Run, body: o.ChatRequest | o.GenerateRequest, *, chat: bool
+) -> AsyncIterator[bytes]:
+    enc = msgspec.json.Encoder()
+    async for e in events([run], [_calls(body, run)]):
+        if isinstance(e, KeepAlive):
+            # NDJSON has no comments: an empty piece keeps the connection busy.
+            yield enc.encode(_piece(body, chat=chat)) + b"\n"
+        elif isinstance(e, Text):
+            lp = e.logprobs if body.n_logprobs is not None else None
+            if e.text or lp:
+                yield enc.encode(_piece(body, chat=chat, text=e.text, logprobs=lp)) + b"\n"
+        elif isinstance(e, Called):
+            yield enc.encode(_piece(body, chat=chat, calls=[e.call])) + b"\n"
+        elif isinstance(e, Finished):
+            last = _piece(
+                body, chat=chat, done=True, done_reason=_done_reason(e.reason),
+                **_timings(run, e.usage),
+            )  # fmt: skip
+            yield enc.encode(last) + b"\n"
+
+
+# ---------------------------------------------------------------------------------------
+# embeddings
+
+
+async def _vectors(request: Request, model: str, inputs: list[str]) -> tuple[list, int, int]:
+    ctx = context(request)
+    t0 = time.perf_counter()
+    got = await unless_gone(embed_inputs(ctx, _model(ctx, model), list(inputs)), request)
+    if got is None:
+        raise _Gone
+    vectors = [np.frombuffer(c.embedding, "<f4").tolist() for c in got]
+    return vectors, sum(c.usage.prompt_tokens for c in got), int((time.perf_counter() - t0) * 1e9)
+
+
+class _Gone(Exception):
+    """The client left before the vectors were ready."""
+
+
+async def embed(request: Request) -> Response:
+    """``POST /api/embed``: one vector per input, unit length (as Ollama's)."""
+    body = await parse_body(request, o.EmbedRequest)
+    if not body.inputs or any(not x for x in body.inputs):
+        raise bad_request(
+            "input must be a non-empty string or list of non-empty strings", param="input"
+        )
+    try:
+        vectors, n, took = await _vectors(request, body.model, body.inputs)
+    except _Gone:
+        return client_closed()
+    if body.dimensions is not None and body.dimensions != len(vectors[0]):
+        raise bad_request(
+            f"dimensions {body.dimensions} is not supported: this model's embeddings have "
+            f"{len(vectors[0])}", param="dimensions",
+        )  # fmt: skip
+    resp = o.EmbedResponse(model=body.model, embeddings=vectors, total_duration=took,
+                           load_duration=0, prompt_eval_count=n)  # fmt: skip
+    return _json(resp)
+
+
+async def embeddings(request: Request) -> Response:
+    """``POST /api/embeddings`` (Ollama's older route): one prompt, one vector."""
+    body = await parse_body(request, o.EmbeddingsRequest)
+    if not body.prompt:
+        raise bad_request("prompt must be a non-empty string", param="prompt")
+    try:
+        vectors, _, _ = await _vectors(request, body.model, [body.prompt])
+    except _Gone:
+        return client_closed()
+    return _json(o.EmbeddingsResponse(embedding=vectors[0]))
+
+
+# ---------------------------------------------------------------------------------------
+# models
+
+
+def _facts(view: ClusterView, name: str) -> ModelFacts | None:
+    inst = view.find_instance(name)
+    if inst is not None and inst.facts is not None:
+        return inst.facts
+    return view.facts_from_peers(name)
+
+
+def _size(f: ModelFacts | None) -> int:
+    return 0 if f is None else sum(f.layer_bytes) + f.embed_bytes + f.head_bytes
+
+
+def _details(f: ModelFacts | None) -> o.ModelDetails:
+    if f is None:
+        return o.ModelDetails(format="gguf", family="", families=[])
+    quants = [q for q in f.quant_types if q not in ("F32",)] or f.quant_types
+    return o.ModelDetails(
+        format=f.format, family=f.architecture, families=[f.architecture],
+        quantization_level=quants[0] if quants else "",
+    )  # fmt: skip
+
+
+_EPOCH = "1970-01-01T00:00:00Z"
+
+
+async def tags(request: Request) -> Response:
+    """``GET /api/tags``: every model the cluster can serve."""
+    view = context(request).services.view()
+    models = []
+    for name in view.known_models():
+        f = _facts(view, name)
+        models.append(o.TagsEntry(
+            name=name, model=name, modified_at=_EPOCH, size=_size(f),
+            digest=f.sha256 if f else "", details=_details(f),
+        ))  # fmt: skip
+    return Response(
+        msgspec.json.encode(o.TagsResponse(models=models)), media_type="application/json"
+    )
+
+
+async def ps(request: Request) -> Response:
+    """``GET /api/ps``: the placed instances (they stay until removed)."""
+    view = context(request).services.view()
+    models = []
+    for inst in sorted(view.instances.values(), key=lambda i: i.id):
+        f = inst.facts
+        models.append(o.PsEntry(
+            name=inst.spec.model, model=inst.spec.model, size=_size(f),
+            digest=f.sha256 if f else "", details=_details(f), expires_at=_NEVER,
+            size_vram=0, context_length=f.n_ctx_train if f else 0,
+        ))  # fmt: skip
+    return _json(o.PsResponse(models=models))
+
+
+async def show(request: Request) -> Response:
+    """``POST /api/show``: a model's details, ``model_info`` and capabilities."""
+    body = await parse_body(request, o.ModelRequest)
+    ctx = context(request)
+    name = _model(ctx, body.model_name)
+    view = ctx.services.view()
+    if not view.is_known(name):
+        raise model_not_found(body.model_name, view.known_models())
+    f = _facts(view, name)
+    info: dict[str, object] = {}
+    caps = ["completion", "tools"]
+    if f is not None:
+        a = f.architecture
+        info = {
+            "general.architecture": a,
+            f"{a}.context_length": f.n_ctx_train,
+            f"{a}.block_count": f.n_layers,
+            f"{a}.embedding_length": f.hidden_size,
+        }
+        if f.embedding_only:
+            caps = ["embedding"]
+    resp = o.ShowResponse(
+        modelfile="", parameters="", template="", details=_details(f), model_info=info,
+        capabilities=caps, modified_at=_EPOCH,
+    )  # fmt: skip
+    return _json(resp)
+
+
+async def pull(request: Request) -> Response:
+    """``POST /api/pull``: place the model on the cluster and wait until it serves.
+
+    meshd fetches no weights from a registry: a model is pullable when some node holds
+    its file (or resolves its name). Streams Ollama's status objects.
+    """
+    body = await parse_body(request, o.ModelRequest)
+    ctx = context(request)
+    model = _model(ctx, body.model_name)
+    deadline = time.monotonic() + PULL_TIMEOUT_S
+
+    async def ready() -> None:
+        while True:
+            try:
+                await ctx.services.instance_for(model)
+                return
+            except ModelLoading:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(1.0)
+            except Exception as e:
+                err = node_error(e, model, placing=True)
+                if err is None:
+                    raise
+                raise err from None
+
+    if not body.stream:
+        await ready()
+        return _json({"status": "success"})
+    # Errors before the stream starts are plain HTTP errors; a failure after it is a
+    # final {"error": ...} line, as Ollama sends.
+    task = asyncio.ensure_future(ready())
+    done, _ = await asyncio.wait({task}, timeout=0.5)
+    if done:
+        task.result()
+
+    async def lines() -> AsyncIterator[bytes]:
+        yield msgspec.json.encode({"status": f"placing {model} on the cluster"}) + b"\n"
+        try:
+            await task
+        except ApiError as e:
+            yield _error_line(e)
+            return
+        yield msgspec.json.encode({"status": "success"}) + b"\n"
+
+    return StreamingResponse(lines(), media_type=NDJSON)
+
+
+async def delete(request: Request) -> Response:
+    """``DELETE /api/delete``: remove the model's instances (its file stays on disk)."""
+    body = await parse_body(request, o.ModelRequest)
+    ctx = context(request)
+    name = _model(ctx, body.model_name)
+    view = ctx.services.view()
+    ids = [i.id for i in view.instances.values() if i.spec.model == name]
+    inst = view.find_instance(name)
+    if inst is not None and inst.id not in ids:
+        ids.append(inst.id)
+    if not ids:
+        raise ApiError(404, f"model '{body.model_name}' is not placed in this cluster",
+                       type="not_found_error", code="model_not_found")  # fmt: skip
+    for iid in ids:
+        ctx.services.remove(iid)
+    return Response(status_code=200)
+
+
+async def not_supported(request: Request) -> Response:
+    """Ollama's routes for its own model store (create, copy, push, blobs)."""
+    raise ApiError(
+        400,
+        f"{request.url.path} is not supported by meshd: models are files on the nodes "
+        "(see docs/operations.md); place one with POST /api/pull or meshctl place",
+        type="invalid_request_error",
+        code="not_supported",
+    )

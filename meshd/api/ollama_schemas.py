@@ -1,0 +1,371 @@
+"""Ollama's HTTP schemas (``/api/...``): request and response bodies as Structs.
+
+Requests follow Ollama's own API documentation; every sampling knob lives in
+``options``. Fields Ollama defines for its own model store or GPUs (``num_gpu``,
+``num_thread``, ``use_mmap``, ``mirostat``, ...) are accepted and ignored, as Ollama
+ignores options a model does not use. What would change the meaning of an answer and
+cannot be done is a 400 naming the field: images, a custom ``template``, a ``suffix``
+(fill-in-the-middle), ``context`` (the token ids of an earlier answer) and ``think``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from meshd.engines.sampling import MAX_PENALTY, MAX_REPEAT_PENALTY, MAX_TOP_LOGPROBS
+
+from .rules import (
+    MAX_TOOLS,
+    FieldError,
+    check_int64,
+    check_min,
+    check_range,
+    check_stops,
+    schema_grammar,
+    unsupported,
+)
+from .schemas import ChatTokenLogprob, Tool
+
+__all__ = [
+    "AssistantMessage",
+    "ChatRequest",
+    "ChatResponse",
+    "EmbedRequest",
+    "EmbedResponse",
+    "EmbeddingsRequest",
+    "EmbeddingsResponse",
+    "GenerateRequest",
+    "GenerateResponse",
+    "Message",
+    "ModelDetails",
+    "ModelRequest",
+    "Options",
+    "PsEntry",
+    "PsResponse",
+    "ShowResponse",
+    "TagsEntry",
+    "TagsResponse",
+    "ToolCall",
+    "ToolCallFunction",
+]
+
+
+class Options(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``options``: the sampling and length knobs meshd honours (the others are
+    ignored). ``num_ctx`` is accepted: an instance's context is set when it is placed
+    and serves every client alike, so a request cannot resize it."""
+
+    num_ctx: int | None = None
+    #: Tokens to generate at most; -1 (no limit) and -2 (fill the context) leave it to
+    #: the node's cap (``meshd up --max-tokens``).
+    num_predict: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        check_int64(self)
+        check_range("temperature", self.temperature, 0.0, 2.0)
+        check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_range("min_p", self.min_p, 0.0, 1.0)
+        check_min("top_k", self.top_k, 0)
+        check_range("repeat_penalty", self.repeat_penalty, 0.0, MAX_REPEAT_PENALTY, lo_open=True)
+        check_min("repeat_last_n", self.repeat_last_n, -1)
+        check_range("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        check_range("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        check_stops(self.stop or [])
+
+    @property
+    def max_tokens(self) -> int | None:
+        """``num_predict`` as a cap (None: the node's own)."""
+        return self.num_predict if self.num_predict and self.num_predict > 0 else None
+
+
+class ToolCallFunction(msgspec.Struct, kw_only=True):
+    name: str
+    #: The arguments as a JSON object (not text, unlike OpenAI).
+    arguments: dict[str, Any] = {}
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    function: ToolCallFunction
+
+
+class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One message of a chat; a ``tool`` message answers the call ``tool_name`` names."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+    #: An earlier answer's reasoning: not shown to the model again.
+    thinking: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.images:
+            raise unsupported("images", "meshd serves text models: images are not supported")
+        if self.tool_calls and self.role != "assistant":
+            raise FieldError("tool_calls", "only assistant messages carry tool_calls")
+
+
+def _check_generation(req: _Generation) -> None:
+    if not req.model.strip():
+        raise FieldError("model", "model is required")
+    if req.think not in (None, False, "", "none"):
+        raise unsupported("think", f"model {req.model!r} does not support thinking")
+    check_range("top_logprobs", req.top_logprobs, 0, MAX_TOP_LOGPROBS)
+    if req.format not in (None, "", "json") and not isinstance(req.format, dict):
+        raise FieldError("format", "format is 'json' or a JSON Schema object")
+    _ = req.grammar
+
+
+class _Generation(msgspec.Struct, kw_only=True, omit_defaults=True):
+    model: str
+    #: ``"json"`` (any JSON) or a JSON Schema: the answer is constrained to it.
+    format: str | dict[str, Any] | None = None
+    options: Options | None = None
+    #: Streamed as NDJSON unless false (Ollama's default is to stream).
+    stream: bool = True
+    #: Accepted and not honoured: an instance serves the whole household, so one
+    #: client's keep_alive does not unload it (``DELETE /v1/instances/{id}`` does).
+    keep_alive: str | float | None = None
+    think: bool | str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @property
+    def grammar(self) -> str | None:
+        """The grammar the answer follows (None: free text); FieldError names format."""
+        if self.format == "json":
+            return schema_grammar(None, "format")
+        if isinstance(self.format, dict):
+            return schema_grammar(self.format, "format")
+        return None
+
+    @property
+    def opts(self) -> Options:
+        """``options``, empty when absent."""
+        return self.options or _NO_OPTIONS
+
+    @property
+    def n_logprobs(self) -> int | None:
+        """Alternatives to report per token; None: no log-probabilities."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+_NO_OPTIONS = Options()
+
+
+class ChatRequest(_Generation, kw_only=True, omit_defaults=True):
+    """Body of ``POST /api/chat``. No messages: the model is loaded, nothing generated."""
+
+    messages: list[Message] = []
+    tools: list[Tool] | None = None
+    #: Extension (Ollama has none): ``auto`` (the default), ``none``, ``required`` or
+    #: the name of the tool the model must call, as OpenAI's ``tool_choice``.
+    tool_choice: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_generation(self)
+        if self.tools and len(self.tools) > MAX_TOOLS:
+            raise FieldError("tools", f"at most {MAX_TOOLS} tools, got {len(self.tools)}")
+        names = {t.function.name for t in self.tools or ()}
+        if self.tool_choice not in (None, "auto", "none", "required", *names):
+            raise FieldError(
+                "tool_choice",
+                f"tool_choice is auto, none, required or a tool's name, got {self.tool_choice!r}",
+            )
+        if self.tool_choice == "required" and not self.tools:
+            raise FieldError("tool_choice", "tool_choice 'required' needs tools")
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools, or ``none``), ``auto``, ``required`` or a tool's name."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return self.tool_choice or "auto"
+
+
+class GenerateRequest(_Generation, kw_only=True, omit_defaults=True):
+    """Body of ``POST /api/generate``. An empty prompt loads the model only.
+
+    Without ``raw`` the prompt is a user turn through the model's chat template (after
+    ``system``, when given); with ``raw: true`` it is sent as is.
+    """
+
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    images: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        _check_generation(self)
+        if self.suffix:
+            raise unsupported("suffix", "suffix (fill-in-the-middle) is not supported")
+        if self.template:
+            raise unsupported(
+                "template", "a custom template is not supported: the model's own is used"
+            )
+        if self.context:
+            raise unsupported(
+                "context",
+                "context (an earlier answer's token ids) is not supported; send the "
+                "conversation to /api/chat instead",
+            )
+        if self.images:
+            raise unsupported("images", "meshd serves text models: images are not supported")
+
+
+class EmbedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Body of ``POST /api/embed``."""
+
+    model: str
+    input: str | list[str] = ""
+    #: Accepted; an input over the context is an error either way (never silently cut).
+    truncate: bool | None = None
+    options: Options | None = None
+    keep_alive: str | float | None = None
+    dimensions: int | None = None
+
+    @property
+    def inputs(self) -> list[str]:
+        """``input`` as a list."""
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class EmbeddingsRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Body of the older ``POST /api/embeddings``: one prompt."""
+
+    model: str
+    prompt: str = ""
+    options: Options | None = None
+    keep_alive: str | float | None = None
+
+
+class ModelRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Body of ``/api/show``, ``/api/pull`` and ``/api/delete`` (``name`` is the older
+    spelling of ``model``)."""
+
+    model: str = ""
+    name: str = ""
+    stream: bool = True
+    insecure: bool | None = None
+    verbose: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.model or self.name).strip():
+            raise FieldError("model", "model is required")
+
+    @property
+    def model_name(self) -> str:
+        """The model named."""
+        return (self.model or self.name).strip()
+
+
+# ---------------------------------------------------------------------------------------
+# responses
+
+
+class _Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the last object of an answer carries: nanoseconds, measured on this node
+    (see ``meshd.api.ollama``)."""
+
+    model: str
+    created_at: str
+    done: bool
+    done_reason: str | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+    logprobs: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A message of an answer (``content`` always present, ``""`` when empty)."""
+
+    role: Literal["assistant"]
+    content: str
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatResponse(_Timings, kw_only=True, omit_defaults=True):
+    message: AssistantMessage
+
+
+class GenerateResponse(_Timings, kw_only=True, omit_defaults=True):
+    response: str
+
+
+class EmbedResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+
+
+class EmbeddingsResponse(msgspec.Struct, kw_only=True):
+    embedding: list[float]
+
+
+class ModelDetails(msgspec.Struct, kw_only=True):
+    parent_model: str = ""
+    format: str
+    family: str
+    families: list[str]
+    parameter_size: str = ""
+    quantization_level: str = ""
+
+
+class TagsEntry(msgspec.Struct, kw_only=True):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: ModelDetails
+
+
+class TagsResponse(msgspec.Struct, kw_only=True):
+    models: list[TagsEntry]
+
+
+class PsEntry(msgspec.Struct, kw_only=True):
+    name: str
+    model: str
+    size: int
+    digest: str
+    details: ModelDetails
+    expires_at: str
+    size_vram: int
+    context_length: int
+
+
+class PsResponse(msgspec.Struct, kw_only=True):
+    models: list[PsEntry]
+
+
+class ShowResponse(msgspec.Struct, kw_only=True):
+    modelfile: str
+    parameters: str
+    template: str
+    details: ModelDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str

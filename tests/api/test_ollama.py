@@ -1,0 +1,185 @@
+"""Ollama's API through the official ``ollama`` client, on the default model split over
+two nodes and asked of a third that holds no stage."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from meshd.models.resolve import DEFAULT_MODEL
+from tests.api.reference import WEATHER, greedy_chat
+from tests.cluster import NodeProc
+
+ollama = pytest.importorskip("ollama")
+jsonschema = pytest.importorskip("jsonschema")
+
+pytestmark = pytest.mark.timeout(300)
+
+HI = [{"role": "user", "content": "Say hello in one short sentence."}]
+GREEDY = {"temperature": 0, "num_predict": 12}
+TOOLS = [{"type": "function", "function": {"name": "get_weather",
+          "description": "The current weather in a city", "parameters": WEATHER}}]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def oc(via: NodeProc):
+    return ollama.Client(host=via.api, timeout=120)
+
+
+def test_chat_matches_the_openai_route_and_reports_measured_timings(oc, via) -> None:
+    r = oc.chat(model=DEFAULT_MODEL, messages=HI, options=GREEDY)
+    ref = greedy_chat(via, HI, 12)
+    assert r.message.role == "assistant"
+    assert r.message.content == ref["choices"][0]["message"]["content"]
+    assert r.done and r.done_reason == "length"
+    assert r.prompt_eval_count == ref["usage"]["prompt_tokens"]
+    assert r.eval_count == 12
+    # Measured, and consistent with one another: each part within the total.
+    assert 0 < r.eval_duration < r.total_duration
+    assert 0 < r.prompt_eval_duration < r.total_duration
+    assert r.load_duration + r.prompt_eval_duration + r.eval_duration <= r.total_duration
+
+
+def test_streamed_chat_is_ndjson_and_ends_with_the_timings(oc) -> None:
+    whole = oc.chat(model=DEFAULT_MODEL, messages=HI, options=GREEDY)
+    parts = list(oc.chat(model=DEFAULT_MODEL, messages=HI, options=GREEDY, stream=True))
+    assert len(parts) > 2
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert parts[-1].eval_count == 12 and parts[-1].total_duration > 0
+
+
+def test_generate_templates_the_prompt_unless_raw(oc, via) -> None:
+    r = oc.generate(model=DEFAULT_MODEL, prompt="Say hello in one short sentence.",
+                    options=GREEDY)  # fmt: skip
+    assert r.response == greedy_chat(via, HI, 12)["choices"][0]["message"]["content"]
+    raw = oc.generate(model=DEFAULT_MODEL, prompt="The capital of France is", raw=True,
+                      options=GREEDY)  # fmt: skip
+    ref = httpx.post(via.api + "/v1/completions", timeout=120,
+                     json={"model": DEFAULT_MODEL, "prompt": "The capital of France is",
+                           "temperature": 0, "max_tokens": 12}).json()  # fmt: skip
+    assert raw.response == ref["choices"][0]["text"]
+    parts = list(oc.generate(model=DEFAULT_MODEL, prompt="The capital of France is", raw=True,
+                             options=GREEDY, stream=True))  # fmt: skip
+    assert "".join(p.response for p in parts) == raw.response
+
+
+def test_options_are_honoured(oc) -> None:
+    r = oc.chat(model=DEFAULT_MODEL, messages=HI,
+                options={"num_predict": 40, "temperature": 0, "stop": [" "]})  # fmt: skip
+    assert " " not in r.message.content and r.done_reason == "stop"
+    seeded = [
+        oc.chat(model=DEFAULT_MODEL, messages=HI,
+                options={"num_predict": 10, "temperature": 1.0, "seed": 7, "top_k": 50,
+                         "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1}).message.content
+        for _ in range(2)
+    ]  # fmt: skip
+    assert seeded[0] == seeded[1]
+
+
+def test_format_json_and_schema(oc) -> None:
+    r = oc.chat(model=DEFAULT_MODEL, format="json", options={"num_predict": 60, "seed": 1},
+                messages=[{"role": "user", "content": "Describe a cat as JSON."}])  # fmt: skip
+    if r.done_reason == "stop":
+        assert isinstance(json.loads(r.message.content), dict)
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+              "age": {"type": "integer"}}, "required": ["name", "age"],
+              "additionalProperties": False}  # fmt: skip
+    r = oc.chat(model=DEFAULT_MODEL, format=schema, options={"num_predict": 80, "seed": 2},
+                messages=[{"role": "user", "content": "A person, as JSON."}])  # fmt: skip
+    assert r.done_reason == "stop"
+    jsonschema.validate(json.loads(r.message.content), schema)
+
+
+def test_tool_calls_come_back_as_objects_and_their_results_are_read(oc, via) -> None:
+    asked = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    # Ollama has no tool_choice; meshd's extension forces a call, so this small model
+    # makes one. The official client's own types parse the answer.
+    body = {"model": DEFAULT_MODEL, "messages": asked, "tools": TOOLS, "stream": False,
+            "tool_choice": "required", "options": {"seed": 1, "num_predict": 80}}  # fmt: skip
+    r = httpx.post(via.api + "/api/chat", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    got = ollama.ChatResponse(**r.json())
+    (call,) = got.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert isinstance(call.function.arguments, dict)
+    jsonschema.validate(dict(call.function.arguments), WEATHER)
+    with httpx.stream("POST", via.api + "/api/chat", json={**body, "stream": True},
+                      timeout=120) as s:  # fmt: skip
+        parts = [ollama.ChatResponse(**json.loads(line)) for line in s.iter_lines() if line]
+    streamed = [c for p in parts for c in p.message.tool_calls or ()]
+    assert [c.function.name for c in streamed] == ["get_weather"] and parts[-1].done
+    history = [
+        *asked,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": dict(call.function.arguments)}}]},
+        {"role": "tool", "tool_name": "get_weather", "content": '{"celsius": 18}'},
+    ]  # fmt: skip
+    final = oc.chat(model=DEFAULT_MODEL, messages=history, tools=TOOLS,
+                    options={"num_predict": 30, "seed": 1})  # fmt: skip
+    assert final.done
+    assert final.message.content or final.message.tool_calls
+
+
+def test_embed_and_the_older_embeddings_route(oc, via) -> None:
+    r = oc.embed(model=DEFAULT_MODEL, input=["a cat", "a dog"])
+    assert len(r.embeddings) == 2 and r.prompt_eval_count > 0
+    ref = httpx.post(via.api + "/v1/embeddings", timeout=120,
+                     json={"model": DEFAULT_MODEL, "input": "a cat"}).json()  # fmt: skip
+    assert r.embeddings[0] == pytest.approx(ref["data"][0]["embedding"], abs=1e-6)
+    old = oc.embeddings(model=DEFAULT_MODEL, prompt="a cat")
+    assert old.embedding == pytest.approx(r.embeddings[0], abs=1e-6)
+
+
+def test_model_routes(oc, via) -> None:
+    names = [m.model for m in oc.list().models]
+    assert DEFAULT_MODEL in names
+    entry = next(m for m in oc.list().models if m.model == DEFAULT_MODEL)
+    assert entry.size > 0 and entry.details.family == "llama"
+    ps = oc.ps().models
+    assert [m.model for m in ps] == [DEFAULT_MODEL] and ps[0].context_length > 0
+    shown = oc.show(DEFAULT_MODEL + ":latest")  # the tag Ollama clients add
+    assert "tools" in shown.capabilities and "completion" in shown.capabilities
+    assert shown.modelinfo["general.architecture"] == "llama"
+    assert shown.modelinfo["llama.context_length"] > 0
+    v = httpx.get(via.api + "/api/version", timeout=10).json()["version"]
+    assert all(p.isdigit() for p in v.split("."))
+    assert httpx.get(via.api + "/", timeout=10).text == "Ollama is running"
+    # Pulling a model some node holds places it (here it is placed already).
+    assert oc.pull(DEFAULT_MODEL).status == "success"
+    assert [p.status for p in oc.pull(DEFAULT_MODEL, stream=True)][-1] == "success"
+
+
+def test_errors_are_in_ollamas_shape(oc, via) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.chat(model="no-such-model", messages=HI)
+    assert e.value.status_code == 404
+    assert DEFAULT_MODEL in e.value.error  # the models the cluster serves are listed
+    for body in (
+        {"model": DEFAULT_MODEL, "messages": HI, "options": {"temperature": -1}},
+        {"model": DEFAULT_MODEL, "messages": "hi"},
+        {
+            "model": DEFAULT_MODEL,
+            "messages": [{"role": "user", "content": "x", "images": ["aGk="]}],
+        },
+        {"model": DEFAULT_MODEL, "messages": HI, "format": {"type": "nonsense"}},
+        {"model": DEFAULT_MODEL, "messages": HI, "think": True},
+    ):
+        r = httpx.post(via.api + "/api/chat", json=body, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        assert set(r.json()) == {"error"} and r.json()["error"], r.text
+    r = httpx.post(via.api + "/api/pull", json={"model": "no-such-model"}, timeout=30)
+    assert r.status_code == 404 and set(r.json()) == {"error"}
+    r = httpx.post(via.api + "/api/create", json={"model": "x"}, timeout=30)
+    assert r.status_code == 400 and "not supported" in r.json()["error"]
+    r = httpx.post(via.api + "/api/nope", json={}, timeout=30)
+    assert r.status_code == 404 and set(r.json()) == {"error"}
+
+
+def test_an_empty_chat_loads_the_model(oc) -> None:
+    r = oc.chat(model=DEFAULT_MODEL, messages=[])
+    assert r.done and r.done_reason == "load"
+    r = oc.generate(model=DEFAULT_MODEL, prompt="")
+    assert r.done and r.done_reason == "load"
