@@ -236,7 +236,7 @@ def test_a_lone_string_is_one_stop() -> None:
 @pytest.mark.parametrize(
     ("stops", "error"),
     [
-        (["a", "b", "c", "d", "e"], ValueError),
+        ([str(i) for i in range(MAX_STOPS + 1)], ValueError),
         ([""], ValueError),
         ([1], TypeError),
     ],
