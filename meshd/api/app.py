@@ -9,10 +9,11 @@ from __future__ import annotations
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from . import anthropic, cluster, embeddings, instances, members, ollama, openai, responses
+from . import anthropic, cluster, doctor, embeddings, instances, members, ollama, openai, responses
 from .auth import BearerAuth
 from .errors import install_error_handlers
 from .origins import HostOriginGuard
+from .requestid import RequestIds
 from .services import ApiContext, ApiSettings, Services
 
 __all__ = ["ROUTES", "create_app"]
@@ -21,6 +22,7 @@ ROUTES = [
     Route("/healthz", cluster.healthz, methods=["GET"]),
     Route("/metrics", cluster.metrics, methods=["GET"]),
     Route("/v1/cluster", cluster.cluster, methods=["GET"]),
+    Route("/v1/doctor", doctor.doctor, methods=["GET"]),
     Route("/v1/models", openai.list_models, methods=["GET"]),
     Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
     Route("/v1/completions", openai.completions, methods=["POST"]),
@@ -63,6 +65,7 @@ def create_app(services: Services, settings: ApiSettings) -> Starlette:
     install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(BearerAuth, key=settings.api_key)
-    # Added last, so it runs first: a foreign Host or Origin gets nothing else.
     app.add_middleware(HostOriginGuard, hosts=settings.hosts)
+    # Added last, so it runs first: every answer, refusals too, carries its id.
+    app.add_middleware(RequestIds)
     return app

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+log = logging.getLogger("meshd.api")
 
 #: Retry-After given when the node carries its limit of requests.
 OVERLOADED_RETRY_S = 1.0
@@ -114,6 +116,7 @@ class Run:
         ticket: Ticket,
         metrics: Metrics,
         t0: float,
+        path: str = "",
     ) -> None:
         self.chunks = chunks
         self.first = first
@@ -124,6 +127,9 @@ class Run:
         self.route = route
         self.ticket = ticket
         self.metrics = metrics
+        #: The stages it runs through (``node:start-end`` each), for the log.
+        self.path = path
+        self.n_tokens = 0
         #: perf_counter times: the request came in, stage 0 acknowledged it, the first
         #: and the last token arrived (0: not yet). Dialects that report timings use them.
         self.t0 = t0
@@ -132,6 +138,7 @@ class Run:
         self.t_last = 0.0
         self._closed = False
         metrics.in_flight.inc()
+        metrics.speed.began(model)
 
     async def pieces(self) -> AsyncIterator[wire.DataChunk]:
         """Every chunk after the acknowledgement, recording time to first token,
@@ -145,18 +152,25 @@ class Run:
                 if c.tokens:
                     for i, sec in enumerate(c.compute):
                         m.stage_compute.labels(model, str(i)).observe(sec)
+                    ttft = itl = hop = None
                     if last is None:
-                        m.ttft.labels(model).observe(now - self.t0)
+                        ttft = now - self.t0
+                        m.ttft.labels(model).observe(ttft)
                     else:
-                        m.itl.labels(model).observe(now - last)
+                        itl = now - last
+                        m.itl.labels(model).observe(itl)
                         hops = len(c.compute)  # n stages: n-1 forward hops + 1 back
                         if hops:
-                            extra = max(0.0, now - last - sum(c.compute))
-                            m.hop_overhead.labels(model).observe(extra / hops)
+                            hop = max(0.0, itl - sum(c.compute)) / hops
+                            m.hop_overhead.labels(model).observe(hop)
+                    m.speed.token(
+                        model, len(c.tokens), ttft=ttft, itl=itl, stages=c.compute, hop=hop
+                    )
                     last = now
                     self.t_first = self.t_first or now
                     self.t_last = now
                     n += len(c.tokens)
+                    self.n_tokens = n
                 yield c
         finally:
             m.prompt_tokens.labels(model).inc(self.n_prompt)
@@ -176,8 +190,15 @@ class Run:
         return Collected("".join(text), finish, usage, logprobs, embedding, matched)
 
     def count(self, outcome: str) -> None:
-        """Count the request's outcome (``200``, a status, ``client_closed``)."""
+        """Count the request's outcome (``200``, a status, ``client_closed``) and log
+        one line for it (the request id comes with the line: see ``meshd.logs``)."""
         self.metrics.requests.labels(self.route, self.model, outcome).inc()
+        ttft = f"{self.t_first - self.t0:.3f}s" if self.t_first else "-"
+        log.info(
+            "%s %s via %s: %s, %d prompt + %d tokens, first token %s, %.3fs",
+            self.route, self.model, self.path, outcome, self.n_prompt, self.n_tokens, ttft,
+            time.perf_counter() - self.t0,
+        )  # fmt: skip
 
     async def close(self) -> None:
         """Free the request on every stage if it did not finish, give its slot back
@@ -188,6 +209,7 @@ class Run:
         self.ticket.release()
         await self.chunks.aclose()
         self.metrics.in_flight.dec()
+        self.metrics.speed.ended(self.model)
 
 
 async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
@@ -243,7 +265,14 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
         ticket.release()
         raise
     model = inst.spec.model  # placed now if it was not: a name the cluster knows
-    return Run(chunks, first, model=model, route=route, ticket=ticket, metrics=metrics, t0=t0)
+    cards = services.view().cards
+    path = " > ".join(
+        f"{cards[st.node].name if st.node in cards else st.node[:8]}:{st.start}-{st.end}"
+        for st in inst.stages
+    )
+    return Run(
+        chunks, first, model=model, route=route, ticket=ticket, metrics=metrics, t0=t0, path=path
+    )
 
 
 async def instance_of(ctx: ApiContext, model: str) -> Instance:

@@ -136,6 +136,9 @@ class ApiServer:
             app,
             http=functools.partial(_Guarded, per_ip=Counter()),  # type: ignore[arg-type]
             log_level="warning",
+            # No handlers of uvicorn's own: its lines go through the process's logging
+            # (meshd.logs), JSON included, like every other line of a node's log.
+            log_config=None,
             lifespan="off",
             access_log=False,
         )

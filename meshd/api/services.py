@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from meshd.crdt.views import Instance, InstanceSpec
 from meshd.node.cluster import ClusterView
+from meshd.node.diagnosis import Report
 from meshd.node.metrics import Metrics
 from meshd.node.services import MemberView, PendingView, Vitals
 from meshd.transport import wire
@@ -87,6 +88,11 @@ class Services(Protocol):
         job: wire.Job,
     ) -> AsyncIterator[wire.DataChunk]:
         """Run one request on ``inst``: its chunks, the first one the acknowledgement."""
+        ...
+
+    async def doctor(self) -> Report:
+        """What is wrong here and the fix for each (``GET /v1/doctor``): facts the node
+        observed and its peers' ports probed from here (bounded, about 1.5 s)."""
         ...
 
 

@@ -152,6 +152,11 @@ class NodeClient:
         """``GET /v1/instances``."""
         return self._get_json("/v1/instances")
 
+    def doctor(self) -> dict[str, Any]:
+        """``GET /v1/doctor``: findings and what was checked (the node probes its peers'
+        ports first, about 1.5 s)."""
+        return self._send("GET", "/v1/doctor", timeout=max(self.timeout, 10.0))
+
     def place(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /v1/instances``: place a model; returns the instance."""
         # Placing reads the model's header (and hashes it the first time): allow time.

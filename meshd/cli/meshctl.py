@@ -50,7 +50,7 @@ Command = Callable[[argparse.Namespace, NodeClient], int]
 
 def cmd_top(args: argparse.Namespace, client: NodeClient) -> int:
     """Live view of nodes, memory, runners and instances."""
-    return run_top(client, interval=args.interval, once=args.once)
+    return run_top(client, interval=args.interval, once=args.once, as_json=args.json)
 
 
 def cmd_nodes(args: argparse.Namespace, client: NodeClient) -> int:
@@ -176,6 +176,9 @@ def _add_top(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p = sub.add_parser("top", parents=[common], help=cmd_top.__doc__, description=cmd_top.__doc__)
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument(
+        "--json", action="store_true", help="print what top shows as one JSON document and exit"
+    )
+    p.add_argument(
         "--interval",
         type=positive_float,
         default=1.0,
@@ -229,6 +232,22 @@ def _add_chat(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
     p.add_argument("--temperature", type=float)
     p.add_argument("--system", help="system prompt")
     p.set_defaults(func=cmd_chat)
+
+
+def cmd_doctor(args: argparse.Namespace, client: NodeClient) -> int:
+    """Why a peer is missing or a model does not serve: the node's findings and fixes
+    (exit 1 when one is an error)."""
+    from .doctor import run_doctor
+
+    return run_doctor(client, as_json=args.json)
+
+
+def _add_doctor(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "doctor", parents=[common], help=cmd_doctor.__doc__, description=cmd_doctor.__doc__
+    )
+    p.add_argument("--json", action="store_true", help="print the node's report as JSON")
+    p.set_defaults(func=cmd_doctor)
 
 
 def cmd_members(args: argparse.Namespace, client: NodeClient) -> int:
@@ -310,7 +329,8 @@ def _add_secret(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
 
 
 COMMANDS = [
-    _add_top, _add_nodes, _add_place, _add_ls, _add_rm, _add_chat, _add_members, _add_secret
+    _add_top, _add_nodes, _add_place, _add_ls, _add_rm, _add_chat, _add_members, _add_secret,
+    _add_doctor,
 ]  # fmt: skip
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -17,7 +17,17 @@ from meshd.api.origins import allowed_hosts
 from meshd.api.server import ApiServer, bind_api
 from meshd.api.services import ApiSettings
 from meshd.cli.argtypes import positive_float, positive_int
+from meshd.cli.settings import (
+    CONFIG_ENV,
+    ConfigError,
+    Resolved,
+    Settings,
+    default_config_path,
+    given_dests,
+    mark_secret,
+)
 from meshd.crdt.hlc import DEFAULT_MAX_DRIFT_MS
+from meshd.logs import LOG_FORMATS, configure
 from meshd.models import DEFAULT_MODEL
 from meshd.node.config import (
     API_KEY_ENV,
@@ -45,13 +55,76 @@ from meshd.transport.addresses import local_addresses
 from meshd.transport.security import SECRET_ENV, load_secret
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535."""
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
+    return int(text)
+
+
+def _size(text: str) -> int:
+    """:func:`parse_size` as an argparse type: its message, not "invalid value"."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _peer(text: str) -> str:
+    """A seed peer, checked by :func:`parse_peer` and kept as written (so that
+    ``meshd config show`` prints it as given)."""
+    try:
+        parse_peer(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _path(text: str) -> Path:
+    """A path; ``~`` expanded (a config file or ``--models=~/m`` has no shell to do it)."""
+    return Path(text).expanduser()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meshd", description="meshd: pool machines into one LLM cluster"
     )
     p.add_argument("--version", action="version", version=f"meshd {meshd.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start a node (no configuration needed)")
+    up = sub.add_parser(
+        "up",
+        help="start a node (no configuration needed)",
+        description="Start a node. Every flag may also be set in the config file "
+        "(--api-port 7470: api_port = 7470) or the environment (MESHD_API_PORT=7470); "
+        "a flag wins over the environment, which wins over the file. "
+        "`meshd config show` prints the result.",
+    )
+    _node_flags(up)
+    _config_flag(up)
+    config = sub.add_parser("config", help="the settings of `meshd up`")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser(
+        "show",
+        help="print the settings `meshd up` would run with, and where each comes from",
+    )
+    _node_flags(show)
+    _config_flag(show)
+    show.add_argument("--json", action="store_true", help="one JSON object, for machines")
+    return p
+
+
+def _config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        help=f"TOML file of settings (default: ${CONFIG_ENV}, else "
+        f"{default_config_path()} if it exists)",
+    )
+
+
+def _node_flags(up: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the flags of ``meshd up`` to ``up``: the one list of its settings (the config
+    file and the environment take the same names, see :mod:`meshd.cli.settings`)."""
     up.add_argument("--name", help="human name of this node (default: hostname)")
     up.add_argument(
         "--cluster", default=DEFAULT_CLUSTER, help="cluster name (default: %(default)s)"
@@ -60,11 +133,12 @@ def _parser() -> argparse.ArgumentParser:
         "--api-host",
         help="API listen address (default: 127.0.0.1; 0.0.0.0 when an API key is set)",
     )
-    up.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
-        metavar="KEY",
-        help=f"bearer token every API route but /healthz demands (default: ${API_KEY_ENV})",
+    mark_secret(
+        up.add_argument(
+            "--api-key",
+            metavar="KEY",
+            help=f"bearer token every API route but /healthz demands (default: ${API_KEY_ENV})",
+        )
     )
     up.add_argument(
         "--allow-host",
@@ -76,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--api-port",
-        type=int,
+        type=_port,
         default=DEFAULT_API_PORT,
         help="API port, 0 = any (default: %(default)s)",
     )
@@ -85,7 +159,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--mesh-port",
-        type=int,
+        type=_port,
         default=DEFAULT_MESH_PORT,
         help="mesh port, 0 = any (default: %(default)s)",
     )
@@ -93,12 +167,13 @@ def _parser() -> argparse.ArgumentParser:
         "--peer",
         action="append",
         default=[],
+        type=_peer,
         metavar="HOST:MESH_PORT",
         help="static seed peer (repeatable)",
     )
     up.add_argument(
         "--data-dir",
-        type=Path,
+        type=_path,
         help="where the node id lives (default: $MESHD_DATA_DIR or the user data dir)",
     )
     up.add_argument("--no-discovery", action="store_true", help="do not use Bonjour/mDNS")
@@ -119,21 +194,21 @@ def _parser() -> argparse.ArgumentParser:
         "--models",
         action="append",
         default=[],
-        type=Path,
+        type=_path,
         metavar="DIR",
         help="a folder of models this node may load and serve (repeatable); besides it "
         "loads only packaged aliases, the HF cache and paths given here or to its own API",
     )
     up.add_argument(
         "--max-memory",
-        type=parse_size,
+        type=_size,
         default=0,
         metavar="SIZE",
         help="most memory this node offers the cluster, e.g. 8G (default: all it has)",
     )
     up.add_argument(
         "--slice-cache",
-        type=parse_size,
+        type=_size,
         default=SLICE_CACHE_BYTES,
         metavar="SIZE",
         help="disk kept for cached model slices no stage uses, e.g. 40G (default: 16G); "
@@ -141,7 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--secret-file",
-        type=Path,
+        type=_path,
         metavar="PATH",
         help=f"the cluster's secret: a node holding it is a member at once, no approval "
         f"(for automation; default: ${SECRET_ENV}; make one with `meshctl secret new`)",
@@ -249,7 +324,14 @@ def _parser() -> argparse.ArgumentParser:
         "to finish (default: %(default)s)",
     )
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p
+    up.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object a line for log collectors; the node's "
+        "runners log the same way (default: %(default)s)",
+    )
+    return up
 
 
 def _config(args: argparse.Namespace) -> NodeConfig:
@@ -354,28 +436,49 @@ async def up(cfg: NodeConfig) -> int:
     return node.exit_code
 
 
+def _settings(argv: list[str]) -> tuple[argparse.Namespace, Resolved]:
+    """The command line, with each setting of ``up`` taken from the flags, else the
+    environment, else the config file, else its default (raises ConfigError)."""
+    args = _parser().parse_args(argv)
+    table = Settings(_node_flags(argparse.ArgumentParser(add_help=False)))
+    resolved = table.resolve(args, given_dests(_parser, argv), config=args.config)
+    return resolved.apply(args), resolved
+
+
+def _show(resolved: Resolved, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(resolved.as_json(), indent=2))
+    else:
+        print(resolved.as_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshd`` command."""
-    args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        for p in args.peer:
-            parse_peer(p)
-        return asyncio.run(up(_config(args)))
-    except ValueError as e:
+        args, resolved = _settings(argv)
+    except ConfigError as e:
+        # As argparse does for a bad flag: one line, exit 2, before anything starts.
         print(f"meshd: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
+    if args.command == "config":
+        return _show(resolved, args.json)
+    configure(args.log_level, args.log_format)
+    try:
+        return asyncio.run(up(_config(args)))
+    except (ValueError, OSError, RuntimeError) as e:
+        return _fail(e, 2 if isinstance(e, ValueError) else 1, args.log_format)
+
+
+def _fail(e: Exception, code: int, fmt: str) -> int:
+    """Report why the node could not run; the exit code. A JSON log stays JSON: a log
+    collector must not need a second parser for the last line of a failed start."""
+    if fmt == "json":
+        logging.getLogger("meshd").error("%s", e)
+    else:
         print(f"meshd: {e}", file=sys.stderr)
-        return 1
-    except RuntimeError as e:
-        print(f"meshd: {e}", file=sys.stderr)
-        return 1
+    return code
 
 
 if __name__ == "__main__":

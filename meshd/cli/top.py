@@ -13,6 +13,7 @@ a malformed field never raises.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import sys
@@ -82,6 +83,109 @@ def _names(cluster: Mapping[str, Any]) -> dict[str, str]:
         if nid:
             out[nid] = str(name) if name else short_id(nid)
     return out
+
+
+# ---------------------------------------------------------------- speed
+
+
+def _weighted(pairs: list[tuple[float, float]]) -> float | None:
+    """The mean of ``(value, weight)`` pairs weighted by the weight (plain mean when
+    every weight is 0); None for no pairs with a value."""
+    pairs = [(v, w) for v, w in pairs if v]
+    if not pairs:
+        return None
+    total = sum(w for _, w in pairs)
+    if total <= 0:
+        return sum(v for v, _ in pairs) / len(pairs)
+    return sum(v * w for v, w in pairs) / total
+
+
+def node_speed(node: Mapping[str, Any]) -> dict[str, float]:
+    """A node's ``tokens_s`` (what its API streams now) and ``in_flight`` requests."""
+    health = _dict(node.get("health"))
+    serving = [_dict(v) for v in _dict(health.get("serving")).values()]
+    tps = _num(health.get("tokens_s")) or _num(health.get("tokens_per_s")) or 0.0
+    return {"tokens_s": tps, "in_flight": sum(_num(v.get("in_flight")) or 0 for v in serving)}
+
+
+def instance_speed(cluster: Mapping[str, Any], inst: Mapping[str, Any]) -> dict[str, Any]:
+    """One instance's figures over the last minute, added up over every node that sent
+    it requests: tokens/s and requests in flight (sums), queue depth (requests holding
+    KV on stage 0), time to first token, between tokens, per stage and per hop (medians
+    each node measured, weighted by its tokens/s). Pure: reads the cluster JSON only."""
+    model = str(_dict(inst.get("spec")).get("model") or "")
+    iid = str(inst.get("id") or "")
+    per_node = []
+    queue = 0
+    stages = [_dict(s) for s in _list(inst.get("stages"))]
+    first = str(stages[0].get("node")) if stages else ""
+    for node in map(_dict, _list(cluster.get("nodes"))):
+        health = _dict(node.get("health"))
+        m = _dict(_dict(health.get("serving")).get(model))
+        if m:
+            per_node.append(m)
+        if str(node.get("id")) == first:
+            queue = sum(
+                int(_num(r.get("active")) or 0)
+                for r in map(_dict, _list(health.get("runners")))
+                if r.get("instance") == iid and r.get("stage", 0) == 0
+            )
+
+    def med(key: str) -> float | None:
+        return _weighted([(_num(m.get(key)) or 0.0, _num(m.get("tokens_s")) or 0.0)
+                          for m in per_node])  # fmt: skip
+
+    stage_ms = []
+    for i in range(len(stages)):
+        stage_ms.append(_weighted([
+            (float(_list(m.get("stage_ms"))[i]), _num(m.get("tokens_s")) or 0.0)
+            for m in per_node
+            if len(_list(m.get("stage_ms"))) > i and _num(_list(m.get("stage_ms"))[i])
+        ]))  # fmt: skip
+    return {
+        "tokens_s": round(sum(_num(m.get("tokens_s")) or 0.0 for m in per_node), 2),
+        "in_flight": int(sum(_num(m.get("in_flight")) or 0 for m in per_node)),
+        "queue": queue,
+        "ttft_ms": med("ttft_ms"),
+        "itl_ms": med("itl_ms"),
+        "hop_ms": med("hop_ms"),
+        "stage_ms": stage_ms,
+    }
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f} ms" if v >= 100 else f"{v:.1f} ms"
+
+
+def snapshot(cluster: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``top`` shows, for machines (``meshctl top --json``): every node's liveness
+    and speed, every instance's speed and stages."""
+    names = _names(cluster)
+    nodes = []
+    for node in _sorted_nodes(cluster):
+        health = _dict(node.get("health"))
+        nodes.append({
+            "id": node.get("id"), "name": names.get(str(node.get("id"))),
+            "liveness": node.get("liveness"), "state": health.get("state"),
+            "mem_available": health.get("mem_available"), "load": health.get("load"),
+            **node_speed(node),
+        })  # fmt: skip
+    instances = []
+    for inst in sorted(map(_dict, _list(cluster.get("instances"))), key=lambda i: str(i.get("id"))):
+        speed = instance_speed(cluster, inst)
+        stage_ms = speed.pop("stage_ms")
+        stages = [
+            {"node": st.get("node"), "name": names.get(str(st.get("node"))),
+             "start": st.get("start"), "end": st.get("end"), "engine": st.get("engine"),
+             "ms_per_token": stage_ms[i] if i < len(stage_ms) else None}
+            for i, st in enumerate(map(_dict, _list(inst.get("stages"))))
+        ]  # fmt: skip
+        instances.append({
+            "id": inst.get("id"), "model": _dict(inst.get("spec")).get("model"),
+            "generation": inst.get("generation"), **speed, "stages": stages,
+        })  # fmt: skip
+    return {"cluster": cluster.get("cluster"), "self": cluster.get("self"), "nodes": nodes,
+            "instances": instances}  # fmt: skip
 
 
 # ---------------------------------------------------------------- cell formatters
@@ -267,11 +371,12 @@ def nodes_table(
         "heartbeat": Column("heartbeat", 4 if detail else 1, justify="right"),
         "load": Column("load", 5 if detail else 1, justify="right"),
     }
+    cols |= {
+        "tok/s": Column("tok/s", 6 if detail else 0, justify="right"),
+        "reqs": Column("reqs", 6 if detail else 2, justify="right"),
+    }
     if detail:
-        cols |= {
-            "queue": Column("queue", 6, justify="right"),
-            "tok/s": Column("tok/s", 6, justify="right"),
-        }
+        cols["queue"] = Column("queue", 6, justify="right")
     else:
         cols["runners"] = Column("runners", 0, no_wrap=False)
 
@@ -296,6 +401,8 @@ def nodes_table(
             "up": Text(_age(up) if up is not None and up >= 0 else "-"),
             "heartbeat": Text(_age(_num(node.get("heartbeat_age_s")))),
             "load": Text(f"{load:.2f}" if load is not None else "-"),
+            "tok/s": Text(f"{node_speed(node)['tokens_s']:.1f}" if health else "-"),
+            "reqs": Text(f"{node_speed(node)['in_flight']:.0f}" if health else "-"),
             "runners": _lines(
                 Text.assemble(f"{r.get('instance', '?')} ", _runner_state(r.get("state")))
                 for r in map(_dict, _list(health.get("runners")))
@@ -306,7 +413,6 @@ def nodes_table(
             api_host = card.get("api_host") or next(iter(_list(card.get("addresses"))), "")
             api_port = card.get("api_port")
             queue = _num(health.get("queue_depth"))
-            tps = _num(health.get("tokens_per_s"))
             cell |= {
                 "platform": Text("/".join(str(card[k]) for k in ("os", "arch") if card.get(k))),
                 "cpus": Text(str(cpus) if cpus is not None else "-"),
@@ -315,7 +421,6 @@ def nodes_table(
                 "models": _each(card.get("models")),
                 # omitted by the node when zero; unknown only without a heartbeat
                 "queue": Text(str(queue if queue is not None else 0) if health else "-"),
-                "tok/s": Text(f"{tps if tps is not None else 0:.1f}" if health else "-"),
             }
         rows.append([cell[k] for k in cols])
     return FitTable("nodes", list(cols.values()), rows)
@@ -372,7 +477,9 @@ def excluded_nodes(cluster: Mapping[str, Any], instance_id: str) -> list[tuple[s
 
 
 def instances_table(cluster: Mapping[str, Any]) -> FitTable:
-    """One row per placed instance, one line per stage: ``node[start:end) engine state``."""
+    """One row per placed instance: its speed over the last minute (tokens/s, requests
+    in flight, queue, median time to first token and between tokens), one line per
+    stage (``node[start:end) engine state`` and its ms per token) and the per-hop ms."""
     names = _names(cluster)
     by_id = {str(_dict(n).get("id")): _dict(n) for n in _list(cluster.get("nodes"))}
     instances = sorted(
@@ -381,15 +488,21 @@ def instances_table(cluster: Mapping[str, Any]) -> FitTable:
     columns = [
         Column("id", 0, style="bold"),
         Column("model", 0, no_wrap=False),
-        Column("gen", 1, justify="right"),
-        Column("stages", 0, no_wrap=False),
+        Column("gen", 3, justify="right"),
+        Column("tok/s", 0, justify="right"),
+        Column("reqs", 2, justify="right"),
+        Column("queue", 4, justify="right"),
+        Column("ttft", 2, justify="right"),
+        Column("itl", 2, justify="right"),
+        Column("stages (ms/token)", 0, no_wrap=False),
     ]
     rows = []
     for inst in instances:
         iid = str(inst.get("id") or "?")
         generation = inst.get("generation", 1)
+        speed = instance_speed(cluster, inst)
         stages = []
-        for st in map(_dict, _list(inst.get("stages"))):
+        for i, st in enumerate(map(_dict, _list(inst.get("stages")))):
             nid = str(st.get("node") or "?")
             line = Text(names.get(nid) or short_id(nid))
             line.append(f"[{st.get('start', '?')}:{st.get('end', '?')})")
@@ -397,14 +510,24 @@ def instances_table(cluster: Mapping[str, Any]) -> FitTable:
                 line.append(f" {st['engine']}", style="cyan")
             line.append(" ")
             line.append_text(_stage_state(by_id.get(nid), iid, generation))
+            ms = speed["stage_ms"][i] if i < len(speed["stage_ms"]) else None
+            if ms is not None:
+                line.append(f" {_ms(ms)}", style="magenta")
             stages.append(line)
+        if speed["hop_ms"] is not None:
+            stages.append(Text(f"hop {_ms(speed['hop_ms'])}", style="dim magenta"))
         for nid, reason in excluded_nodes(cluster, iid):
             line = Text("excluded ", style="red")
             line.append(names.get(nid) or short_id(nid), style="bold")
             line.append(f" ({reason})", style="dim")
             stages.append(line)
         model = str(_dict(inst.get("spec")).get("model") or "?")
-        rows.append([Text(iid), Text(model), Text(str(generation)), _lines(stages)])
+        rows.append([
+            Text(iid), Text(model), Text(str(generation)),
+            Text(f"{speed['tokens_s']:.1f}"), Text(str(speed["in_flight"])),
+            Text(str(speed["queue"])), Text(_ms(speed["ttft_ms"])),
+            Text(_ms(speed["itl_ms"])), _lines(stages),
+        ])  # fmt: skip
     return FitTable(
         "instances", columns, rows, caption=None if instances else "no instances placed"
     )
@@ -565,11 +688,16 @@ def approve_key(client: NodeClient, key: str, pending: list[Mapping[str, Any]]) 
 
 
 def run_top(
-    client: NodeClient, interval: float = 1.0, once: bool = False, console: Console | None = None
+    client: NodeClient,
+    interval: float = 1.0,
+    once: bool = False,
+    console: Console | None = None,
+    as_json: bool = False,
 ) -> int:
     """Draw the cluster as ``client``'s node sees it; returns the exit code.
 
-    ``once``: print one frame and return 0; an unreachable node raises NodeUnreachable
+    ``as_json``: print :func:`snapshot` as one JSON document and return 0. ``once``:
+    print one frame and return 0; an unreachable node raises NodeUnreachable
     (and a bad answer NodeError) for the caller to report. Otherwise redraw every
     ``interval`` seconds in a ``rich.live.Live`` until Ctrl-C (which returns 0); while
     the node is unreachable an error panel replaces the frame, and the frame returns
@@ -577,6 +705,10 @@ def run_top(
     another instead of redrawn.
     """
     console = console or stdout_console()
+    if as_json:
+        # One JSON document, no markup: for scripts and monitors.
+        print(json.dumps(snapshot(client.cluster())), flush=True)
+        return 0
     if once:
         cluster = client.cluster()
         console.print(render(cluster, int(time.time() * 1000), waiting(client)))

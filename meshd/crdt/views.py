@@ -118,6 +118,21 @@ class RunnerStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
 HealthState = Literal["up", "draining", "stopped"]
 
 
+class ModelSpeed(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How a model's requests through one node's API went over the last minute
+    (``meshd.node.speed``): what ``meshctl top`` adds up across nodes."""
+
+    #: Tokens per second streamed to clients (over the last 10 s).
+    tokens_s: float = 0.0
+    in_flight: int = 0
+    #: Medians, in milliseconds: time to first token, between tokens, each stage's
+    #: compute per step (stage order) and the overhead of one hop.
+    ttft_ms: float = 0.0
+    itl_ms: float = 0.0
+    stage_ms: list[float] = []
+    hop_ms: float = 0.0
+
+
 class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A heartbeat. Liveness is judged by when a reader *received* a newer one."""
 
@@ -126,10 +141,15 @@ class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
     mem_available: int = 0
     load: float = 0.0
     queue_depth: int = 0
+    #: The node's measured decode capacity for placement (0: not measured).
     tokens_per_s: float = 0.0
     #: The node's anti-entropy horizon (see ``meshd.crdt.lww.stable_horizon``).
     synced: int = 0
     runners: list[RunnerStatus] = []
+    #: Tokens per second this node's API streams now (its requests, every model).
+    tokens_s: float = 0.0
+    #: Per model: the speed of this node's requests over the last minute.
+    serving: dict[str, ModelSpeed] = {}
 
 
 class Stage(msgspec.Struct, kw_only=True, frozen=True):

@@ -21,6 +21,7 @@ import sys
 
 import msgspec
 
+from meshd.logs import LogFormat
 from meshd.transport.security import ClusterKeys
 
 __all__ = [
@@ -114,6 +115,10 @@ class RunnerConfig(msgspec.Struct, kw_only=True):
     max_tokens: int | None = None
     #: None: an open cluster (no CURVE).
     keys: SocketKeys | None = None
+    #: How the runner logs: its node's ``--log-level`` and ``--log-format``, so that a
+    #: node's log (runners' lines included) reads with one parser.
+    log_level: str = "info"
+    log_format: LogFormat = "text"
 
 
 # -- events: runner -> supervisor (stdout) ---------------------------------------------

@@ -41,6 +41,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from meshd.logs import configure as configure_logs
 from meshd.models.chat import CHATML_TEMPLATE, chat_template_at, render_chat
 from meshd.models.folder import folder_sha256
 from meshd.models.hashing import file_sha256
@@ -272,6 +273,8 @@ class Runner:
         self.send(reply_to, wire.DataChunk(req=req, **kw))
 
     def fail(self, reply_to: wire.Addr, req: str, code: str, message: str) -> None:
+        log.info("request %s ends at stage %d: %s: %s", req, self.cfg.stage, code, message,
+                 extra={"req": req})  # fmt: skip
         self.send(
             reply_to, wire.DataChunk(req=req, error=wire.ChunkError(code=code, message=message))
         )
@@ -642,7 +645,7 @@ class Runner:
         try:
             return self.stage.forward([item])[0]
         except Exception as e:
-            log.warning("request %s failed at this stage: %s", w.req, e)
+            log.warning("request %s failed at this stage: %s", w.req, e, extra={"req": w.req})
             r = self.reqs[w.req]
             self.fail(r.reply_to, r.req, "bad_input", f"stage {self.cfg.stage}: {e}")
             self.release(r.req, "cancel")
@@ -795,7 +798,7 @@ class Runner:
                     self.embed([w])
                 return
             r = self.reqs[batch[0].req]
-            log.warning("embedding of %s failed: %s", r.req, e)
+            log.warning("embedding of %s failed: %s", r.req, e, extra={"req": r.req})
             self.fail(r.reply_to, r.req, "bad_input", f"stage {self.cfg.stage}: {e}")
             self.release(r.req, "cancel")
             return
@@ -896,7 +899,7 @@ class Runner:
             for g in self.waiting:
                 if g.req == req:
                     self.waiting.remove(g)
-                    log.info("request %s cancelled while queued", req)
+                    log.info("request %s cancelled while queued", req, extra={"req": req})
                     return
             if reason == "cancel":
                 self.cancelled[req] = None
@@ -967,18 +970,16 @@ def main(argv: list[str] | None = None) -> int:
     # that died on the same SIGINT would cut every stream mid-drain and count as a
     # crash. SIGTERM stays fatal: it is how the supervisor stops a runner.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s %(levelname).1s runner[{os.getpid()}]: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
+    # Text at info until the config (the first line) says how its node logs.
+    name = f"runner {os.getpid()}"
+    configure_logs("info", "text", name=name)
     stdin = StdinLines()
     try:
         cfg = decode_config(stdin.first())
     except (EOFError, msgspec.DecodeError, msgspec.ValidationError) as e:
         emit(Failed(reason=f"bad runner config: {e}"))
         return 1
+    configure_logs(cfg.log_level, cfg.log_format, name=name)
     ctx = zmq.Context()
     keys = cfg.keys.cluster_keys() if cfg.keys is not None else None
     members: set[bytes] | None = None

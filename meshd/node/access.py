@@ -25,7 +25,7 @@ from meshd.transport.security import ClusterKeys, HandshakeReporter, cluster_key
 from meshd.transport.stats import DropCounters
 
 from .cluster_store import ClusterStore, StoredCluster
-from .joining import JoinDesk, ask_to_join
+from .joining import JoinDesk, Refusals, ask_to_join
 from .plans import refuse_plan_entry
 from .state import ClusterState
 from .tasks import Tasks
@@ -59,6 +59,8 @@ class Access:
         self.keys: ClusterKeys | None = None
         self.zap: Any = None
         self.desk: JoinDesk | None = None
+        #: Whom the join desk and ZAP turned away, by address (``meshctl doctor``).
+        self.refusals = Refusals()
         self._save_pending = False
         self._on_members: list[Callable[[list[bytes]], None]] = []
         #: This node's name (as it asks to be let in).
@@ -72,7 +74,10 @@ class Access:
         self.keys = cluster_keys(cluster.key, key.curve_pair())
         self.admitted.add(self.keys.client_public)
         reporter = HandshakeReporter(counters.add)
-        self.zap = start_zap(ctx, self.admitted.__contains__, lambda: reporter.denied("zap"))
+        self.zap = start_zap(
+            ctx, self.admitted.__contains__, lambda: reporter.denied("zap"),
+            on_denied_at=lambda address: self.refusals.note(address, "zap_denied"),
+        )  # fmt: skip
         log.info("cluster %r (%s): every socket admits its members only", cluster.name, cluster.id)
 
     @property
@@ -150,7 +155,7 @@ class Access:
 
         self.desk = JoinDesk(
             state, self.cluster, name, write_member=write_member,
-            count=lambda reason: self._counters.add("join", reason),
+            count=lambda reason: self._counters.add("join", reason), refusals=self.refusals,
         )  # fmt: skip
         return self.desk.bind(ctx, host, port)
 

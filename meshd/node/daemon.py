@@ -122,6 +122,8 @@ class Node:
             metrics=metrics,
             counters=counters,
             access=access,
+            twins=twins,
+            discovery=lambda: self._discovery,
         )
         self.access = access
         self.ctx = ctx
@@ -197,6 +199,7 @@ class Node:
             addresses=card.addresses,
             on_peer=self.peers.on_discovered,
             join_port=self.join_port,
+            cluster_name=self.access.cluster.name if self.access.cluster else self.config.cluster,
         )
         try:
             await self._discovery.start()
@@ -265,44 +268,47 @@ class Node:
         return self._hurry.is_set()
 
     async def drain(self) -> None:
-        """Move this node's stages elsewhere and let the requests it owns finish.
+        """Let the requests in flight here finish, then return: with none, at once.
 
-        Peers see the ``draining`` heartbeat and re-place (sticky) every instance with
-        a stage here; streams cut by the move are replayed on the new plan. Instances
-        the rest of the cluster cannot hold stay until the node exits. Bounded by
-        ``drain_timeout``; woken by changes of the cluster and by requests ending.
+        The ``draining`` heartbeat goes out first: new API requests get 503 and peers
+        re-place (sticky) every instance with a stage here. The drain waits only while
+        requests are in flight, this node's own (its API) or passing through its stages
+        (another node's): a stream cut by a stage's move is replayed on the new plan,
+        so it ends here as soon as the move is ready, or when it finishes. An idle node
+        has nothing to drain and stops at once; peers repair what it held when its
+        goodbye arrives. Bounded by ``drain_timeout``; a second stop request cuts it.
         """
         timeout = self.config.drain_timeout
         # New API requests get 503 `draining` from now on (and /healthz says so): what
         # this node accepted now it would have to finish before it may exit.
         self.presence.draining = True
         await self.presence.beat()
-        view = self.state.view()
-        mine = [
-            i for i in view.instances.values()
-            if any(s.node == self.node_id for s in i.stages)
-            and view.relocatable(i, without=self.node_id)
-        ]  # fmt: skip
-        if mine:
-            log.info("draining: moving %s to other nodes", ", ".join(i.id for i in mine))
+
+        def busy() -> tuple[int, int]:
+            return self.requests.in_flight(), self.supervisor.active()
+
+        own, through = busy()
+        if not own and not through:
+            log.info("draining: no request in flight, stopping now")
+            return
+        log.info(
+            "draining: waiting up to %.0f s for %d request(s) of this node and %d through "
+            "its stages to finish or move", timeout, own, through,
+        )  # fmt: skip
         deadline = time.monotonic() + timeout
         hurry = asyncio.ensure_future(self._hurry.wait())
         try:
             while not self._hurry.is_set():
-                view = self.state.view()
-                pending = [
-                    i.id for i in mine
-                    if i.id in view.instances and (
-                        any(s.node == self.node_id for s in view.instances[i.id].stages)
-                        or not view.is_ready(view.instances[i.id])
-                    )
-                ]  # fmt: skip
-                if not pending and self.requests.in_flight() == 0:
+                if busy() == (0, 0):
+                    log.info("draining: every request ended, stopping now")
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                changed = asyncio.ensure_future(self.state.changes.wait(left))
+                # Runners report their load in heartbeats' statuses; requests ending
+                # here notify changes too. Poll as well: a runner's count may change
+                # without any shared-state change to wake us.
+                changed = asyncio.ensure_future(self.state.changes.wait(min(left, 0.5)))
                 await asyncio.wait({changed, hurry}, return_when=asyncio.FIRST_COMPLETED)
                 changed.cancel()
         finally:
@@ -310,7 +316,11 @@ class Node:
         if self._hurry.is_set():
             log.warning("drain cut short by a second stop request")
         else:
-            log.warning("drain ended after %.0f s with work left", timeout)
+            own, through = busy()
+            log.warning(
+                "drain ended after %.0f s with %d request(s) of this node and %d through its "
+                "stages still open", timeout, own, through,
+            )  # fmt: skip
         await self.end_open_requests("drain ended with the request open")
 
     async def end_open_requests(self, why: str) -> None:
@@ -485,6 +495,7 @@ async def _assemble(
         synced=lambda: membership.synced(),
         runners=supervisor.statuses,
         in_flight=dataplane.in_flight,
+        speed=metrics.speed.summary,
     )
     twins = Twins(
         state,

@@ -60,6 +60,8 @@ __all__ = [
     "JoinDesk",
     "JoinOutcome",
     "Pending",
+    "Refusal",
+    "Refusals",
     "ask_to_join",
     "new_code",
 ]
@@ -83,6 +85,8 @@ MAX_SESSIONS = 32
 SESSION_TTL_S = 60.0
 #: Join messages a second one address may send (twice that in a burst).
 JOIN_RATE = 20.0
+#: (address, reason) pairs :class:`Refusals` keeps (the least recent go first).
+MAX_REFUSALS = 64
 
 _SPAKE_IDS = {"idA": b"meshd-joiner", "idB": b"meshd-member"}
 
@@ -117,6 +121,45 @@ class Pending:
     key: bytes
     first_seen: float
     last_seen: float
+    #: Where it asks from (ZeroMQ's ``Peer-Address``), for ``meshctl doctor``.
+    address: str = ""
+
+
+@dataclass
+class Refusal:
+    """Someone turned away from one address for one reason, and how often."""
+
+    address: str
+    reason: str
+    name: str
+    node_id: str
+    count: int
+    last: float
+
+
+class Refusals:
+    """Who this node refused (join desk, ZAP), per address and reason, bounded: what
+    ``meshctl doctor`` names when a node cannot get in."""
+
+    def __init__(self, limit: int = MAX_REFUSALS) -> None:
+        self._limit = limit
+        self._by: OrderedDict[tuple[str, str], Refusal] = OrderedDict()
+
+    def note(self, address: str, reason: str, name: str = "", node_id: str = "") -> None:
+        """One more refusal of ``address`` for ``reason`` (who it said it was, if known)."""
+        now = time.monotonic()
+        r = self._by.pop((address, reason), None)
+        if r is None:
+            r = Refusal(address, reason, name[:64], node_id[:64], 0, now)
+        r.count, r.last = r.count + 1, now
+        r.name, r.node_id = name[:64] or r.name, node_id[:64] or r.node_id
+        self._by[(address, reason)] = r
+        while len(self._by) > self._limit:
+            self._by.popitem(last=False)
+
+    def recent(self) -> list[Refusal]:
+        """Every refusal kept, the most recent last."""
+        return list(self._by.values())
 
 
 @dataclass
@@ -151,6 +194,8 @@ class JoinDesk:
     write_member: Callable[[Member], None]
     #: Counts what the desk drops or refuses (socket ``join``; see /healthz).
     count: Callable[[str], None] = lambda reason: None
+    #: Whom it refused, by address (``meshctl doctor``).
+    refusals: Refusals = field(default_factory=Refusals)
     pending: OrderedDict[str, Pending] = field(default_factory=OrderedDict)
     invites: dict[str, Invite] = field(default_factory=dict)
     _sessions: OrderedDict[str, _Session] = field(default_factory=OrderedDict)
@@ -209,6 +254,7 @@ class JoinDesk:
             who = frames[0].bytes.hex()
         if not self._limiter.allow(str(who)):
             self._drop("rate_limited")
+            self.refusals.note(str(who), "busy")
             return wire.JoinRefused(code="busy", message="too many join requests; slow down")
         try:
             msg = wire.decode_join(frames[1].buffer)
@@ -217,14 +263,28 @@ class JoinDesk:
             return None
         try:
             if isinstance(msg, wire.JoinHello):
-                return self.hello(msg, time.monotonic())
-            if isinstance(msg, wire.JoinConfirm):
-                return self.confirm(msg, time.monotonic())
+                reply = self.hello(msg, time.monotonic())
+            elif isinstance(msg, wire.JoinConfirm):
+                reply = self.confirm(msg, time.monotonic())
+            else:
+                self._drop("unexpected")
+                return None
         except (ValueError, TypeError, nacl.exceptions.CryptoError, spake2.SPAKEError) as e:
             self._drop("bad_request")
+            self.refusals.note(str(who), "bad_request")
             return wire.JoinRefused(code="bad_request", message=str(e)[:200])
-        self._drop("unexpected")
-        return None
+        self._note(str(who), msg, reply)
+        return reply
+
+    def _note(self, who: str, msg: wire.JoinMessage, reply: wire.JoinMessage) -> None:
+        """Remember where a refused or waiting node asks from (``meshctl doctor``)."""
+        key = getattr(msg, "key", b"")
+        nid = node_id_of(key) if len(key) == 32 else ""
+        if isinstance(reply, wire.JoinPending) and nid in self.pending:
+            self.pending[nid].address = who
+        elif isinstance(reply, wire.JoinRefused):
+            name = msg.name.strip() if isinstance(msg, wire.JoinHello) else ""
+            self.refusals.note(who, reply.code, name, nid)
 
     # -- the rules -------------------------------------------------------------------
     def hello(self, h: wire.JoinHello, now: float) -> wire.JoinMessage:

@@ -15,6 +15,7 @@ from meshd.crdt.views import (
     Health,
     HealthState,
     ModelFacts,
+    ModelSpeed,
     NodeCard,
     RunnerStatus,
     health_key,
@@ -52,6 +53,7 @@ class Presence:
         synced: Callable[[], int],
         runners: Callable[[], list[RunnerStatus]],
         in_flight: Callable[[], int],
+        speed: Callable[[], tuple[float, dict[str, ModelSpeed]]] = lambda: (0.0, {}),
     ) -> None:
         self.state = state
         self.tasks = tasks
@@ -61,6 +63,7 @@ class Presence:
         self._synced = synced
         self._runners = runners
         self._in_flight = in_flight
+        self._speed = speed
         #: Set by the drain: the heartbeat says ``draining`` and placement avoids us.
         self.draining = False
         self._seq = 0
@@ -72,6 +75,7 @@ class Presence:
         self._seq += 1
         if state == "up" and self.draining:
             state = "draining"
+        tokens_s, serving = self._speed()
         return Health(
             seq=self._seq,
             state=state,
@@ -80,6 +84,8 @@ class Presence:
             synced=self._synced(),
             queue_depth=self._in_flight(),
             runners=self._runners(),
+            tokens_s=tokens_s,
+            serving=serving,
         )
 
     def announce(self) -> None:

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from meshd.crdt.views import Instance
+from meshd.logs import current_request
 from meshd.transport import wire
 from meshd.transport.dataplane import DataPlane
 
@@ -186,7 +187,10 @@ class Requests:
         route = [s.addr for s in view.stage_states(inst)]
         if any(a is None for a in route):
             raise RequestFailed("not_ready", f"instance {inst.id} is not ready", 503)
-        req = secrets.token_hex(8)
+        # The API request's id, when one is being served, prefixes the pipeline's own
+        # (each attempt and each choice its own): grep finds the whole path by it.
+        base = current_request()
+        req = f"{base}.{secrets.token_hex(3)}" if base else secrets.token_hex(8)
         q = self.dataplane.open(req, view.senders(inst))
         self._open[req] = q
         done = False

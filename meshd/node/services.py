@@ -6,27 +6,38 @@ operations, and maps the typed errors they raise to HTTP in one place.
 
 from __future__ import annotations
 
+import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import msgspec
+import zmq.asyncio
 
 import meshd
-from meshd.crdt.views import Instance, InstanceSpec, member_key, members
+from meshd.crdt.hlc import physical, wall_ms
+from meshd.crdt.views import Instance, InstanceSpec, health_key, member_key, members
 from meshd.transport import wire
+from meshd.transport.addresses import choose_address, interface_addresses, virtual_addresses
 from meshd.transport.dataplane import DataPlane
 from meshd.transport.gossip import Gossip
 from meshd.transport.stats import DropCounters
 
+from . import diagnosis as dx
 from .access import Access
 from .cluster import ClusterView
 from .config import NodeConfig
 from .instances import Instances
 from .metrics import Metrics
 from .presence import Presence
+from .probes import PROBE_TIMEOUT_S, Target, probe_all
 from .requests import Requests
 from .state import ClusterState
 from .supervisor import Supervisor
+from .twins import Twins
+
+if TYPE_CHECKING:  # zeroconf is imported only when discovery runs
+    from meshd.transport.discovery import Discovery
 
 __all__ = ["MemberView", "NodeServices", "NotSecured", "PendingView", "Vitals"]
 
@@ -93,6 +104,8 @@ class NodeServices:
         metrics: Metrics,
         counters: DropCounters,
         access: Access,
+        twins: Twins | None = None,
+        discovery: Callable[[], Discovery | None] = lambda: None,
     ) -> None:
         self._config = config
         self._state = state
@@ -104,6 +117,9 @@ class NodeServices:
         self._supervisor = supervisor
         self._counters = counters
         self._access = access
+        self._twins = twins
+        #: The running Bonjour part, if any (it starts after the services are built).
+        self._discovery = discovery
         self._started = time.monotonic()
         self.metrics = metrics
 
@@ -219,3 +235,124 @@ class NodeServices:
     ) -> AsyncIterator[wire.DataChunk]:
         """Run one request on ``inst`` (see :meth:`Requests.generate`)."""
         return self._requests.generate(inst, job)
+
+    # -- doctor --------------------------------------------------------------------
+    async def doctor(self) -> dx.Report:
+        """What is wrong here and how to fix it (``GET /v1/doctor``): the facts this node
+        observed, each peer's ports probed from here (bounded, ~1.5 s), diagnosed."""
+        view = self._state.view()
+        ports = await probe_all(
+            zmq.asyncio.Context.instance(), self._access.keys, self._probe_targets(view)
+        )
+        return dx.diagnose(self._snapshot(view, ports))
+
+    def _probe_targets(self, view: ClusterView) -> list[Target]:
+        """The mesh, PUB and data ports of every other node with a card, at the address
+        this node dials it at (else the one it would choose)."""
+        dialled = self._gossip.peers()
+        own, virtual = self._presence.card.addresses, virtual_addresses()
+        out: list[Target] = []
+        for nid, card in sorted(view.cards.items(), key=lambda kv: (kv[1].name, kv[0])):
+            if nid == view.self_id or view.liveness.get(nid) == "left" or not card.addresses:
+                continue
+            ep = dialled.get(nid)
+            host = ep.host if ep else choose_address(own, card.addresses, ambiguous=virtual)
+            for name, port in (
+                ("mesh", card.mesh_port),
+                ("pub", card.pub_port),
+                ("data", card.data_port),
+            ):
+                if port:
+                    out.append(Target(nid, name, host, port))
+        return out
+
+    def _snapshot(self, view: ClusterView, ports: list[dx.PortCheck]) -> dx.Snapshot:
+        cfg, now = self._config, time.monotonic()
+        disc = self._discovery()
+        sightings = [] if disc is None else list(disc.sightings.values())
+        desk = self._access.desk
+        counts = self._counters.snapshot()
+        entries = counts.get("entries", {})
+        failed = {
+            sock: sum(n for reason, n in by.items() if reason.startswith("handshake"))
+            for sock, by in counts.items()
+        }
+        twins = [] if self._twins is None else list(self._twins.seen.values())
+        cache = cfg.data_dir / "cache"
+        disk = cache if cache.exists() else cfg.data_dir
+        try:
+            free: int | None = shutil.disk_usage(disk).free
+        except OSError:
+            free = None
+        return dx.Snapshot(
+            view=view,
+            name=cfg.name,
+            version=meshd.__version__,
+            cluster=self._access.cluster.name if self._access.cluster else cfg.cluster,
+            secured=self._access.secured,
+            discovery="off" if not cfg.discovery else "on" if disc is not None else "failed",
+            discovery_s=0.0 if disc is None or disc.started_at is None else now - disc.started_at,
+            bonjour_peers=frozenset(disc.peers) if disc is not None else frozenset(),
+            sightings=tuple(
+                dx.Sighting(
+                    node_id=x.node_id,
+                    name=x.name,
+                    host=x.host,
+                    port=x.port,
+                    cluster=x.cluster,
+                    cluster_name=x.cluster_name,
+                    version=x.version,
+                    same_cluster=x.same_cluster,
+                    age_s=now - x.seen,
+                    present=x.present,
+                )
+                for x in sightings
+            ),
+            malformed_adverts=0 if disc is None else disc.malformed,
+            seeds=tuple(f"{h}:{p}" for h, p in cfg.peers),
+            refusals=tuple(
+                dx.Refusal(
+                    address=r.address,
+                    reason=r.reason,
+                    name=r.name,
+                    node_id=r.node_id,
+                    count=r.count,
+                    age_s=now - r.last,
+                )
+                for r in self._access.refusals.recent()
+            ),
+            waiting=tuple(
+                dx.Waiting(
+                    node_id=p.node_id, name=p.name, address=p.address, waiting_s=now - p.first_seen
+                )
+                for p in (desk.pending.values() if desk is not None else ())
+            ),
+            handshake_failures={k: v for k, v in failed.items() if v},
+            ports=tuple(ports),
+            probe_timeout_s=PROBE_TIMEOUT_S,
+            twins=tuple(
+                dx.TwinSeen(name=t.name, address=t.address, age_s=now - t.at, confirmed=t.confirmed)
+                for t in twins
+            ),
+            own_id_refused=entries.get("own_id", 0),
+            clock_drift_refused=entries.get("clock_drift", 0),
+            max_drift_ms=cfg.max_clock_drift_ms,
+            clock_ahead_ms=self._clock_ahead(view),
+            interfaces=tuple(dx.Interface(n, a, p) for n, a, p in interface_addresses()),
+            advertised=tuple(self._presence.card.addresses),
+            dialled={n: ep.host for n, ep in self._gossip.peers().items() if n[:1] != "@"},
+            disk_path=str(disk),
+            disk_free=free,
+        )
+
+    def _clock_ahead(self, view: ClusterView) -> dict[str, int]:
+        """How far each live peer's last heartbeat was stamped ahead of this node's wall
+        clock when it arrived (its arrival: now less the heartbeat's age here)."""
+        out: dict[str, int] = {}
+        now = wall_ms()
+        for nid, age in view.ages.items():
+            e = self._state.map.get(health_key(nid))
+            if nid == view.self_id or e is None or e.value is None or not view.is_live(nid):
+                continue
+            out[nid] = physical(e.hlc) - int(now - age * 1000)
+        return out

@@ -50,6 +50,7 @@ from meshd.engines.protocol import (
     runner_command,
 )
 from meshd.engines.threads import runner_env, threads_per_runner
+from meshd.logs import configured
 from meshd.models.slicing import slice_path, trim_slices
 from meshd.placement.place import KV_SEQUENCES, KV_TOKENS, stage_need
 from meshd.transport.security import ClusterKeys
@@ -196,6 +197,10 @@ class Supervisor:
         self._reconciles.add(t)
         t.add_done_callback(self._reconciles.discard)
 
+    def active(self) -> int:
+        """Requests holding KV on this node's runners now (whichever node owns them)."""
+        return sum(r.active for r in self.runners.values())
+
     def statuses(self) -> list[RunnerStatus]:
         """Every runner's state, for the heartbeat, and the runners given up here."""
         live = [r.status() for _, r in sorted(self.runners.items())]
@@ -280,6 +285,10 @@ class Supervisor:
                     request_expiry_s=self.request_expiry,
                     max_tokens=self.max_tokens,
                     keys=self._socket_keys(),
+                    # As this process logs (`meshd up --log-level/--log-format`): the
+                    # runners write to its stderr, and its log must read as one.
+                    log_level=configured()[0],
+                    log_format=configured()[1],
                 )
                 self.runners[k] = await self._start(key, cfg)
             await self._trim_slices(desired)

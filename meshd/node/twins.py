@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -31,7 +32,7 @@ from .peers import Peers
 from .state import ClusterState
 from .tasks import Tasks
 
-__all__ = ["EXIT_ID_CLASH", "Twins"]
+__all__ = ["EXIT_ID_CLASH", "TwinSighting", "Twins"]
 
 log = logging.getLogger("meshd.node")
 
@@ -40,6 +41,19 @@ log = logging.getLogger("meshd.node")
 EXIT_ID_CLASH = 3
 #: Seconds before a card under our id with one same foreign incarnation is checked again.
 TWIN_RECHECK_S = 5.0
+#: Other processes under our id remembered for ``meshctl doctor``.
+MAX_TWINS_KEPT = 8
+
+
+@dataclass
+class TwinSighting:
+    """Another process that wrote under this node's id, as last seen."""
+
+    name: str
+    address: str
+    at: float
+    #: It answered a hello under our id: a live process, not only a card.
+    confirmed: bool = False
 
 
 class Twins:
@@ -72,6 +86,15 @@ class Twins:
         #: Foreign incarnation seen on a card under our id -> when we last checked it.
         self._checks: dict[str, float] = {}
         self._logged: set[tuple[str, str]] = set()
+        #: Foreign incarnation -> what was seen of it (``meshctl doctor``), bounded.
+        self.seen: dict[str, TwinSighting] = {}
+
+    def _saw(self, card: NodeCard, where: str, confirmed: bool) -> None:
+        old = self.seen.pop(card.incarnation, None)
+        confirmed = confirmed or (old is not None and old.confirmed)
+        self.seen[card.incarnation] = TwinSighting(card.name, where, time.monotonic(), confirmed)
+        while len(self.seen) > MAX_TWINS_KEPT:
+            del self.seen[next(iter(self.seen))]
 
     @property
     def node_id(self) -> str:
@@ -137,6 +160,7 @@ class Twins:
             host = choose_address(
                 self.peers.own_addresses, card.addresses, ambiguous=self.peers.virtual
             )
+            self._saw(card, f"{host}:{card.mesh_port}", confirmed=False)
             self.tasks.spawn(self._check(Endpoint(host, card.mesh_port)))
 
     async def _check(self, ep: Endpoint) -> None:
@@ -159,6 +183,7 @@ class Twins:
         mine = (card.started_ms, card.incarnation)
         theirs = (other.started_ms, other.incarnation)
         where = f"{ep.host}:{ep.mesh_port}"
+        self._saw(other, where, confirmed=True)
         if mine > theirs:
             if self.gave_way:
                 return

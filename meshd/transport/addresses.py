@@ -90,6 +90,17 @@ def virtual_addresses() -> set[str]:
     return out
 
 
+def interface_addresses() -> list[tuple[str, str, int]]:
+    """``(interface name, IPv4 address, prefix length)`` of every address of this host
+    (``meshctl doctor`` says which interface an address it dials is on)."""
+    return [
+        (str(adapter.nice_name or adapter.name), str(ip.ip), int(ip.network_prefix))
+        for adapter in ifaddr.get_adapters()
+        for ip in adapter.ips
+        if ip.is_IPv4
+    ]
+
+
 def choose_address(
     own: list[str],
     peer: list[str],

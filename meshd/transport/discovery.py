@@ -4,9 +4,13 @@ Each node registers one ``_meshd._tcp.local.`` service named after its node id a
 browses for the others. A resolved peer in the same cluster becomes a ``PeerAddr``
 handed to ``on_peer``; that is all discovery does. It does not connect to anyone.
 
-TXT records carry only public facts: ``id`` (node id), ``c`` (cluster id), ``mesh``,
-``join`` and ``api`` (ports), ``v`` (version) and ``name`` (a human label). Never a
-secret: anyone on the link can read them.
+TXT records carry only public facts: ``id`` (node id), ``c`` (cluster id), ``cn`` (the
+cluster's name), ``mesh``, ``join`` and ``api`` (ports), ``v`` (version) and ``name`` (a
+human label). Never a secret: anyone on the link can read them.
+
+Every meshd node resolved is also kept in :attr:`Discovery.sightings` (bounded, with
+when it was last seen), the ones of other clusters too: ``meshctl doctor`` explains
+with them why a node on the LAN is not in the cluster.
 
 A node that is not in a cluster yet browses without registering and with no cluster
 (``cluster_hash=None``): every meshd node it finds is reported, with its cluster, so
@@ -28,6 +32,8 @@ import asyncio
 import hashlib
 import logging
 import re
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -56,6 +62,8 @@ RECORD_TTL_S = 120
 #: DNS labels and TXT entries are length limited (63 and 255 bytes).
 _MAX_LABEL = 63
 _MAX_TXT_VALUE = 200
+#: Nodes kept in :attr:`Discovery.sightings` (the least recently seen go first).
+MAX_SIGHTINGS = 64
 
 
 class PeerAddr(msgspec.Struct, frozen=True):
@@ -67,6 +75,25 @@ class PeerAddr(msgspec.Struct, frozen=True):
     #: The peer's cluster id, and its join port (0 when it has none: an open cluster).
     cluster: str = ""
     join: int = 0
+
+
+class Sighting(msgspec.Struct, kw_only=True):
+    """A meshd node Bonjour resolved, whatever its cluster."""
+
+    node_id: str
+    name: str
+    host: str
+    port: int
+    #: Its TXT ``c`` and ``cn``; ``version`` its TXT ``v``.
+    cluster: str
+    cluster_name: str
+    version: str
+    #: Of this node's cluster: handed to ``on_peer``.
+    same_cluster: bool
+    #: ``time.monotonic()`` when it was last resolved.
+    seen: float
+    #: Still advertised (no goodbye or expiry since).
+    present: bool = True
 
 
 def _label(node_id: str) -> str:
@@ -109,6 +136,7 @@ class Discovery:
         on_peer_lost: Callable[[str], None] | None = None,
         join_port: int = 0,
         register: bool = True,
+        cluster_name: str = "",
     ) -> None:
         self.node_id = node_id
         self.join_port = join_port
@@ -116,6 +144,7 @@ class Discovery:
         self.register = register
         self.name = name
         self.cluster_hash = cluster_hash
+        self.cluster_name = cluster_name
         self.mesh_port = mesh_port
         self.api_port = api_port
         self.version = version
@@ -127,6 +156,10 @@ class Discovery:
         self.ignored_other_cluster = 0
         #: Services whose TXT records could not be understood.
         self.malformed = 0
+        #: Service name -> the node it advertises (any cluster), least recently seen first.
+        self.sightings: OrderedDict[str, Sighting] = OrderedDict()
+        #: ``time.monotonic()`` when browsing started (None: not started).
+        self.started_at: float | None = None
 
         self.service_name = f"{_label(node_id)}.{SERVICE_TYPE}"
         self._peers: dict[str, PeerAddr] = {}
@@ -151,6 +184,7 @@ class Discovery:
         properties = {
             "id": self.node_id,
             "c": self.cluster_hash,
+            "cn": _truncate_utf8(self.cluster_name, _MAX_TXT_VALUE),
             "mesh": str(self.mesh_port),
             "join": str(self.join_port),
             "api": str(self.api_port),
@@ -190,6 +224,7 @@ class Discovery:
         self._browser = AsyncServiceBrowser(
             self._aiozc.zeroconf, SERVICE_TYPE, handlers=[self._on_state_change]
         )
+        self.started_at = time.monotonic()
         if not self.register:
             return
         self._info = self._service_info()
@@ -298,12 +333,14 @@ class Discovery:
         if node_id == self.node_id:
             return
         cluster = props.get("c") or ""
-        if self.cluster_hash is not None and cluster != self.cluster_hash:
+        addrs = info.parsed_addresses(IPVersion.V4Only) or info.parsed_addresses()
+        same = self.cluster_hash is None or cluster == self.cluster_hash
+        self._sighted(name, props, node_id, addrs, port, cluster, same)
+        if not same:
             if name not in self._foreign:
                 self._foreign.add(name)
                 self.ignored_other_cluster += 1
             return
-        addrs = info.parsed_addresses(IPVersion.V4Only) or info.parsed_addresses()
         if not addrs:
             log.debug("discovery: %s advertises no address", name)
             return
@@ -327,7 +364,35 @@ class Discovery:
         except Exception:
             log.exception("discovery: on_peer callback failed for %s", peer)
 
+    def _sighted(
+        self,
+        name: str,
+        props: dict[str, str | None],
+        node_id: str,
+        addrs: list[str],
+        port: int,
+        cluster: str,
+        same: bool,
+    ) -> None:
+        """Keep what the advert said (bounded: the least recently seen node goes)."""
+        self.sightings.pop(name, None)
+        self.sightings[name] = Sighting(
+            node_id=node_id,
+            name=(props.get("name") or "")[:_MAX_TXT_VALUE],
+            host=choose_address(self.addresses, addrs) if addrs else "",
+            port=port,
+            cluster=cluster,
+            cluster_name=(props.get("cn") or "")[:_MAX_TXT_VALUE],
+            version=(props.get("v") or "")[:_MAX_TXT_VALUE],
+            same_cluster=same,
+            seen=time.monotonic(),
+        )
+        while len(self.sightings) > MAX_SIGHTINGS:
+            self.sightings.popitem(last=False)
+
     def _forget(self, name: str) -> None:
+        if name in self.sightings:
+            self.sightings[name].present = False
         self._again.discard(name)
         self._foreign.discard(name)
         task = self._resolving.pop(name, None)

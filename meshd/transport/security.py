@@ -232,14 +232,25 @@ def secure(sock: zmq.Socket, keys: ClusterKeys | None, *, server: bool) -> None:
 class _ClientKeyCheck:
     """ZAP credentials provider: only admitted client keys get in."""
 
-    def __init__(self, admits: Callable[[bytes], bool], on_denied: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        admits: Callable[[bytes], bool],
+        on_denied: Callable[[], None],
+        on_denied_at: Callable[[str], None] | None = None,
+    ) -> None:
         self._admits = admits
         self._on_denied = on_denied
+        self._on_denied_at = on_denied_at
+        #: The address of the ZAP request being answered (requests are answered one at
+        #: a time; the credentials callback is not told it).
+        self.address = ""
 
     def callback(self, domain: str, key: bytes) -> bool:
         ok = self._admits(key)
         if not ok:
             self._on_denied()
+            if self._on_denied_at is not None:
+                self._on_denied_at(self.address)
         return ok
 
 
@@ -249,9 +260,16 @@ def admits_only(keys: ClusterKeys) -> Callable[[bytes], bool]:
     return lambda key: hmac.compare_digest(key, want)
 
 
-def start_zap(ctx: zmq.Context, admits: Callable[[bytes], bool], on_denied: Callable[[], None]):
+def start_zap(
+    ctx: zmq.Context,
+    admits: Callable[[bytes], bool],
+    on_denied: Callable[[], None],
+    *,
+    on_denied_at: Callable[[str], None] | None = None,
+):
     """Start the ZAP handler of ``ctx`` (asyncio or threaded, matching the context):
-    a CURVE client whose public key (Z85) ``admits`` refuses is turned away.
+    a CURVE client whose public key (Z85) ``admits`` refuses is turned away, and
+    ``on_denied`` called (``on_denied_at`` too, with the client's IP address).
 
     Returns the authenticator; call its ``stop()`` at shutdown.
     """
@@ -266,7 +284,17 @@ def start_zap(ctx: zmq.Context, admits: Callable[[bytes], bool], on_denied: Call
 
         auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve_callback(ZAP_DOMAIN, _ClientKeyCheck(admits, on_denied))
+    check = _ClientKeyCheck(admits, on_denied, on_denied_at)
+    handle = auth.handle_zap_message
+
+    def handle_noting_address(msg: list[bytes]):  # type: ignore[no-untyped-def]
+        # pyzmq tells the credentials callback no address; frame 3 of a ZAP request is
+        # the client's. Requests are answered in turn, so the note holds for this one.
+        check.address = msg[3].decode(errors="replace") if len(msg) > 3 else ""
+        return handle(msg)
+
+    auth.handle_zap_message = handle_noting_address  # type: ignore[method-assign]
+    auth.configure_curve_callback(ZAP_DOMAIN, check)
     return auth
 
 

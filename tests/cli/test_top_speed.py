@@ -1,0 +1,178 @@
+"""``meshctl top`` shows speed: the node's window of its requests (``meshd.node.speed``),
+the figures top adds up from the heartbeats, and a live cluster streaming."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from rich.console import Console
+
+from meshd.cli.top import instance_speed, render, snapshot
+from meshd.models.resolve import DEFAULT_MODEL
+from meshd.node.speed import RATE_WINDOW_S, WINDOW_S, Speed
+from tests.cli.test_top_render import CLUSTER, NOW_MS, A, B
+from tests.cluster import Cluster, wait_for
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_window_gives_rates_medians_and_forgets_old_samples() -> None:
+    clock = Clock()
+    s = Speed(clock)
+    s.began("m")
+    s.token("m", 1, ttft=0.2, stages=[0.010, 0.020])
+    for i in range(19):
+        clock.t += 0.1
+        s.token("m", 1, itl=0.1, stages=[0.010 + i * 0.001, 0.020], hop=0.002)
+    tps, models = s.summary()
+    assert tps == pytest.approx(20 / 1.9, abs=0.01)  # over the stream's own span so far
+    m = models["m"]
+    assert m.in_flight == 1 and m.ttft_ms == 200.0 and m.itl_ms == pytest.approx(100.0)
+    assert m.stage_ms == [pytest.approx(18.5, abs=1), 20.0] and m.hop_ms == 2.0
+    s.ended("m")
+    clock.t += RATE_WINDOW_S + 1  # the rate is short-term, the medians a minute long
+    tps, models = s.summary()
+    assert tps == 0 and models["m"].ttft_ms == 200.0 and models["m"].in_flight == 0
+    clock.t += WINDOW_S
+    assert s.summary() == (0.0, {})  # idle for a minute: nothing to say
+
+
+def _serving() -> dict:
+    cluster = copy.deepcopy(CLUSTER)
+    model = CLUSTER["instances"][0]["spec"]["model"]
+    cluster["nodes"][0]["health"] |= {"tokens_s": 30.0, "serving": {model: {
+        "tokens_s": 30.0, "in_flight": 2, "ttft_ms": 120.0, "itl_ms": 33.0,
+        "stage_ms": [12.5, 9.0, 4.0], "hop_ms": 1.5}}}  # fmt: skip
+    cluster["nodes"][1]["health"] |= {"tokens_s": 10.0, "serving": {model: {
+        "tokens_s": 10.0, "in_flight": 1, "ttft_ms": 200.0, "itl_ms": 41.0,
+        "stage_ms": [14.5, 9.0, 4.0], "hop_ms": 2.5}}}  # fmt: skip
+    runners = cluster["nodes"][0]["health"]["runners"]
+    runners[0] |= {"active": 3, "stage": 0}
+    return cluster
+
+
+def test_an_instance_adds_up_what_every_node_measured() -> None:
+    cluster = _serving()
+    s = instance_speed(cluster, cluster["instances"][0])
+    assert s["tokens_s"] == 40.0 and s["in_flight"] == 3 and s["queue"] == 3
+    # medians weighted by each node's tokens/s
+    assert s["ttft_ms"] == pytest.approx((120 * 30 + 200 * 10) / 40)
+    assert s["stage_ms"][0] == pytest.approx((12.5 * 30 + 14.5 * 10) / 40)
+    assert s["hop_ms"] == pytest.approx(1.75)
+    snap = snapshot(cluster)
+    assert json.loads(json.dumps(snap)) == snap
+    (inst,) = snap["instances"]
+    assert inst["tokens_s"] == 40.0 and inst["stages"][1]["ms_per_token"] == 9.0
+    assert {n["id"]: n["tokens_s"] for n in snap["nodes"]}[A] == 30.0
+    assert {n["id"]: n["in_flight"] for n in snap["nodes"]}[B] == 1
+
+
+@pytest.mark.parametrize("width", [80, 160])
+def test_the_speed_columns_fit_the_terminal(width: int) -> None:
+    console = Console(record=True, width=width, file=io.StringIO())
+    console.print(render(_serving(), NOW_MS))
+    text = console.export_text()
+    assert all(len(line) <= width for line in text.splitlines())
+    assert "40.0" in text  # the instance's tokens/s
+    assert "12.5 ms" in text or "13.0 ms" in text  # stage 0's ms per token
+    if width >= 160:
+        assert "140 ms" in text and "hop 1.8 ms" in text  # ttft and the hop
+
+
+def _meshctl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "meshd.cli.meshctl", *args],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_top_shows_the_speed_of_a_live_stream(cluster: Cluster) -> None:
+    a = cluster.start("alpha")
+    b = cluster.start("bravo", peers=[a])
+    wait_for(lambda: len(b.cluster()["nodes"]) == 2, 15)
+    r = httpx.post(a.api + "/v1/instances", timeout=60,
+                   json={"model": DEFAULT_MODEL, "nodes": ["alpha", "bravo"]})  # fmt: skip
+    assert r.status_code == 201, r.text
+    iid = r.json()["id"]
+    wait_for(lambda: all(s["state"] == "ready" for s in a.get(f"/v1/instances/{iid}")["stages"]),
+             120, 0.2)  # fmt: skip
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Tell a story."}],
+            "max_tokens": 2000, "ignore_eos": True, "stream": True}  # fmt: skip
+    done = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", a.api + "/v1/chat/completions", json=body, timeout=120) as s:
+            for _ in s.iter_lines():
+                pass
+        done.set()
+
+    threading.Thread(target=stream, daemon=True).start()
+    node = a.api.removeprefix("http://")
+    seen: dict = {}
+
+    def busy() -> bool:
+        r = _meshctl("--node", node, "top", "--json")
+        assert r.returncode == 0, r.stderr
+        snap = json.loads(r.stdout)
+        inst = next(i for i in snap["instances"] if i["id"] == iid)
+        me = next(n for n in snap["nodes"] if n["name"] == "alpha")
+        seen.update(inst=inst, node=me)
+        return (
+            inst["tokens_s"] > 0 and me["tokens_s"] > 0 and inst["in_flight"] == 1
+            and all(st["ms_per_token"] for st in inst["stages"])
+        )  # fmt: skip
+
+    try:
+        wait_for(busy, 60, 0.5)
+    except TimeoutError:
+        raise AssertionError(f"top never showed the stream: {seen}") from None
+    assert seen["inst"]["ttft_ms"] > 0 and seen["inst"]["itl_ms"] > 0
+    # The frame a person sees, at 80 and 160 columns, as tmux draws it.
+    for width in (80, 160):
+        r = subprocess.run(
+            [sys.executable, "-m", "meshd.cli.meshctl", "--node", node, "top", "--once"],
+            capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": str(width)},
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert all(len(line) <= width for line in r.stdout.splitlines()), r.stdout
+        assert " ms" in r.stdout and "tok/s" in r.stdout
+    if shutil.which("tmux"):
+        _tmux_frame(node, 80)
+    assert done.wait(120)
+
+
+def _tmux_frame(node: str, width: int) -> None:
+    """Draw one frame in a detached tmux pane ``width`` wide and read the pane back."""
+    name = f"meshd-top-{time.monotonic_ns()}"
+    cmd = f"{sys.executable} -m meshd.cli.meshctl --node {node} top --once; sleep 30"
+    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", str(width), "-y", "60", cmd],
+                   check=True, timeout=10)  # fmt: skip
+    try:
+        text = ""
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "instances" not in text:
+            time.sleep(0.5)
+            text = subprocess.run(["tmux", "capture-pane", "-p", "-t", name],
+                                  capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+        assert "instances" in text, text
+        assert all(len(line) <= width for line in text.splitlines())
+        assert "tok/s" in text
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name], timeout=10, check=False)
