@@ -18,16 +18,21 @@ from .services import ApiContext, ApiSettings, Services
 
 __all__ = ["ROUTES", "create_app"]
 
-ROUTES = [
-    Route("/healthz", cluster.healthz, methods=["GET"]),
-    Route("/metrics", cluster.metrics, methods=["GET"]),
-    Route("/v1/cluster", cluster.cluster, methods=["GET"]),
-    Route("/v1/doctor", doctor.doctor, methods=["GET"]),
+#: The OpenAI routes a client may also reach under /api/v1.
+_OPENAI = [
     Route("/v1/models", openai.list_models, methods=["GET"]),
     Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
     Route("/v1/completions", openai.completions, methods=["POST"]),
     Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
     Route("/v1/responses", responses.create_response, methods=["POST"]),
+]
+
+ROUTES = [
+    Route("/healthz", cluster.healthz, methods=["GET"]),
+    Route("/metrics", cluster.metrics, methods=["GET"]),
+    Route("/v1/cluster", cluster.cluster, methods=["GET"]),
+    Route("/v1/doctor", doctor.doctor, methods=["GET"]),
+    *_OPENAI,
     # Anthropic Messages (Claude Code adds ?beta=true: the query string is ignored).
     Route("/v1/messages", anthropic.messages, methods=["POST"]),
     Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
@@ -39,6 +44,8 @@ ROUTES = [
     Route("/v1/members", members.approve, methods=["POST"]),
     Route("/v1/members/{node_id}", members.remove_member, methods=["DELETE"]),
     Route("/v1/invites", members.create_invite, methods=["POST"]),
+    # Some OpenAI clients (Open WebUI among them) are given a base URL ending in /api/v1.
+    *(Route("/api" + r.path, r.endpoint, methods=r.methods) for r in _OPENAI),
     # Ollama, on the same port.
     Route("/", ollama.root, methods=["GET", "HEAD"]),
     Route("/api/version", ollama.version, methods=["GET"]),

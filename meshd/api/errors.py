@@ -71,7 +71,7 @@ Dialect = Literal["openai", "anthropic", "ollama"]
 
 def dialect_of(path: str) -> Dialect:
     """The dialect of a request path (its errors take that dialect's shape)."""
-    if path.startswith("/api/"):
+    if path.startswith("/api/") and not path.startswith("/api/v1/"):
         return "ollama"
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return "anthropic"

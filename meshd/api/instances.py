@@ -8,6 +8,7 @@ from starlette.responses import JSONResponse, Response
 
 from meshd.crdt.views import Instance, InstanceSpec
 from meshd.node.cluster import ClusterView
+from meshd.placement import instance_context
 from meshd.transport.tensors import ACTIVATION_DTYPES
 
 from .bodies import parse_body
@@ -35,6 +36,9 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     engines: list[str] = []
     #: Activation type between adjacent MLX stages: ``f32``, ``f16`` or ``bf16``.
     activations: str = "f32"
+    #: Tokens of context each request gets (0: 4096, at most the model's trained
+    #: context); placement reserves KV cache for it on every stage.
+    context: int = 0
 
     def __post_init__(self) -> None:
         if not self.model.strip():
@@ -43,6 +47,8 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError(f"activations must be one of {', '.join(ACTIVATION_DTYPES)}")
         if self.min_nodes < 1:
             raise ValueError("min_nodes must be >= 1")
+        if self.context < 0 or self.context > 2**31:
+            raise ValueError("context must be a number of tokens (0: the default)")
         if self.engines and len(self.engines) != len(self.nodes):
             raise ValueError("engines must name one engine per entry of nodes")
 
@@ -62,6 +68,7 @@ def instance_view(view: ClusterView, inst: Instance) -> dict:
         "model": inst.spec.model,
         "generation": inst.generation,
         "activations": inst.spec.activations,
+        "context": instance_context(inst.spec, inst.facts),
         "stages": [
             {
                 "node": st.node,
@@ -88,6 +95,7 @@ async def create_instance(request: Request) -> Response:
         nodes=body.nodes,
         engines=body.engines,
         activations=body.activations,
+        context=body.context,
     )
     try:
         inst = await services.place(spec)

@@ -160,6 +160,7 @@ def _request(
         prompt=prompt,
         max_tokens=opts.max_tokens,
         max_tokens_param="options.num_predict",
+        context=opts.num_ctx or 0,
         sampling=_sampling(opts),
         stop=list(opts.stop or []),
         logprobs=body.n_logprobs,
@@ -198,7 +199,7 @@ async def _load_only(
     """An empty prompt: Ollama loads the model and answers ``done_reason: "load"``."""
     t0 = time.perf_counter()
     model = _model(ctx, body.model)
-    await instance_of(ctx, model)
+    await instance_of(ctx, model, body.opts.num_ctx or 0)
     took = int((time.perf_counter() - t0) * 1e9)
     common = {"model": body.model, "created_at": _now(), "done": True, "done_reason": "load",
               "total_duration": took, "load_duration": took}  # fmt: skip

@@ -54,8 +54,9 @@ __all__ = [
 
 class Options(msgspec.Struct, kw_only=True, omit_defaults=True):
     """``options``: the sampling and length knobs meshd honours (the others are
-    ignored). ``num_ctx`` is accepted: an instance's context is set when it is placed
-    and serves every client alike, so a request cannot resize it."""
+    ignored). ``num_ctx`` is the context of the instance a request places (when none
+    serves the model yet); an instance already placed keeps its own, since it serves
+    every client alike."""
 
     num_ctx: int | None = None
     #: Tokens to generate at most; -1 (no limit) and -2 (fill the context) leave it to
@@ -74,6 +75,7 @@ class Options(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def __post_init__(self) -> None:
         check_int64(self)
+        check_min("num_ctx", self.num_ctx, 1)
         check_range("temperature", self.temperature, 0.0, 2.0)
         check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         check_range("min_p", self.min_p, 0.0, 1.0)

@@ -86,6 +86,9 @@ class GenerateRequest:
     embed: bool = False
     #: Only count the prompt's tokens (stage 0 answers at once with the count).
     count_only: bool = False
+    #: Tokens of context a request gets if this request places the model (Ollama's
+    #: ``num_ctx``); an instance already placed keeps its own. 0: the default.
+    context: int = 0
 
 
 @dataclass
@@ -239,7 +242,7 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
         raise overloaded(OVERLOADED_RETRY_S)
     try:
         max_tokens = check_max_tokens(req.max_tokens, ctx.settings.max_tokens, req.max_tokens_param)
-        inst = await instance_of(ctx, req.model)
+        inst = await instance_of(ctx, req.model, req.context)
         if inst.facts is not None and inst.facts.embedding_only and not req.embed:
             raise bad_request(
                 f"model {req.model!r} is an embedding model: it answers POST /v1/embeddings, "
@@ -275,11 +278,12 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
     )
 
 
-async def instance_of(ctx: ApiContext, model: str) -> Instance:
-    """The instance serving ``model`` (placed if needed), or the ApiError that says why
-    there is none (an unknown model's lists the models the cluster serves)."""
+async def instance_of(ctx: ApiContext, model: str, context: int = 0) -> Instance:
+    """The instance serving ``model`` (placed if needed, with ``context``), or the
+    ApiError that says why there is none (an unknown model's lists the models the
+    cluster serves)."""
     try:
-        return await ctx.services.instance_for(model)
+        return await ctx.services.instance_for(model, context)
     except Exception as e:
         err = node_error(e, model, known=ctx.services.view().known_models())
         if err is None:

@@ -54,8 +54,9 @@ class Services(Protocol):
         """Bring gauges kept elsewhere into :attr:`metrics` (before a scrape)."""
         ...
 
-    async def instance_for(self, model: str) -> Instance:
-        """The ready instance serving ``model``, placing one if needed (bounded wait)."""
+    async def instance_for(self, model: str, context: int = 0) -> Instance:
+        """The ready instance serving ``model``, placing one if needed (with ``context``
+        tokens a request; 0: the default), with a bounded wait."""
         ...
 
     async def place(self, spec: InstanceSpec) -> Instance:

@@ -25,7 +25,7 @@ from pathlib import Path
 from meshd.node.config import API_KEY_ENV
 from meshd.transport.security import SecretError, new_secret, write_secret
 
-from .argtypes import positive_float
+from .argtypes import positive_float, positive_int
 from .client import (
     DEFAULT_TIMEOUT,
     NODE_ENV,
@@ -77,6 +77,8 @@ def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
         body["engines"] = [e.strip() for e in args.engines.split(",") if e.strip()]
     if args.min_nodes:
         body["min_nodes"] = args.min_nodes
+    if args.ctx:
+        body["context"] = args.ctx
     inst = client.place(body)
     _print_instances([inst], client)
     return EXIT_OK
@@ -207,6 +209,13 @@ def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     )
     p.add_argument("--engines", help="comma-separated engine per stage (llama_cpp, mlx)")
     p.add_argument("--min-nodes", type=int, help="split over at least this many nodes")
+    p.add_argument(
+        "--ctx",
+        type=positive_int,
+        metavar="TOKENS",
+        help="context of each request, prompt and answer (default: 4096, at most the "
+        "model's trained context); every stage reserves KV cache for it",
+    )
     p.set_defaults(func=cmd_place)
 
 

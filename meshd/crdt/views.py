@@ -220,6 +220,15 @@ class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     #: Wire type of activations between two adjacent MLX stages: ``f32`` (default),
     #: ``f16`` or ``bf16``. Hops that touch llama.cpp always carry float32.
     activations: str = "f32"
+    #: Tokens of context each request gets (prompt + answer); 0: the default
+    #: (``meshd.placement.place.KV_TOKENS``, at most the model's trained context).
+    #: Placement reserves KV for it on every stage, and the runners allocate it.
+    context: int = 0
+
+    def relaxed(self) -> InstanceSpec:
+        """What a repair places: the model and its context, no pins (a repair serves
+        with the nodes left rather than not at all)."""
+        return InstanceSpec(model=self.model, context=self.context)
 
 
 class NodeResources(msgspec.Struct, frozen=True):

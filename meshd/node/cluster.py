@@ -20,7 +20,6 @@ from meshd.crdt.lww import LWWMap
 from meshd.crdt.views import (
     Health,
     Instance,
-    InstanceSpec,
     Member,
     ModelFacts,
     NodeCard,
@@ -224,7 +223,12 @@ class ClusterView:
             return False
         nodes = {k: v for k, v in self.live_resources(inst.spec.model).items() if k != without}
         try:
-            place(InstanceSpec(model=inst.spec.model), inst.facts, nodes, previous=inst)
+            place(
+                inst.spec.relaxed(),
+                inst.facts,
+                nodes,
+                previous=inst,
+            )
         except PlacementError:
             return False
         return True
@@ -255,7 +259,7 @@ class ClusterView:
         if not lost:
             return None
         try:
-            place(InstanceSpec(model=inst.spec.model), inst.facts,
+            place(inst.spec.relaxed(), inst.facts,
                   self._repair_nodes(inst, strict), previous=inst)  # fmt: skip
         except PlacementError as e:
             why = gone[lost[0]].reason if lost[0] in gone else "node not answering"
@@ -282,7 +286,7 @@ class ClusterView:
             excluded = set(self.gave_up_on(inst))
             if not repair_needed(inst, live - excluded):
                 continue
-            relaxed = InstanceSpec(model=inst.spec.model)
+            relaxed = inst.spec.relaxed()
             nodes = self._repair_nodes(inst)
             try:
                 stages = place(relaxed, inst.facts, nodes, previous=inst)

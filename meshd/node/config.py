@@ -39,6 +39,12 @@ LOAD_WAIT_S = 60.0
 #: Stage 0 answers every request with its prompt size first; no answer this long means
 #: the pipeline is not there (a runner wedged without dying).
 FIRST_CHUNK_TIMEOUT_S = 30.0
+#: Seconds added to the wait for a request's first token per prompt token: a long
+#: prompt's prefill sends nothing until it is done (a 7,900-token prompt of the 135M
+#: model takes 34 s on 2 CPU cores, its attention growing with the prompt), and a
+#: slower machine or bigger model takes longer still. A dead stage is still found at
+#: once (its node's liveness), so this only bounds a wedged runner.
+PREFILL_S_PER_TOKEN = 0.02
 #: Silence between two chunks of a request before it ends with ``timeout``: far above
 #: any token time, below the runners' request expiry (the API node gives up first).
 CHUNK_TIMEOUT_S = 30.0
@@ -110,6 +116,7 @@ class NodeConfig:
     load_wait: float = LOAD_WAIT_S
     first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT_S
     chunk_timeout: float = CHUNK_TIMEOUT_S
+    prefill_s_per_token: float = PREFILL_S_PER_TOKEN
     suspect_silence: float = SUSPECT_SILENCE_S
     keepalive: float = KEEPALIVE_S
     max_replays: int = MAX_REPLAYS

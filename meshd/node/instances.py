@@ -148,9 +148,12 @@ class Instances:
         self.state.delete(instance_key(instance_id))
         return True
 
-    async def instance_for(self, model: str, wait: float | None = None) -> Instance:
-        """The ready instance serving ``model``: the one placed, else one placed now;
-        waits (bounded) for it to load.
+    async def instance_for(
+        self, model: str, wait: float | None = None, context: int = 0
+    ) -> Instance:
+        """The ready instance serving ``model``: the one placed, else one placed now
+        (with ``context`` tokens a request; 0: the default); waits (bounded) for it to
+        load.
 
         Raises ModelNotFoundError (no node holds it), a ValueError (not a usable model),
         PlacementError (the cluster cannot hold it), :class:`ModelLoading` (not ready in
@@ -160,7 +163,7 @@ class Instances:
         if inst is None:
             facts = await self.facts(model)
             self._own_api_named(model)
-            spec = InstanceSpec(model=canonical_name(model))
+            spec = InstanceSpec(model=canonical_name(model), context=context)
             inst = await self.place(spec, facts, auto_instance_id(model))
         return await self.wait_ready(inst.id, model, wait)
 

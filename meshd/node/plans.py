@@ -15,7 +15,6 @@ from __future__ import annotations
 from meshd.crdt.lww import Entry, LWWMap
 from meshd.crdt.views import (
     Instance,
-    InstanceSpec,
     NodeCard,
     decode,
     member_key,
@@ -40,7 +39,7 @@ def plan_refusal(inst: Instance, m: LWWMap) -> str | None:
     if basis is None or facts is None:
         return "unverifiable_plan"
     if basis.spec.model != inst.spec.model or basis.spec not in (
-        inst.spec, InstanceSpec(model=inst.spec.model)
+        inst.spec, inst.spec.relaxed()
     ):  # fmt: skip
         return "bad_plan"
     nodes = {n.id: n for n in basis.nodes}

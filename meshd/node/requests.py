@@ -207,6 +207,11 @@ class Requests:
             while True:
                 chunk = await self._next(q, inst, timeout)
                 timeout = self.config.chunk_timeout
+                if chunk.n_prompt and not chunk.tokens:
+                    # The acknowledgement: the prefill of the prompt (and of a replay's
+                    # tokens) comes next, silent and longer the longer the prompt.
+                    prefill = chunk.n_prompt + len(resume)
+                    timeout += prefill * self.config.prefill_s_per_token
                 if chunk.error is not None:
                     bad_input = chunk.error.code in (
                         "context_length_exceeded",

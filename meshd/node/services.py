@@ -170,9 +170,10 @@ class NodeServices:
         for st in ("loading", "ready", "failed"):
             self.metrics.runners.labels(st).set(by_state.get(st, 0))
 
-    async def instance_for(self, model: str) -> Instance:
-        """The ready instance serving ``model``, placing one if needed (bounded wait)."""
-        return await self._instances.instance_for(model)
+    async def instance_for(self, model: str, context: int = 0) -> Instance:
+        """The ready instance serving ``model``, placing one if needed (with ``context``
+        tokens a request; 0: the default), with a bounded wait."""
+        return await self._instances.instance_for(model, context=context)
 
     async def place(self, spec: InstanceSpec) -> Instance:
         """Place an instance as asked (checks the model can run where pinned)."""

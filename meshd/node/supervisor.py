@@ -278,7 +278,8 @@ class Supervisor:
                     engine=st.engine,
                     cache_dir=str(self.cache_dir),
                     bind_host=self.bind_host,
-                    n_ctx=self.n_ctx,
+                    # The instance's own context when it was placed with one.
+                    n_ctx=inst.spec.context or self.n_ctx,
                     n_seq_max=self.n_seq_max,
                     send_dtype=send_dtype(inst, i),
                     n_threads=threads_per_runner(len(desired)),
@@ -301,7 +302,11 @@ class Supervisor:
         for k in sorted(desired, key=lambda k: (k not in self.runners, k)):
             inst, i = desired[k]
             st = inst.stages[i]
-            need = stage_need(inst.facts, st.start, st.end, st.engine) if inst.facts else 0
+            need = (
+                stage_need(inst.facts, st.start, st.end, st.engine, context=inst.spec.context)
+                if inst.facts
+                else 0
+            )
             if len(admitted) >= self.max_runners or (self.memory and total + need > self.memory):
                 continue
             total += need

@@ -101,10 +101,31 @@ def engine_of(backend: str) -> str:
 
 
 def stage_need(
-    facts: ModelFacts, start: int, end: int, engine: str, policy: Policy | None = None
+    facts: ModelFacts,
+    start: int,
+    end: int,
+    engine: str,
+    policy: Policy | None = None,
+    context: int = 0,
 ) -> int:
-    """Bytes a stage running layers ``[start, end)`` of ``facts`` on ``engine`` needs."""
-    return _Model.of(facts, policy or Policy()).need(start, end, engine_of(engine))
+    """Bytes a stage running layers ``[start, end)`` of ``facts`` on ``engine`` needs,
+    with ``context`` tokens per request (0: the policy's)."""
+    pol = _with_context(policy or Policy(), context)
+    return _Model.of(facts, pol).need(start, end, engine_of(engine))
+
+
+def instance_context(spec: InstanceSpec, facts: ModelFacts | None) -> int:
+    """Tokens of context each request of an instance gets: ``spec.context``, else
+    :data:`KV_TOKENS` capped at the model's trained context."""
+    if spec.context:
+        return spec.context
+    if facts is not None and facts.n_ctx_train > 0:
+        return min(KV_TOKENS, facts.n_ctx_train)
+    return KV_TOKENS
+
+
+def _with_context(policy: Policy, context: int) -> Policy:
+    return policy if not context else msgspec.structs.replace(policy, kv_tokens=context)
 
 
 def plan_digest(stages: Iterable[Stage]) -> str:
@@ -186,6 +207,13 @@ def place(
     exactly those nodes (and pinned engines) and still fit; otherwise a fresh pinned
     plan is made.
     """
+    if spec.context < 0 or (facts.n_ctx_train > 0 and spec.context > facts.n_ctx_train):
+        raise PlacementError(
+            "bad_spec",
+            f"context {spec.context} is outside what model {facts.name!r} was trained for "
+            f"(1 to {facts.n_ctx_train} tokens)",
+        )
+    policy = _with_context(policy, spec.context)
     m = _Model.of(facts, policy)
     res = _by_id(nodes)
     if spec.min_nodes < 1:
@@ -257,6 +285,8 @@ class _Model:
     embed: int
     head: int
     kv_layer: int  # KV reservation per layer
+    kv_tokens: int  # ... for this many tokens a request
+    kv_sequences: int  # ... and this many requests
     overhead: float
     floor: int
     engines: tuple[str, ...]
@@ -300,6 +330,8 @@ class _Model:
             embed=facts.embed_bytes,
             head=facts.head_bytes,
             kv_layer=tokens * policy.kv_sequences * facts.kv_bytes_per_token_layer,
+            kv_tokens=tokens,
+            kv_sequences=policy.kv_sequences,
             overhead=policy.weight_overhead,
             floor=policy.floor_bytes,
             engines=engines,
@@ -490,10 +522,17 @@ def _insufficient(m: _Model, members: Sequence[_Cand], engines: Sequence[str]) -
         parts[_MAX_LISTED:] = [f"and {len(parts) - _MAX_LISTED} more node(s) short"]
     usable = sum(max(0, c.usable) for c in members)
     where = f"{len(members)} node{'s' if len(members) > 1 else ''}"
+    kv = (
+        f"; of that, KV for {m.kv_tokens} tokens x {m.kv_sequences} requests is "
+        f"{fmt_bytes(m.kv_layer)} a layer, {fmt_bytes(m.kv_layer * m.n)} in all "
+        "(a smaller context needs less)"
+        if m.kv_layer
+        else ""
+    )
     return PlacementError(
         "insufficient_memory",
         f"model {m.name!r} does not fit on {where} ({fmt_bytes(total_need)} needed, "
-        f"{fmt_bytes(usable)} usable): " + "; ".join(parts),
+        f"{fmt_bytes(usable)} usable): " + "; ".join(parts) + kv,
         shortfalls,
     )
 

@@ -238,3 +238,16 @@ def test_n_choices_each_sampled_and_streamed_by_index(client) -> None:
     )
     assert [ch.index for ch in c.choices] == [0, 1]
     assert all(len(ch.logprobs.tokens) == len(ch.logprobs.token_logprobs) for ch in c.choices)
+
+
+def test_a_base_url_ending_in_api_v1_works_as_v1(via: NodeProc) -> None:
+    # Open WebUI and others are sometimes given http://HOST:PORT/api/v1.
+    c = openai.OpenAI(base_url=via.api + "/api/v1", api_key="unused", timeout=60, max_retries=0)
+    assert DEFAULT_MODEL in [m.id for m in c.models.list()]
+    r = c.chat.completions.create(
+        model=DEFAULT_MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+    )
+    assert r.usage.completion_tokens <= 3 and r.choices[0].message.content is not None
+    with pytest.raises(openai.NotFoundError) as e:  # OpenAI's error shape, not Ollama's
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
+    assert e.value.body["code"] == "model_not_found"

@@ -58,6 +58,11 @@ BODY_TYPES: dict[str, type] = {
 }
 
 
+# The OpenAI routes some clients reach under /api/v1 decode the same bodies.
+BODY_TYPES |= {"/api" + p: t for p, t in list(BODY_TYPES.items()) if p.startswith("/v1/")
+               and p not in ("/v1/instances",) and not p.startswith("/v1/messages")}  # fmt: skip
+
+
 def routes() -> dict[str, set[str]]:
     """Path template -> allowed methods, from the app's own route table."""
     out: dict[str, set[str]] = {}
@@ -90,6 +95,7 @@ def _fill(path: str, ident: str) -> str:
 
 
 def _valid_base(path: str) -> dict[str, Any]:
+    path = path.removeprefix("/api") if path.startswith("/api/v1/") else path
     if path == "/v1/chat/completions":
         return {"model": "fuzz-no-such-model", "messages": [{"role": "user", "content": "x"}]}
     if path == "/v1/completions":

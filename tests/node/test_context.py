@@ -1,0 +1,69 @@
+"""Context per instance, end to end: the runners allocate what the instance asks, a
+prompt that fits is served and one that does not is a 400 naming the context."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from meshd.models.resolve import DEFAULT_MODEL
+from tests.cluster import Cluster, NodeProc, wait_for
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def _ready(node: NodeProc, iid: str) -> dict:
+    wait_for(lambda: all(s["state"] == "ready" for s in node.get(f"/v1/instances/{iid}")["stages"]),
+             120, 0.2)  # fmt: skip
+    return node.get(f"/v1/instances/{iid}")
+
+
+def _complete(node: NodeProc, words: int) -> httpx.Response:
+    return httpx.post(node.api + "/v1/completions", timeout=240,
+                      json={"model": DEFAULT_MODEL, "prompt": "hello" + " hello" * (words - 1),
+                            "max_tokens": 2, "temperature": 0})  # fmt: skip
+
+
+def test_an_instance_serves_the_context_it_was_placed_with(cluster: Cluster) -> None:
+    a = cluster.start("a")
+    # Over the default 4096 (and over 30 s of prefill on 2 cores: the first token's
+    # wait grows with the prompt).
+    r = httpx.post(a.api + "/v1/instances", timeout=60,
+                   json={"model": DEFAULT_MODEL, "nodes": ["a"], "context": 8192})  # fmt: skip
+    assert r.status_code == 201, r.text
+    inst = _ready(a, r.json()["id"])
+    assert inst["context"] == 8192
+    r = _complete(a, 7900)
+    assert r.status_code == 200, r.text[:300]
+    assert 7800 < r.json()["usage"]["prompt_tokens"] < 8192
+    assert httpx.delete(a.api + f"/v1/instances/{inst['id']}", timeout=30).status_code == 200
+
+    # meshctl place --ctx: a small context over two nodes, and a prompt over it is
+    # refused, typed.
+    b = cluster.start("b", peers=[a])
+    wait_for(lambda: len(b.cluster()["nodes"]) == 2, 15)
+    out = subprocess.run(
+        [sys.executable, "-m", "meshd.cli.meshctl", "--node", a.api.removeprefix("http://"),
+         "place", DEFAULT_MODEL, "--nodes", "a,b", "--ctx", "1024"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (inst,) = [i for i in a.get("/v1/instances")["data"] if i["context"] == 1024]
+    _ready(a, inst["id"])
+    r = _complete(a, 1500)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "1024" in err["message"]
+    assert _complete(a, 900).status_code == 200
+    assert httpx.delete(a.api + f"/v1/instances/{inst['id']}", timeout=30).status_code == 200
+
+    # Ollama's num_ctx is the context of the instance a request places.
+    wait_for(lambda: not a.get("/v1/instances")["data"], 30)
+    r = httpx.post(a.api + "/api/chat", timeout=120, json={
+        "model": DEFAULT_MODEL, "stream": False, "messages": [{"role": "user", "content": "Hi"}],
+        "options": {"num_ctx": 2048, "num_predict": 2}})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert [i["context"] for i in a.get("/v1/instances")["data"]] == [2048]
