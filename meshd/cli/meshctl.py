@@ -64,6 +64,22 @@ def cmd_nodes(args: argparse.Namespace, client: NodeClient) -> int:
     return EXIT_OK
 
 
+def cmd_models(args: argparse.Namespace, client: NodeClient) -> int:
+    """The models the cluster holds: format, size, the nodes that hold each, and
+    whether an instance serves it."""
+    from .models import model_rows, models_table
+
+    rows = model_rows(client.cluster())
+    if args.json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return EXIT_OK
+    if not rows:
+        print("no node holds a model")
+        return EXIT_OK
+    stdout_console().print(models_table(rows))
+    return EXIT_OK
+
+
 def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
     """Place a model on the cluster and print the plan."""
     body: dict = {"model": args.model}
@@ -196,6 +212,14 @@ def _add_nodes(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     )
     p.add_argument("--json", action="store_true", help="print the raw node list as JSON")
     p.set_defaults(func=cmd_nodes)
+
+
+def _add_models(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "models", parents=[common], help=cmd_models.__doc__, description=cmd_models.__doc__
+    )
+    p.add_argument("--json", action="store_true", help="print the same rows as JSON")
+    p.set_defaults(func=cmd_models)
 
 
 def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -338,8 +362,8 @@ def _add_secret(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
 
 
 COMMANDS = [
-    _add_top, _add_nodes, _add_place, _add_ls, _add_rm, _add_chat, _add_members, _add_secret,
-    _add_doctor,
+    _add_top, _add_nodes, _add_models, _add_place, _add_ls, _add_rm, _add_chat, _add_members,
+    _add_secret, _add_doctor,
 ]  # fmt: skip
 
 

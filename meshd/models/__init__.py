@@ -4,6 +4,7 @@ vocabularies and chat templates, layer-range slices. Reads files; starts no proc
 | module | owns |
 |---|---|
 | ``resolve`` | a name (alias, path, HF repo id) -> a file or folder on this machine |
+| ``inventory`` | the names of every model this node holds (its card's ``models``) |
 | ``gguf`` | GGUF headers (key/values, tensor descriptors) without loading the file |
 | ``folder`` | MLX / Hugging Face model folders (config.json + safetensors) |
 | ``facts`` | :class:`~meshd.crdt.views.ModelFacts`: what placement needs to know |

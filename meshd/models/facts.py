@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +35,16 @@ _KV_ELEMENT_BYTES = 2
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 
-def read_model_facts(model: str, cache_dir: Path | str | None) -> ModelFacts:
-    """Facts of the model named ``model`` on this machine (GGUF or MLX folder).
+def read_model_facts(
+    model: str, cache_dir: Path | str | None, extra_dirs: Sequence[Path | str] = ()
+) -> ModelFacts:
+    """Facts of the model named ``model`` on this machine (GGUF or MLX folder);
+    ``extra_dirs``: the node's ``--models`` folders, where names are looked up too.
 
     Raises ModelNotFoundError when it is not here, ModelFormatError when it is no
     usable model.
     """
-    resolved = resolve_model(model)
+    resolved = resolve_model(model, extra_dirs=extra_dirs)
     cache = None if cache_dir is None else Path(cache_dir)
     if resolved.format == "mlx":
         return read_folder_facts(Path(resolved.path), name=model, cache_dir=cache)

@@ -28,7 +28,7 @@ from meshd.crdt.lww import Entry
 from meshd.crdt.replica import Replica
 from meshd.crdt.views import INSTANCE, MEMBER, NodeCard, instances
 from meshd.engines.probe import probe
-from meshd.models import local_models
+from meshd.models.inventory import held_models
 from meshd.transport import wire
 from meshd.transport.addresses import local_addresses, virtual_addresses
 from meshd.transport.dataplane import DataPlane
@@ -483,7 +483,11 @@ async def _assemble(
         api_port=api.port,
         api_host=api.host,
         data_port=dataplane.port,
-        models=await asyncio.to_thread(local_models),
+        # Every model on this disk that the node may load (its roots), so that any node
+        # can place one here by name; a scan of names only, the hashing comes later.
+        models=await asyncio.to_thread(
+            held_models, cfg.model_dirs, [cfg.model] if cfg.model else []
+        ),
         started_ms=int(time.time() * 1000),
     )
     presence = Presence(

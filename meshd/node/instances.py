@@ -14,7 +14,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -39,11 +39,11 @@ log = logging.getLogger("meshd.inference")
 _REPAIR_FLOOR_S = 0.1
 
 
-def _check_mlx(model: str, pinned: bool) -> None:
+def _check_mlx(model: str, pinned: bool, dirs: Sequence[Path] = ()) -> None:
     """Raise UnsupportedModelError when MLX must run ``model`` (pinned, or a folder)
     and cannot. A model not on this machine is not checked here."""
     try:
-        resolved = resolve_model(model)
+        resolved = resolve_model(model, extra_dirs=dirs)
     except LookupError:
         return  # not on this machine: facts() says where it looked, or finds it
     if resolved.format == "gguf" and not pinned:
@@ -78,10 +78,15 @@ class Instances:
         #: This node's model roots: a model named through its own API joins them.
         self.roots = roots
         self._facts: dict[str, ModelFacts] = {}
-        self._facts_lock = asyncio.Lock()
+        self._facts_locks: dict[str, asyncio.Lock] = {}
         self._unrepairable: set[tuple[str, int]] = set()
 
     # -- models --------------------------------------------------------------------
+    @property
+    def _dirs(self) -> list[Path]:
+        # Names under this node's --models folders are its models too (its card says so).
+        return self.roots.dirs if self.roots is not None else []
+
     async def facts(self, model: str) -> ModelFacts:
         """Facts of ``model``: read from this node's file (hashing runs off the event
         loop, once), else as a live node that holds it advertises them.
@@ -90,20 +95,31 @@ class Instances:
         for a file that is no usable model.
         """
         canon = canonical_name(model)
-        async with self._facts_lock:
-            f = self._facts.get(canon)
-            if f is None:
-                try:
-                    f = await asyncio.to_thread(read_model_facts, canon, self.cache_dir)
-                except ModelNotFoundError:
-                    # Not on this disk: a live node that holds it may have said what it
-                    # is (its card), which is all placement needs (it places on holders).
-                    f = self.state.view().facts_from_peers(canon)
-                    if f is None:
-                        raise
-                    return f  # not cached: the holder may change its file
-                self._facts[canon] = f
-            return f
+        # One lock per model: a request for one model must not wait while another,
+        # large one is hashed (a node reads the facts of every model it holds).
+        lock = self._facts_locks.setdefault(canon, asyncio.Lock())
+        try:
+            async with lock:
+                f = self._facts.get(canon)
+                if f is None:
+                    try:
+                        f = await asyncio.to_thread(
+                            read_model_facts, canon, self.cache_dir, self._dirs
+                        )
+                    except ModelNotFoundError:
+                        # Not on this disk: a live node that holds it may have said what
+                        # it is (its card), which is all placement needs (it places on
+                        # holders).
+                        f = self.state.view().facts_from_peers(canon)
+                        if f is None:
+                            raise
+                        return f  # not cached: the holder may change its file
+                    self._facts[canon] = f
+                return f
+        finally:
+            # Requests may name any string: keep no lock for a name with nothing cached.
+            if canon not in self._facts and not lock.locked():
+                self._facts_locks.pop(canon, None)
 
     # -- placing -------------------------------------------------------------------
     async def place(
@@ -134,7 +150,7 @@ class Instances:
         GGUF pinned to MLX stages, or any MLX folder: only MLX can run one) with
         UnsupportedModelError; then as :meth:`place`, with the model's facts.
         """
-        await asyncio.to_thread(_check_mlx, spec.model, "mlx" in spec.engines)
+        await asyncio.to_thread(_check_mlx, spec.model, "mlx" in spec.engines, self._dirs)
         facts = await self.facts(spec.model)
         self._own_api_named(spec.model)
         return await self.place(

@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
 
 from meshd.crdt.lww import Entry
 from meshd.crdt.views import (
+    NODE,
     Health,
     HealthState,
     ModelFacts,
     ModelSpeed,
     NodeCard,
     RunnerStatus,
+    encode,
     health_key,
     node_key,
 )
@@ -25,6 +28,7 @@ from meshd.crdt.views import (
 from . import sysinfo
 from .state import ClusterState
 from .tasks import Tasks
+from .trust import VALUE_CAPS
 
 __all__ = ["BEAT_COALESCE_S", "Presence", "cap_memory"]
 
@@ -32,6 +36,10 @@ log = logging.getLogger("meshd.node")
 
 #: A burst of runner changes within this is one heartbeat, not one each.
 BEAT_COALESCE_S = 0.02
+#: While models are hashed, the facts read so far are published this often.
+FACTS_PUBLISH_S = 2.0
+#: Room left in the card under the peers' size cap for what else it carries.
+CARD_HEADROOM = 8 << 10
 
 
 def cap_memory(n: int, max_memory: int) -> int:
@@ -138,12 +146,32 @@ class Presence:
     async def advertise_facts(self, read: Callable[[str], Awaitable[ModelFacts]]) -> None:
         """Put the facts of the models this node holds in its card (read once, cached on
         disk), so that a node without the file can place one of them on the nodes that
-        hold it."""
+        hold it.
+
+        Hashing a large model takes minutes: the facts read so far are published every
+        :data:`FACTS_PUBLISH_S`, not only after the last model. Facts that would make
+        the card larger than peers accept are left out (the name stays listed)."""
         found: list[ModelFacts] = []
-        for m in self.card.models:
+        budget = VALUE_CAPS[NODE] - CARD_HEADROOM
+        published = time.monotonic()
+        too_big = 0
+        for m in list(self.card.models):
             try:
-                found.append(await read(m))
+                f = await read(m)
             except Exception as e:  # a file that is no usable model: nothing to say
                 log.debug("no facts for %s: %s", m, e)
-        if found:
+                continue
+            if len(encode(msgspec.structs.replace(self.card, model_facts=[*found, f]))) > budget:
+                too_big += 1
+                continue
+            found.append(f)
+            if time.monotonic() - published >= FACTS_PUBLISH_S:
+                self.update_card(model_facts=list(found))
+                published = time.monotonic()
+        if too_big:
+            log.warning(
+                "the facts of %d models do not fit in this node's card: a node without "
+                "their files cannot place them", too_big,
+            )  # fmt: skip
+        if found and found != self.card.model_facts:
             self.update_card(model_facts=found)
