@@ -135,9 +135,18 @@ def test_copied_data_dir_gets_a_new_id_not_a_duplicate(cluster: Cluster, tmp_pat
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free mesh port whose neighbour (the join desk's port) is free too: a taken
+    neighbour moves the join desk elsewhere, which these tests do not expect."""
+    for _ in range(50):
+        with socket.socket() as s, socket.socket() as t:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free pair of ports")
 
 
 _ERROR_LINE = re.compile(r"^\S+ E ", re.MULTILINE)
