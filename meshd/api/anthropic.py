@@ -42,7 +42,7 @@ from .runs import GenerateRequest, Run, admit
 from .sampling import SamplingRequest
 from .services import context
 from .sse import SSE_HEADERS, SSE_MEDIA_TYPE
-from .toolcalls import Call, ChoiceCalls
+from .toolcalls import ChoiceCalls, json_text
 
 __all__ = ["count_tokens", "messages", "system_prompt"]
 
@@ -77,7 +77,7 @@ def _turns(body: a.MessagesRequest | a.CountTokensRequest) -> list[wire.ChatTurn
         text = "\n".join(b.text or "" for b in m.content if b.type == "text")
         if m.role == "assistant":
             calls = [
-                wire.ToolCallTurn(b.id or "", b.name or "", _json_text(b.input or {}))
+                wire.ToolCallTurn(b.id or "", b.name or "", json_text(b.input or {}))
                 for b in m.content
                 if b.type == "tool_use"
             ]
@@ -96,10 +96,6 @@ def _turns(body: a.MessagesRequest | a.CountTokensRequest) -> list[wire.ChatTurn
         if text or not any(b.type == "tool_result" for b in m.content):
             turns.append(wire.ChatTurn("user", text))
     return turns
-
-
-def _json_text(obj: object) -> str:
-    return msgspec.json.encode(obj).decode()
 
 
 def _tool_use(body: a.MessagesRequest | a.CountTokensRequest) -> wire.ToolUse | None:
@@ -129,15 +125,6 @@ def _stop_reason(reason: str, stop_sequence: str | None) -> str:
     return "stop_sequence" if stop_sequence else "end_turn"
 
 
-def _input(call: Call) -> dict:
-    try:
-        args = msgspec.json.decode(call.arguments)
-    except msgspec.DecodeError:
-        args = None
-    # A call's arguments are an object (its grammar says so); Anthropic carries it as one.
-    return args if isinstance(args, dict) else {}
-
-
 async def messages(request: Request) -> Response:
     """``POST /v1/messages``."""
     body = await parse_body(request, a.MessagesRequest)
@@ -164,7 +151,8 @@ async def messages(request: Request) -> Response:
     if text or not ans.calls:
         blocks.append(a.ResponseBlock(type="text", text=text))
     blocks += [
-        a.ResponseBlock(type="tool_use", id=c.id, name=c.name, input=_input(c)) for c in ans.calls
+        a.ResponseBlock(type="tool_use", id=c.id, name=c.name, input=c.arguments_object())
+        for c in ans.calls
     ]
     msg = a.Message(
         id=_message_id(), model=body.model, content=blocks,

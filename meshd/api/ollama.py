@@ -91,10 +91,6 @@ def _json(obj: object) -> Response:
     return Response(msgspec.json.encode(obj), media_type="application/json")
 
 
-def _json_text(obj: object) -> str:
-    return msgspec.json.encode(obj).decode()
-
-
 def _model(ctx: ApiContext, name: str) -> str:
     """``name`` as the cluster knows it: Ollama clients add ``:latest``."""
     name = name.strip()
@@ -239,20 +235,10 @@ def _done_reason(reason: str) -> str:
 def _tool_calls(calls: list[Call]) -> list[o.ToolCall] | None:
     if not calls:
         return None
-    out = []
-    for c in calls:
-        try:
-            args = msgspec.json.decode(c.arguments)
-        except msgspec.DecodeError:
-            args = {}
-        out.append(
-            o.ToolCall(
-                function=o.ToolCallFunction(
-                    name=c.name, arguments=args if isinstance(args, dict) else {}
-                )
-            )
-        )
-    return out
+    return [
+        o.ToolCall(function=o.ToolCallFunction(name=c.name, arguments=c.arguments_object()))
+        for c in calls
+    ]
 
 
 def _piece(

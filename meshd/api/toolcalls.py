@@ -7,10 +7,18 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 from meshd.models.tools import ParsedCall, ToolCallParser, ToolFormat
 
-__all__ = ["Call", "ChoiceCalls", "new_call_id"]
+__all__ = ["Call", "ChoiceCalls", "json_text", "new_call_id"]
+
+
+def json_text(obj: object) -> str:
+    """``obj`` as JSON text (the form OpenAI and the chat templates carry arguments in)."""
+    return msgspec.json.encode(obj).decode()
 
 
 def new_call_id() -> str:
@@ -26,6 +34,15 @@ class Call:
     name: str
     #: The arguments as JSON text (an object).
     arguments: str
+
+    def arguments_object(self) -> dict[str, Any]:
+        """The arguments as an object, for dialects that carry them so (Anthropic,
+        Ollama); ``{}`` if the text is no JSON object (a call's grammar makes it one)."""
+        try:
+            args = msgspec.json.decode(self.arguments)
+        except msgspec.DecodeError:
+            return {}
+        return args if isinstance(args, dict) else {}
 
 
 class ChoiceCalls:

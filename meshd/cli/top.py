@@ -391,6 +391,7 @@ def nodes_table(
         started = _num(card.get("started_ms"))
         up = (now_ms - started) / 1000 if now_ms is not None and started else None
         load = _num(health.get("load"))
+        speed = node_speed(node)
         cell = {
             "name": Text(str(node.get("name") or card.get("name") or short_id(nid) or "?")),
             "id": Text(short_id(nid)),
@@ -401,8 +402,8 @@ def nodes_table(
             "up": Text(_age(up) if up is not None and up >= 0 else "-"),
             "heartbeat": Text(_age(_num(node.get("heartbeat_age_s")))),
             "load": Text(f"{load:.2f}" if load is not None else "-"),
-            "tok/s": Text(f"{node_speed(node)['tokens_s']:.1f}" if health else "-"),
-            "reqs": Text(f"{node_speed(node)['in_flight']:.0f}" if health else "-"),
+            "tok/s": Text(f"{speed['tokens_s']:.1f}" if health else "-"),
+            "reqs": Text(f"{speed['in_flight']:.0f}" if health else "-"),
             "runners": _lines(
                 Text.assemble(f"{r.get('instance', '?')} ", _runner_state(r.get("state")))
                 for r in map(_dict, _list(health.get("runners")))
