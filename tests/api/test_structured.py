@@ -18,6 +18,9 @@ jsonschema = pytest.importorskip("jsonschema")
 
 pytestmark = pytest.mark.timeout(600)
 
+# Every string, array and integer is bounded, so every answer can end: with an unbounded
+# string the small model once looped inside a title until the node's token cap, past
+# the client's timeout. max_tokens (a character can take 3 byte tokens) bounds the rest.
 PERSON = {
     "type": "object",
     "properties": {
@@ -31,10 +34,14 @@ PERSON = {
 PRODUCT = {
     "type": "object",
     "properties": {
-        "title": {"type": "string"},
-        "price": {"type": "number", "minimum": 0},
+        "title": {"type": "string", "maxLength": 40},
+        "price": {"type": "number", "minimum": 0, "maximum": 100000},
         "in_stock": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 20},
+            "maxItems": 3,
+        },
     },
     "required": ["title", "price", "in_stock", "tags"],
     "additionalProperties": False,
@@ -46,7 +53,7 @@ WEATHER = {
         "celsius": {"type": "integer", "minimum": -60, "maximum": 60},
         "wind": {
             "type": "object",
-            "properties": {"kmh": {"type": "integer"}, "from": {"enum": ["N", "E", "S", "W"]}},
+            "properties": {"kmh": {"type": "integer", "minimum": 0, "maximum": 300}, "from": {"enum": ["N", "E", "S", "W"]}},
             "required": ["kmh", "from"],
             "additionalProperties": False,
         },
@@ -86,7 +93,7 @@ def _ask(client, name: str, prompt: str, **kw):
             "type": "json_schema",
             "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True},
         },
-        **kw,
+        **{"max_tokens": 800, **kw},
     )
 
 
