@@ -206,11 +206,13 @@ def model_not_found(model: str, known: list[str] | None = None) -> ApiError:
 _LISTED = 20
 
 
-def model_loading(model: str, retry_after: float) -> ApiError:
-    """503 ``model_loading``: the model is placed but its runners are not ready yet."""
+def model_loading(model: str, retry_after: float, fetching: str = "") -> ApiError:
+    """503 ``model_loading``: the model is placed but its runners are not ready yet
+    (``fetching``: a stage still fetches its weights from a peer, how far it is)."""
+    why = f" (a node is fetching its weights from a peer: {fetching})" if fetching else ""
     return ApiError(
         503,
-        f"The model `{model}` is still loading; retry in {max(1, math.ceil(retry_after))}s.",
+        f"The model `{model}` is still loading{why}; retry in {max(1, math.ceil(retry_after))}s.",
         type="service_unavailable",
         param="model",
         code="model_loading",
@@ -271,6 +273,8 @@ def internal_error() -> ApiError:
 
 #: Retry-After given while a model loads, or a request waits for a stage to come back.
 LOADING_RETRY_S = 5.0
+#: Retry-After while a stage fetches its weights follows the fetch's rate, up to this.
+MAX_FETCH_RETRY_S = 60.0
 
 
 def request_failed(e: RequestFailed) -> ApiError:
@@ -304,7 +308,9 @@ def node_error(
             return ApiError(404, str(e), type="not_found_error", code="model_not_found")
         return model_not_found(model, known)
     if isinstance(e, ModelLoading):
-        return model_loading(model, LOADING_RETRY_S)
+        # A fetch says how long it still needs; a load has no such figure.
+        retry = min(max(LOADING_RETRY_S, e.eta), MAX_FETCH_RETRY_S) if e.eta else LOADING_RETRY_S
+        return model_loading(model, retry, e.fetching)
     if isinstance(e, RequestFailed):
         return request_failed(e)
     if isinstance(e, PlacementError):

@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from meshd.crdt.views import Instance, InstanceSpec
-from meshd.node.cluster import ClusterView
+from meshd.node.cluster import ClusterView, StageState
 from meshd.placement import instance_context
 from meshd.transport.tensors import ACTIVATION_DTYPES
 
@@ -53,6 +53,10 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError("engines must name one engine per entry of nodes")
 
 
+def _fetch_fields(s: StageState) -> dict[str, float]:
+    return {"fetched": s.fetched, "fetch_total": s.fetch_total, "fetch_rate": s.fetch_rate}
+
+
 def instance_view(view: ClusterView, inst: Instance) -> dict:
     """The JSON shape of one instance."""
     states = view.stage_states(inst)
@@ -77,6 +81,7 @@ def instance_view(view: ClusterView, inst: Instance) -> dict:
                 "engine": st.engine,
                 "state": s.state,
                 **({"reason": s.reason} if s.reason else {}),
+                **(_fetch_fields(s) if s.state == "fetching" else {}),
             }
             for st, s in zip(inst.stages, states, strict=True)
         ],

@@ -152,6 +152,10 @@ class NodeClient:
         """``GET /v1/instances``."""
         return self._get_json("/v1/instances")
 
+    def instance(self, instance_id: str) -> dict[str, Any]:
+        """``GET /v1/instances/ID``."""
+        return self._get_json(f"/v1/instances/{instance_id}")
+
     def doctor(self) -> dict[str, Any]:
         """``GET /v1/doctor``: findings and what was checked (the node probes its peers'
         ports first, about 1.5 s)."""

@@ -96,8 +96,45 @@ def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
     if args.ctx:
         body["context"] = args.ctx
     inst = client.place(body)
+    wait = sys.stdout.isatty() if args.wait is None else args.wait
+    if wait:
+        inst = _wait_serving(client, inst, args.wait_timeout)
     _print_instances([inst], client)
+    if wait and not all(s.get("state") == "ready" for s in inst.get("stages") or []):
+        return EXIT_NODE_ERROR
     return EXIT_OK
+
+
+def _wait_serving(client: NodeClient, inst: dict, timeout: float) -> dict:
+    """Poll the instance until every stage is ready, a stage failed, or ``timeout``,
+    showing one progress bar per stage (bytes while it fetches its weights)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    names = {n["id"]: n["name"] for n in client.cluster().get("nodes") or []}
+    deadline = time.monotonic() + timeout
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+               TextColumn("{task.fields[state]}"))  # fmt: skip
+    with Progress(*columns, console=stdout_console(), transient=True) as bar:
+        tasks = [
+            bar.add_task(
+                f"{names.get(s['node'], s['node'][:8])}[{s['start']}:{s['end']})",
+                total=None,
+                state="",
+            )
+            for s in inst.get("stages") or []
+        ]
+        while True:
+            stages = inst.get("stages") or []
+            for t, s in zip(tasks, stages, strict=False):
+                total = s.get("fetch_total") or None
+                bar.update(t, total=total, completed=s.get("fetched", 0), state=s.get("state", ""))
+            states = [s.get("state") for s in stages]
+            if all(st == "ready" for st in states) or "failed" in states:
+                return inst
+            if time.monotonic() > deadline:
+                return inst
+            time.sleep(0.5)
+            inst = client.instance(inst["id"])
 
 
 def cmd_ls(args: argparse.Namespace, client: NodeClient) -> int:
@@ -240,6 +277,17 @@ def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         help="context of each request, prompt and answer (default: 4096, at most the "
         "model's trained context); every stage reserves KV cache for it",
     )
+    p.add_argument(
+        "--wait",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wait until every stage serves, with each stage's progress (fetching its "
+        "weights from a peer, loading) (default: at a terminal)",
+    )
+    p.add_argument(
+        "--wait-timeout", type=positive_float, default=900.0, metavar="S",
+        help="with --wait: give up after this many seconds (default: 900)",
+    )  # fmt: skip
     p.set_defaults(func=cmd_place)
 
 

@@ -43,7 +43,9 @@ if TYPE_CHECKING:
     from .client import NodeClient
 
 LIVENESS_STYLE = {"alive": "green", "suspect": "yellow", "dead": "red", "left": "dim"}
-RUNNER_STYLE = {"ready": "green", "loading": "yellow", "failed": "red", "stopped": "dim"}
+RUNNER_STYLE = {
+    "ready": "green", "fetching": "cyan", "loading": "yellow", "failed": "red", "stopped": "dim",
+}  # fmt: skip
 GIB = 1024**3
 BAR_WIDTH = 10
 _EIGHTHS = " ▏▎▍▌▋▊▉"
@@ -427,6 +429,15 @@ def nodes_table(
     return FitTable("nodes", list(cols.values()), rows)
 
 
+def _fetch_note(r: Mapping[str, Any]) -> str:
+    """``37% of 49 MB, 20.5 MB/s``: how far a stage's weights fetch is."""
+    done, total = _num(r.get("fetched")) or 0, _num(r.get("fetch_total")) or 0
+    rate = _num(r.get("fetch_rate")) or 0.0
+    if not total:
+        return "(asking holders)"
+    return f"{100 * done / total:.0f}% of {total / 1e6:.0f} MB, {rate / 1e6:.1f} MB/s"
+
+
 def _stage_state(node: Mapping[str, Any] | None, instance_id: str, generation: Any) -> Text:
     """State of the runner that a stage's node reports for this instance's generation."""
     if node is None:
@@ -438,6 +449,8 @@ def _stage_state(node: Mapping[str, Any] | None, instance_id: str, generation: A
     if current:
         r = current[0]
         text = _runner_state(r.get("state"))
+        if r.get("state") == "fetching":
+            text.append(f" {_fetch_note(r)}", style="cyan")
         if r.get("reason"):
             text.append(f" ({r['reason']})", style="dim")
     elif mine:  # the node still runs another generation of the plan

@@ -89,6 +89,8 @@ class NodeCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     api_host: str = ""
     #: ROUTER where this node receives DataChunks for the requests its API owns.
     data_port: int = 0
+    #: ROUTER where this node serves slices of the models it holds (0: serves none).
+    weights_port: int = 0
     #: Models this node holds on local disk (aliases or paths).
     models: list[str] = []
     started_ms: int = 0
@@ -97,7 +99,7 @@ class NodeCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     model_facts: list[ModelFacts] = []
 
 
-RunnerStateName = Literal["loading", "ready", "failed", "stopped"]
+RunnerStateName = Literal["fetching", "loading", "ready", "failed", "stopped"]
 
 
 class RunnerStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -113,6 +115,11 @@ class RunnerStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     port: int = 0
     #: Requests holding a KV sequence on this runner right now.
     active: int = 0
+    #: While ``fetching`` (the stage's slice from the nodes that hold the model): bytes
+    #: verified so far, of ``fetch_total``, at ``fetch_rate`` bytes per second.
+    fetched: int = 0
+    fetch_total: int = 0
+    fetch_rate: float = 0.0
 
 
 HealthState = Literal["up", "draining", "stopped"]

@@ -1018,7 +1018,7 @@ def check_model(cfg: RunnerConfig) -> None:
     without any error, and slices are cached by the placed sha256. The local hash is
     cached by (path, size, mtime), so a model is hashed once per change.
     """
-    if not cfg.sha256:
+    if not cfg.sha256 or cfg.sliced:
         return
     path = Path(cfg.model_path)
     if path.is_dir():
@@ -1036,11 +1036,13 @@ def load_stage(cfg: RunnerConfig):
     """Load this stage's layers in its engine (a llama.cpp slice, or MLX on the GGUF)."""
     check_model(cfg)
     first, last = cfg.stage == 0, cfg.stage == cfg.n_stages - 1
+    # A fetched slice holds the stage's blocks only, numbered from 0.
+    start, end = (0, cfg.end - cfg.start) if cfg.sliced else (cfg.start, cfg.end)
     if cfg.engine == "mlx":
         from .mlx_stage import MlxStage
 
         return MlxStage(
-            Path(cfg.model_path), start=cfg.start, end=cfg.end, first=first, last=last,
+            Path(cfg.model_path), start=start, end=end, first=first, last=last,
             n_ctx=cfg.n_ctx, n_seq_max=cfg.n_seq_max, exact=cfg.exact,
         )  # fmt: skip
     if cfg.engine != "llama_cpp":
@@ -1048,7 +1050,9 @@ def load_stage(cfg: RunnerConfig):
     from .llama_stage import LlamaStage
 
     configure_threads()
-    path = slice_gguf(Path(cfg.model_path), cfg.start, cfg.end, Path(cfg.cache_dir), cfg.sha256)
+    path = Path(cfg.model_path)
+    if not cfg.sliced:
+        path = slice_gguf(path, cfg.start, cfg.end, Path(cfg.cache_dir), cfg.sha256)
     return LlamaStage(
         path, first=first, last=last, n_ctx=cfg.n_ctx, n_seq_max=cfg.n_seq_max,
         exact=cfg.exact, n_threads=cfg.n_threads,

@@ -10,7 +10,7 @@ rule.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -20,33 +20,45 @@ from meshd.crdt.lww import LWWMap
 from meshd.crdt.views import (
     Health,
     Instance,
+    InstanceSpec,
     Member,
     ModelFacts,
     NodeCard,
     PlanBasis,
     RunnerStatus,
+    Stage,
     cards,
     healths,
     instances,
     members,
 )
 from meshd.models import canonical_name
-from meshd.placement import NodeResources, PlacementError, node_resources, place, repair_needed
+from meshd.placement import (
+    NodeResources,
+    PlacementError,
+    node_resources,
+    place_fetching,
+    repair_needed,
+)
 from meshd.transport import wire
 from meshd.transport.identity import curve_public_of
 
 __all__ = [
     "CRASH_LOOP",
+    "FETCH_FAILED",
     "MODEL_MISSING",
     "REFUSED",
     "ClusterView",
     "StageState",
+    "fetch_progress",
     "gave_up",
 ]
 
 #: Reason prefixes of a runner its node gave up on (it will not come back by itself).
 CRASH_LOOP = "crash loop"
 MODEL_MISSING = "model not available here"
+#: The node could not fetch its stage's slice from the nodes that hold the model.
+FETCH_FAILED = "fetch failed"
 #: The node will not take the stage (more stages or memory than it admits).
 REFUSED = "refused by this node"
 
@@ -54,7 +66,7 @@ REFUSED = "refused by this node"
 def gave_up(status: RunnerStatus) -> bool:
     """True when a runner will not come back on its own: placement should move it."""
     return status.state == "failed" and status.reason.startswith(
-        (CRASH_LOOP, MODEL_MISSING, REFUSED)
+        (CRASH_LOOP, MODEL_MISSING, FETCH_FAILED, REFUSED)
     )
 
 
@@ -66,6 +78,28 @@ class StageState:
     state: str
     reason: str
     addr: wire.Addr | None
+    #: While ``fetching``: bytes of the slice verified, of the total, bytes per second.
+    fetched: int = 0
+    fetch_total: int = 0
+    fetch_rate: float = 0.0
+
+
+def fetch_progress(states: list[StageState]) -> tuple[str, float]:
+    """How far the stages that fetch their slice are, in words, and the seconds the
+    slowest still needs at its rate (("", 0.0) when none fetches)."""
+    fetching = [s for s in states if s.state == "fetching"]
+    if not fetching:
+        return "", 0.0
+    done = sum(s.fetched for s in fetching)
+    total = sum(s.fetch_total for s in fetching)
+    rate = sum(s.fetch_rate for s in fetching)
+    eta = max(
+        ((s.fetch_total - s.fetched) / s.fetch_rate for s in fetching if s.fetch_rate > 0),
+        default=0.0,
+    )
+    if total <= 0:
+        return "asking the nodes that hold it", 0.0
+    return f"{done / 1e6:.1f} of {total / 1e6:.1f} MB at {rate / 1e6:.1f} MB/s", eta
 
 
 @dataclass(frozen=True)
@@ -165,7 +199,7 @@ class ClusterView:
         out = []
         for i, st in enumerate(inst.stages):
             card, h = self.cards.get(st.node), self.healths.get(st.node)
-            state, reason, addr = "pending", "", None
+            state, reason, addr, fetch = "pending", "", None, (0, 0, 0.0)
             if card is None or not self.is_live(st.node):
                 state, reason = "unavailable", f"node {st.node} is not live"
             elif h is not None:
@@ -175,11 +209,12 @@ class ClusterView:
                 mine = [r for r in h.runners if r.instance == inst.id and r.stage == i]
                 for r in sorted(mine, key=lambda r: -r.generation)[:1]:
                     state, reason = r.state, r.reason
+                    fetch = (r.fetched, r.fetch_total, r.fetch_rate)
                     if r.generation != inst.generation and r.state == "ready":
                         state = "loading"
                     if r.port:
                         addr = wire.Addr(node=st.node, addresses=card.addresses, port=r.port)
-            out.append(StageState(st.node, state, reason, addr))
+            out.append(StageState(st.node, state, reason, addr, *fetch))
         return out
 
     def is_ready(self, inst: Instance) -> bool:
@@ -217,30 +252,67 @@ class ClusterView:
         ]  # fmt: skip
         return node_resources(self.cards, self.healths, holders)
 
+    def weight_holders(self, model: str, sha256: str) -> list[wire.Addr]:
+        """The weights ROUTERs of the live nodes (this one aside) that advertise
+        ``model`` with this sha256: where a node lacking it fetches its slices."""
+        canon = canonical_name(model)
+        out = []
+        for nid, c in sorted(self.cards.items()):
+            if nid == self.self_id or not self.is_live(nid) or c.weights_port <= 0:
+                continue
+            if any(canonical_name(f.name) == canon and f.sha256 == sha256 for f in c.model_facts):
+                out.append(wire.Addr(node=nid, addresses=c.addresses, port=c.weights_port))
+        return out
+
+    def fetchers(self, model: str, facts: ModelFacts) -> dict[str, NodeResources]:
+        """Serving nodes that lack ``model`` but could run a llama.cpp stage of it on a
+        slice fetched from a holder: only for a GGUF some live node serves the slices of
+        (one with its sha256 and a weights port)."""
+        if facts.format != "gguf" or not self.weight_holders(model, facts.sha256):
+            return {}
+        held = self.live_resources(model)
+        nodes = [
+            nid for nid, c in self.cards.items()
+            if self.serving(nid) and nid not in held
+            and any(b.startswith("llama_cpp-") for b in c.backends)
+        ]  # fmt: skip
+        return node_resources(self.cards, self.healths, nodes)
+
+    def _place(
+        self,
+        spec: InstanceSpec,
+        facts: ModelFacts,
+        previous: Instance | None = None,
+        keep: Callable[[str], bool] = lambda nid: True,
+    ) -> tuple[list[Stage], dict[str, NodeResources]]:
+        """Placement on the holders of the model first, then on fetchers too (see
+        ``place_fetching``); ``keep`` filters both."""
+        holders = {k: v for k, v in self.live_resources(spec.model).items() if keep(k)}
+        others = {k: v for k, v in self.fetchers(spec.model, facts).items() if keep(k)}
+        return place_fetching(spec, facts, holders, others, previous=previous)
+
+    def place_new(
+        self, spec: InstanceSpec, facts: ModelFacts
+    ) -> tuple[list[Stage], list[NodeResources]]:
+        """A fresh plan of ``spec`` and the nodes it was chosen among (``PlanBasis``)."""
+        stages, nodes = self._place(spec, facts)
+        return stages, list(nodes.values())
+
     def relocatable(self, inst: Instance, without: str) -> bool:
         """Whether the serving nodes other than ``without`` can hold ``inst``."""
         if inst.facts is None:
             return False
-        nodes = {k: v for k, v in self.live_resources(inst.spec.model).items() if k != without}
         try:
-            place(
-                inst.spec.relaxed(),
-                inst.facts,
-                nodes,
-                previous=inst,
-            )
+            self._place(inst.spec.relaxed(), inst.facts, inst, keep=lambda k: k != without)
         except PlacementError:
             return False
         return True
 
-    def _repair_nodes(self, inst: Instance, strict: bool = False) -> dict[str, NodeResources]:
-        """Placement's input for a repair of ``inst``: serving nodes that hold the model,
-        less those that gave up on it (and, ``strict``, less the merely suspect ones)."""
+    def _repair_keep(self, inst: Instance, strict: bool = False) -> Callable[[str], bool]:
+        """Which nodes a repair of ``inst`` may use: not those that gave up on it (and,
+        ``strict``, not the merely suspect ones)."""
         excluded = set(self.gave_up_on(inst))
-        return {
-            k: v for k, v in self.live_resources(inst.spec.model).items()
-            if k not in excluded and (not strict or self.is_alive(k))
-        }  # fmt: skip
+        return lambda k: k not in excluded and (not strict or self.is_alive(k))
 
     def unrepairable(self, inst: Instance, strict: bool = False) -> str | None:
         """Why ``inst`` cannot serve and cannot be repaired, or None.
@@ -259,8 +331,7 @@ class ClusterView:
         if not lost:
             return None
         try:
-            place(inst.spec.relaxed(), inst.facts,
-                  self._repair_nodes(inst, strict), previous=inst)  # fmt: skip
+            self._place(inst.spec.relaxed(), inst.facts, inst, self._repair_keep(inst, strict))
         except PlacementError as e:
             why = gone[lost[0]].reason if lost[0] in gone else "node not answering"
             return f"stage on node {lost[0]} lost ({why}); no repair possible: {e}"
@@ -287,9 +358,8 @@ class ClusterView:
             if not repair_needed(inst, live - excluded):
                 continue
             relaxed = inst.spec.relaxed()
-            nodes = self._repair_nodes(inst)
             try:
-                stages = place(relaxed, inst.facts, nodes, previous=inst)
+                stages, nodes = self._place(relaxed, inst.facts, inst, self._repair_keep(inst))
             except PlacementError as e:
                 failed[inst.id] = str(e)
                 continue

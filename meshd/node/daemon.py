@@ -56,6 +56,7 @@ from .state import ClusterState
 from .supervisor import Supervisor
 from .tasks import Tasks
 from .twins import EXIT_ID_CLASH, Twins
+from .weights import Weights
 
 __all__ = ["EXIT_ID_CLASH", "ApiAddress", "Node"]
 
@@ -94,8 +95,10 @@ class Node:
         access: Access,
         ctx: zmq.asyncio.Context,
         join_port: int,
+        weights: Weights,
     ) -> None:
         self.config = config
+        self.weights = weights
         self.identity = identity
         self.state = state
         self.gossip = gossip
@@ -165,6 +168,7 @@ class Node:
         self.presence.announce()
         self.gossip.start()
         self.dataplane.start()
+        self.weights.start()
         self.tasks.spawn(self.presence.run(), name="heartbeat")
         self.tasks.spawn(self.peers.run(), name="hello")
         self.tasks.spawn(self.membership.run(), name="liveness")
@@ -355,6 +359,7 @@ class Node:
     async def close(self) -> None:
         """Stop the runners, close every socket, release the data dir."""
         await self.supervisor.stop_all()
+        await self.weights.stop()
         await self.dataplane.stop()
         await self.gossip.stop()
         self.access.close()
@@ -424,6 +429,10 @@ async def _assemble(
     )
     cache_dir = cfg.data_dir / "cache"
     roots = ModelRoots(cfg.model_dirs, allowed=[cfg.model] if cfg.model else [])
+    weights = Weights(
+        ctx, state, roots, cache_dir=cache_dir, own_addresses=own,
+        bind_host=cfg.mesh_host, keys=keys, counters=counters,
+    )  # fmt: skip
     supervisor = Supervisor(
         identity.node_id,
         resolve_path=lambda m: roots.resolve(m).path,
@@ -442,6 +451,7 @@ async def _assemble(
         max_restarts=cfg.max_restarts,
         restart_window=cfg.restart_window,
         restart_backoff=cfg.restart_backoff,
+        fetch=weights.fetch,
     )
     requests = Requests(state, dataplane, cfg)
     instances_ = Instances(
@@ -483,6 +493,7 @@ async def _assemble(
         api_port=api.port,
         api_host=api.host,
         data_port=dataplane.port,
+        weights_port=weights.port,
         # Every model on this disk that the node may load (its roots), so that any node
         # can place one here by name; a scan of names only, the hashing comes later.
         models=await asyncio.to_thread(
@@ -530,6 +541,7 @@ async def _assemble(
         access=access,
         ctx=ctx,
         join_port=join_port,
+        weights=weights,
     )
     access.on_members(supervisor.set_members)
     access.refresh(replica)  # the runners start with the members known now

@@ -745,6 +745,14 @@ def _instances(s: Snapshot, out: _Out) -> None:
                     f"{name}: stage {i} on {who!r} is {st.state}",
                     "wait: a model loads in seconds to minutes",
                 )
+            elif st.state == "fetching":
+                done = f"{st.fetched / 1e6:.0f} of {st.fetch_total / 1e6:.0f} MB"
+                out.add(
+                    "info",
+                    "stage_fetching",
+                    f"{name}: stage {i} on {who!r} is fetching its weights ({done})",
+                    "wait: it fetches only its layers from the nodes that hold the model",
+                )
 
 
 def _disk(s: Snapshot, out: _Out) -> None:

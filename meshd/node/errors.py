@@ -16,9 +16,15 @@ class RequestFailed(Exception):
 
 
 class ModelLoading(Exception):
-    """The model's instance exists but is not ready within the wait."""
+    """The model's instance exists but is not ready within the wait.
 
-    def __init__(self, model: str, detail: str) -> None:
+    ``fetching``: a stage still fetches its slice from the nodes that hold the model,
+    said in words (``"31.2 of 49.1 MB at 20.5 MB/s"``); ``eta``: seconds that fetch
+    still needs at its rate (0: unknown)."""
+
+    def __init__(self, model: str, detail: str, fetching: str = "", eta: float = 0.0) -> None:
         super().__init__(f"model {model!r} is loading: {detail}")
         self.model = model
         self.detail = detail
+        self.fetching = fetching
+        self.eta = eta

@@ -24,8 +24,8 @@ from meshd.models import ModelNotFoundError, canonical_name, resolve_model
 from meshd.models.facts import read_model_facts
 from meshd.models.folder import check_folder_for_mlx
 from meshd.models.mlx_layout import check_gguf_for_mlx
-from meshd.placement import place
 
+from .cluster import fetch_progress
 from .config import NodeConfig
 from .errors import ModelLoading, RequestFailed
 from .roots import ModelRoots
@@ -126,15 +126,14 @@ class Instances:
         self, spec: InstanceSpec, facts: ModelFacts, instance_id: str | None = None
     ) -> Instance:
         """Compute a plan and write it; raise PlacementError when none fits."""
-        nodes = self.state.view().live_resources(spec.model)
-        stages = place(spec, facts, nodes)
+        stages, nodes = self.state.view().place_new(spec, facts)
         inst = Instance(
             id=instance_id or secrets.token_hex(4),
             spec=spec,
             stages=stages,
             generation=1,
             facts=facts,
-            basis=PlanBasis(spec=spec, nodes=list(nodes.values())),
+            basis=PlanBasis(spec=spec, nodes=nodes),
         )
         self.state.write(instance_key(inst.id), inst)
         log.info(
@@ -215,7 +214,7 @@ class Instances:
             left = deadline - time.monotonic()
             if left <= 0:
                 detail = ", ".join(f"{s.node}: {s.state}" for s in states)
-                raise ModelLoading(model, detail)
+                raise ModelLoading(model, detail, *fetch_progress(states))
             await self.state.changes.wait(left)
 
     def _own_api_named(self, model: str) -> None:

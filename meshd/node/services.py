@@ -167,7 +167,7 @@ class NodeServices:
         by_state: dict[str, int] = {}
         for r in self._supervisor.statuses():
             by_state[r.state] = by_state.get(r.state, 0) + 1
-        for st in ("loading", "ready", "failed"):
+        for st in ("fetching", "loading", "ready", "failed"):
             self.metrics.runners.labels(st).set(by_state.get(st, 0))
 
     async def instance_for(self, model: str, context: int = 0) -> Instance:

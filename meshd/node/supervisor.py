@@ -29,7 +29,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,7 +55,7 @@ from meshd.models.slicing import slice_path, trim_slices
 from meshd.placement.place import KV_SEQUENCES, KV_TOKENS, stage_need
 from meshd.transport.security import ClusterKeys
 
-from .cluster import CRASH_LOOP, MODEL_MISSING, REFUSED, gave_up
+from .cluster import CRASH_LOOP, FETCH_FAILED, MODEL_MISSING, REFUSED, gave_up
 from .config import (
     MAX_RESTARTS,
     MAX_RUNNERS,
@@ -67,6 +67,12 @@ from .config import (
 )
 
 log = logging.getLogger("meshd.supervisor")
+
+#: ``fetch(instance, stage index, destination, on_progress)``: the stage's slice from
+#: the nodes that hold the model, verified, at the destination (raises when it cannot).
+Fetch = Callable[[Instance, int, Path, Callable[[int, int, float], None]], Awaitable[object]]
+#: Fetch progress is pushed into the heartbeat at most this often.
+FETCH_BEAT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -97,8 +103,13 @@ class RunnerProc:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     #: Monotonic times of unexpected exits (crash-loop breaker).
     crashes: list[float] = field(default_factory=list)
+    #: While fetching its slice: bytes verified, of the total, and the rate.
+    fetched: int = 0
+    fetch_total: int = 0
+    fetch_rate: float = 0.0
 
     def status(self) -> RunnerStatus:
+        fetching = self.state == "fetching"
         return RunnerStatus(
             instance=self.key.instance,
             generation=self.generation,
@@ -107,6 +118,9 @@ class RunnerProc:
             reason=self.reason,
             port=self.port,
             active=self.active,
+            fetched=self.fetched if fetching else 0,
+            fetch_total=self.fetch_total if fetching else 0,
+            fetch_rate=round(self.fetch_rate, 1) if fetching else 0.0,
         )
 
 
@@ -151,8 +165,11 @@ class Supervisor:
         max_restarts: int = MAX_RESTARTS,
         restart_window: float = RESTART_WINDOW_S,
         restart_backoff: float = RESTART_BACKOFF_S,
+        fetch: Fetch | None = None,
     ) -> None:
         self.node_id = node_id
+        #: Fetches a stage's slice from the nodes that hold the model (None: never).
+        self.fetch = fetch
         self.keys = keys
         self.max_tokens = max_tokens
         #: At most this many stages here, needing at most ``memory`` bytes (0: no cap).
@@ -239,17 +256,21 @@ class Supervisor:
                         self.runners[k] = _failed(inst, i, why)
                         self.on_status()
                     continue
+                sliced = False
                 try:
                     path = self.resolve_path(inst.spec.model)
                 except Exception as e:
-                    # What was looked at stays in this node's log: a reason travels in
-                    # the heartbeat, and the disk's contents are nobody else's business.
-                    log.info("stage %s/%d: %s", inst.id, i, e)
-                    r = self.runners.get(k)
-                    if r is None or r.state != "failed":
-                        self.runners[k] = _failed(inst, i, MODEL_MISSING)
-                        self.on_status()
-                    continue
+                    fetched = self._slice_to_fetch(inst, i)
+                    if fetched is None:
+                        # What was looked at stays in this node's log: a reason travels
+                        # in the heartbeat; the disk's contents are nobody else's business.
+                        log.info("stage %s/%d: %s", inst.id, i, e)
+                        r = self.runners.get(k)
+                        if r is None or r.state != "failed":
+                            self.runners[k] = _failed(inst, i, MODEL_MISSING)
+                            self.on_status()
+                        continue
+                    path, sliced = str(fetched), True
                 key = StageKey(
                     inst.id, i, len(inst.stages), st.start, st.end, path,
                     st.engine, send_dtype(inst, i),
@@ -290,8 +311,12 @@ class Supervisor:
                     # runners write to its stderr, and its log must read as one.
                     log_level=configured()[0],
                     log_format=configured()[1],
+                    sliced=sliced,
                 )
-                self.runners[k] = await self._start(key, cfg)
+                if sliced and not Path(path).is_file():
+                    self.runners[k] = self._fetching(key, cfg, inst, i)
+                else:
+                    self.runners[k] = await self._start(key, cfg)
             await self._trim_slices(desired)
 
     def _admit(self, desired: dict[tuple[str, int], tuple[Instance, int]]) -> set[tuple[str, int]]:
@@ -341,6 +366,56 @@ class Supervisor:
         for r in self.runners.values():
             if r.proc is not None and r.proc.stdin is not None and r.proc.returncode is None:
                 r.proc.stdin.write(line)
+
+    def _slice_to_fetch(self, inst: Instance, i: int) -> Path | None:
+        """Where stage ``i``'s slice goes when this node lacks the model and may fetch
+        it (a GGUF: its slices are what a llama.cpp stage loads), else None."""
+        facts = inst.facts
+        if self.fetch is None or facts is None or facts.format != "gguf" or not facts.sha256:
+            return None
+        st = inst.stages[i]
+        return slice_path(self.cache_dir, facts.sha256, st.start, st.end)
+
+    def _fetching(self, key: StageKey, cfg: RunnerConfig, inst: Instance, i: int) -> RunnerProc:
+        r = RunnerProc(key, cfg, state="fetching", generation=cfg.generation)
+        r.tasks.append(asyncio.create_task(self._fetch_then_spawn(r, inst, i)))
+        self.on_status()
+        return r
+
+    async def _fetch_then_spawn(self, r: RunnerProc, inst: Instance, i: int) -> None:
+        """Fetch the stage's slice, then start its runner (unless it was retired)."""
+        assert self.fetch is not None
+        beat = 0.0
+
+        def progress(done: int, total: int, rate: float) -> None:
+            nonlocal beat
+            r.fetched, r.fetch_total, r.fetch_rate = done, total, rate
+            now = time.monotonic()
+            if now - beat >= FETCH_BEAT_S:
+                beat = now
+                self.on_status()
+
+        t0 = time.monotonic()
+        log.info("stage %s/%d: fetching its slice [%d, %d) from the nodes that hold %s",
+                 inst.id, i, r.key.start, r.key.end, inst.spec.model)  # fmt: skip
+        try:
+            await self.fetch(inst, i, Path(r.config.model_path), progress)
+        except Exception as e:
+            if r.state == "stopped":
+                return
+            r.state, r.reason = "failed", f"{FETCH_FAILED}: {public_reason(str(e))}"
+            log.warning("stage %s/%d: %s", inst.id, i, r.reason)
+            self.on_status()
+            return
+        log.info(
+            "stage %s/%d: slice fetched, %d bytes in %.1f s",
+            inst.id, i, r.fetch_total, time.monotonic() - t0,
+        )  # fmt: skip
+        async with self._lock:
+            if r.state == "stopped" or self._closed:
+                return
+            if self.runners.get((r.key.instance, r.key.stage)) is r:
+                await self._spawn(r)
 
     async def _start(self, key: StageKey, cfg: RunnerConfig) -> RunnerProc:
         r = RunnerProc(key, cfg, generation=cfg.generation)

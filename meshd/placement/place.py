@@ -139,6 +139,36 @@ def next_generation(previous: Instance | None) -> int:
     return 1 if previous is None else previous.generation + 1
 
 
+def place_fetching(
+    spec: InstanceSpec,
+    facts: ModelFacts,
+    holders: Mapping[str, NodeResources],
+    fetchers: Mapping[str, NodeResources],
+    previous: Instance | None = None,
+    policy: Policy = Policy(),  # noqa: B008 (frozen, immutable)
+) -> tuple[list[Stage], dict[str, NodeResources]]:
+    """:func:`place` on the nodes that hold the model's file first, and only when no
+    plan fits there (too little memory, a pinned node that lacks the file) on
+    ``fetchers`` too: nodes that would fetch their stage's slice from a holder.
+
+    A repair counts the fetchers of ``previous`` as holders (they fetched their slice
+    already), so a plan does not move a stage off a node only because it lacked the
+    file. Returns the stages and the nodes of the pass that placed them; raises the
+    wider pass's :class:`PlacementError` when neither fits.
+    """
+    first = dict(holders)
+    if previous is not None:
+        kept = {s.node for s in previous.stages}
+        first.update({k: v for k, v in fetchers.items() if k in kept})
+    try:
+        return place(spec, facts, first, previous, policy), first
+    except PlacementError:
+        wider = {**fetchers, **first}
+        if len(wider) == len(first):
+            raise
+    return place(spec, facts, wider, previous, policy), wider
+
+
 def repair_needed(instance: Instance, live_ids: Iterable[str]) -> bool:
     """True when a stage's node is not live, or the plan is empty or broken."""
     live = set(live_ids)

@@ -341,6 +341,62 @@ class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     stop_sequence: str | None = None
 
 
+# -- weights: a node fetches a stage's slice from the nodes that hold the model ------
+#: Largest header frame on a weights ROUTER (a refusal's message is the longest part).
+MAX_TRANSFER_HEADER = 64 * 1024
+
+
+class SliceAsk(msgspec.Struct, tag=True, kw_only=True):
+    """Prepare the slice ``[start, end)`` of the model whose file has ``sha256``.
+
+    The holder answers :class:`SliceOffer` once the slice is cut and hashed (seconds
+    for a big model: the asker waits), or :class:`SliceRefusal`. ``model`` is the name
+    the holder advertises the file under; ``version`` the slicing format the asker reads.
+    """
+
+    model: str
+    sha256: str
+    start: int
+    end: int
+    version: int
+
+
+class SliceOffer(msgspec.Struct, tag=True, kw_only=True):
+    """A prepared slice: ``slice`` is its content id, ``size`` its bytes, cut in chunks
+    of ``chunk`` bytes whose sha256 digests (32 bytes each, in order) travel in the
+    second frame."""
+
+    slice: str
+    size: int
+    chunk: int
+
+
+class ChunkAsk(msgspec.Struct, tag=True, kw_only=True):
+    """Send chunk ``index`` of a slice offered before (one credit of the window)."""
+
+    slice: str
+    index: int
+
+
+class ChunkData(msgspec.Struct, tag=True, kw_only=True):
+    """Chunk ``index`` of ``slice``; its bytes are the second frame."""
+
+    slice: str
+    index: int
+
+
+class SliceRefusal(msgspec.Struct, tag=True, kw_only=True):
+    """No: ``code`` is ``not_held`` (no such file here), ``bad_range``, ``version``,
+    ``unknown_slice`` (not prepared, or evicted: ask again) or ``failed``."""
+
+    slice: str
+    code: str
+    message: str
+
+
+TransferMessage = SliceAsk | SliceOffer | ChunkAsk | ChunkData | SliceRefusal
+
+
 # -- joining: the plain (not CURVE) join port of a member ----------------------------
 #: Largest frame the join port takes: a join request is a few hundred bytes.
 MAX_JOIN_FRAME = 64 * 1024
@@ -422,9 +478,10 @@ Message = (
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _join_decoder = msgspec.msgpack.Decoder(JoinMessage)
+_transfer_decoder = msgspec.msgpack.Decoder(TransferMessage)
 
 
-def encode(msg: Message | JoinMessage) -> bytes:
+def encode(msg: Message | JoinMessage | TransferMessage) -> bytes:
     """Encode one message header."""
     return _encoder.encode(msg)
 
@@ -443,6 +500,16 @@ def decode_join(frame: bytes | memoryview) -> JoinMessage:
         raise FrameError("oversized", f"{len(frame)} bytes > {MAX_JOIN_FRAME}")
     try:
         return _join_decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        raise FrameError("malformed", str(e)) from None
+
+
+def decode_transfer(frame: bytes | memoryview) -> TransferMessage:
+    """Decode one weights-ROUTER header frame, or raise :class:`FrameError`."""
+    if len(frame) > MAX_TRANSFER_HEADER:
+        raise FrameError("oversized", f"{len(frame)} bytes > {MAX_TRANSFER_HEADER}")
+    try:
+        return _transfer_decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
         raise FrameError("malformed", str(e)) from None
 

@@ -53,7 +53,10 @@ WEATHER = {
         "celsius": {"type": "integer", "minimum": -60, "maximum": 60},
         "wind": {
             "type": "object",
-            "properties": {"kmh": {"type": "integer", "minimum": 0, "maximum": 300}, "from": {"enum": ["N", "E", "S", "W"]}},
+            "properties": {
+                "kmh": {"type": "integer", "minimum": 0, "maximum": 300},
+                "from": {"enum": ["N", "E", "S", "W"]},
+            },
             "required": ["kmh", "from"],
             "additionalProperties": False,
         },

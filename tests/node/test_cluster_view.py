@@ -162,6 +162,61 @@ def test_placement_uses_serving_holders_only_and_any_node_for_a_path() -> None:
     assert set(v.live_resources("/models/x.gguf")) == {"a", "b"}
 
 
+def holder(nid: str, *, mem: int = 8 * GiB, port: int = 7000) -> NodeCard:
+    """A node that holds ``m`` (with its facts) and serves its slices on ``port``."""
+    import msgspec
+
+    return msgspec.structs.replace(card(nid, mem=mem, facts=(FACTS,)), weights_port=port)
+
+
+def test_weight_holders_are_live_nodes_advertising_the_same_file_with_a_weights_port() -> None:
+    other = msgspec_replace(FACTS, sha256="cd" * 32)
+    v = view(
+        [card("a", models=()), holder("b"), holder("c"), holder("d", port=0),
+         msgspec_replace(holder("e"), model_facts=[other]), holder("f")],
+        {}, [], liveness={"b": "alive", "c": "alive", "d": "alive", "e": "alive", "f": "dead"},
+    )  # fmt: skip
+    assert [h.node for h in v.weight_holders("m", FACTS.sha256)] == ["b", "c"]
+    assert v.weight_holders("m", FACTS.sha256)[0].port == 7000
+
+
+def test_a_node_lacking_the_model_is_a_fetcher_only_while_a_holder_serves_slices() -> None:
+    nodes = [card("a", models=()), holder("b"), card("c", models=())]
+    v = view(nodes, {}, [])
+    assert set(v.fetchers("m", FACTS)) == {"a", "c"}
+    # No holder that serves slices (an old node, or none live): nobody fetches.
+    old = view([card("a", models=()), card("b", facts=(FACTS,))], {}, [])
+    assert old.fetchers("m", FACTS) == {}
+    assert view(nodes, {}, [], liveness={"b": "dead", "c": "alive"}).fetchers("m", FACTS) == {}
+    # An MLX folder is never sliced for llama.cpp.
+    assert v.fetchers("m", msgspec_replace(FACTS, format="mlx")) == {}
+
+
+def test_placement_prefers_holders_and_takes_a_fetcher_only_when_they_cannot_hold_it() -> None:
+    fits = view([card("a", models=()), holder("b"), holder("c")], {}, [])
+    stages, _ = fits.place_new(InstanceSpec(model="m"), FACTS)
+    assert [s.node for s in stages] == ["b"]
+    # 512 MiB usable beside the floor: less than the model needs (670 MiB), more than half.
+    room = 1 * GiB
+    # The holder is too small: the roomier fetcher takes the whole model (fewest nodes).
+    big = view([card("a", models=(), mem=8 * GiB), holder("b", mem=room)], {}, [])
+    stages, nodes = big.place_new(InstanceSpec(model="m"), FACTS)
+    assert [s.node for s in stages] == ["a"] and {n.id for n in nodes} == {"a", "b"}
+    # Neither holds it alone: split over the holder and the fetcher.
+    both = view([card("a", models=(), mem=room), holder("b", mem=room)], {}, [])
+    stages, _ = both.place_new(InstanceSpec(model="m"), FACTS)
+    assert sorted(s.node for s in stages) == ["a", "b"]
+    # Named: a node that lacks the file is used as asked.
+    stages, _ = fits.place_new(InstanceSpec(model="m", nodes=["n-b", "n-a"]), FACTS)
+    assert [s.node for s in stages] == ["b", "a"]
+
+
+def msgspec_replace(obj, **changes):  # type: ignore[no-untyped-def]
+    import msgspec
+
+    return msgspec.structs.replace(obj, **changes)
+
+
 # -- repairs -----------------------------------------------------------------------------
 def test_a_repair_moves_only_the_lost_stage_with_the_next_generation() -> None:
     i = inst("x", "a", "b")

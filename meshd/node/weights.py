@@ -1,0 +1,142 @@
+"""This node's part in weights over the mesh: it serves the slices of the models it
+holds, and fetches the slice of a stage it was placed without the model's file.
+
+The transfer itself (chunks, flow control, verification, resume, several holders) is
+``meshd.transport.transfer``; this module answers its two questions for this node:
+which file and slice a peer's :class:`~meshd.transport.wire.SliceAsk` means (only a
+model under this node's roots, only the very file with the asked sha256), and which
+peers hold the model a stage here lacks (the cluster's cards).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq.asyncio
+
+from meshd.crdt.views import Instance
+from meshd.models import ModelNotFoundError, canonical_name
+from meshd.models.errors import ModelFormatError
+from meshd.models.hashing import file_sha256
+from meshd.models.manifest import SLICE_FORMAT_VERSION, Manifest, manifest_for, slice_id
+from meshd.models.slicing import slice_gguf, slice_path
+from meshd.transport import wire
+from meshd.transport.security import ClusterKeys
+from meshd.transport.stats import DropCounters
+from meshd.transport.transfer import (
+    FetchProgress,
+    SliceUnavailable,
+    WeightServer,
+    fetch_slice,
+)
+
+from .roots import ModelRoots
+from .state import ClusterState
+
+__all__ = ["Weights"]
+
+log = logging.getLogger("meshd.weights")
+
+
+class Weights:
+    """Serves this node's slices; fetches the slices its stages lack."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        state: ClusterState,
+        roots: ModelRoots,
+        *,
+        cache_dir: Path,
+        own_addresses: list[str],
+        bind_host: str = "0.0.0.0",
+        keys: ClusterKeys | None = None,
+        counters: DropCounters | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.state = state
+        self.roots = roots
+        self.cache_dir = Path(cache_dir)
+        self.own_addresses = own_addresses
+        self.keys = keys
+        self.server = WeightServer(
+            ctx, prepare=self.prepare, bind_host=bind_host, keys=keys, counters=counters
+        )
+
+    @property
+    def port(self) -> int:
+        """The weights ROUTER's port (``weights_port`` in the card)."""
+        return self.server.port
+
+    def start(self) -> None:
+        """Serve slices."""
+        self.server.start()
+
+    async def stop(self) -> None:
+        """Stop serving (fetches in progress are the supervisor's: it cancels them)."""
+        await self.server.stop()
+
+    # -- holder ------------------------------------------------------------------------
+    def prepare(self, ask: wire.SliceAsk) -> tuple[Path, Manifest]:
+        """The file and manifest of the slice ``ask`` names (blocking: cuts and hashes
+        it the first time). Raises SliceUnavailable when this node cannot offer it."""
+        try:
+            resolved = self.roots.resolve(ask.model)
+        except ModelNotFoundError:
+            raise SliceUnavailable("not_held", f"{ask.model!r} is not held here") from None
+        src = Path(resolved.path)
+        if resolved.format != "gguf" or not src.is_file():
+            raise SliceUnavailable("not_held", f"{ask.model!r} here is not a GGUF file")
+        sha = file_sha256(src, self.cache_dir)
+        if sha != ask.sha256:
+            raise SliceUnavailable(
+                "not_held",
+                f"{ask.model!r} here is another file (sha256 {sha[:12]}, asked {ask.sha256[:12]})",
+            )
+        try:
+            path = slice_gguf(src, ask.start, ask.end, self.cache_dir, sha)
+        except (ValueError, ModelFormatError) as e:
+            raise SliceUnavailable("bad_range", str(e)) from None
+        sid = slice_id(sha, ask.start, ask.end)
+        store = slice_path(self.cache_dir, sha, ask.start, ask.end)
+        m = manifest_for(path, sid, store.with_name(store.name + ".manifest"))
+        log.info(
+            "weights: offering %s [%d, %d) (%d bytes, root %s)",
+            ask.model, ask.start, ask.end, m.size, m.root[:12],
+        )  # fmt: skip
+        return path, m
+
+    # -- fetcher -----------------------------------------------------------------------
+    async def fetch(
+        self,
+        inst: Instance,
+        i: int,
+        dest: Path,
+        on_progress: Callable[[int, int, float], None],
+    ) -> Manifest:
+        """Fetch stage ``i`` of ``inst``'s slice into ``dest`` from the live nodes that
+        advertise the model with the placed sha256."""
+        facts = inst.facts
+        if facts is None:
+            raise ValueError(f"instance {inst.id} has no model facts")
+        st = inst.stages[i]
+        model = canonical_name(inst.spec.model)
+        ask = wire.SliceAsk(
+            model=model, sha256=facts.sha256, start=st.start, end=st.end,
+            version=SLICE_FORMAT_VERSION,
+        )  # fmt: skip
+
+        def holders() -> list[wire.Addr]:
+            return self.state.view().weight_holders(model, facts.sha256)
+
+        def progress(p: FetchProgress) -> None:
+            on_progress(p.done, p.total, p.rate)
+
+        m = await fetch_slice(
+            self.ctx, holders=holders, ask=ask, dest=dest,
+            own_addresses=self.own_addresses, keys=self.keys, on_progress=progress,
+        )  # fmt: skip
+        log.info("weights: slice %s of %s verified (root %s)", m.slice[:12], model, m.root[:12])
+        return m
