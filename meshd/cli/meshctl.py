@@ -409,9 +409,24 @@ def _add_secret(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.set_defaults(func=None, local=cmd_secret)
 
 
+def _add_pull(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    from .pull import cmd_pull
+
+    p = sub.add_parser(
+        "pull", parents=[common],
+        help="Download a model from the Hugging Face Hub into this machine's cache.",
+    )  # fmt: skip
+    p.add_argument(
+        "model", metavar="REPO_ID[:QUANT]",
+        help="e.g. bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M (GGUF: one quantization, "
+        "default the first of Q4_K_M, Q4_K_S, Q4_0, ...), or an MLX/safetensors repo",
+    )  # fmt: skip
+    p.set_defaults(func=None, local=cmd_pull)
+
+
 COMMANDS = [
     _add_top, _add_nodes, _add_models, _add_place, _add_ls, _add_rm, _add_chat, _add_members,
-    _add_secret, _add_doctor,
+    _add_secret, _add_doctor, _add_pull,
 ]  # fmt: skip
 
 

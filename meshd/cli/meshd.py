@@ -41,6 +41,7 @@ from meshd.node.config import (
     FORGET_AFTER_S,
     LOAD_WAIT_S,
     MAX_RESTARTS,
+    MODELS_RESCAN_S,
     REPLAY_WAIT_S,
     REQUEST_EXPIRY_S,
     SLICE_CACHE_BYTES,
@@ -208,6 +209,7 @@ def _node_flags(up: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--slice-cache",
+        "--cache-size",
         type=_size,
         default=SLICE_CACHE_BYTES,
         metavar="SIZE",
@@ -275,6 +277,15 @@ def _node_flags(up: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long a request broken by a dead stage waits for the repaired plan "
         "before it ends with stage_lost (default: %(default)s)",
+    )
+    up.add_argument(
+        "--models-rescan",
+        type=positive_float,
+        default=MODELS_RESCAN_S,
+        metavar="SECONDS",
+        help="how often the node looks again for the models it holds under its roots "
+        "(a model copied or pulled there shows up in every node's list) "
+        "(default: %(default)s)",
     )
     up.add_argument(
         "--load-wait",
@@ -369,6 +380,7 @@ def _config(args: argparse.Namespace) -> NodeConfig:
         max_clock_drift_ms=args.max_clock_drift,
         tombstone_grace_ms=args.tombstone_grace,
         load_wait=args.load_wait,
+        models_rescan=args.models_rescan,
         chunk_timeout=args.chunk_timeout,
         request_expiry=args.request_expiry,
         stop_grace=args.stop_grace,

@@ -77,6 +77,10 @@ RESTART_BACKOFF_S = 0.5
 MAX_RUNNERS = 16
 #: Bytes of cached GGUF slices kept beyond those in use (least recently used go first).
 SLICE_CACHE_BYTES = 16 << 30
+#: How often a node looks again for the models it holds (one pulled or copied in since
+#: shows up in every node's list within this; a scan lists names, it hashes nothing new
+#: until the model's facts are read).
+MODELS_RESCAN_S = 30.0
 #: How long a stopping node waits for its stages to move and its requests to finish.
 DRAIN_TIMEOUT_S = 30.0
 #: After the drain, the API server's grace for responses still being written.
@@ -114,6 +118,7 @@ class NodeConfig:
     #: Seconds a request broken by a fault waits for its repaired plan to serve.
     replay_wait: float = REPLAY_WAIT_S
     load_wait: float = LOAD_WAIT_S
+    models_rescan: float = MODELS_RESCAN_S
     first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT_S
     chunk_timeout: float = CHUNK_TIMEOUT_S
     prefill_s_per_token: float = PREFILL_S_PER_TOKEN

@@ -163,6 +163,10 @@ class Node:
         await node._run_parts()
         return node
 
+    def _scan_models(self) -> list[str]:
+        cfg = self.config
+        return held_models(cfg.model_dirs, [cfg.model] if cfg.model else [])
+
     async def _run_parts(self) -> None:
         cfg = self.config
         self.presence.announce()
@@ -179,8 +183,10 @@ class Node:
             await self._start_discovery()
         if cfg.model:
             self.tasks.spawn(self.instances.serve_default(cfg.model), name="model")
-        if self.presence.card.models:
-            self.tasks.spawn(self.presence.advertise_facts(self.instances.facts), name="facts")
+        self.tasks.spawn(
+            self.presence.watch_models(self._scan_models, self.instances.facts, cfg.models_rescan),
+            name="models",
+        )
         card = self.presence.card
         log.info(
             "node %s (%s) up: api http://%s:%d, mesh port %d, pub port %d, backends %s",

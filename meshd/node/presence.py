@@ -143,6 +143,35 @@ class Presence:
             await asyncio.sleep(self.heartbeat_interval)
             await self.beat()
 
+    async def watch_models(
+        self,
+        scan: Callable[[], list[str]],
+        read: Callable[[str], Awaitable[ModelFacts]],
+        interval: float,
+    ) -> None:
+        """Advertise the facts of the models held now, then look again every
+        ``interval`` (``scan``, in a thread): a model copied in or pulled, or one
+        deleted, changes the card's ``models`` and facts."""
+        if self.card.models:
+            await self.advertise_facts(read)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                names = await asyncio.to_thread(scan)
+            except OSError as e:
+                log.warning("could not list the models held here: %s", e)
+                continue
+            if names == self.card.models:
+                continue
+            added = sorted(set(names) - set(self.card.models))
+            gone = sorted(set(self.card.models) - set(names))
+            log.info("models held here changed: %s", ", ".join(
+                [*(f"+{n}" for n in added), *(f"-{n}" for n in gone)]
+            ))  # fmt: skip
+            kept = [f for f in self.card.model_facts if f.name in names]
+            self.update_card(models=names, model_facts=kept)
+            await self.advertise_facts(read)
+
     async def advertise_facts(self, read: Callable[[str], Awaitable[ModelFacts]]) -> None:
         """Put the facts of the models this node holds in its card (read once, cached on
         disk), so that a node without the file can place one of them on the nodes that

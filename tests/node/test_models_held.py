@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,39 @@ def test_a_model_under_models_dir_is_listed_everywhere_and_runs_where_it_is(
     served = row(meshctl_models(b), "synth")
     assert served is not None and served["serving"] == "ready"
     assert served["instances"] == [inst["id"]]
+
+
+def test_a_model_that_lands_in_the_hf_cache_after_start_is_listed_and_served(
+    cluster: Cluster, tmp_path: Path, model_path: Path
+) -> None:
+    # What `meshctl pull` leaves behind: a snapshot in the hub cache layout.
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    a = cluster.start("a", env={"HF_HUB_CACHE": str(hub)}, extra_args=["--models-rescan", "0.5"])
+    b = cluster.start("b", peers=[a])
+    wait_for(lambda: all(len(n.cluster()["nodes"]) == 2 for n in (a, b)), 15)
+    assert "org/tiny-GGUF" not in [m["id"] for m in b.get("/v1/models")["data"]]
+
+    repo = hub / "models--org--tiny-GGUF"
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    write_model(snap / "tiny-Q8_0.gguf", model_path, "llama")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+
+    wait_for(lambda: "org/tiny-GGUF" in [m["id"] for m in b.get("/v1/models")["data"]], 20)
+    listed = wait_for(
+        lambda: (r := row(meshctl_models(b), "org/tiny-GGUF")) and r["sha256"] and r, 30
+    )
+    assert listed["nodes"] == ["a"]
+    r = httpx.post(
+        b.api + "/v1/completions",
+        json={"model": "org/tiny-GGUF", "prompt": "Hello", "max_tokens": 4},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    # Gone from the disk: gone from every node's list.
+    shutil.rmtree(repo)
+    wait_for(
+        lambda: all("org/tiny-GGUF" not in n["card"]["models"] for n in b.cluster()["nodes"]), 20
+    )
