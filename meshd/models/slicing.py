@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import tempfile
 import time
 from collections.abc import Collection
@@ -109,6 +110,11 @@ def trim_slices(out_dir: Path, keep: Collection[Path], quota: int) -> list[Path]
         with contextlib.suppress(OSError):
             st = path.stat()
             slices.append((st.st_mtime, st.st_size, path))
+    # Folder slices of MLX models fetched from a peer (see folder_slicing).
+    for path in Path(out_dir).glob("*/*.mlx"):
+        with contextlib.suppress(OSError):
+            size = sum(f.stat().st_size for f in path.iterdir())
+            slices.append((path.stat().st_mtime, size, path))
     total = sum(size for _, size, _ in slices)
     removed: list[Path] = []
     for _, size, path in sorted(slices):
@@ -116,8 +122,11 @@ def trim_slices(out_dir: Path, keep: Collection[Path], quota: int) -> list[Path]
             break
         if path in keep_set:
             continue
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
         total -= size
         removed.append(path)
     for folder in {p.parent for p in removed}:

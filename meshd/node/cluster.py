@@ -265,16 +265,17 @@ class ClusterView:
         return out
 
     def fetchers(self, model: str, facts: ModelFacts) -> dict[str, NodeResources]:
-        """Serving nodes that lack ``model`` but could run a llama.cpp stage of it on a
-        slice fetched from a holder: only for a GGUF some live node serves the slices of
-        (one with its sha256 and a weights port)."""
-        if facts.format != "gguf" or not self.weight_holders(model, facts.sha256):
+        """Serving nodes that lack ``model`` but could run a stage of it on a slice
+        fetched from a holder (one live node with its sha256 and a weights port): a
+        llama.cpp stage of a GGUF, an MLX stage of an MLX folder."""
+        if not self.weight_holders(model, facts.sha256):
             return {}
+        engine = "mlx-" if facts.format == "mlx" else "llama_cpp-"
         held = self.live_resources(model)
         nodes = [
             nid for nid, c in self.cards.items()
             if self.serving(nid) and nid not in held
-            and any(b.startswith("llama_cpp-") for b in c.backends)
+            and any(b.startswith(engine) for b in c.backends)
         ]  # fmt: skip
         return node_resources(self.cards, self.healths, nodes)
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import msgspec
 
-from meshd.crdt.views import Instance, RunnerStatus
+from meshd.crdt.views import Instance, ModelFacts, RunnerStatus
 from meshd.engines.protocol import (
     Failed,
     Listening,
@@ -51,6 +51,7 @@ from meshd.engines.protocol import (
 )
 from meshd.engines.threads import runner_env, threads_per_runner
 from meshd.logs import configured
+from meshd.models.folder_slicing import folder_slice_dir
 from meshd.models.slicing import slice_path, trim_slices
 from meshd.placement.place import KV_SEQUENCES, KV_TOKENS, stage_need
 from meshd.transport.security import ClusterKeys
@@ -131,6 +132,14 @@ def public_reason(reason: str) -> str:
     """A runner's failure as it may travel in the heartbeat: paths replaced, so that no
     peer learns what is on this node's disk (the node's own log keeps the whole text)."""
     return _PATH.sub("<path>", reason)[:300]
+
+
+def stage_slice(cache_dir: Path, facts: ModelFacts, start: int, end: int) -> Path:
+    """Where this node keeps the slice of ``[start, end)`` a stage loads: a sub-GGUF
+    (cut here or fetched) or the folder of an MLX model's range (fetched)."""
+    if facts.format == "mlx":
+        return folder_slice_dir(cache_dir, facts.sha256, start, end)
+    return slice_path(cache_dir, facts.sha256, start, end)
 
 
 def send_dtype(inst: Instance, i: int) -> str:
@@ -313,7 +322,7 @@ class Supervisor:
                     log_format=configured()[1],
                     sliced=sliced,
                 )
-                if sliced and not Path(path).is_file():
+                if sliced and not Path(path).exists():
                     self.runners[k] = self._fetching(key, cfg, inst, i)
                 else:
                     self.runners[k] = await self._start(key, cfg)
@@ -340,7 +349,7 @@ class Supervisor:
 
     async def _trim_slices(self, desired: dict[tuple[str, int], tuple[Instance, int]]) -> None:
         keep = [
-            slice_path(self.cache_dir, inst.facts.sha256, st.start, st.end)
+            stage_slice(self.cache_dir, inst.facts, st.start, st.end)
             for inst, i in desired.values()
             if inst.facts is not None
             for st in [inst.stages[i]]
@@ -369,12 +378,12 @@ class Supervisor:
 
     def _slice_to_fetch(self, inst: Instance, i: int) -> Path | None:
         """Where stage ``i``'s slice goes when this node lacks the model and may fetch
-        it (a GGUF: its slices are what a llama.cpp stage loads), else None."""
+        it (a sub-GGUF, or an MLX folder's range), else None."""
         facts = inst.facts
-        if self.fetch is None or facts is None or facts.format != "gguf" or not facts.sha256:
+        if self.fetch is None or facts is None or not facts.sha256:
             return None
         st = inst.stages[i]
-        return slice_path(self.cache_dir, facts.sha256, st.start, st.end)
+        return stage_slice(self.cache_dir, facts, st.start, st.end)
 
     def _fetching(self, key: StageKey, cfg: RunnerConfig, inst: Instance, i: int) -> RunnerProc:
         r = RunnerProc(key, cfg, state="fetching", generation=cfg.generation)

@@ -10,6 +10,7 @@ peers hold the model a stage here lacks (the cluster's cards).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,8 @@ import zmq.asyncio
 from meshd.crdt.views import Instance
 from meshd.models import ModelNotFoundError, canonical_name
 from meshd.models.errors import ModelFormatError
+from meshd.models.folder import folder_sha256
+from meshd.models.folder_slicing import folder_slice_path, slice_folder, unpack_folder_slice
 from meshd.models.hashing import file_sha256
 from meshd.models.manifest import SLICE_FORMAT_VERSION, Manifest, manifest_for, slice_id
 from meshd.models.slicing import slice_gguf, slice_path
@@ -87,20 +90,23 @@ class Weights:
         except ModelNotFoundError:
             raise SliceUnavailable("not_held", f"{ask.model!r} is not held here") from None
         src = Path(resolved.path)
-        if resolved.format != "gguf" or not src.is_file():
-            raise SliceUnavailable("not_held", f"{ask.model!r} here is not a GGUF file")
-        sha = file_sha256(src, self.cache_dir)
+        folder = resolved.format == "mlx"
+        if not (src.is_dir() if folder else src.is_file()):
+            raise SliceUnavailable("not_held", f"{ask.model!r} here is not a model")
+        sha = folder_sha256(src, self.cache_dir) if folder else file_sha256(src, self.cache_dir)
         if sha != ask.sha256:
             raise SliceUnavailable(
                 "not_held",
                 f"{ask.model!r} here is another file (sha256 {sha[:12]}, asked {ask.sha256[:12]})",
             )
+        cut = slice_folder if folder else slice_gguf
         try:
-            path = slice_gguf(src, ask.start, ask.end, self.cache_dir, sha)
+            path = cut(src, ask.start, ask.end, self.cache_dir, sha)
         except (ValueError, ModelFormatError) as e:
             raise SliceUnavailable("bad_range", str(e)) from None
         sid = slice_id(sha, ask.start, ask.end)
-        store = slice_path(self.cache_dir, sha, ask.start, ask.end)
+        where = folder_slice_path if folder else slice_path
+        store = where(self.cache_dir, sha, ask.start, ask.end)
         m = manifest_for(path, sid, store.with_name(store.name + ".manifest"))
         log.info(
             "weights: offering %s [%d, %d) (%d bytes, root %s)",
@@ -134,9 +140,19 @@ class Weights:
         def progress(p: FetchProgress) -> None:
             on_progress(p.done, p.total, p.rate)
 
+        # A folder slice travels as one archive, unpacked once every byte is verified.
+        archive = (
+            folder_slice_path(self.cache_dir, facts.sha256, st.start, st.end)
+            if facts.format == "mlx"
+            else dest
+        )
         m = await fetch_slice(
-            self.ctx, holders=holders, ask=ask, dest=dest,
+            self.ctx, holders=holders, ask=ask, dest=archive,
             own_addresses=self.own_addresses, keys=self.keys, on_progress=progress,
         )  # fmt: skip
+        if archive != dest:
+            await asyncio.to_thread(unpack_folder_slice, archive, dest)
+            for f in (archive, archive.with_name(archive.name + ".manifest")):
+                f.unlink(missing_ok=True)
         log.info("weights: slice %s of %s verified (root %s)", m.slice[:12], model, m.root[:12])
         return m

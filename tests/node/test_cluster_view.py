@@ -188,8 +188,11 @@ def test_a_node_lacking_the_model_is_a_fetcher_only_while_a_holder_serves_slices
     old = view([card("a", models=()), card("b", facts=(FACTS,))], {}, [])
     assert old.fetchers("m", FACTS) == {}
     assert view(nodes, {}, [], liveness={"b": "dead", "c": "alive"}).fetchers("m", FACTS) == {}
-    # An MLX folder is never sliced for llama.cpp.
+    # An MLX folder's range is fetched only by a node that runs MLX.
     assert v.fetchers("m", msgspec_replace(FACTS, format="mlx")) == {}
+    mlx = [card("a", models=()), holder("b"), msgspec_replace(card("c", models=()),
+           backends=["mlx-cpu", "llama_cpp-cpu"])]  # fmt: skip
+    assert set(view(mlx, {}, []).fetchers("m", msgspec_replace(FACTS, format="mlx"))) == {"c"}
 
 
 def test_placement_prefers_holders_and_takes_a_fetcher_only_when_they_cannot_hold_it() -> None:

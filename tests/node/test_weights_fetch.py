@@ -9,6 +9,7 @@ packaged SmolLM2 file: 98 MB, 30 layers); the fetcher has no file of that name.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -191,3 +192,54 @@ def test_while_a_stage_fetches_a_request_gets_503_and_retry_after(
     got = b.get(f"/v1/instances/{inst['id']}")
     stage = got["stages"][1]
     assert stage["state"] == "fetching" and stage["fetch_total"] > 0
+
+
+def test_an_mlx_folder_travels_as_the_folder_of_a_stages_layers(
+    cluster: Cluster, tmp_path: Path, model_path: Path
+) -> None:
+    from meshd.models.convert import gguf_to_mlx_folder
+
+    d = tmp_path / "a" / "models"
+    d.mkdir(parents=True)
+    gguf_to_mlx_folder(model_path, d / "smol-mlx")
+    a = cluster.start("a", extra_args=["--models", str(d)])
+    b = cluster.start("b", peers=[a])
+    wait_for(lambda: all(len(n.cluster()["nodes"]) == 2 for n in (a, b)), 15)
+
+    def facts_known() -> bool:
+        cards = [n["card"] for n in b.cluster()["nodes"]]
+        return any(f["name"] == "smol-mlx" for k in cards for f in k.get("model_facts", []))
+
+    wait_for(facts_known, 60, interval=0.3)
+
+    def place_on(nodes: list[NodeProc]) -> dict:
+        r = httpx.post(
+            b.api + "/v1/instances",
+            json={"model": "smol-mlx", "nodes": [n.name for n in nodes],
+                  "engines": ["mlx"] * len(nodes)},
+            timeout=60,
+        )  # fmt: skip
+        assert r.status_code == 201, r.text
+        inst = r.json()
+        wait_for(lambda: ready(b, inst), 180, interval=0.3)
+        return inst
+
+    def text() -> str:
+        body = {"model": "smol-mlx", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        r = httpx.post(b.api + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    whole = place_on([a])
+    expected = text()
+    assert httpx.delete(f"{b.api}/v1/instances/{whole['id']}", timeout=10).status_code == 200
+    wait_for(lambda: not b.get("/v1/instances")["data"], 15)
+
+    split = place_on([a, b])
+    assert [s["node"] for s in split["stages"]] == [a.node_id, b.node_id]
+    assert text() == expected
+    cut = split["stages"][1]["start"]
+    fetched = sorted((b.data_dir / "cache").glob("*/*.mlx"))
+    assert [p.name for p in fetched] == [f"{cut}-30.mlx"]
+    assert json.loads((fetched[0] / "config.json").read_text())["num_hidden_layers"] == 30 - cut
+    assert not list((b.data_dir / "cache").glob("*/*.tar"))  # the archive is unpacked, gone
