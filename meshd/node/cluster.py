@@ -252,26 +252,41 @@ class ClusterView:
         ]  # fmt: skip
         return node_resources(self.cards, self.healths, holders)
 
-    def weight_holders(self, model: str, sha256: str) -> list[wire.Addr]:
-        """The weights ROUTERs of the live nodes (this one aside) that advertise
-        ``model`` with this sha256: where a node lacking it fetches its slices."""
+    def weight_holders(self, model: str, sha256: str, others: bool = True) -> list[wire.Addr]:
+        """The weights ROUTERs of the live nodes that advertise ``model`` with this
+        sha256 (``others``: this one aside): where a node lacking it fetches slices."""
         canon = canonical_name(model)
         out = []
         for nid, c in sorted(self.cards.items()):
-            if nid == self.self_id or not self.is_live(nid) or c.weights_port <= 0:
+            if (others and nid == self.self_id) or not self.is_live(nid) or c.weights_port <= 0:
                 continue
             if any(canonical_name(f.name) == canon and f.sha256 == sha256 for f in c.model_facts):
                 out.append(wire.Addr(node=nid, addresses=c.addresses, port=c.weights_port))
         return out
 
+    def holders(self, model: str, facts: ModelFacts) -> dict[str, NodeResources]:
+        """:meth:`live_resources` less the nodes whose card says their file under that
+        name is another one (another sha256): they run a stage only on a fetched slice."""
+        canon = canonical_name(model)
+
+        def other_file(nid: str) -> bool:
+            c = self.cards[nid]
+            return any(
+                canonical_name(f.name) == canon and f.sha256 != facts.sha256 for f in c.model_facts
+            )
+
+        return {k: v for k, v in self.live_resources(model).items() if not other_file(k)}
+
     def fetchers(self, model: str, facts: ModelFacts) -> dict[str, NodeResources]:
-        """Serving nodes that lack ``model`` but could run a stage of it on a slice
-        fetched from a holder (one live node with its sha256 and a weights port): a
-        llama.cpp stage of a GGUF, an MLX stage of an MLX folder."""
-        if not self.weight_holders(model, facts.sha256):
+        """Serving nodes that lack ``model`` (or hold another file under its name) but
+        could run a stage of it on a slice fetched from a holder (one live node with its
+        sha256 and a weights port): a llama.cpp stage of a GGUF, an MLX stage of an MLX
+        folder."""
+        # Whichever node computes it: placement's inputs are the same on every node.
+        if not self.weight_holders(model, facts.sha256, others=False):
             return {}
         engine = "mlx-" if facts.format == "mlx" else "llama_cpp-"
-        held = self.live_resources(model)
+        held = self.holders(model, facts)
         nodes = [
             nid for nid, c in self.cards.items()
             if self.serving(nid) and nid not in held
@@ -288,7 +303,7 @@ class ClusterView:
     ) -> tuple[list[Stage], dict[str, NodeResources]]:
         """Placement on the holders of the model first, then on fetchers too (see
         ``place_fetching``); ``keep`` filters both."""
-        holders = {k: v for k, v in self.live_resources(spec.model).items() if keep(k)}
+        holders = {k: v for k, v in self.holders(spec.model, facts).items() if keep(k)}
         others = {k: v for k, v in self.fetchers(spec.model, facts).items() if keep(k)}
         return place_fetching(spec, facts, holders, others, previous=previous)
 

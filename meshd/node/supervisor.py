@@ -51,7 +51,9 @@ from meshd.engines.protocol import (
 )
 from meshd.engines.threads import runner_env, threads_per_runner
 from meshd.logs import configured
+from meshd.models.folder import folder_sha256
 from meshd.models.folder_slicing import folder_slice_dir
+from meshd.models.hashing import file_sha256
 from meshd.models.slicing import slice_path, trim_slices
 from meshd.placement.place import KV_SEQUENCES, KV_TOKENS, stage_need
 from meshd.transport.security import ClusterKeys
@@ -268,6 +270,8 @@ class Supervisor:
                 sliced = False
                 try:
                     path = self.resolve_path(inst.spec.model)
+                    if not await self._is_placed_file(path, facts):
+                        raise LookupError(f"{path} here is another file than the placed one")
                 except Exception as e:
                     fetched = self._slice_to_fetch(inst, i)
                     if fetched is None:
@@ -279,6 +283,9 @@ class Supervisor:
                             self.runners[k] = _failed(inst, i, MODEL_MISSING)
                             self.on_status()
                         continue
+                    if k not in self.runners:  # said once, not at every reconcile
+                        log.info("stage %s/%d: %s: its slice comes from the holders",
+                                 inst.id, i, e)  # fmt: skip
                     path, sliced = str(fetched), True
                 key = StageKey(
                     inst.id, i, len(inst.stages), st.start, st.end, path,
@@ -375,6 +382,19 @@ class Supervisor:
         for r in self.runners.values():
             if r.proc is not None and r.proc.stdin is not None and r.proc.returncode is None:
                 r.proc.stdin.write(line)
+
+    async def _is_placed_file(self, path: str, facts: ModelFacts | None) -> bool:
+        """Whether the local file is the placed one (by sha256, cached by path, size and
+        mtime); True when nothing could be fetched instead (the runner checks again)."""
+        if self.fetch is None or facts is None or not facts.sha256:
+            return True
+        p = Path(path)
+        digest = folder_sha256 if p.is_dir() else file_sha256
+        try:
+            local = await asyncio.to_thread(digest, p, self.cache_dir)
+        except OSError:
+            return True  # the runner says what is wrong with it
+        return local == facts.sha256
 
     def _slice_to_fetch(self, inst: Instance, i: int) -> Path | None:
         """Where stage ``i``'s slice goes when this node lacks the model and may fetch

@@ -243,3 +243,26 @@ def test_an_mlx_folder_travels_as_the_folder_of_a_stages_layers(
     assert [p.name for p in fetched] == [f"{cut}-30.mlx"]
     assert json.loads((fetched[0] / "config.json").read_text())["num_hidden_layers"] == 30 - cut
     assert not list((b.data_dir / "cache").glob("*/*.tar"))  # the archive is unpacked, gone
+
+
+def test_a_node_holding_another_file_under_the_name_fetches_the_placed_one(
+    cluster: Cluster, tmp_path: Path, model_path: Path, reference: str
+) -> None:
+    from tests.synthetic import write_model
+
+    other = tmp_path / "b" / "models"
+    other.mkdir(parents=True)
+    write_model(other / "smol.gguf", model_path, "llama")  # same name, another model
+    a = cluster.start("a", extra_args=["--models", str(models_dir(tmp_path / "a"))])
+    b = cluster.start("b", peers=[a], extra_args=["--models", str(other)])
+    wait_for(lambda: all(len(n.cluster()["nodes"]) == 2 for n in (a, b)), 15)
+
+    def both_hashed() -> bool:
+        cards = [n["card"] for n in a.cluster()["nodes"]]
+        return sum(any(f["name"] == "smol" for f in k.get("model_facts", [])) for k in cards) == 2
+
+    wait_for(both_hashed, 60, interval=0.3)
+    inst = place(a, [a, b])  # a's file is the one placed
+    wait_for(lambda: ready(a, inst), 120, interval=0.3)
+    assert complete(a)["choices"][0]["text"] == reference
+    assert len(slices(b)) == 1 and "another file than the placed one" in b.log()
