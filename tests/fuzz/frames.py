@@ -235,6 +235,34 @@ def _mutated(draw, base: st.SearchStrategy[bytes]) -> bytes:
 _HEADERS: dict[int, st.SearchStrategy[bytes]] = {}
 
 
+def _transfer_messages() -> st.SearchStrategy[wire.TransferMessage]:
+    """Well-formed weights-ROUTER messages about models, files and slices the node
+    does not have: each is answered with a typed refusal, never served."""
+    sha = st.text("0123456789abcdef", min_size=0, max_size=64)
+    return st.one_of(
+        st.builds(wire.SliceAsk, model=SMALL_TEXT, sha256=sha, start=ANY_INT, end=ANY_INT,
+                  version=ANY_INT),
+        st.builds(wire.ChunkAsk, slice=SMALL_TEXT, index=ANY_INT),
+        st.builds(wire.ChunkData, slice=SMALL_TEXT, index=ANY_INT),
+        st.builds(wire.SliceOffer, slice=SMALL_TEXT, size=ANY_INT, chunk=ANY_INT),
+        st.builds(wire.SliceRefusal, slice=SMALL_TEXT, code=SMALL_TEXT, message=SMALL_TEXT),
+    )  # fmt: skip
+
+
+#: One weights-ROUTER header: transfer messages, whole or mutated, and any other header.
+def transfer_header(t: Target) -> st.SearchStrategy[bytes]:
+    valid = _transfer_messages().map(wire.encode)
+    return st.one_of(valid, valid, _mutated(valid), header(t))
+
+
+def decoded_transfer(frame: bytes) -> wire.TransferMessage | None:
+    """The message the weights ROUTER decodes from ``frame``, or None (dropped)."""
+    try:
+        return wire.decode_transfer(frame)
+    except wire.FrameError:
+        return None
+
+
 def header(t: Target) -> st.SearchStrategy[bytes]:
     """One header frame: valid-but-wrong, malformed, or mutated (built once per target:
     building the strategy costs more than drawing from it)."""

@@ -24,7 +24,7 @@ from meshd.crdt.lww import N_BUCKETS
 from meshd.transport import wire
 from tests.cluster import wait_for
 
-from .frames import Target, decoded, harmless, header
+from .frames import Target, decoded, decoded_transfer, harmless, header, transfer_header
 from .harness import FAKE_ID, FIGURES, Env, dropped, fuzz_settings, total
 
 pytestmark = pytest.mark.timeout(90)
@@ -275,6 +275,48 @@ def test_data_router_survives_random_frames(env: Env) -> None:
     finally:
         d.close()
     env.check(mark, "data ROUTER fuzzing")
+
+
+# -- the weights ROUTER (slices of the models this node holds) -----------------------
+def test_weights_router_survives_random_frames(env: Env) -> None:
+    t, node = env.target, env.node
+    mark = env.log_mark()
+    before = dropped(node)
+    card = next(n["card"] for n in node.cluster()["nodes"] if n["id"] == node.node_id)
+    d = _dealer(env, card["weights_port"])
+    last: collections.deque = collections.deque(maxlen=8)
+    due = {"weights": 0, "answered": 0}
+
+    @fuzz_settings(300)
+    @given(head=transfer_header(t), extra=_extras())
+    def one(head: bytes, extra: list[bytes]) -> None:
+        msg = decoded_transfer(head)
+        d.send_multipart([head, *extra])
+        last.append([head, *extra])
+        FIGURES.frame("weights ROUTER")
+        # A frame that is not one decodable message, or one a holder never receives,
+        # is dropped and counted; an ask about what this node does not hold is refused.
+        if extra or msg is None or not isinstance(msg, wire.SliceAsk | wire.ChunkAsk):
+            due["weights"] += 1
+        elif isinstance(msg, wire.ChunkAsk) or msg.version == 1:
+            due["answered"] += 1
+        _alive(env, last)
+
+    try:
+        one()
+        _wait_counted(env, "weights", total(before, "weights"), due["weights"])
+        # Every refusal is typed: nothing was served, no chunk of any file.
+        replies = []
+        deadline = time.monotonic() + 10
+        while len(replies) < due["answered"] and time.monotonic() < deadline:
+            replies += _drain(d)
+            time.sleep(0.05)
+        kinds = {type(wire.decode_transfer(r[0])).__name__ for r in replies}
+        assert kinds <= {"SliceRefusal"}, kinds
+    finally:
+        d.close()
+    assert dropped(node).get("weights", {}).get("error", 0) == 0
+    env.check(mark, "weights ROUTER fuzzing")
 
 
 # -- a runner's stage ROUTER (Generate / Activation / Token / Release) ---------------
