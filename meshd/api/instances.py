@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,6 +27,10 @@ __all__ = [
 ]
 
 
+#: Replicas one POST /v1/instances may place.
+MAX_REPLICAS = 8
+
+
 class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     """Body of ``POST /v1/instances``."""
 
@@ -39,6 +45,9 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     #: Tokens of context each request gets (0: 4096, at most the model's trained
     #: context); placement reserves KV cache for it on every stage.
     context: int = 0
+    #: Instances of the model to place (replicas share the requests, least busy first;
+    #: each goes on nodes the others do not use while such nodes can hold it).
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if not self.model.strip():
@@ -49,6 +58,8 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError("min_nodes must be >= 1")
         if self.context < 0 or self.context > 2**31:
             raise ValueError("context must be a number of tokens (0: the default)")
+        if not 1 <= self.replicas <= MAX_REPLICAS:
+            raise ValueError(f"replicas must be 1 to {MAX_REPLICAS}")
         if self.engines and len(self.engines) != len(self.nodes):
             raise ValueError("engines must name one engine per entry of nodes")
 
@@ -57,8 +68,8 @@ def _fetch_fields(s: StageState) -> dict[str, float]:
     return {"fetched": s.fetched, "fetch_total": s.fetch_total, "fetch_rate": s.fetch_rate}
 
 
-def instance_view(view: ClusterView, inst: Instance) -> dict:
-    """The JSON shape of one instance."""
+def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {}) -> dict:
+    """The JSON shape of one instance (``load``: requests this node runs on each)."""
     states = view.stage_states(inst)
     # Nodes left out of this instance for good, and why (durable: from the nodes'
     # heartbeats, which keep a given-up runner after the stage moved away).
@@ -73,6 +84,8 @@ def instance_view(view: ClusterView, inst: Instance) -> dict:
         "generation": inst.generation,
         "activations": inst.spec.activations,
         "context": instance_context(inst.spec, inst.facts),
+        #: Requests the answering node's API runs on this instance now.
+        "in_flight": load.get(inst.id, 0),
         "stages": [
             {
                 "node": st.node,
@@ -102,31 +115,41 @@ async def create_instance(request: Request) -> Response:
         activations=body.activations,
         context=body.context,
     )
+    placed = []
     try:
-        inst = await services.place(spec)
+        for _ in range(body.replicas):
+            placed.append(await services.place(spec))
     except Exception as e:
         err = node_error(e, body.model, placing=True)
         if err is None:
             raise
+        if placed:  # the replicas placed so far stay; say how many did
+            err.message += f" ({len(placed)} of {body.replicas} replicas placed)"
         raise err from None
-    return JSONResponse(instance_view(services.view(), inst), status_code=201)
+    view, load = services.view(), services.instance_load()
+    if body.replicas == 1:
+        return JSONResponse(instance_view(view, placed[0], load), status_code=201)
+    data = [instance_view(view, i, load) for i in placed]
+    return JSONResponse({"object": "list", "data": data}, status_code=201)
 
 
 async def list_instances(request: Request) -> Response:
     """``GET /v1/instances``."""
-    view = context(request).services.view()
+    services = context(request).services
+    view, load = services.view(), services.instance_load()
     insts = sorted(view.instances.values(), key=lambda i: i.id)
-    return JSONResponse({"object": "list", "data": [instance_view(view, i) for i in insts]})
+    return JSONResponse({"object": "list", "data": [instance_view(view, i, load) for i in insts]})
 
 
 async def get_instance(request: Request) -> Response:
     """``GET /v1/instances/{id}``."""
     iid = request.path_params["instance_id"]
-    view = context(request).services.view()
+    services = context(request).services
+    view = services.view()
     inst = view.instances.get(iid)
     if inst is None:
         raise _no_instance(iid)
-    return JSONResponse(instance_view(view, inst))
+    return JSONResponse(instance_view(view, inst, services.instance_load()))
 
 
 async def delete_instance(request: Request) -> Response:

@@ -8,7 +8,7 @@ counter of their app.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -65,6 +65,10 @@ class Services(Protocol):
 
     def remove(self, instance_id: str) -> bool:
         """Delete an instance; False if there is none with that id."""
+        ...
+
+    def instance_load(self) -> Mapping[str, int]:
+        """Requests this node's API runs on each instance now, by instance id."""
         ...
 
     def members(self) -> tuple[list[MemberView], list[PendingView]]:

@@ -95,12 +95,17 @@ def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
         body["min_nodes"] = args.min_nodes
     if args.ctx:
         body["context"] = args.ctx
-    inst = client.place(body)
+    if args.replicas:
+        body["replicas"] = args.replicas
+    placed = client.place(body)
+    insts = placed["data"] if placed.get("object") == "list" else [placed]
     wait = sys.stdout.isatty() if args.wait is None else args.wait
     if wait:
-        inst = _wait_serving(client, inst, args.wait_timeout)
-    _print_instances([inst], client)
-    if wait and not all(s.get("state") == "ready" for s in inst.get("stages") or []):
+        deadline = time.monotonic() + args.wait_timeout
+        insts = [_wait_serving(client, i, max(0.0, deadline - time.monotonic())) for i in insts]
+    _print_instances(insts, client)
+    stages = [s for i in insts for s in i.get("stages") or []]
+    if wait and not all(s.get("state") == "ready" for s in stages):
         return EXIT_NODE_ERROR
     return EXIT_OK
 
@@ -277,6 +282,11 @@ def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         help="context of each request, prompt and answer (default: 4096, at most the "
         "model's trained context); every stage reserves KV cache for it",
     )
+    p.add_argument(
+        "--replicas", type=positive_int, metavar="N",
+        help="place N instances of the model (on different nodes while they can hold it); "
+        "requests go to the least busy one",
+    )  # fmt: skip
     p.add_argument(
         "--wait",
         action=argparse.BooleanOptionalAction,

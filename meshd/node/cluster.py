@@ -185,6 +185,28 @@ class ClusterView:
         return None
 
     # -- instances -----------------------------------------------------------------
+    def replicas(self, model: str) -> list[Instance]:
+        """Every instance of ``model``, by id."""
+        canon = canonical_name(model)
+        found = [i for i in self.instances.values() if canonical_name(i.spec.model) == canon]
+        return sorted(found, key=lambda i: i.id)
+
+    def least_loaded(self, model: str, load: Mapping[str, int]) -> Instance | None:
+        """The ready instance of ``model`` with the fewest requests: ``load`` (this
+        node's own, by instance id, exact) or the instance's first stage's ``active``
+        (every node's, as of its last heartbeat), the larger; ties on id."""
+
+        def depth(i: Instance) -> int:
+            h = self.healths.get(i.stages[0].node) if i.stages else None
+            active = max(
+                (r.active for r in (h.runners if h else []) if r.instance == i.id and r.stage == 0),
+                default=0,
+            )
+            return max(load.get(i.id, 0), active)
+
+        ready = [i for i in self.replicas(model) if self.is_ready(i)]
+        return min(ready, key=lambda i: (depth(i), i.id)) if ready else None
+
     def find_instance(self, model: str) -> Instance | None:
         """The instance serving ``model`` (ready ones first, then by id)."""
         canon = canonical_name(model)
@@ -310,7 +332,18 @@ class ClusterView:
     def place_new(
         self, spec: InstanceSpec, facts: ModelFacts
     ) -> tuple[list[Stage], list[NodeResources]]:
-        """A fresh plan of ``spec`` and the nodes it was chosen among (``PlanBasis``)."""
+        """A fresh plan of ``spec`` and the nodes it was chosen among (``PlanBasis``).
+
+        Another instance of the same model (a replica) goes on nodes the others do not
+        use when they can hold it, so replicas add capacity instead of sharing it; it
+        shares them only when nothing else fits (pinned nodes are used as asked)."""
+        busy = {s.node for i in self.replicas(spec.model) for s in i.stages}
+        if busy and not spec.nodes:
+            try:
+                stages, nodes = self._place(spec, facts, keep=lambda k: k not in busy)
+                return stages, list(nodes.values())
+            except PlacementError:
+                pass
         stages, nodes = self._place(spec, facts)
         return stages, list(nodes.values())
 

@@ -87,6 +87,8 @@ class Requests:
         #: reason as a typed error instead of being cut by the server's shutdown.
         self.aborted: str | None = None
         self._open: dict[str, asyncio.Queue[wire.DataChunk]] = {}
+        #: Requests this node's API runs on each instance now (by instance id).
+        self.load: dict[str, int] = {}
         state.changes.listen(self._wake)
 
     def in_flight(self) -> int:
@@ -127,6 +129,27 @@ class Requests:
         plan, :data:`KEEPALIVE` is yielded every ``keepalive`` seconds. When no repair
         is possible it fails at once; a possible one gets ``replay_wait`` seconds.
         """
+        # Replicas share the load: the least busy ready instance of the model takes it,
+        # counted at once (no await in between), so a burst spreads evenly.
+        picked = self.state.view().least_loaded(inst.spec.model, self.load)
+        if picked is not None:
+            inst = picked
+        counted = inst.id
+        self.load[counted] = self.load.get(counted, 0) + 1
+        try:
+            # aclosing: closing this generator early must cancel the request on every
+            # stage now (see _generate), not when the collector gets to the inner one.
+            async with contextlib.aclosing(self._generate(inst, job, replay=replay)) as chunks:
+                async for c in chunks:
+                    yield c
+        finally:
+            self.load[counted] -= 1
+            if not self.load[counted]:
+                del self.load[counted]
+
+    async def _generate(
+        self, inst: Instance, job: wire.Job, *, replay: bool
+    ) -> AsyncIterator[wire.DataChunk]:
         cfg = self.config
         sent: list[int] = []
         acked = False

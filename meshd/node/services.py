@@ -183,6 +183,10 @@ class NodeServices:
         """Delete an instance; False if there is none with that id."""
         return self._instances.remove(instance_id)
 
+    def instance_load(self) -> dict[str, int]:
+        """Requests this node's API runs on each instance now, by instance id."""
+        return dict(self._requests.load)
+
     # -- membership ------------------------------------------------------------------
     @property
     def secured(self) -> bool:

@@ -144,6 +144,30 @@ def stage_slice(cache_dir: Path, facts: ModelFacts, start: int, end: int) -> Pat
     return slice_path(cache_dir, facts.sha256, start, end)
 
 
+async def is_placed_file(path: str, facts: ModelFacts | None, cache_dir: Path) -> bool:
+    """Whether the local file is the placed one (by sha256, cached by path, size and
+    mtime); True when that cannot be told here (the runner checks again)."""
+    if facts is None or not facts.sha256:
+        return True
+    p = Path(path)
+    digest = folder_sha256 if p.is_dir() else file_sha256
+    try:
+        local = await asyncio.to_thread(digest, p, cache_dir)
+    except OSError:
+        return True  # the runner says what is wrong with it
+    return local == facts.sha256
+
+
+def slice_to_fetch(cache_dir: Path, inst: Instance, i: int) -> Path | None:
+    """Where stage ``i``'s slice goes when this node lacks the model and fetches it (a
+    sub-GGUF, or an MLX folder's range), else None (nothing to fetch it by)."""
+    facts = inst.facts
+    if facts is None or not facts.sha256:
+        return None
+    st = inst.stages[i]
+    return stage_slice(cache_dir, facts, st.start, st.end)
+
+
 def send_dtype(inst: Instance, i: int) -> str:
     """Wire type of the activations stage ``i`` sends: the spec's choice on a hop
     between two MLX stages, float32 on every other hop."""
@@ -270,10 +294,10 @@ class Supervisor:
                 sliced = False
                 try:
                     path = self.resolve_path(inst.spec.model)
-                    if not await self._is_placed_file(path, facts):
+                    if self.fetch and not await is_placed_file(path, facts, self.cache_dir):
                         raise LookupError(f"{path} here is another file than the placed one")
                 except Exception as e:
-                    fetched = self._slice_to_fetch(inst, i)
+                    fetched = slice_to_fetch(self.cache_dir, inst, i) if self.fetch else None
                     if fetched is None:
                         # What was looked at stays in this node's log: a reason travels
                         # in the heartbeat; the disk's contents are nobody else's business.
@@ -382,28 +406,6 @@ class Supervisor:
         for r in self.runners.values():
             if r.proc is not None and r.proc.stdin is not None and r.proc.returncode is None:
                 r.proc.stdin.write(line)
-
-    async def _is_placed_file(self, path: str, facts: ModelFacts | None) -> bool:
-        """Whether the local file is the placed one (by sha256, cached by path, size and
-        mtime); True when nothing could be fetched instead (the runner checks again)."""
-        if self.fetch is None or facts is None or not facts.sha256:
-            return True
-        p = Path(path)
-        digest = folder_sha256 if p.is_dir() else file_sha256
-        try:
-            local = await asyncio.to_thread(digest, p, self.cache_dir)
-        except OSError:
-            return True  # the runner says what is wrong with it
-        return local == facts.sha256
-
-    def _slice_to_fetch(self, inst: Instance, i: int) -> Path | None:
-        """Where stage ``i``'s slice goes when this node lacks the model and may fetch
-        it (a sub-GGUF, or an MLX folder's range), else None."""
-        facts = inst.facts
-        if self.fetch is None or facts is None or not facts.sha256:
-            return None
-        st = inst.stages[i]
-        return stage_slice(self.cache_dir, facts, st.start, st.end)
 
     def _fetching(self, key: StageKey, cfg: RunnerConfig, inst: Instance, i: int) -> RunnerProc:
         r = RunnerProc(key, cfg, state="fetching", generation=cfg.generation)

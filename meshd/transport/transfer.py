@@ -594,6 +594,10 @@ async def _offer_of(sock: zmq.asyncio.Socket, f: _Fetch, addr: wire.Addr) -> Man
     async with f.begin:  # two holders' offers may arrive at once: one begins the fetch
         if f.manifest is None:
             await asyncio.to_thread(_begin, f, m)
+            # Back on the loop: the event and the progress callback are not thread-safe.
+            if len(f.done) == m.count:
+                f.finished.set()
+            f.note(force=True)
     assert f.manifest is not None
     if f.manifest.root != m.root or f.manifest.size != m.size:
         log.warning(
@@ -606,7 +610,8 @@ async def _offer_of(sock: zmq.asyncio.Socket, f: _Fetch, addr: wire.Addr) -> Man
 
 
 def _begin(f: _Fetch, m: Manifest) -> None:
-    """Set the fetch's manifest; keep the verified chunks of a previous attempt."""
+    """Set the fetch's manifest; keep the verified chunks of a previous attempt (runs
+    in a thread: touches files and plain fields only)."""
     if f.manifest is not None:
         return
     stored = read_manifest(_manifest_file(f.part))
@@ -631,6 +636,3 @@ def _begin(f: _Fetch, m: Manifest) -> None:
     f.progress.total = m.size
     f.progress.done = f.progress.resumed
     f.moved = time.monotonic()
-    if len(f.done) == m.count:
-        f.finished.set()
-    f.note(force=True)

@@ -129,6 +129,8 @@ def test_a_node_without_the_model_fetches_its_slice_verifies_it_and_serves(
     assert not list((b.data_dir / "cache").glob("*/*.part"))
     log = b.log()
     assert "failed its sha256" in log and "slice fetched" in log
+    # Bad chunks are asked again; the holder is never given up on for them.
+    assert "pulling from" not in log and "Traceback" not in log
     assert "smol" not in next(
         n["card"]["models"] for n in b.cluster()["nodes"] if n["id"] == b.node_id
     )
