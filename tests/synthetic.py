@@ -25,6 +25,11 @@ def _copy_tokenizer(w: gguf.GGUFWriter, src: gguf.GGUFReader) -> int:
     return n_vocab
 
 
+#: Architectures whose layers carry per-head q/k norms, or norms after attention and FFN.
+_QK_NORM = frozenset({"gemma3", "qwen3"})
+_SANDWICH_NORM = frozenset({"gemma2", "gemma3"})
+
+
 def write_model(
     path: Path,
     tokenizer_from: Path,
@@ -53,6 +58,8 @@ def write_model(
     for key, value in (metadata or {}).items():
         if isinstance(value, float):
             w.add_float32(key, value)
+        elif isinstance(value, np.uint32):
+            w.add_uint32(key, int(value))
         else:
             w.add_int32(key, value)
     n_vocab = _copy_tokenizer(w, src)
@@ -72,6 +79,12 @@ def write_model(
             if bias:
                 w.add_tensor(p + name + ".bias", t(rows))
         w.add_tensor(p + "attn_output.weight", t(hidden, heads * hd))
+        if arch in _QK_NORM:
+            w.add_tensor(p + "attn_q_norm.weight", (1 + t(hd)).astype(np.float32))
+            w.add_tensor(p + "attn_k_norm.weight", (1 + t(hd)).astype(np.float32))
+        if arch in _SANDWICH_NORM:  # norms after attention and after the FFN too
+            w.add_tensor(p + "post_attention_norm.weight", norm())
+            w.add_tensor(p + "post_ffw_norm.weight", norm())
         w.add_tensor(p + "ffn_norm.weight", norm())
         w.add_tensor(p + "ffn_gate.weight", t(ffn, hidden))
         w.add_tensor(p + "ffn_up.weight", t(ffn, hidden))

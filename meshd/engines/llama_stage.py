@@ -35,6 +35,7 @@ import numpy.typing as npt
 from meshd.models.errors import ModelFormatError
 from meshd.models.facts import embedding_only
 from meshd.models.gguf import read_metadata
+from meshd.models.scaling import input_scale
 
 from .stage import (
     ContextFullError,
@@ -316,9 +317,13 @@ class LlamaStage:
         self.n_ctx_train = int(L.llama_model_n_ctx_train(model))
         meta = read_metadata(path, keys=["general.architecture"])
         arch = str(meta.get("general.architecture", ""))
-        causal = read_metadata(path, keys=[f"{arch}.attention.causal"])
+        keys = [f"{arch}.attention.causal", f"{arch}.embedding_scale", f"{arch}.embedding_length"]
+        more = read_metadata(path, keys=keys)
         #: False for an encoder (BERT-like): it only embeds, over whole inputs at once.
-        self.generative = not embedding_only(arch, causal)
+        self.generative = not embedding_only(arch, more)
+        #: What this graph multiplies its input rows by: hidden rows from the stage
+        #: before are divided by it first, so they are scaled once, as in the whole model.
+        self.input_scale = np.float32(input_scale(more, arch)) if not first else np.float32(1)
         self._target = f"l_out-{self.n_layers - 1}".encode()
 
         cparams = self._cparams(n_ctx * n_seq_max, n_seq_max)
@@ -542,7 +547,10 @@ class LlamaStage:
             self._b_tok[:n] = flat[c0:c1]
         else:
             assert self._b_embd is not None
-            self._b_embd[:n] = flat[c0:c1]
+            if self.input_scale != 1:
+                np.divide(flat[c0:c1], self.input_scale, out=self._b_embd[:n])
+            else:
+                self._b_embd[:n] = flat[c0:c1]
         self._b_pos[:n] = pos[c0:c1]
         self._b_seq[:n] = seqs[c0:c1]
         self._b_out[:n] = outs[c0:c1]

@@ -35,8 +35,9 @@ __all__ = [
     "write_manifest",
 ]
 
-#: Bumped whenever ``meshd.models.slicing`` would cut different bytes for a range.
-SLICE_FORMAT_VERSION = 1
+#: Bumped whenever ``meshd.models.slicing`` would cut different bytes for a range
+#: (2: sliding-window layers as a per-layer array).
+SLICE_FORMAT_VERSION = 2
 #: Bytes per chunk: large enough that per-chunk costs vanish on a LAN, small enough
 #: that a window of them in flight stays a few tens of MiB.
 CHUNK_BYTES = 4 << 20

@@ -30,10 +30,13 @@ import gguf
 
 from .errors import ModelFormatError
 from .gguf import architecture, open_gguf, read_metadata
+from .scaling import layer_count_defaults, swa_layers
 
 __all__ = ["slice_gguf", "slice_path", "trim_slices"]
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.*)$")
+#: A sliding window wider than any context (positions are int32 in llama.cpp).
+UNBOUNDED_WINDOW = 1 << 24
 
 
 def slice_path(out_dir: Path, sha256: str, start: int, end: int) -> Path:
@@ -157,8 +160,21 @@ def _write_slice(
 ) -> None:
     writer = gguf.GGUFWriter(out, arch, endianess=reader.endianess)
     count_key = f"{arch}.block_count"
+    pattern_key = f"{arch}.attention.sliding_window_pattern"
+    meta = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("GGUF.")}
+    window_key = f"{arch}.attention.sliding_window"
+    swa = swa_layers(meta, arch, n_layers)
+    flags = swa[start:end] if swa is not None else None
+    # A range of global layers only: llama.cpp's graph for these architectures needs a
+    # windowed layer, so the slice windows them all by more than any context can hold
+    # (the same attention as none).
+    unwindowed = flags is not None and not any(flags)
     for field in reader.fields.values():
         name = field.name
+        if flags is not None and name == pattern_key:
+            continue  # written below as the range's own flags
+        if unwindowed and name == window_key:
+            continue
         # GGUF.* are the reader's virtual fields; the writer adds the architecture
         # itself; alignment is set through the writer so the data really follows it.
         if name.startswith("GGUF.") or name == gguf.Keys.General.ARCHITECTURE:
@@ -182,6 +198,17 @@ def _write_slice(
             # architectures) are arrays of block_count entries: keep the range's own.
             value = value[start:end]
         writer.add_key_value(name, value, vtype, sub_type=sub_type)
+    for key, value in layer_count_defaults(meta, arch, n_layers).items():
+        writer.add_key_value(key, value, gguf.GGUFValueType.FLOAT32)
+    if flags is not None:
+        # Layer il of the slice is layer start + il of the model: a pattern over the
+        # slice's own indices would window the wrong layers once start is not a multiple.
+        if unwindowed:
+            flags = [True] * len(flags)
+            writer.add_key_value(window_key, UNBOUNDED_WINDOW, gguf.GGUFValueType.UINT32)
+        writer.add_key_value(
+            pattern_key, flags, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL
+        )
 
     kept: list[gguf.ReaderTensor] = []
     for t in reader.tensors:

@@ -50,14 +50,15 @@ DEFAULT_ENGINE_PREFERENCE: tuple[str, ...] = (
 )
 
 
-#: GGUF architectures whose llama.cpp graph rescales the input rows (Gemma by
-#: sqrt(hidden), Granite and MiniCPM by an embedding scale): a later stage fed the
-#: previous stage's hidden rows would rescale them again, so such a model is never
-#: split; it runs on one node (measured on a Gemma-shaped GGUF: logits off by 0.56).
+#: GGUF architectures never split: their llama.cpp graph feeds a stage more than the
+#: hidden rows (Gemma 3n's per-layer embeddings, hybrid recurrent state), or rescales
+#: them in a way no test has proven a stage undoes (the MoE Granite, MiniCPM 3). Gemma,
+#: Gemma 2/3, Granite and MiniCPM do split: a later stage divides the rows by the
+#: graph's input scale and a slice carries its layers' sliding-window flags
+#: (``meshd.models.scaling``), proven equal to the whole model in tests.
 UNSPLITTABLE_ARCHITECTURES = frozenset(
-    {"gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding", "granite", "granitemoe",
-     "granitehybrid", "minicpm", "minicpm3"}
-)  # fmt: skip
+    {"gemma3n", "gemma-embedding", "granitemoe", "granitehybrid", "minicpm3"}
+)
 
 
 #: Context (tokens) of one request and requests in flight that a runner makes room
@@ -257,7 +258,7 @@ def place(
         why = (
             "an encoder (embeddings only) attends both ways over its whole input"
             if m.embedding_only
-            else "llama.cpp rescales its input rows"
+            else "a split of its llama.cpp graph is not proven equal to the whole model"
         )
         raise PlacementError(
             "bad_spec",

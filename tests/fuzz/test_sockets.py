@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshd.crdt.lww import N_BUCKETS
+from meshd.models.manifest import SLICE_FORMAT_VERSION
 from meshd.transport import wire
 from tests.cluster import wait_for
 
@@ -298,7 +299,7 @@ def test_weights_router_survives_random_frames(env: Env) -> None:
         # is dropped and counted; an ask about what this node does not hold is refused.
         if extra or msg is None or not isinstance(msg, wire.SliceAsk | wire.ChunkAsk):
             due["weights"] += 1
-        elif isinstance(msg, wire.ChunkAsk) or msg.version == 1:
+        elif isinstance(msg, wire.ChunkAsk) or msg.version == SLICE_FORMAT_VERSION:
             due["answered"] += 1
         _alive(env, last)
 

@@ -221,7 +221,9 @@ def test_a_holder_that_refuses_ends_the_fetch_typed(blob: Path, tmp_path: Path) 
         ctx = zmq.asyncio.Context()
         a = await serve(ctx, blob)
         try:
-            other = wire.SliceAsk(model="m", sha256="cd" * 32, start=0, end=1, version=1)
+            other = wire.SliceAsk(
+                model="m", sha256="cd" * 32, start=0, end=1, version=SLICE_FORMAT_VERSION
+            )
             with pytest.raises(FetchError) as e:
                 await fetch_slice(
                     ctx, holders=lambda: [holder_addr("a", a)], ask=other,
