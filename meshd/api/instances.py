@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from meshd.crdt.views import Instance, InstanceSpec
 from meshd.node.cluster import ClusterView, StageState
 from meshd.placement import instance_context
+from meshd.placement.place import KV_CACHE_TYPES
 from meshd.transport.tensors import ACTIVATION_DTYPES
 
 from .bodies import parse_body
@@ -45,6 +46,8 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     #: Tokens of context each request gets (0: 4096, at most the model's trained
     #: context); placement reserves KV cache for it on every stage.
     context: int = 0
+    #: KV cache type of the llama.cpp stages: f16, q8_0 or q4_0 (less memory per token).
+    kv_cache: str = "f16"
     #: Instances of the model to place (replicas share the requests, least busy first;
     #: each goes on nodes the others do not use while such nodes can hold it).
     replicas: int = 1
@@ -58,6 +61,8 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError("min_nodes must be >= 1")
         if self.context < 0 or self.context > 2**31:
             raise ValueError("context must be a number of tokens (0: the default)")
+        if self.kv_cache not in KV_CACHE_TYPES:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}")
         if not 1 <= self.replicas <= MAX_REPLICAS:
             raise ValueError(f"replicas must be 1 to {MAX_REPLICAS}")
         if self.engines and len(self.engines) != len(self.nodes):
@@ -84,6 +89,7 @@ def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {
         "generation": inst.generation,
         "activations": inst.spec.activations,
         "context": instance_context(inst.spec, inst.facts),
+        "kv_cache": inst.spec.kv_cache,
         #: Requests the answering node's API runs on this instance now.
         "in_flight": load.get(inst.id, 0),
         "stages": [
@@ -114,6 +120,7 @@ async def create_instance(request: Request) -> Response:
         engines=body.engines,
         activations=body.activations,
         context=body.context,
+        kv_cache=body.kv_cache,
     )
     placed = []
     try:

@@ -73,6 +73,10 @@ def _load_ggml_base(llama: Any) -> Any:
     return llama.llama_cpp._lib
 
 
+#: KV cache types a stage may keep (``InstanceSpec.kv_cache``) -> llama.cpp's ggml type.
+KV_CACHE_GGML = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
+
+
 class _Ggml:
     """The few ggml functions the capture callback needs, typed once."""
 
@@ -254,7 +258,9 @@ class LlamaStage:
 
     ``exact=True`` turns flash attention off and keeps K/V in F32, to match an f32
     reference to ~1e-7; the default keeps llama.cpp's fast defaults (flash attention
-    where supported, F16 K/V; ~5e-3 drift in logits).
+    where supported, F16 K/V; ~5e-3 drift in logits). ``kv_cache`` ``q8_0`` or
+    ``q4_0`` keeps K/V quantized (about 0.53x and 0.28x the bytes of F16), with flash
+    attention on.
 
     ``n_batch`` is the most rows one ``llama_decode`` call takes; larger inputs are
     split into several calls in order. A stage that is not last marks every row as an
@@ -274,8 +280,13 @@ class LlamaStage:
         exact: bool = False,
         n_threads: int | None = None,
         n_batch: int = 512,
+        kv_cache: str = "f16",
     ) -> None:
         path = Path(path)
+        if kv_cache not in KV_CACHE_GGML:
+            raise ValueError(
+                f"kv_cache must be one of {', '.join(KV_CACHE_GGML)}, not {kv_cache!r}"
+            )
         if n_ctx < 1:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
         if n_seq_max < 1:
@@ -292,6 +303,7 @@ class LlamaStage:
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
         self.exact = exact
+        self.kv_cache = kv_cache
         self.n_threads = n_threads or default_threads()
 
         max_seqs = int(L.llama_max_parallel_sequences())
@@ -370,6 +382,10 @@ class LlamaStage:
             cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
             cparams.type_k = L.GGML_TYPE_F32
             cparams.type_v = L.GGML_TYPE_F32
+        elif self.kv_cache != "f16":
+            # A quantized V cache needs flash attention (llama.cpp refuses it without).
+            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            cparams.type_k = cparams.type_v = getattr(L, KV_CACHE_GGML[self.kv_cache])
         return cparams
 
     # -- batch ---------------------------------------------------------------------

@@ -1055,7 +1055,7 @@ def load_stage(cfg: RunnerConfig):
         path = slice_gguf(path, cfg.start, cfg.end, Path(cfg.cache_dir), cfg.sha256)
     return LlamaStage(
         path, first=first, last=last, n_ctx=cfg.n_ctx, n_seq_max=cfg.n_seq_max,
-        exact=cfg.exact, n_threads=cfg.n_threads,
+        exact=cfg.exact, n_threads=cfg.n_threads, kv_cache=cfg.kv_cache,
     )  # fmt: skip
 
 

@@ -342,6 +342,7 @@ class Supervisor:
                     # The instance's own context when it was placed with one.
                     n_ctx=inst.spec.context or self.n_ctx,
                     n_seq_max=self.n_seq_max,
+                    kv_cache=inst.spec.kv_cache,
                     send_dtype=send_dtype(inst, i),
                     n_threads=threads_per_runner(len(desired)),
                     request_expiry_s=self.request_expiry,
@@ -368,7 +369,14 @@ class Supervisor:
             inst, i = desired[k]
             st = inst.stages[i]
             need = (
-                stage_need(inst.facts, st.start, st.end, st.engine, context=inst.spec.context)
+                stage_need(
+                    inst.facts,
+                    st.start,
+                    st.end,
+                    st.engine,
+                    context=inst.spec.context,
+                    kv_cache=inst.spec.kv_cache,
+                )
                 if inst.facts
                 else 0
             )
@@ -457,7 +465,12 @@ class Supervisor:
         key, cfg = r.key, msgspec.structs.replace(r.config, generation=r.generation)
         r.state, r.port, r.active = "loading", 0, 0
         log.info(
-            "starting runner %s stage %d [%d, %d)", key.instance, key.stage, key.start, key.end
+            "starting runner %s stage %d [%d, %d)%s",
+            key.instance,
+            key.stage,
+            key.start,
+            key.end,
+            f" with a {cfg.kv_cache} KV cache" if cfg.kv_cache != "f16" else "",
         )
         argv, config_line = runner_command(cfg)
         r.proc = await asyncio.create_subprocess_exec(

@@ -61,6 +61,11 @@ UNSPLITTABLE_ARCHITECTURES = frozenset(
 )
 
 
+#: KV cache types of a llama.cpp stage (``InstanceSpec.kv_cache``) -> bytes of a KV
+#: element relative to F16 (``ModelFacts.kv_bytes_per_token_layer`` counts F16): a Q8_0
+#: block is 34 bytes for 32 elements, a Q4_0 block 18. MLX stages keep their own type.
+KV_CACHE_TYPES = {"f16": 1.0, "q8_0": 34 / 64, "q4_0": 18 / 64}
+
 #: Context (tokens) of one request and requests in flight that a runner makes room
 #: for: the runner allocates exactly this KV cache, so placement reserves it.
 KV_TOKENS = 4096
@@ -90,6 +95,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
 
     weight_overhead: float = 1.2
     kv_tokens: int = KV_TOKENS
+    kv_cache: str = "f16"
     kv_sequences: int = KV_SEQUENCES
     floor_bytes: int = 512 * MiB
     engine_preference: tuple[str, ...] = DEFAULT_ENGINE_PREFERENCE
@@ -108,10 +114,12 @@ def stage_need(
     engine: str,
     policy: Policy | None = None,
     context: int = 0,
+    kv_cache: str = "",
 ) -> int:
     """Bytes a stage running layers ``[start, end)`` of ``facts`` on ``engine`` needs,
-    with ``context`` tokens per request (0: the policy's)."""
-    pol = _with_context(policy or Policy(), context)
+    with ``context`` tokens per request (0: the policy's) in a ``kv_cache`` cache
+    ("": the policy's)."""
+    pol = _with_context(policy or Policy(), context, kv_cache)
     return _Model.of(facts, pol).need(start, end, engine_of(engine))
 
 
@@ -125,8 +133,12 @@ def instance_context(spec: InstanceSpec, facts: ModelFacts | None) -> int:
     return KV_TOKENS
 
 
-def _with_context(policy: Policy, context: int) -> Policy:
-    return policy if not context else msgspec.structs.replace(policy, kv_tokens=context)
+def _with_context(policy: Policy, context: int, kv_cache: str = "") -> Policy:
+    if context:
+        policy = msgspec.structs.replace(policy, kv_tokens=context)
+    if kv_cache:
+        policy = msgspec.structs.replace(policy, kv_cache=kv_cache)
+    return policy
 
 
 def plan_digest(stages: Iterable[Stage]) -> str:
@@ -244,7 +256,12 @@ def place(
             f"context {spec.context} is outside what model {facts.name!r} was trained for "
             f"(1 to {facts.n_ctx_train} tokens)",
         )
-    policy = _with_context(policy, spec.context)
+    if spec.kv_cache not in KV_CACHE_TYPES:
+        raise PlacementError(
+            "bad_spec",
+            f"kv_cache {spec.kv_cache!r} is none of {', '.join(KV_CACHE_TYPES)}",
+        )
+    policy = _with_context(policy, spec.context, spec.kv_cache)
     m = _Model.of(facts, policy)
     res = _by_id(nodes)
     if spec.min_nodes < 1:
@@ -315,7 +332,7 @@ class _Model:
     prefix: tuple[int, ...]  # prefix[i] = bytes of layers [0, i)
     embed: int
     head: int
-    kv_layer: int  # KV reservation per layer
+    kv_layer: int  # KV reservation per layer (F16, as MLX keeps it)
     kv_tokens: int  # ... for this many tokens a request
     kv_sequences: int  # ... and this many requests
     overhead: float
@@ -326,6 +343,9 @@ class _Model:
     max_stages: int
     arch: str
     embedding_only: bool = False
+    #: Bytes of a llama.cpp stage's KV element relative to F16 (its cache type).
+    kv_factor: float = 1.0
+    kv_cache: str = "f16"
 
     @staticmethod
     def of(facts: ModelFacts, policy: Policy) -> _Model:
@@ -372,6 +392,8 @@ class _Model:
             else facts.n_layers,
             embedding_only=facts.embedding_only,
             arch=facts.architecture,
+            kv_factor=KV_CACHE_TYPES.get(policy.kv_cache, 1.0),
+            kv_cache=policy.kv_cache,
         )
 
     def need(self, start: int, end: int, engine: str) -> int:
@@ -382,7 +404,11 @@ class _Model:
         if engine != "mlx" or first or (last and self.head == 0):
             extra += self.embed
         weights = math.ceil((self.prefix[end] - self.prefix[start]) * self.overhead)
-        return weights + extra + self.kv_layer * (end - start) + self.floor
+        return weights + extra + self.kv(engine) * (end - start) + self.floor
+
+    def kv(self, engine: str) -> int:
+        """KV bytes a layer reserves on ``engine`` (llama.cpp keeps the cache type)."""
+        return self.kv_layer if engine == "mlx" else math.ceil(self.kv_layer * self.kv_factor)
 
 
 # ------------------------------------------------------------------------ candidates
@@ -553,10 +579,12 @@ def _insufficient(m: _Model, members: Sequence[_Cand], engines: Sequence[str]) -
         parts[_MAX_LISTED:] = [f"and {len(parts) - _MAX_LISTED} more node(s) short"]
     usable = sum(max(0, c.usable) for c in members)
     where = f"{len(members)} node{'s' if len(members) > 1 else ''}"
+    per_layer = m.kv("llama_cpp")
     kv = (
         f"; of that, KV for {m.kv_tokens} tokens x {m.kv_sequences} requests is "
-        f"{fmt_bytes(m.kv_layer)} a layer, {fmt_bytes(m.kv_layer * m.n)} in all "
-        "(a smaller context needs less)"
+        f"{fmt_bytes(per_layer)} a layer ({m.kv_cache} on llama.cpp), "
+        f"{fmt_bytes(per_layer * m.n)} in all "
+        "(a smaller context needs less, as does kv_cache q8_0 or q4_0)"
         if m.kv_layer
         else ""
     )
@@ -571,7 +599,7 @@ def _insufficient(m: _Model, members: Sequence[_Cand], engines: Sequence[str]) -
 def _place_fresh(m: _Model, ranked: Sequence[_Cand], min_nodes: int) -> list[Stage]:
     top = min(len(ranked), m.n, m.max_stages)
     # A plan needs at least every layer, the embedding and head once, a floor per node.
-    least = m.n * m.kv_layer + m.embed + m.head
+    least = m.n * min(m.kv(e) for e in m.engines) + m.embed + m.head
     least += math.floor(m.prefix[-1] * m.overhead) - m.n  # - n: float rounding, stay low
     budgets = 0
     for k in range(1, top + 1):

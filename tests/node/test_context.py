@@ -67,3 +67,22 @@ def test_an_instance_serves_the_context_it_was_placed_with(cluster: Cluster) -> 
         "options": {"num_ctx": 2048, "num_predict": 2}})  # fmt: skip
     assert r.status_code == 200, r.text
     assert [i["context"] for i in a.get("/v1/instances")["data"]] == [2048]
+
+
+def test_an_instance_with_a_quantized_kv_cache_serves(cluster: Cluster) -> None:
+    a = cluster.start("a")
+    r = httpx.post(a.api + "/v1/instances", timeout=60,
+                   json={"model": DEFAULT_MODEL, "kv_cache": "q5_1"})  # fmt: skip
+    assert r.status_code == 400 and "kv_cache" in r.json()["error"]["message"]
+    out = subprocess.run(
+        [sys.executable, "-m", "meshd.cli.meshctl", "--node", a.api.removeprefix("http://"),
+         "place", DEFAULT_MODEL, "--kv-cache", "q8_0", "--ctx", "8192"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (inst,) = a.get("/v1/instances")["data"]
+    assert (inst["kv_cache"], inst["context"]) == ("q8_0", 8192)
+    _ready(a, inst["id"])
+    r = _complete(a, 50)
+    assert r.status_code == 200, r.text[:300]
+    assert "with a q8_0 KV cache" in a.log()

@@ -49,3 +49,23 @@ def test_a_repair_keeps_the_context() -> None:
     left = {"a": nodes["a"]}
     repaired = place(spec.relaxed(), SMOL, left, previous=inst)
     assert [s.node for s in repaired] == ["a"]
+
+
+def test_a_quantized_kv_cache_reserves_its_own_bytes_and_fits_a_longer_context() -> None:
+    kv = SMOL.kv_bytes_per_token_layer * Policy().kv_sequences * SMOL.n_layers * 4096
+    f16 = stage_need(SMOL, 0, 30, "llama_cpp")
+    assert f16 - stage_need(SMOL, 0, 30, "llama_cpp", kv_cache="q8_0") == kv - kv * 34 // 64
+    assert f16 - stage_need(SMOL, 0, 30, "llama_cpp", kv_cache="q4_0") == kv - kv * 18 // 64
+    # An MLX stage keeps its own cache type: the option changes nothing there.
+    assert stage_need(SMOL, 0, 30, "mlx", kv_cache="q4_0") == stage_need(SMOL, 0, 30, "mlx")
+    nodes = {n.id: n for n in (node("a", "a", CPU, 80 * GiB), node("b", "b", CPU, 80 * GiB))}
+    assert len(place(InstanceSpec(model=BIG.name, context=16384), BIG, nodes)) == 2
+    spec = InstanceSpec(model=BIG.name, context=16384, kv_cache="q8_0")
+    assert len(place(spec, BIG, nodes)) == 1
+    assert spec.relaxed().kv_cache == "q8_0"  # a repair keeps it
+    with pytest.raises(PlacementError) as e:
+        place(InstanceSpec(model=BIG.name, context=131072), BIG, nodes)
+    assert "(f16 on llama.cpp)" in str(e.value) and "kv_cache q8_0" in str(e.value)
+    with pytest.raises(PlacementError) as e:
+        place(InstanceSpec(model=BIG.name, kv_cache="q5_1"), BIG, nodes)
+    assert e.value.reason == "bad_spec"
