@@ -458,6 +458,7 @@ async def _assemble(
         restart_window=cfg.restart_window,
         restart_backoff=cfg.restart_backoff,
         fetch=weights.fetch,
+        fetchable=weights.can_fetch,
     )
     requests = Requests(state, dataplane, cfg)
     instances_ = Instances(

@@ -201,10 +201,13 @@ class Supervisor:
         restart_window: float = RESTART_WINDOW_S,
         restart_backoff: float = RESTART_BACKOFF_S,
         fetch: Fetch | None = None,
+        fetchable: Callable[[Instance], bool] = lambda inst: True,
     ) -> None:
         self.node_id = node_id
-        #: Fetches a stage's slice from the nodes that hold the model (None: never).
+        #: Fetches a stage's slice from the nodes that hold the model (None: never),
+        #: when ``fetchable(instance)`` says some live node serves it.
         self.fetch = fetch
+        self.fetchable = fetchable
         self.keys = keys
         self.max_tokens = max_tokens
         #: At most this many stages here, needing at most ``memory`` bytes (0: no cap).
@@ -297,7 +300,8 @@ class Supervisor:
                     if self.fetch and not await is_placed_file(path, facts, self.cache_dir):
                         raise LookupError(f"{path} here is another file than the placed one")
                 except Exception as e:
-                    fetched = slice_to_fetch(self.cache_dir, inst, i) if self.fetch else None
+                    fetchable = self.fetch is not None and self.fetchable(inst)
+                    fetched = slice_to_fetch(self.cache_dir, inst, i) if fetchable else None
                     if fetched is None:
                         # What was looked at stays in this node's log: a reason travels
                         # in the heartbeat; the disk's contents are nobody else's business.

@@ -115,6 +115,14 @@ class Weights:
         return path, m
 
     # -- fetcher -----------------------------------------------------------------------
+    def can_fetch(self, inst: Instance) -> bool:
+        """Whether a live node serves the slices of ``inst``'s model (the placed file):
+        else a stage here that lacks the model has nothing to fetch it from."""
+        facts = inst.facts
+        if facts is None or not facts.sha256:
+            return False
+        return bool(self.state.view().weight_holders(inst.spec.model, facts.sha256))
+
     async def fetch(
         self,
         inst: Instance,
