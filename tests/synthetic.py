@@ -25,9 +25,12 @@ def _copy_tokenizer(w: gguf.GGUFWriter, src: gguf.GGUFReader) -> int:
     return n_vocab
 
 
-#: Architectures whose layers carry per-head q/k norms, or norms after attention and FFN.
-_QK_NORM = frozenset({"gemma3", "qwen3"})
+#: Architectures whose layers carry per-head q/k norms, or norms after attention and FFN,
+#: or a mixture of experts (4, 2 used), or gate and up rows fused in ffn_up.
+_QK_NORM = frozenset({"gemma3", "qwen3", "qwen3moe"})
 _SANDWICH_NORM = frozenset({"gemma2", "gemma3"})
+_MOE = frozenset({"qwen3moe"})
+_FUSED_GATE_UP = frozenset({"phi3"})
 
 
 def write_model(
@@ -55,6 +58,10 @@ def write_model(
     w.add_head_count_kv(kv)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
+    if arch in _MOE:
+        w.add_uint32(f"{arch}.expert_count", 4)
+        w.add_uint32(f"{arch}.expert_used_count", 2)
+        w.add_uint32(f"{arch}.expert_feed_forward_length", 32)
     for key, value in (metadata or {}).items():
         if isinstance(value, float):
             w.add_float32(key, value)
@@ -86,9 +93,18 @@ def write_model(
             w.add_tensor(p + "post_attention_norm.weight", norm())
             w.add_tensor(p + "post_ffw_norm.weight", norm())
         w.add_tensor(p + "ffn_norm.weight", norm())
-        w.add_tensor(p + "ffn_gate.weight", t(ffn, hidden))
-        w.add_tensor(p + "ffn_up.weight", t(ffn, hidden))
-        w.add_tensor(p + "ffn_down.weight", t(hidden, ffn))
+        if arch in _MOE:  # 4 experts of width 32, 2 used a token, a router
+            w.add_tensor(p + "ffn_gate_inp.weight", t(4, hidden, scale=0.5))
+            w.add_tensor(p + "ffn_gate_exps.weight", t(4, 32, hidden))
+            w.add_tensor(p + "ffn_up_exps.weight", t(4, 32, hidden))
+            w.add_tensor(p + "ffn_down_exps.weight", t(4, hidden, 32))
+        elif arch in _FUSED_GATE_UP:  # gate and up rows in one tensor
+            w.add_tensor(p + "ffn_up.weight", t(2 * ffn, hidden))
+            w.add_tensor(p + "ffn_down.weight", t(hidden, ffn))
+        else:
+            w.add_tensor(p + "ffn_gate.weight", t(ffn, hidden))
+            w.add_tensor(p + "ffn_up.weight", t(ffn, hidden))
+            w.add_tensor(p + "ffn_down.weight", t(hidden, ffn))
     w.add_tensor("output_norm.weight", norm())
     if not tied:
         w.add_tensor("output.weight", t(n_vocab, hidden, scale=0.5))

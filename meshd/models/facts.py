@@ -9,7 +9,6 @@ llama.cpp can load it. Only headers are read. GGUF facts are cached in
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ import msgspec
 
 from meshd.crdt.views import ModelFacts
 
+from .atomic import written_whole
 from .errors import ModelFormatError
 from .folder import read_folder_facts
 from .generation import gguf_sampling
@@ -98,10 +98,8 @@ def _cache_facts(path: Path, cache_dir: Path | None, facts: ModelFacts) -> None:
     prefix = key.rsplit("|", 2)[0] + "|"
     table = {k: v for k, v in table.items() if not k.startswith(prefix)}
     table[key] = msgspec.to_builtins(facts)
-    f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table))
-    os.replace(tmp, f)
+    with written_whole(f) as tmp:
+        tmp.write_text(json.dumps(table))
 
 
 def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | None) -> ModelFacts:

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .atomic import written_whole
 from .errors import ModelFormatError
 from .folder import read_safetensors_header, weight_files
 from .mlx_layout import folder_name
@@ -68,36 +69,31 @@ def slice_folder(src: Path, start: int, end: int, out_dir: Path, sha256: str) ->
         for k, v in config.items()
     }
     sliced[key] = end - start
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{start}-{end}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-            files = {
-                p.name: p for p in sorted(src.iterdir())
-                if p.is_file() and p.suffix != ".safetensors" and p.name != "config.json"
-                and not p.name.endswith(".index.json")
-            }  # fmt: skip
-            members: dict[str, bytes | Path] = {
-                "config.json": json.dumps(sliced, indent=2, sort_keys=True).encode(),
-                **files,
-            }
-            weights = tmp.with_suffix(".safetensors")
-            try:
-                _write_weights(src, start, end, weights)
-                members[_WEIGHTS] = weights
-                for name in sorted(members):
-                    _add(tar, name, members[name])
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    weights.unlink()
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    with written_whole(dest, prefix=f".{start}-{end}.") as tmp:
+        _write_archive(src, start, end, sliced, tmp)
     return dest
+
+
+def _write_archive(src: Path, start: int, end: int, config: dict[str, Any], out: Path) -> None:
+    """The tar of the slice: the cut config, the small files, the range's weights."""
+    files = {
+        p.name: p for p in sorted(src.iterdir())
+        if p.is_file() and p.suffix != ".safetensors" and p.name != "config.json"
+        and not p.name.endswith(".index.json")
+    }  # fmt: skip
+    members: dict[str, bytes | Path] = {
+        "config.json": json.dumps(config, indent=2, sort_keys=True).encode(),
+        **files,
+    }
+    with written_whole(out.with_suffix(".safetensors")) as weights:
+        _write_weights(src, start, end, weights)
+    try:
+        members[_WEIGHTS] = out.with_suffix(".safetensors")
+        with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+            for name in sorted(members):
+                _add(tar, name, members[name])
+    finally:
+        out.with_suffix(".safetensors").unlink(missing_ok=True)
 
 
 def _add(tar: tarfile.TarFile, name: str, content: bytes | Path) -> None:

@@ -7,12 +7,11 @@ changes.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
+
+from .atomic import written_whole
 
 __all__ = ["file_key", "file_sha256"]
 
@@ -39,17 +38,9 @@ def _load_cache(file: Path) -> dict[str, str]:
 
 def _store_cache(file: Path, entries: dict[str, str]) -> None:
     file.parent.mkdir(parents=True, exist_ok=True)
-    # Write beside the target and rename: a reader never sees half a JSON file.
     # Two processes racing may drop each other's new entry; that costs one re-hash.
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=".sha256.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(entries, f, indent=0, sort_keys=True)
-        os.replace(tmp, file)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with written_whole(file, prefix=".sha256.") as tmp:
+        tmp.write_text(json.dumps(entries, indent=0, sort_keys=True))
 
 
 def _hash_file(path: Path) -> str:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import msgspec
 
+from .atomic import written_whole
+
 __all__ = [
     "CHUNK_BYTES",
     "DIGEST_BYTES",
@@ -109,11 +111,8 @@ def read_manifest(file: Path) -> Manifest | None:
 
 def write_manifest(file: Path, manifest: Manifest) -> None:
     """Store ``manifest`` in ``file`` (written whole or not at all)."""
-    file = Path(file)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(msgspec.msgpack.encode(manifest))
-    os.replace(tmp, file)
+    with written_whole(Path(file)) as tmp:
+        tmp.write_bytes(msgspec.msgpack.encode(manifest))
 
 
 def manifest_for(path: Path, sid: str, store: Path, chunk: int = CHUNK_BYTES) -> Manifest:

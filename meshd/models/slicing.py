@@ -21,13 +21,13 @@ import contextlib
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Collection
 from pathlib import Path
 
 import gguf
 
+from .atomic import written_whole
 from .errors import ModelFormatError
 from .gguf import architecture, open_gguf, read_metadata
 from .scaling import layer_count_defaults, swa_layers
@@ -85,18 +85,8 @@ def slice_gguf(src: Path, start: int, end: int, out_dir: Path, sha256: str) -> P
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(dest.parent, start, end)
-    # A unique temporary name per writer: racing cutters never write the same file,
-    # and os.replace makes whichever finishes last win with identical bytes.
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{start}-{end}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    with written_whole(dest, prefix=f".{start}-{end}.") as tmp:
         _write_slice(reader, arch, n_layers, start, end, tmp)
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
     return dest
 
 

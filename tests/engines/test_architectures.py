@@ -84,6 +84,8 @@ MATRIX = {
                                        "granite.logit_scale": 8.0,
                                        "granite.attention.scale": 0.25}),
     "minicpm-default-scales": ("minicpm", {}, {}),
+    "phi3-fused-gate-up": ("phi3", {}, {}),
+    "qwen3moe-experts": ("qwen3moe", {}, {}),
 }  # fmt: skip
 
 
