@@ -299,7 +299,9 @@ class ClusterView:
 
         return {k: v for k, v in self.live_resources(model).items() if not other_file(k)}
 
-    def fetchers(self, model: str, facts: ModelFacts) -> dict[str, NodeResources]:
+    def fetchers(
+        self, model: str, facts: ModelFacts, held: Mapping[str, NodeResources] | None = None
+    ) -> dict[str, NodeResources]:
         """Serving nodes that lack ``model`` (or hold another file under its name) but
         could run a stage of it on a slice fetched from a holder (one live node with its
         sha256 and a weights port): a llama.cpp stage of a GGUF, an MLX stage of an MLX
@@ -308,7 +310,7 @@ class ClusterView:
         if not self.weight_holders(model, facts.sha256, others=False):
             return {}
         engine = "mlx-" if facts.format == "mlx" else "llama_cpp-"
-        held = self.holders(model, facts)
+        held = self.holders(model, facts) if held is None else held
         nodes = [
             nid for nid, c in self.cards.items()
             if self.serving(nid) and nid not in held
@@ -325,8 +327,9 @@ class ClusterView:
     ) -> tuple[list[Stage], dict[str, NodeResources]]:
         """Placement on the holders of the model first, then on fetchers too (see
         ``place_fetching``); ``keep`` filters both."""
-        holders = {k: v for k, v in self.holders(spec.model, facts).items() if keep(k)}
-        others = {k: v for k, v in self.fetchers(spec.model, facts).items() if keep(k)}
+        held = self.holders(spec.model, facts)
+        holders = {k: v for k, v in held.items() if keep(k)}
+        others = {k: v for k, v in self.fetchers(spec.model, facts, held).items() if keep(k)}
         return place_fetching(spec, facts, holders, others, previous=previous)
 
     def place_new(

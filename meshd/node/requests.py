@@ -137,67 +137,58 @@ class Requests:
         counted = inst.id
         self.load[counted] = self.load.get(counted, 0) + 1
         try:
-            # aclosing: closing this generator early must cancel the request on every
-            # stage now (see _generate), not when the collector gets to the inner one.
-            async with contextlib.aclosing(self._generate(inst, job, replay=replay)) as chunks:
-                async for c in chunks:
-                    yield c
+            cfg = self.config
+            sent: list[int] = []
+            acked = False
+            replays = 0
+            while True:
+                try:
+                    # aclosing: a caller that stops early (client gone) closes this
+                    # generator; the attempt's cancel to every stage must run then, not
+                    # whenever the garbage collector gets to it.
+                    attempt = self._attempt(inst, job, sent)
+                    async with contextlib.aclosing(attempt) as chunks:
+                        async for c in chunks:
+                            if c.n_prompt is not None and not c.tokens and c.finish_reason is None:
+                                if acked:
+                                    continue  # a replay's acknowledgement: the client has one
+                                acked = True
+                            sent.extend(c.tokens)
+                            yield c
+                    return
+                except RequestFailed as e:
+                    if e.code not in REPLAYABLE or not replay or replays >= cfg.max_replays:
+                        raise
+                    replays += 1
+                    cause = e
+                log.warning(
+                    "request on %s broke (%s: %s); replaying after %d tokens",
+                    inst.id, cause.code, cause.message, len(sent),
+                )  # fmt: skip
+                deadline = time.monotonic() + cfg.replay_wait
+                beat = time.monotonic() + cfg.keepalive
+                while True:
+                    cur = replay_target(self.state.view(), inst, cause, self.aborted)
+                    if cur is not None:
+                        inst = cur
+                        break
+                    now = time.monotonic()
+                    if now >= deadline:
+                        raise RequestFailed(
+                            "stage_lost",
+                            f"{cause.message}; not repaired in {cfg.replay_wait:.0f} s",
+                        )
+                    if acked and now >= beat:
+                        # Only once the client has its response: before that, nothing
+                        # is on the wire to keep alive and the caller awaits the ack.
+                        beat = now + cfg.keepalive
+                        yield KEEPALIVE
+                    until = min(deadline, beat) if acked else deadline
+                    await self.state.changes.wait(until - now)
         finally:
             self.load[counted] -= 1
             if not self.load[counted]:
                 del self.load[counted]
-
-    async def _generate(
-        self, inst: Instance, job: wire.Job, *, replay: bool
-    ) -> AsyncIterator[wire.DataChunk]:
-        cfg = self.config
-        sent: list[int] = []
-        acked = False
-        replays = 0
-        while True:
-            try:
-                # aclosing: a caller that stops early (client gone) closes this
-                # generator; the attempt's cancel to every stage must run then, not
-                # whenever the garbage collector gets to it.
-                attempt = self._attempt(inst, job, sent)
-                async with contextlib.aclosing(attempt) as chunks:
-                    async for c in chunks:
-                        if c.n_prompt is not None and not c.tokens and c.finish_reason is None:
-                            if acked:
-                                continue  # a replay's acknowledgement: the client has one
-                            acked = True
-                        sent.extend(c.tokens)
-                        yield c
-                return
-            except RequestFailed as e:
-                if e.code not in REPLAYABLE or not replay or replays >= cfg.max_replays:
-                    raise
-                replays += 1
-                cause = e
-            log.warning(
-                "request on %s broke (%s: %s); replaying after %d tokens",
-                inst.id, cause.code, cause.message, len(sent),
-            )  # fmt: skip
-            deadline = time.monotonic() + cfg.replay_wait
-            beat = time.monotonic() + cfg.keepalive
-            while True:
-                cur = replay_target(self.state.view(), inst, cause, self.aborted)
-                if cur is not None:
-                    inst = cur
-                    break
-                now = time.monotonic()
-                if now >= deadline:
-                    raise RequestFailed(
-                        "stage_lost",
-                        f"{cause.message}; not repaired in {cfg.replay_wait:.0f} s",
-                    )
-                if acked and now >= beat:
-                    # Only once the client has its response: before that, nothing
-                    # is on the wire to keep alive and the caller awaits the ack.
-                    beat = now + cfg.keepalive
-                    yield KEEPALIVE
-                until = min(deadline, beat) if acked else deadline
-                await self.state.changes.wait(until - now)
 
     async def _attempt(
         self,

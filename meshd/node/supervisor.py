@@ -144,10 +144,15 @@ def stage_slice(cache_dir: Path, facts: ModelFacts, start: int, end: int) -> Pat
     return slice_path(cache_dir, facts.sha256, start, end)
 
 
-async def is_placed_file(path: str, facts: ModelFacts | None, cache_dir: Path) -> bool:
+async def is_placed_file(
+    path: str, facts: ModelFacts | None, cache_dir: Path, running: RunnerProc | None = None
+) -> bool:
     """Whether the local file is the placed one (by sha256, cached by path, size and
-    mtime); True when that cannot be told here (the runner checks again)."""
+    mtime); True when that cannot be told here (the runner checks again), or when a
+    runner already runs on it (checked before it started, not at every reconcile)."""
     if facts is None or not facts.sha256:
+        return True
+    if running is not None and running.key.model_path == path:
         return True
     p = Path(path)
     digest = folder_sha256 if p.is_dir() else file_sha256
@@ -297,7 +302,8 @@ class Supervisor:
                 sliced = False
                 try:
                     path = self.resolve_path(inst.spec.model)
-                    if self.fetch and not await is_placed_file(path, facts, self.cache_dir):
+                    known = self.runners.get(k)
+                    if self.fetch and not await is_placed_file(path, facts, self.cache_dir, known):
                         raise LookupError(f"{path} here is another file than the placed one")
                 except Exception as e:
                     fetchable = self.fetch is not None and self.fetchable(inst)

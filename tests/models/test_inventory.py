@@ -39,14 +39,6 @@ def write_mlx_folder(folder: Path) -> Path:
 
 
 @pytest.fixture
-def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
-    root = tmp_path / "hub"
-    root.mkdir()
-    monkeypatch.setenv("HF_HUB_CACHE", str(root))
-    return FakeHub(root, tmp_path)
-
-
-@pytest.fixture
 def synth(tmp_path: Path, model_path: Path) -> Path:
     """A small synthetic GGUF (the default model's tokenizer, random weights)."""
     return write_model(tmp_path / "_synth.gguf", model_path, "llama")

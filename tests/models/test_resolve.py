@@ -84,14 +84,6 @@ class FakeHub:
         return snapshot
 
 
-@pytest.fixture
-def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
-    root = tmp_path / "hub"
-    root.mkdir()
-    monkeypatch.setenv("HF_HUB_CACHE", str(root))
-    return FakeHub(root, tmp_path)
-
-
 def default_model_or_skip() -> ResolvedModel:
     try:
         return resolve_model(DEFAULT_MODEL)
