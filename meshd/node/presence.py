@@ -77,6 +77,8 @@ class Presence:
         self._seq = 0
         self._beat_pending = False
         self._shape: tuple[str, list[RunnerStatus]] | None = None
+        #: Models held whose facts could not be read at the last try.
+        self._unread: set[str] = set()
 
     def health(self, state: HealthState = "up") -> Health:
         """A new heartbeat."""
@@ -151,7 +153,10 @@ class Presence:
     ) -> None:
         """Advertise the facts of the models held now, then look again every
         ``interval`` (``scan``, in a thread): a model copied in or pulled, or one
-        deleted, changes the card's ``models`` and facts."""
+        deleted, changes the card's ``models`` and facts.
+
+        A model whose facts could not be read is tried again at every look: a scan
+        can catch a file that is still being copied in, which is no model yet."""
         if self.card.models:
             await self.advertise_facts(read)
         while True:
@@ -162,6 +167,8 @@ class Presence:
                 log.warning("could not list the models held here: %s", e)
                 continue
             if names == self.card.models:
+                if self._unread:
+                    await self.advertise_facts(read)
                 continue
             added = sorted(set(names) - set(self.card.models))
             gone = sorted(set(self.card.models) - set(names))
@@ -184,11 +191,13 @@ class Presence:
         budget = VALUE_CAPS[NODE] - CARD_HEADROOM
         published = time.monotonic()
         too_big = 0
+        unread: set[str] = set()
         for m in list(self.card.models):
             try:
                 f = await read(m)
             except Exception as e:  # a file that is no usable model: nothing to say
                 log.debug("no facts for %s: %s", m, e)
+                unread.add(m)
                 continue
             if len(encode(msgspec.structs.replace(self.card, model_facts=[*found, f]))) > budget:
                 too_big += 1
@@ -202,5 +211,6 @@ class Presence:
                 "the facts of %d models do not fit in this node's card: a node without "
                 "their files cannot place them", too_big,
             )  # fmt: skip
+        self._unread = unread
         if found and found != self.card.model_facts:
             self.update_card(model_facts=found)

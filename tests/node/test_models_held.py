@@ -79,6 +79,30 @@ def test_a_model_under_models_dir_is_listed_everywhere_and_runs_where_it_is(
     assert served["instances"] == [inst["id"]]
 
 
+def test_a_model_caught_while_it_is_copied_in_gets_its_facts_once_whole(
+    cluster: Cluster, tmp_path: Path, model_path: Path
+) -> None:
+    # The first look finds the name but no model yet (a copy in progress); the facts
+    # come at a later look, once the file is whole, though the name list is unchanged.
+    d = tmp_path / "models"
+    d.mkdir()
+    whole = write_model(tmp_path / "whole.gguf", model_path, "llama")
+    (d / "synth.gguf").write_bytes(whole.read_bytes()[:100])
+    a = cluster.start("a", extra_args=["--models", str(d), "--models-rescan", "0.5"])
+
+    def synth_facts() -> list[dict[str, Any]]:
+        card = a.cluster()["nodes"][0]["card"]
+        return [f for f in card.get("model_facts", []) if f["name"] == "synth"]
+
+    card = wait_for(lambda: (c := a.cluster()["nodes"][0]["card"]).get("model_facts") and c, 15)
+    assert "synth" in card["models"] and not synth_facts()
+
+    shutil.copyfile(whole, d / "synth.gguf")
+    sha = hashlib.sha256(whole.read_bytes()).hexdigest()
+    facts = wait_for(synth_facts, 15)
+    assert [f["sha256"] for f in facts] == [sha]
+
+
 def test_a_model_that_lands_in_the_hf_cache_after_start_is_listed_and_served(
     cluster: Cluster, tmp_path: Path, model_path: Path
 ) -> None:
