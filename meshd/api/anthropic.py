@@ -158,8 +158,7 @@ async def messages(request: Request) -> Response:
         id=_message_id(), model=body.model, content=blocks,
         stop_reason=_stop_reason(ans.finish_reason, ans.stop_sequence),
         stop_sequence=ans.stop_sequence,
-        usage=a.Usage(input_tokens=ans.usage.prompt_tokens,
-                      output_tokens=ans.usage.completion_tokens),
+        usage=_usage(ans.usage),
     )  # fmt: skip
     return Response(msgspec.json.encode(msg), media_type="application/json")
 
@@ -178,10 +177,20 @@ def _error_event(err: ApiError) -> bytes:
     return _event("error", err.body_in("anthropic"))
 
 
+def _usage(u: wire.Usage) -> a.Usage:
+    """Anthropic's counts: tokens read from the prefix cache are apart from the
+    input tokens computed (the client adds them up for the context's size)."""
+    return a.Usage(
+        input_tokens=u.prompt_tokens - u.cached_tokens,
+        output_tokens=u.completion_tokens,
+        cache_read_input_tokens=u.cached_tokens,
+    )
+
+
 async def _stream(run: Run, body: a.MessagesRequest) -> AsyncIterator[bytes]:
     start = a.Message(
         id=_message_id(), model=body.model, content=[], stop_reason=None, stop_sequence=None,
-        usage=a.Usage(input_tokens=run.n_prompt, output_tokens=0),
+        usage=_usage(wire.Usage(run.n_prompt, 0, run.n_cached)),
     )  # fmt: skip
     yield _event("message_start", {"type": "message_start", "message": start})
     yield _PING

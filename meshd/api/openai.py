@@ -111,6 +111,8 @@ def _generate_request(
         ),
         stop=body.stop_sequences,
         ignore_eos=body.ignore_eos,
+        cache_prompt=body.cache_prompt,
+        speculate=body.speculate,
         logprobs=body.n_logprobs,
         grammar=body.response_format.grammar
         if isinstance(body, schemas.ChatCompletionRequest) and body.response_format
@@ -132,7 +134,9 @@ async def _serve(request: Request, body: _Body, req: GenerateRequest, route: str
         return client_closed()
     # The prompt is read once whatever the number of choices (as OpenAI counts it).
     u = schemas.Usage.of(
-        answers[0].usage.prompt_tokens, sum(a.usage.completion_tokens for a in answers)
+        answers[0].usage.prompt_tokens,
+        sum(a.usage.completion_tokens for a in answers),
+        answers[0].usage.cached_tokens,
     )
     n_top = body.n_logprobs
     resp: msgspec.Struct
@@ -209,7 +213,7 @@ async def _stream(runs: list[Run], body: _Body, *, chat: bool) -> AsyncIterator[
             usages[e.choice] = e.usage
             yield sse_data(s.finish(e.reason, index=e.choice))  # type: ignore[arg-type]
     if body.include_usage and usages:
-        prompt = next(iter(usages.values())).prompt_tokens
+        first = next(iter(usages.values()))
         total = sum(u.completion_tokens for u in usages.values())
-        yield sse_data(s.usage(schemas.Usage.of(prompt, total)))
+        yield sse_data(s.usage(schemas.Usage.of(first.prompt_tokens, total, first.cached_tokens)))
     yield SSE_DONE

@@ -89,6 +89,11 @@ class GenerateRequest:
     #: Tokens of context a request gets if this request places the model (Ollama's
     #: ``num_ctx``); an instance already placed keeps its own. 0: the default.
     context: int = 0
+    #: May start from the KV of an earlier request with the same beginning (None:
+    #: sampled unseeded requests do; see ``wire.Job.cache_prompt``).
+    cache_prompt: bool | None = None
+    #: May draft tokens for the pipeline to verify (None: as ``cache_prompt``).
+    speculate: bool | None = None
 
 
 @dataclass
@@ -124,6 +129,8 @@ class Run:
         self.chunks = chunks
         self.first = first
         self.n_prompt = first.n_prompt or 0
+        #: Prompt tokens stage 0 took from the prefix cache.
+        self.n_cached = first.n_cached
         #: How the model writes tool calls (stage 0 says, when the request has tools).
         self.tool_format = first.tool_format
         self.model = model
@@ -152,6 +159,9 @@ class Run:
         try:
             async for c in self.chunks:
                 now = time.perf_counter()
+                if c.usage is not None and c.usage.drafted_tokens:
+                    m.drafted_tokens.labels(model).inc(c.usage.drafted_tokens)
+                    m.accepted_tokens.labels(model).inc(c.usage.accepted_tokens)
                 if c.tokens:
                     for i, sec in enumerate(c.compute):
                         m.stage_compute.labels(model, str(i)).observe(sec)
@@ -177,6 +187,9 @@ class Run:
                 yield c
         finally:
             m.prompt_tokens.labels(model).inc(self.n_prompt)
+            if self.n_cached:
+                m.prefix_hits.labels(model).inc()
+                m.cached_tokens.labels(model).inc(self.n_cached)
             m.completion_tokens.labels(model).inc(n)
 
     async def collect(self) -> Collected:
@@ -257,6 +270,7 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
         job = wire.Job(
             messages=req.messages, prompt=req.prompt, prompt_tokens=req.prompt_tokens,
             sampling=params, tools=req.tools, embed=req.embed, count_only=req.count_only,
+            cache_prompt=req.cache_prompt, speculate=req.speculate,
         )  # fmt: skip
         chunks = services.generate(inst, job)
         first = await _first(chunks)

@@ -271,6 +271,14 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: Extension (vLLM): keep generating past end-of-sequence until ``max_tokens``
     #: (benchmarks and tests need a fixed length).
     ignore_eos: bool = False
+    #: Extension (llama.cpp server): true starts from a cached prefix of an earlier
+    #: request, false computes the whole prompt; absent, a sampled request without a
+    #: seed uses the cache, and a greedy or seeded one (reproducible) does not.
+    cache_prompt: bool | None = None
+    #: Extension: true drafts tokens by prompt lookup for the pipeline to verify in one
+    #: pass (speculative decoding), false never; absent, sampled unseeded requests
+    #: on a model split over nodes do.
+    speculate: bool | None = None
 
     @property
     def stop_sequences(self) -> list[str]:
@@ -610,20 +618,30 @@ class EmbeddingList(msgspec.Struct, kw_only=True):
     usage: EmbeddingUsage
 
 
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    #: Prompt tokens whose KV came from the prefix cache (as OpenAI reports its own).
+    cached_tokens: int = 0
+
+
 class Usage(msgspec.Struct, kw_only=True):
     """Token counts of one request."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    #: Left out when nothing came from the prefix cache.
+    prompt_tokens_details: PromptTokensDetails | msgspec.UnsetType = msgspec.UNSET
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         """Usage with ``total_tokens`` computed."""
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens)
+            if cached_tokens
+            else msgspec.UNSET,
         )
 
 

@@ -482,6 +482,14 @@ class LlamaStage:
             raise StageInputError(f"cannot share {n} positions of seq {src} with seq {dst}")
         self._L.llama_memory_seq_cp(self._mem, src, dst, 0, n)
 
+    def truncate(self, seq: int, n: int) -> None:
+        """Keep only ``seq``'s first ``n`` positions."""
+        self._check_open()
+        self._check_seq(seq)
+        if not 0 <= n <= self.n_past(seq):
+            raise StageInputError(f"cannot keep {n} positions of seq {seq}")
+        self._L.llama_memory_seq_rm(self._mem, seq, n, -1)
+
     def _check_open(self) -> None:
         if self._ctx is None:
             raise StageError("stage is closed")
@@ -517,10 +525,12 @@ class LlamaStage:
         )
         seqs = np.repeat(np.array([it.seq for it in items], np.int32), lengths)
         flat = np.concatenate(inputs) if len(inputs) > 1 else inputs[0]
+        n_logits = np.array([it.n_logits for it in items])
         if self.last:
-            # Only each item's last row is sampled from: ask llama.cpp for those.
+            # Only each item's last rows are sampled from: ask llama.cpp for those.
             outs = np.zeros(total, np.int8)
-            outs[ends - 1] = 1
+            for e, nl in zip(ends, n_logits, strict=True):
+                outs[e - nl : e] = 1
             hidden_out = None
         else:
             # Every row goes on to the next stage; rows not marked as outputs are
@@ -528,22 +538,22 @@ class LlamaStage:
             outs = np.ones(total, np.int8)
             hidden_out = np.empty((total, self.hidden_size), np.float32)
 
-        logits: list[npt.NDArray[np.float32] | None] = [None] * len(items)
+        logits: list[list[npt.NDArray[np.float32]]] = [[] for _ in items]
         try:
             for c0 in range(0, total, self.n_batch):
                 c1 = min(total, c0 + self.n_batch)
                 self._decode_chunk(flat, pos, seqs, outs, c0, c1, hidden_out)
                 if self.last:
-                    for k in np.nonzero((ends - 1 >= c0) & (ends - 1 < c1))[0]:
-                        logits[k] = self._logits_row(int(ends[k] - 1 - c0))
+                    for k in np.nonzero((ends - n_logits < c1) & (ends > c0))[0]:
+                        lo, hi = max(int(ends[k] - n_logits[k]), c0), min(int(ends[k]), c1)
+                        logits[k] += [self._logits_row(i - c0) for i in range(lo, hi)]
         except BaseException:
             for it in items:
                 self._L.llama_memory_seq_rm(self._mem, it.seq, it.pos, -1)
             raise
 
         if self.last:
-            assert all(lg is not None for lg in logits)
-            return logits  # type: ignore[return-value]
+            return [rows[0] if len(rows) == 1 else np.stack(rows) for rows in logits]
         assert hidden_out is not None
         # Views of one array made for this call: nothing else ever writes to it.
         return [hidden_out[s:e] for s, e in zip(starts, ends, strict=True)]

@@ -458,6 +458,17 @@ class MlxStage:
         self._mx.eval([x for d in caches for x in (d.keys, d.values)])
         self._caches[dst] = caches
 
+    def truncate(self, seq: int, n: int) -> None:
+        """Keep only ``seq``'s first ``n`` positions (the rows past them are written
+        over as the sequence grows again)."""
+        self._check_open()
+        self._check_seq(seq)
+        past = self.n_past(seq)
+        if not 0 <= n <= past:
+            raise StageInputError(f"cannot keep {n} positions of seq {seq}")
+        for c in self._caches.get(seq, []):
+            c.trim(past - n)
+
     def _check_open(self) -> None:
         if self._vocab is None:
             raise StageError("stage is closed")
@@ -493,21 +504,20 @@ class MlxStage:
         caches = [self._cache(it.seq) for it in items]
 
         out_rows: list[Any] = []  # per chunk: hidden rows (non-last) or logits rows
-        # (chunk, row) of each item's logits; items end in order (their rows are
-        # concatenated), so this list is in item order too.
-        logits_of: list[tuple[int, int]] = []
+        # (chunk, row) of each of an item's logits rows, by item.
+        logits_of: list[list[tuple[int, int]]] = [[] for _ in items]
         try:
             for c0 in range(0, total, self.n_batch):
                 c1 = min(total, c0 + self.n_batch)
                 spans: list[tuple[int, int, list[Any]]] = []
                 last_rows: list[int] = []
-                for k in range(len(items)):
+                for k, it in enumerate(items):
                     s, e = max(int(starts[k]), c0), min(int(ends[k]), c1)
                     if s < e:
                         spans.append((s - c0, e - c0, caches[k]))
-                        if e == int(ends[k]):
-                            logits_of.append((len(out_rows), len(last_rows)))
-                            last_rows.append(e - 1 - c0)
+                        for r in range(max(s, int(ends[k]) - it.n_logits), e):
+                            logits_of[k].append((len(out_rows), len(last_rows)))
+                            last_rows.append(r - c0)
                 y = self._run(flat[c0:c1], spans, last_rows)
                 # One evaluation per chunk: the next chunk reads these K/V entries.
                 mx.eval(y)
@@ -519,9 +529,10 @@ class MlxStage:
             raise
 
         if self.last:
-            wanted = {ci for ci, _ in logits_of}
+            wanted = {ci for rows in logits_of for ci, _ in rows}
             chunks = {ci: np.array(out_rows[ci], dtype=np.float32) for ci in wanted}
-            return [chunks[ci][ri].copy() for ci, ri in logits_of]
+            out = [np.stack([chunks[ci][ri] for ci, ri in rows]) for rows in logits_of]
+            return [x[0] if len(x) == 1 else x for x in out]
         hidden = np.concatenate([np.array(y, dtype=np.float32) for y in out_rows])
         # Views of one array made for this call: nothing else ever writes to it.
         return [hidden[s:e] for s, e in zip(starts, ends, strict=True)]

@@ -106,6 +106,8 @@ class RunnerConfig(msgspec.Struct, kw_only=True):
     bind_host: str = "0.0.0.0"
     n_ctx: int = 4096
     n_seq_max: int = 8
+    #: Most tokens stage 0 drafts per step for a request that speculates (0: never).
+    draft_max: int = 4
     #: KV cache type of a llama.cpp stage (``InstanceSpec.kv_cache``).
     kv_cache: str = "f16"
     exact: bool = False

@@ -34,6 +34,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,7 @@ from meshd.transport.sockets import DATA, DealerCache, bind, decode_frame, open_
 from meshd.transport.tensors import TensorError, decode_rows, encode_rows
 
 from .detok import TextStream
+from .drafting import DraftBudget, prompt_lookup
 from .grammar import (
     Constraint,
     GrammarVocab,
@@ -140,6 +142,29 @@ class Request:
     embed: bool = False
     #: Plan generation the request was admitted under.
     generation: int = 0
+    #: Stage 0's KV slot for it (what the prefix cache keeps it under everywhere).
+    slot: int = -1
+    #: Stage 0: the tokens whose KV its sequence holds (prompt, then each token fed
+    #: back), which the prefix cache matches new prompts against.
+    tokens: list[int] | None = None
+    #: Prompt positions taken from the prefix cache, and the slot they came from.
+    n_cached: int = 0
+    source: int = -1
+    #: The key of its last prompt step (see _prefill_key); None once it can share
+    #: no more (it started from a cached prefix, or a step ran unkeyed).
+    lineage: bytes | None = b""
+    #: Stage 0: how many tokens to draft (None: it does not speculate), and the
+    #: position and size of the draft in flight.
+    budget: DraftBudget | None = None
+    last_draft: tuple[int, int] | None = None
+    #: time.perf_counter() when its last token was fed (0: none yet).
+    fed_at: float = 0.0
+    #: It has drafted: a step may come back to an earlier position (the rejected
+    #: rows' KV is dropped then, on every stage).
+    spec: bool = False
+    #: Last stage: draft tokens verified, and accepted.
+    n_drafted: int = 0
+    n_accepted: int = 0
     #: time.monotonic() of the last message or compute for this request.
     last_active: float = field(default_factory=time.monotonic)
     # Last stage only:
@@ -157,11 +182,35 @@ MAX_SHARED_PREFILLS = 16
 MAX_SHARED_OUTPUT = 64 * 1024 * 1024
 
 
+#: Fewest positions worth taking from the prefix cache: below it a request computes
+#: its whole prompt (a few rows cost less than disturbing a cached sequence).
+MIN_PREFIX = 8
+
+
+@dataclass
+class Kept:
+    """A finished request's KV, kept on its sequence for a later request whose tokens
+    begin the same way. Stage 0 knows the tokens; the other stages follow its word."""
+
+    seq: int
+    tokens: list[int] | None = None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
+
+
 @dataclass
 class Prefill:
-    """A pos-0 input this stage ran: its output, and the requests whose KV holds it
-    (the one that ran it, then those that shared it), any of which can serve another
-    request with the very same input while it lives."""
+    """A prompt step this stage ran: its output, the positions its KV holds after it
+    (``n``), and the requests whose KV holds them (the one that ran it, then those
+    that shared it), any of which can serve another request with the very same steps
+    while it lives."""
 
     holders: list[str]
     n: int
@@ -172,15 +221,15 @@ def _rows(w: Work) -> int:
     return len(w.tokens) if w.tokens is not None else len(w.hidden)  # type: ignore[arg-type]
 
 
-def _prefill_key(w: Work) -> bytes | None:
-    """A digest of a pos-0 input (token ids, or the hidden rows of the stage before),
-    None for any other step. Choices of one prompt give identical bytes at every stage:
-    a shared prefill sends its leader's very rows on."""
-    if w.pos != 0:
-        return None
+def _prefill_key(w: Work, lineage: bytes) -> bytes:
+    """A digest of a prompt step's input (token ids, or the hidden rows of the stage
+    before) and of every step before it (``lineage``: the key of the request's last
+    step). Equal keys mean equal KV so far: choices of one prompt give identical bytes
+    at every stage, since a shared step sends its leader's very rows on."""
     x = np.ascontiguousarray(w.tokens if w.tokens is not None else w.hidden)
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{x.dtype.str}{x.shape}".encode())
+    h.update(lineage)
+    h.update(f"{w.pos}{x.dtype.str}{x.shape}".encode())
     h.update(memoryview(x).cast("B"))
     return h.digest()
 
@@ -196,6 +245,9 @@ class Work:
     start: wire.Start | None = None
     #: Compute seconds of the stages before this one, for this step.
     compute: list[float] = field(default_factory=list)
+    #: Draft tokens riding with the step's first token (its rows after the first):
+    #: the last stage verifies them (speculative decoding).
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -209,6 +261,9 @@ class Counters:
     superseded: int = 0
     #: Prefills taken from another request with the same input (Stage.share).
     shared_prefills: int = 0
+    #: Requests that started from a kept prefix, and the positions they took from it.
+    prefix_hits: int = 0
+    prefix_tokens: int = 0
 
     def drop(self, reason: str) -> None:
         """Count one frame dropped for ``reason``."""
@@ -237,6 +292,9 @@ class Runner:
         self.router = router
         self.reqs: dict[str, Request] = {}
         self.free_seqs = list(range(cfg.n_seq_max - 1, -1, -1))
+        #: The prefix cache: finished requests' KV by stage 0's slot, least recently
+        #: used first. A kept sequence is not free, but any admission may take it.
+        self.kept: collections.OrderedDict[int, Kept] = collections.OrderedDict()
         self.prefills: collections.OrderedDict[bytes, Prefill] = collections.OrderedDict()
         self.waiting: collections.deque[wire.Generate] = collections.deque()
         #: Recently cancelled ids this stage did not hold (oldest first).
@@ -339,6 +397,9 @@ class Runner:
         """
         self.generation = generation
         emit(GenerationAdopted(value=generation))
+        # A stage of the new plan may be new: it holds none of the kept prefixes.
+        for slot in list(self.kept):
+            self.drop_kept(slot)
         stale = [r for r in self.reqs.values() if r.generation != generation]
         for r in stale:
             self.fail(r.reply_to, r.req, "generation_mismatch", "plan changed during the request")
@@ -410,7 +471,7 @@ class Runner:
                 self.refuse_generation(msg)
             elif msg.req in self.cancelled:
                 self.counters.dropped["cancelled"] += 1
-            elif self.free_seqs:
+            elif self.has_room():
                 self.admit(self.capped(msg))
             elif len(self.waiting) >= MAX_WAITING_PER_SEQ * self.cfg.n_seq_max:
                 self.fail(msg.reply_to, msg.req, "overloaded", "stage 0 has too many queued")
@@ -431,7 +492,7 @@ class Runner:
             r = self.reqs.get(msg.req)
             if r is not None:
                 r.last_active = time.monotonic()
-                self.work.append(Work(msg.req, msg.pos, tokens=np.array([msg.token], np.int32)))
+                self.feed(r, msg.token, msg.pos)
             else:
                 self.counters.dropped["unknown_request"] += 1
         elif isinstance(msg, wire.Release):
@@ -500,18 +561,46 @@ class Runner:
                 f"this model's context is {self.n_ctx} tokens; the prompt has {total}",
             )  # fmt: skip
             return
-        seq = self.free_seqs.pop()
+        # A reused prefix moves the low bits of the logits (the engine sums a batch of
+        # rows in another order than the batches that made the prefix: up to ~0.5 on a
+        # quantized model), so only requests whose answer is random anyway use it
+        # unless they ask: a greedy or seeded one gives the same answer whatever ran
+        # before, and a replay's tokens continue exactly.
+        reuse = g.cache_prompt
+        if reuse is None:
+            reuse = g.sampling.temperature > 0 and g.sampling.seed is None
+        reuse = reuse and not resume and not g.embed
+        # Where a sequence's cells lie in the shared KV buffer moves them too (by ~0.8
+        # when kept sequences push them past a 256-cell boundary): a request that
+        # reuses nothing runs as on a fresh runner, every stage's kept prefixes dropped.
+        cold = not reuse and not g.embed
+        if cold:
+            for slot in list(self.kept):
+                self.drop_kept(slot)
+        seq, source, n_cached = self.seat_first(prompt if reuse else None)
         r = Request(
             g.req, seq, list(g.route), g.reply_to, g.sampling, n_prompt=n,
-            generation=g.generation, embed=g.embed,
+            generation=g.generation, embed=g.embed, slot=seq, n_cached=n_cached, source=source,
+            tokens=None if g.embed else [*prompt, *resume],
         )  # fmt: skip
+        speculate = g.speculate
+        if speculate is None:
+            # Where a trip between nodes sets the pace (a split), for requests whose
+            # answer is random anyway (a verified batch of rows sums in another order
+            # than one row a step). On one node the draft's extra rows cost about
+            # what they save (bench/speculate.py: 0.93-0.96x on the default model).
+            speculate = (
+                self.cfg.n_stages > 1 and g.sampling.temperature > 0 and g.sampling.seed is None
+            )
+        if speculate and not g.embed and self.cfg.draft_max > 0:
+            r.budget = DraftBudget(self.cfg.draft_max)
         self.reqs[g.req] = r
         self.report_load()
         fmt = self.tool_format if g.tools else None
-        self.chunk(r, g.reply_to, g.req, n_prompt=n, tool_format=fmt)
+        self.chunk(r, g.reply_to, g.req, n_prompt=n, tool_format=fmt, n_cached=n_cached)
         start = wire.Start(
             route=r.route, reply_to=r.reply_to, sampling=r.sampling, n_prompt=n, resume=resume,
-            embed=g.embed,
+            embed=g.embed, slot=seq, prefix_slot=source, prefix_n=n_cached, cold=cold,
         )  # fmt: skip
         if self.last and not g.embed:
             try:
@@ -520,7 +609,8 @@ class Runner:
                 self.fail(r.reply_to, r.req, "bad_sampling", str(e))
                 self.release(r.req, "cancel")
                 return
-        self.work.append(Work(g.req, 0, tokens=np.asarray(prompt, np.int32), start=start))
+        ids = np.asarray(prompt[n_cached:], np.int32)
+        self.work.append(Work(g.req, n_cached, tokens=ids, start=start))
         # The tokens already sent go through one decode step each, as they did the first
         # time: prefilling them in one batch runs other kernels (other float sums), and
         # a near-tie could then flip, so the continuation would not be the text the
@@ -620,13 +710,13 @@ class Runner:
                 # Its cancel came first (straight from the API node): never admit it.
                 self.counters.dropped["cancelled"] += 1
                 return
-            if not self.free_seqs:
-                self.fail(a.start.reply_to, a.req, "overloaded", "stage has no free sequence")
-                return
             s = a.start
+            seq = self.seat(s, a.req)
+            if seq is None:
+                return
             r = Request(
-                a.req, self.free_seqs.pop(), list(s.route), s.reply_to, s.sampling, s.n_prompt,
-                generation=a.generation, embed=s.embed,
+                a.req, seq, list(s.route), s.reply_to, s.sampling, s.n_prompt,
+                generation=a.generation, embed=s.embed, slot=s.slot, n_cached=s.prefix_n,
             )  # fmt: skip
             self.reqs[a.req] = r
             self.report_load()
@@ -637,8 +727,14 @@ class Runner:
                     self.fail(r.reply_to, r.req, "bad_sampling", str(e))
                     self.release(r.req, "cancel")
                     return
+        if len(a.draft) >= a.rows:
+            self.counters.dropped["bad_tensor"] += 1
+            return
         r.last_active = time.monotonic()
-        self.work.append(Work(a.req, a.pos, hidden=hidden, start=a.start, compute=a.compute))
+        r.spec = r.spec or bool(a.draft)
+        self.work.append(
+            Work(a.req, a.pos, hidden=hidden, start=a.start, compute=a.compute, draft=a.draft)
+        )
 
     def forward_one(self, w: Work, item):
         """One item alone; on failure end its request with ``bad_input`` and None."""
@@ -691,9 +787,9 @@ class Runner:
                 self.embed(embeds)
         if not batch:
             return
-        # The n choices of one prompt bring the same input at pos 0: it runs once, and
+        # The n choices of one prompt bring the same prompt steps: each runs once, and
         # the others get its KV (Stage.share) and its output (see Prefill).
-        keys = [_prefill_key(w) for w in batch]
+        keys = [self._step_key(w) for w in batch]
         run: list[Work] = []
         run_keys: list[bytes | None] = []
         followers: list[tuple[Work, bytes]] = []
@@ -706,10 +802,7 @@ class Runner:
                 run_keys.append(k)
                 if k is not None:
                     leading.add(k)
-        items = [
-            StageInput(seq=self.reqs[w.req].seq, pos=w.pos, tokens=w.tokens, hidden=w.hidden)
-            for w in run
-        ]
+        items = [self._item(w) for w in run]
         outs: list = []
         spent = 0.0
         if items:
@@ -724,8 +817,9 @@ class Runner:
         for w, k, out in zip(run, run_keys, outs, strict=True):
             if out is None:
                 continue
+            self.reqs[w.req].lineage = k
             if k is not None and out.nbytes <= MAX_SHARED_OUTPUT:
-                self._remember_prefill(k, Prefill([w.req], _rows(w), np.array(out)))
+                self._remember_prefill(k, Prefill([w.req], w.pos + _rows(w), np.array(out)))
             self.deliver(w, out, spent)
         for w, k in followers:
             p = self._live_prefill(k)
@@ -736,8 +830,12 @@ class Runner:
                 if p is None:
                     raise StageInputError("its prefill is gone")
                 holder = next(h for h in p.holders if h in self.reqs)
+                if w.pos:  # it holds the leader's first w.pos already: take all again
+                    self.stage.free(r.seq)
                 self.stage.share(self.reqs[holder].seq, r.seq, p.n)
+                r.lineage = k
             except Exception:
+                r.lineage = None
                 item = StageInput(seq=r.seq, pos=w.pos, tokens=w.tokens, hidden=w.hidden)
                 out = self.forward_one(w, item)
                 if out is not None:
@@ -757,11 +855,61 @@ class Runner:
             act = wire.Activation(
                 req=r.req, instance=self.cfg.instance, generation=self.generation,
                 pos=w.pos, rows=rows.shape[0], hidden=rows.shape[1], start=w.start,
-                compute=[*w.compute, spent], dtype=self.cfg.send_dtype,
+                compute=[*w.compute, spent], dtype=self.cfg.send_dtype, draft=w.draft,
             )  # fmt: skip
             self.send(r.route[self.cfg.stage + 1], act, memoryview(rows))
+        elif w.draft:
+            self.verify(r, out, w, [*w.compute, spent])
         elif w.pos + n >= r.replay_end:  # before it: a replay's tokens already sent
-            self.sample(r, out, w.pos + n, [*w.compute, spent])
+            tok = self.sample(r, out, w.pos + n, [*w.compute, spent])
+            if tok is not None:
+                self.feed_back(r, tok, w.pos + n)
+
+    def verify(self, r: Request, logits: np.ndarray, w: Work, compute: list[float]) -> None:
+        """A speculative step: draw from each row in turn, as one row a step would,
+        while the draw equals the draft; the first other token (or the one after a
+        whole accepted draft) is fed back. For a sampled request this is the standard
+        rejection rule for a draft that is one token for sure: the draft is kept with
+        the probability the model gives it, else the draw comes from the rest, so the
+        output follows the same distribution as without a draft."""
+        r.n_drafted += len(w.draft)
+        for i in range(len(w.draft) + 1):
+            tok = self.sample(r, logits[i], w.pos + i + 1, compute)
+            if tok is None:
+                return  # finished (or failed)
+            if i == len(w.draft) or tok != w.draft[i]:
+                self.feed_back(r, tok, w.pos + i + 1)
+                return
+            r.n_accepted += 1
+
+    def feed_back(self, r: Request, tok: int, pos: int) -> None:
+        """Send the token just drawn to stage 0 (or queue it here), to run at ``pos``."""
+        if self.first:
+            self.feed(r, tok, pos)
+        else:
+            self.send(
+                r.route[0],
+                wire.Token(req=r.req, instance=self.cfg.instance, generation=self.generation,
+                           token=tok, pos=pos),
+            )  # fmt: skip
+
+    def _item(self, w: Work) -> StageInput:
+        """The engine's input for ``w``. A speculating request's step may start before
+        what this stage holds (rows of a rejected draft): those are dropped first."""
+        r = self.reqs[w.req]
+        if r.spec and self.stage.n_past(r.seq) > w.pos:
+            self.stage.truncate(r.seq, w.pos)
+        n_logits = len(w.draft) + 1 if self.last and w.draft else 1
+        return StageInput(r.seq, w.pos, tokens=w.tokens, hidden=w.hidden, n_logits=n_logits)
+
+    def _step_key(self, w: Work) -> bytes | None:
+        """The share key of a prompt step (None for any other: generated tokens differ
+        from one choice to the next, and a request started from a cached prefix holds
+        KV no other request's lineage vouches for)."""
+        r = self.reqs[w.req]
+        if r.lineage is None or r.n_cached or w.pos + _rows(w) > r.n_prompt:
+            return None
+        return _prefill_key(w, r.lineage)
 
     def _live_prefill(self, key: bytes) -> Prefill | None:
         p = self.prefills.get(key)
@@ -828,8 +976,11 @@ class Runner:
             self._grammar_vocab = GrammarVocab(self.stage)
         return self._grammar_vocab
 
-    def sample(self, r: Request, logits: np.ndarray, next_pos: int, compute: list[float]) -> None:
-        """Pick the next token of ``r``, send its text, and finish or feed it back."""
+    def sample(
+        self, r: Request, logits: np.ndarray, next_pos: int, compute: list[float]
+    ) -> int | None:
+        """Pick the next token of ``r`` and send its text; the token, or None when
+        the request finished here (or failed)."""
         assert r.sampler is not None and r.text is not None  # last stage: init_last ran
         c = r.constraint
         try:
@@ -841,7 +992,7 @@ class Runner:
         except ValueError as e:  # a bias, penalty or grammar that leaves no token
             self.fail(r.reply_to, r.req, "bad_sampling", str(e))
             self.release(r.req, "cancel")
-            return
+            return None
         tok = drawn.token
         r.n_generated += 1
         finish = None
@@ -866,24 +1017,19 @@ class Runner:
             text += r.text.finish()
             if r.text.matched is not None:
                 finish = "stop"  # the held-back tail completed a stop string
-            usage = wire.Usage(r.n_prompt, r.n_generated)
+            usage = wire.Usage(r.n_prompt, r.n_generated, r.n_cached, r.n_drafted, r.n_accepted)
+            # The release first: it reaches stage 0 before the client's next turn can
+            # (that goes through the API node), so the turn finds this KV kept there.
+            self.release(r.req, "done")
             self.chunk(
                 r, r.reply_to, r.req, text=text, tokens=[tok], finish_reason=finish, usage=usage,
                 logprobs=logprobs, stop_sequence=r.text.matched,
             )  # fmt: skip
-            self.release(r.req, "done")
-            return
+            return None
         self.chunk(
             r, r.reply_to, r.req, text=text, tokens=[tok], compute=compute, logprobs=logprobs
         )
-        if self.first:
-            self.work.append(Work(r.req, next_pos, tokens=np.array([tok], np.int32)))
-        else:
-            self.send(
-                r.route[0],
-                wire.Token(req=r.req, instance=self.cfg.instance, generation=self.generation,
-                           token=tok, pos=next_pos),
-            )  # fmt: skip
+        return tok
 
     def release(self, req: str, reason: str) -> None:
         """Free ``req`` here and pass the release down the chain.
@@ -906,7 +1052,14 @@ class Runner:
                 if len(self.cancelled) > MAX_CANCELLED:
                     self.cancelled.popitem(last=False)
             return
-        self.free(r)
+        if reason == "done" and not r.embed:
+            self.keep(r)
+        else:
+            if reason == "prefix_miss" and r.source in self.kept:
+                self.drop_kept(r.source)
+            self.free(r)
+        if reason == "prefix_miss":
+            reason = "cancel"  # the stages after this one free it like any cancel
         nxt = self.cfg.stage + 1
         if self.last and not self.first and reason == "done":
             # The last stage finished the request: start the release walk at stage 0.
@@ -924,9 +1077,142 @@ class Runner:
         self.free_seqs.append(r.seq)
         self.report_load()
 
+    # -- prefix cache ------------------------------------------------------------------
+    def has_room(self) -> bool:
+        """Whether a new request can have a sequence (a free one, or a kept one)."""
+        return bool(self.free_seqs or self.kept)
+
+    def feed(self, r: Request, token: int, pos: int) -> None:
+        """Queue ``token`` at ``pos`` (stage 0), with a draft after it when the
+        request speculates; its KV joins what ``r`` holds."""
+        if r.tokens is not None:
+            del r.tokens[pos:]  # a rejected draft's tokens
+            if len(r.tokens) == pos:
+                r.tokens.append(token)
+        b = r.budget
+        if b is not None:
+            now = time.perf_counter()
+            took = now - r.fed_at if r.fed_at else 0.0
+            if r.last_draft is not None:
+                at, k = r.last_draft
+                b.record(k, max(0, min(k, pos - at - 1)), took)
+                r.last_draft = None
+            elif took:
+                b.plain(took)
+            r.fed_at = now
+        draft: list[int] = []
+        if b is not None and b.on and r.tokens is not None and len(r.tokens) == pos + 1:
+            draft = prompt_lookup(r.tokens, min(b.k, self.n_ctx - pos - 2))
+        if draft:
+            assert r.tokens is not None
+            r.tokens += draft
+            r.last_draft = (pos, len(draft))
+            r.spec = True
+        tokens = np.array([token, *draft], np.int32)
+        self.work.append(Work(r.req, pos, tokens=tokens, draft=draft))
+
+    def keep(self, r: Request) -> None:
+        """Finish ``r`` here, its KV kept for a later request with the same start."""
+        self.reqs.pop(r.req, None)
+        tokens = r.tokens
+        if tokens is not None:
+            # What the sequence holds: the last token sampled was never fed.
+            tokens = tokens[: self.stage.n_past(r.seq)]
+        if r.slot in self.kept:  # cannot happen unless stage 0 reused a live slot
+            self.drop_kept(r.slot)
+        self.kept[r.slot] = Kept(r.seq, tokens)
+        self.report_load()
+
+    def drop_kept(self, slot: int) -> None:
+        """Forget the KV kept under ``slot``; its sequence is free again."""
+        k = self.kept.pop(slot)
+        self.stage.free(k.seq)
+        self.free_seqs.append(k.seq)
+
+    def _free_one(self, spare: int) -> bool:
+        """Free the least recently used kept sequence but ``spare``'s; False if none."""
+        victim = next((slot for slot in self.kept if slot != spare), None)
+        if victim is None:
+            return False
+        self.drop_kept(victim)
+        return True
+
+    def seat_first(self, prompt: list[int] | None) -> tuple[int, int, int]:
+        """Stage 0: a sequence for a new request whose prompt is ``prompt`` (None:
+        no prefix reuse), as ``(seq, source slot or -1, positions reused)``.
+
+        The kept sequence sharing the longest start with the prompt is its source:
+        copied into a free sequence when there is one (it stays kept for the next
+        request), else taken over. At least the prompt's last token is computed again,
+        for its logits."""
+        source, n = -1, 0
+        if prompt is not None:
+            for slot, k in self.kept.items():  # oldest first: ties go to the newest
+                m = min(common_prefix(k.tokens or [], prompt), len(prompt) - 1)
+                if m >= MIN_PREFIX and m >= n:
+                    source, n = slot, m
+        if not self.free_seqs:
+            self._free_one(spare=source)
+        # With no free sequence left, the source itself becomes the request's.
+        seq = self.free_seqs.pop() if self.free_seqs else self.kept.pop(source).seq
+        if source >= 0:
+            self._reuse(source, seq, n)
+        return seq, source, n
+
+    def seat(self, s: wire.Start, req: str) -> int | None:
+        """A later stage: the sequence for a new request, prefix copied as stage 0
+        said; None (the request ended with an error) when this stage cannot."""
+        if s.cold:
+            for slot in list(self.kept):
+                self.drop_kept(slot)
+        if s.slot in self.kept and s.slot != s.prefix_slot:
+            self.drop_kept(s.slot)  # stage 0 gave that slot to this request
+        if s.prefix_slot >= 0 and s.prefix_slot not in self.kept:
+            self.miss(s, req, "no longer holds the cached prefix")
+            return None
+        if not self.free_seqs and s.prefix_slot != s.slot:
+            self._free_one(spare=s.prefix_slot)
+        if s.prefix_slot >= 0 and (s.prefix_slot == s.slot or not self.free_seqs):
+            # Taken over: stage 0 said so, or this stage has fewer sequences than it
+            # (stage 0 still counts on the prefix; a miss later tells it otherwise).
+            seq = self.kept.pop(s.prefix_slot).seq
+        elif self.free_seqs:
+            seq = self.free_seqs.pop()
+        else:
+            self.fail(s.reply_to, req, "overloaded", "stage has no free sequence")
+            return None
+        if s.prefix_slot >= 0:
+            try:
+                self._reuse(s.prefix_slot, seq, s.prefix_n)
+            except StageInputError as e:
+                self.stage.free(seq)
+                self.free_seqs.append(seq)
+                self.miss(s, req, str(e))
+                return None
+        return seq
+
+    def miss(self, s: wire.Start, req: str, why: str) -> None:
+        """End a request whose cached prefix this stage lacks; stage 0 forgets that
+        prefix (``prefix_miss`` release), so the replay and later requests compute."""
+        self.fail(s.reply_to, req, "prefix_miss", f"stage {self.cfg.stage} {why}")
+        self.send(s.route[0], wire.Release(req=req, instance=self.cfg.instance,
+                                           reason="prefix_miss"))  # fmt: skip
+
+    def _reuse(self, source: int, seq: int, n: int) -> None:
+        """Make ``seq`` hold the first ``n`` positions kept under slot ``source``
+        (``seq`` is that very sequence when the request took it over)."""
+        k = self.kept.get(source)
+        if k is None:
+            self.stage.truncate(seq, n)
+        else:
+            self.stage.share(k.seq, seq, n)
+            self.kept.move_to_end(source)
+        self.counters.prefix_hits += 1
+        self.counters.prefix_tokens += n
+
     def admit_waiting(self) -> None:
         """Admit queued requests while slots are free."""
-        while self.waiting and self.free_seqs:
+        while self.waiting and self.has_room():
             g = self.waiting.popleft()
             if g.generation != self.generation:
                 self.refuse_generation(g)  # the plan moved on while it waited

@@ -50,13 +50,16 @@ class StageInput:
     ``pos`` is the absolute position of the first row; it must equal the number of
     positions the stage already holds for ``seq`` (see :meth:`LlamaStage.n_past`).
     A first stage takes ``tokens`` (int32, shape ``(n,)``), any other stage takes
-    ``hidden`` (float32, shape ``(n, hidden_size)``).
+    ``hidden`` (float32, shape ``(n, hidden_size)``). ``n_logits``: on a last stage,
+    the logits of this many last rows, ``(n_logits, n_vocab)`` when more than one (a
+    speculative step verifies every drafted row).
     """
 
     seq: int
     pos: int
     tokens: npt.NDArray[np.int32] | None = None
     hidden: npt.NDArray[np.float32] | None = None
+    n_logits: int = 1
 
     @property
     def n_rows(self) -> int:
@@ -102,6 +105,11 @@ class Stage(Protocol):
     def share(self, src: int, dst: int, n: int) -> None:
         """Make the empty ``dst`` hold ``src``'s first ``n`` positions, as if it had
         run the same input (``n`` choices of one prompt prefill it once)."""
+        ...
+
+    def truncate(self, seq: int, n: int) -> None:
+        """Keep only ``seq``'s first ``n`` positions (a request that starts from a
+        cached prefix takes over the sequence that holds it)."""
         ...
 
     def forward(self, items: Sequence[StageInput]) -> list[StageOutput]:
@@ -204,6 +212,8 @@ def validate_inputs(stage: Stage, items: Sequence[StageInput]) -> list[np.ndarra
         past = stage.n_past(it.seq)
         if it.pos != past:
             raise StageInputError(f"seq {it.seq}: pos {it.pos} but the stage holds {past}")
+        if not 1 <= it.n_logits <= n:
+            raise StageInputError(f"seq {it.seq}: n_logits {it.n_logits} of {n} rows")
         if it.pos + n > stage.n_ctx:
             raise ContextFullError(
                 f"seq {it.seq}: {it.pos} + {n} positions exceed n_ctx {stage.n_ctx}"

@@ -25,6 +25,23 @@ class Metrics:
         self.prompt_tokens = Counter(
             "meshd_prompt_tokens", "Prompt tokens processed", ["model"], registry=r
         )
+        self.prefix_hits = Counter(
+            "meshd_prefix_cache_hits", "Requests that started from a cached prefix",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.cached_tokens = Counter(
+            "meshd_prompt_tokens_cached",
+            "Prompt tokens taken from the prefix cache (not computed again)",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.drafted_tokens = Counter(
+            "meshd_draft_tokens", "Tokens drafted for speculative decoding", ["model"],
+            registry=r,
+        )  # fmt: skip
+        self.accepted_tokens = Counter(
+            "meshd_draft_tokens_accepted", "Drafted tokens the model agreed with", ["model"],
+            registry=r,
+        )  # fmt: skip
         self.completion_tokens = Counter(
             "meshd_completion_tokens", "Tokens generated", ["model"], registry=r
         )

@@ -37,7 +37,9 @@ log = logging.getLogger("meshd.inference")
 #: Errors that mean "this plan's pipeline broke", not "this request is bad": the
 #: request is replayed on the instance's next plan. ``generation_mismatch`` is what a
 #: runner answers once the plan moved on (a drain, a repair, a crash-loop move).
-REPLAYABLE = frozenset({"stage_lost", "generation_mismatch", "wrong_stage", "not_ready"})
+REPLAYABLE = frozenset(
+    {"stage_lost", "generation_mismatch", "wrong_stage", "not_ready", "prefix_miss"}
+)
 
 #: Yielded by :meth:`Requests.generate` while a request waits for its repair: no
 #: output, only a sign of life (the API turns it into an SSE ``: keep-alive`` comment).
@@ -161,6 +163,9 @@ class Requests:
                         raise
                     replays += 1
                     cause = e
+                    # A replay computes its whole prompt: its output must continue
+                    # exactly, and a stage may have lost the cached prefix.
+                    job = msgspec.structs.replace(job, cache_prompt=False)
                 log.warning(
                     "request on %s broke (%s: %s); replaying after %d tokens",
                     inst.id, cause.code, cause.message, len(sent),

@@ -210,6 +210,16 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     #: Only count the prompt's tokens: stage 0 answers with ``n_prompt`` and a finish,
     #: and runs nothing (Anthropic's ``count_tokens``).
     count_only: bool = False
+    #: Whether stage 0 may start from the KV of an earlier request whose tokens begin
+    #: the same way (the prefix cache). None: a sampled request without a seed may; a
+    #: greedy or seeded one computes its whole prompt, so that the same request gives
+    #: the same answer whatever ran before (a reused prefix moves the low bits).
+    cache_prompt: bool | None = None
+    #: Whether stage 0 drafts tokens by prompt lookup for the last stage to verify in
+    #: one pass (speculative decoding). None: a sampled request without a seed on a
+    #: split instance does (a verified batch of rows sums in another order than one
+    #: row a step, and on one node the extra rows cost about what they save).
+    speculate: bool | None = None
 
 
 class Generate(msgspec.Struct, tag=True, kw_only=True):
@@ -233,6 +243,8 @@ class Generate(msgspec.Struct, tag=True, kw_only=True):
     prompt_tokens: list[int] | None = None
     embed: bool = False
     count_only: bool = False
+    cache_prompt: bool | None = None
+    speculate: bool | None = None
 
 
 class Start(msgspec.Struct, kw_only=True):
@@ -246,6 +258,16 @@ class Start(msgspec.Struct, kw_only=True):
     resume: list[int] = []
     #: An embeddings request (see :class:`Job`).
     embed: bool = False
+    #: Stage 0's KV slot for the request. Every stage keeps a finished request's KV
+    #: under that slot, and forgets it when stage 0 gives the slot to another request.
+    slot: int = -1
+    #: The prefix cache: the request starts from the first ``prefix_n`` positions of
+    #: the KV kept under slot ``prefix_slot`` (-1: none), which every stage copies.
+    prefix_slot: int = -1
+    prefix_n: int = 0
+    #: Run as on a fresh runner: every stage drops its kept prefixes first (where a
+    #: sequence's cells lie in the KV buffer moves its attention's low bits).
+    cold: bool = False
 
 
 class Activation(msgspec.Struct, tag=True, kw_only=True):
@@ -261,6 +283,9 @@ class Activation(msgspec.Struct, tag=True, kw_only=True):
     start: Start | None = None
     #: Compute seconds of each stage so far for this step (metrics).
     compute: list[float] = []
+    #: Draft tokens after the first row's (the rows after it): the last stage
+    #: verifies them (speculative decoding).
+    draft: list[int] = []
 
 
 class Token(msgspec.Struct, tag=True, kw_only=True):
@@ -276,7 +301,10 @@ class Token(msgspec.Struct, tag=True, kw_only=True):
 class Release(msgspec.Struct, tag=True, kw_only=True):
     """Free a request's KV cache on this stage and pass the word down the chain.
 
-    ``reason`` is ``done`` (finished normally) or ``cancel`` (client went away)."""
+    ``reason`` is ``done`` (finished normally: every stage keeps the request's KV for
+    the prefix cache), ``cancel`` (client went away, or an error), or ``prefix_miss``
+    (a later stage to stage 0: it lacked the cached prefix the request was to start
+    from; stage 0 forgets that prefix and frees the request like a cancel)."""
 
     req: str
     instance: str
@@ -288,6 +316,11 @@ class Usage(msgspec.Struct, frozen=True, array_like=True):
 
     prompt_tokens: int
     completion_tokens: int
+    #: Prompt tokens taken from the prefix cache, not computed again.
+    cached_tokens: int = 0
+    #: Speculative decoding: tokens drafted, and those of them the model agreed with.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class ChunkError(msgspec.Struct, frozen=True, kw_only=True):
@@ -325,6 +358,8 @@ class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     text: str = ""
     tokens: list[int] = []
     n_prompt: int | None = None
+    #: On stage 0's acknowledgement: prompt positions taken from the prefix cache.
+    n_cached: int = 0
     finish_reason: str | None = None
     usage: Usage | None = None
     error: ChunkError | None = None

@@ -108,7 +108,9 @@ def test_count_tokens_matches_what_a_message_reads(ac) -> None:
     system = "You are terse."
     n = ac.messages.count_tokens(model=DEFAULT_MODEL, messages=HI, system=system).input_tokens
     m = ac.messages.create(model=DEFAULT_MODEL, max_tokens=1, messages=HI, system=system)
-    assert n == m.usage.input_tokens > 0
+    # Tokens read from the prefix cache are counted apart, as Anthropic counts them.
+    assert n == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert m.usage.input_tokens > 0
     with_tools = ac.messages.count_tokens(model=DEFAULT_MODEL, messages=HI, tools=TOOLS)
     assert with_tools.input_tokens > n
 
@@ -150,3 +152,23 @@ def test_x_api_key_and_errors_in_anthropics_shape(via) -> None:
         err = r.json()
         assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
         assert err["error"]["message"]
+
+
+def test_turn_two_reads_turn_one_from_the_prefix_cache(ac, via) -> None:
+    system = "You are a patient tutor who explains things to children in plain words."
+    turn1 = [{"role": "user", "content": "Why is the sky blue?"}]
+    # Sampled (the default temperature) and unseeded: it uses the cache unasked.
+    m1 = ac.messages.create(model=DEFAULT_MODEL, max_tokens=24, system=system, messages=turn1)
+    history = [
+        *turn1,
+        {"role": "assistant", "content": m1.content[0].text},
+        {"role": "user", "content": "And why are sunsets red?"},
+    ]
+    m2 = ac.messages.create(model=DEFAULT_MODEL, max_tokens=8, system=system, messages=history)
+    total1 = m1.usage.input_tokens + m1.usage.cache_read_input_tokens
+    # At least all of turn 1's prompt comes from the cache; turn 2 computes the rest.
+    assert m2.usage.cache_read_input_tokens >= total1
+    assert m2.usage.input_tokens > 0
+    metrics = httpx.get(via.api + "/metrics", timeout=10).text
+    hits = [ln for ln in metrics.splitlines() if ln.startswith("meshd_prefix_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) >= 1

@@ -251,3 +251,47 @@ def test_a_base_url_ending_in_api_v1_works_as_v1(via: NodeProc) -> None:
     with pytest.raises(openai.NotFoundError) as e:  # OpenAI's error shape, not Ollama's
         c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
     assert e.value.body["code"] == "model_not_found"
+
+
+def test_turn_two_of_a_chat_reports_its_cached_tokens(client) -> None:
+    turn1 = [
+        {"role": "system", "content": "You answer in one short sentence, like a librarian."},
+        {"role": "user", "content": "Where do I find books about whales?"},
+    ]
+    r1 = client.chat.completions.create(model=DEFAULT_MODEL, messages=turn1, max_tokens=20,
+                                        temperature=0)  # fmt: skip
+    history = [
+        *turn1,
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And about sharks?"},
+    ]
+    # Greedy (reproducible) requests use the cache when they ask.
+    r2 = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=history, max_tokens=8, temperature=0,
+        extra_body={"cache_prompt": True},
+    )  # fmt: skip
+    assert r2.usage.prompt_tokens_details is not None
+    assert r1.usage.prompt_tokens <= r2.usage.prompt_tokens_details.cached_tokens
+    assert r2.usage.prompt_tokens_details.cached_tokens < r2.usage.prompt_tokens
+    # Unasked, a greedy request computes its whole prompt.
+    r3 = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=history, max_tokens=8, temperature=0,
+    )  # fmt: skip
+    assert r3.usage.prompt_tokens_details is None
+
+
+def test_a_request_that_quotes_its_input_is_drafted_and_verified(client, via) -> None:
+    code = "def area(width, height):\n    return width * height\n"
+    asked = [{"role": "user", "content": f"Repeat this code exactly:\n{code}"}]
+    spec = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=asked, max_tokens=48, temperature=0,
+        extra_body={"speculate": True},
+    )  # fmt: skip
+    assert spec.choices[0].message.content
+    metrics = httpx.get(via.api + "/metrics", timeout=10).text
+
+    def total(name: str) -> float:
+        return sum(float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith(name))
+
+    assert total("meshd_draft_tokens_total") > 0
+    assert 0 <= total("meshd_draft_tokens_accepted_total") <= total("meshd_draft_tokens_total")

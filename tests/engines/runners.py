@@ -44,8 +44,8 @@ def runner_config(
     return RunnerConfig(
         instance=instance, generation=generation, stage=stage, n_stages=len(bounds),
         model_path=str(model_path), start=start, end=end,
-        n_layers=N_LAYERS, cache_dir=str(cache_dir), bind_host="127.0.0.1",
-        **{"n_ctx": 1024, "sha256": MODEL_SHA256, **kw},  # type: ignore[arg-type]
+        cache_dir=str(cache_dir), bind_host="127.0.0.1",
+        **{"n_ctx": 1024, "sha256": MODEL_SHA256, "n_layers": N_LAYERS, **kw},  # type: ignore[arg-type]
     )  # fmt: skip
 
 

@@ -1,0 +1,113 @@
+"""Draft tokens for speculative decoding, from the request's own tokens.
+
+Prompt lookup: the last few tokens written are looked for earlier in the request (its
+prompt and its answer so far); what followed them there is the draft. Code edits,
+summaries and answers over a document repeat their input, and the lookup costs
+microseconds, far less than the pass it saves (a proposer must be much cheaper than a
+decode step over the pipeline to pay). The last stage verifies every drafted row in
+one pass and keeps the longest agreeing run (see ``meshd.engines.runner``).
+
+:class:`DraftBudget` adapts how many tokens to draft to how many were accepted, and
+stops drafting for a request where it does not pay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["DraftBudget", "prompt_lookup"]
+
+#: Longest and shortest n-gram looked for (longer first: a longer match predicts better).
+MAX_NGRAM = 3
+MIN_NGRAM = 2
+#: Tokens looked back over (the search is O(window)).
+WINDOW = 8192
+
+
+def prompt_lookup(tokens: Sequence[int], k: int) -> list[int]:
+    """Up to ``k`` tokens that followed the most recent earlier occurrence of the last
+    n-gram of ``tokens`` (n from :data:`MAX_NGRAM` down to :data:`MIN_NGRAM`); none
+    when nothing repeats."""
+    if k <= 0 or len(tokens) < MIN_NGRAM + 1:
+        return []
+    arr = np.asarray(tokens[-WINDOW:], np.int64)
+    end = len(arr)
+    for n in range(min(MAX_NGRAM, end - 1), MIN_NGRAM - 1, -1):
+        pattern = arr[end - n :]
+        # Starts of earlier occurrences: the match must end before the tail itself.
+        hits = np.flatnonzero(arr[: end - n] == pattern[0])
+        for j in hits[::-1]:  # most recent first
+            if j + n < end and np.array_equal(arr[j : j + n], pattern):
+                follow = arr[j + n : j + n + k]
+                if len(follow):
+                    return [int(t) for t in follow]
+    return []
+
+
+#: Plain steps timed before a request drafts: the baseline a draft must beat.
+WARMUP_STEPS = 3
+#: Drafted steps timed before it decides whether drafting pays.
+TRIAL_STEPS = 6
+#: Weight of the newest step in the running means.
+EMA = 0.3
+
+
+@dataclass
+class DraftBudget:
+    """How many tokens to draft for one request, from how its drafts fared.
+
+    ``k`` grows by one after a draft accepted whole and falls to what was accepted
+    plus one otherwise. Whether drafting pays is measured, not guessed: stage 0 times
+    each step from feeding a token to getting the next (the trip around the ring and
+    every stage's compute), plain steps and drafted ones alike. After
+    :data:`TRIAL_STEPS` drafted steps, a request whose seconds per token with drafts
+    are not below its plain steps' drafts no more (a model whose compute, not the
+    trip, sets the pace, or text that does not repeat), nor does one whose drafts are
+    mostly wrong (under ``min_rate`` accepted).
+    """
+
+    k_max: int
+    k: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    min_rate: float = 0.25
+    #: Running means: seconds of a plain step, seconds per token of a drafted one.
+    plain_s: float = 0.0
+    spec_s: float = 0.0
+    n_plain: int = 0
+    n_spec: int = 0
+    off: bool = False
+
+    def __post_init__(self) -> None:
+        self.k = self.k or self.k_max
+
+    @property
+    def on(self) -> bool:
+        """Whether to draft at the next step."""
+        return self.k_max > 0 and not self.off and self.n_plain >= WARMUP_STEPS
+
+    def plain(self, seconds: float) -> None:
+        """A step without a draft took ``seconds``."""
+        self.plain_s = _mean(self.plain_s, seconds, self.n_plain)
+        self.n_plain += 1
+
+    def record(self, drafted: int, accepted: int, seconds: float = 0.0) -> None:
+        """A draft of ``drafted`` tokens had its first ``accepted`` taken, in a step
+        of ``seconds`` (0: not timed)."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.k = min(self.k_max, self.k + 1) if accepted == drafted else max(1, accepted + 1)
+        if seconds > 0:
+            self.spec_s = _mean(self.spec_s, seconds / (accepted + 1), self.n_spec)
+            self.n_spec += 1
+        if self.n_spec >= TRIAL_STEPS and (
+            self.spec_s >= self.plain_s or self.accepted < self.min_rate * self.drafted
+        ):
+            self.off = True
+
+
+def _mean(mean: float, x: float, n: int) -> float:
+    return x if n == 0 else (1 - EMA) * mean + EMA * x

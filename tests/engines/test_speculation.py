@@ -1,0 +1,163 @@
+"""Speculative decoding through the pipeline: stage 0 drafts by prompt lookup, every
+stage runs the drafted rows in one pass, the last stage keeps what the model agrees
+with, and the rejected rows' KV is dropped on every stage. Real runner processes over
+real ZeroMQ, a small F32 model in exact mode (where a batch of rows and one row a step
+agree to ~1e-6, so greedy output must be the same token for token)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from meshd.engines.drafting import DraftBudget, prompt_lookup
+from meshd.transport import wire
+from tests.synthetic import N_LAYERS, write_model
+
+from .runners import ApiSide, RunnerProcess, runner_config, text_of, tokens_of
+
+pytestmark = pytest.mark.timeout(300)
+
+#: Repeats itself: what an answer that quotes its input looks like to a lookup.
+PROMPT = "def area(w, h):\n    return w * h\n\n" * 6
+
+
+def test_prompt_lookup_proposes_what_followed_the_last_ngram() -> None:
+    assert prompt_lookup([1, 2, 3, 4, 5, 9, 1, 2, 3], 3) == [4, 5, 9]
+    # The most recent occurrence wins.
+    assert prompt_lookup([7, 8, 1, 7, 8, 2, 7, 8], 2) == [2, 7]
+    assert prompt_lookup([1, 2, 3, 4], 4) == []  # nothing repeats
+    assert prompt_lookup([1, 2, 1, 2], 0) == []
+
+
+def test_the_budget_follows_acceptance_and_measured_time() -> None:
+    b = DraftBudget(k_max=4)
+    assert not b.on  # no plain step timed yet: nothing to beat
+    for _ in range(3):
+        b.plain(0.010)
+    assert b.on and b.k == 4
+    b.record(4, 1, 0.012)
+    assert b.k == 2
+    b.record(2, 2, 0.012)
+    assert b.k == 3
+    for _ in range(6):
+        b.record(3, 3, 0.012)  # 4 tokens in 12 ms: 3 ms a token, against 10
+    assert b.on
+    slow = DraftBudget(k_max=4)
+    for _ in range(3):
+        slow.plain(0.010)
+    for _ in range(6):
+        slow.record(4, 0, 0.015)  # one token in 15 ms: worse than without
+    assert not slow.on
+    wrong = DraftBudget(k_max=4)
+    for _ in range(3):
+        wrong.plain(0.010)
+    for _ in range(6):
+        wrong.record(4, 0, 0.001)  # fast, but drafts that never hold
+    assert not wrong.on
+    assert not DraftBudget(k_max=0).on
+
+
+@pytest.fixture(scope="module")
+def pipeline(
+    model_path: Path, slice_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[RunnerProcess]]:
+    tmp = tmp_path_factory.mktemp("spec")
+    path = write_model(tmp / "synth.gguf", model_path, "llama")
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    half = N_LAYERS // 2
+    bounds = [(0, half), (half, N_LAYERS)]
+    runners = [
+        RunnerProcess(
+            runner_config(
+                path,
+                slice_dir,
+                stage=i,
+                bounds=bounds,
+                n_seq_max=4,
+                exact=True,
+                sha256=sha,
+                n_layers=N_LAYERS,
+                n_ctx=512,
+            ),
+            tmp,
+        )
+        for i in range(2)
+    ]
+    yield runners
+    for r in runners:
+        r.stop()
+
+
+def _run(api: ApiSide, route: list[RunnerProcess], req: str, **kw: object) -> list[wire.DataChunk]:
+    api.generate(route, req, prompt=PROMPT, **kw)
+    chunks = api.result(req)
+    assert not any(c.error for c in chunks), chunks
+    route[0].wait_active(0, 10)
+    return chunks
+
+
+@pytest.mark.parametrize("max_tokens", [7, 60])
+def test_greedy_output_with_speculation_is_the_output_without(
+    pipeline: list[RunnerProcess], api: ApiSide, max_tokens: int
+) -> None:
+    s = wire.Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    plain = _run(api, pipeline, f"plain-{max_tokens}", sampling=s, speculate=False)
+    spec = _run(api, pipeline, f"spec-{max_tokens}", sampling=s, speculate=True)
+    assert tokens_of(spec) == tokens_of(plain)
+    assert text_of(spec) == text_of(plain)
+    assert len(tokens_of(spec)) == max_tokens
+    assert plain[-1].usage.drafted_tokens == 0
+    u = spec[-1].usage
+    assert (u.completion_tokens, u.prompt_tokens) == (max_tokens, plain[-1].usage.prompt_tokens)
+    if max_tokens == 60:
+        # The random model loops, and the lookup finds the loop: most drafts hold.
+        assert u.accepted_tokens > max_tokens // 3, u
+        assert u.drafted_tokens >= u.accepted_tokens
+
+
+def test_a_seeded_sample_with_speculation_is_the_sample_without(
+    pipeline: list[RunnerProcess], api: ApiSide
+) -> None:
+    # Each position draws its own random number: keeping a draft token exactly when
+    # the draw gives it is the rejection rule, and the stream is the same.
+    s = wire.Sampling(temperature=0.7, seed=5, max_tokens=40, ignore_eos=True)
+    plain = _run(api, pipeline, "seeded-plain", sampling=s, speculate=False)
+    spec = _run(api, pipeline, "seeded-spec", sampling=s, speculate=True)
+    assert tokens_of(spec) == tokens_of(plain)
+    assert spec[-1].usage.drafted_tokens > 0
+
+
+def test_a_stop_string_inside_a_draft_ends_the_answer_there(
+    pipeline: list[RunnerProcess], api: ApiSide
+) -> None:
+    s = wire.Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
+    plain = _run(api, pipeline, "stop-plain", sampling=s, speculate=False)
+    text = text_of(plain)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop
+    cut = wire.Sampling(temperature=0.0, max_tokens=60, ignore_eos=True, stop=[stop])
+    a = _run(api, pipeline, "stop-a", sampling=cut, speculate=False)
+    b = _run(api, pipeline, "stop-b", sampling=cut, speculate=True)
+    assert text_of(a) == text_of(b) and b[-1].finish_reason == "stop"
+    assert b[-1].stop_sequence == stop
+
+
+def test_one_stage_speculates_alone(
+    model_path: Path, slice_dir: Path, tmp_path: Path, api: ApiSide
+) -> None:
+    path = write_model(tmp_path / "synth.gguf", model_path, "llama")
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    cfg = runner_config(path, slice_dir, bounds=[(0, N_LAYERS)], exact=True, sha256=sha,
+                        n_layers=N_LAYERS, n_ctx=512)  # fmt: skip
+    runner = RunnerProcess(cfg, tmp_path)
+    try:
+        s = wire.Sampling(temperature=0.0, max_tokens=50, ignore_eos=True)
+        plain = _run(api, [runner], "one-plain", sampling=s, speculate=False)
+        spec = _run(api, [runner], "one-spec", sampling=s, speculate=True)
+        assert tokens_of(spec) == tokens_of(plain)
+        assert spec[-1].usage.accepted_tokens > 0
+    finally:
+        runner.stop()
