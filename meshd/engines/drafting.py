@@ -36,14 +36,16 @@ def prompt_lookup(tokens: Sequence[int], k: int) -> list[int]:
     arr = np.asarray(tokens[-WINDOW:], np.int64)
     end = len(arr)
     for n in range(min(MAX_NGRAM, end - 1), MIN_NGRAM - 1, -1):
-        pattern = arr[end - n :]
-        # Starts of earlier occurrences: the match must end before the tail itself.
-        hits = np.flatnonzero(arr[: end - n] == pattern[0])
-        for j in hits[::-1]:  # most recent first
-            if j + n < end and np.array_equal(arr[j : j + n], pattern):
-                follow = arr[j + n : j + n + k]
-                if len(follow):
-                    return [int(t) for t in follow]
+        # Starts j < end - n of earlier occurrences of the last n tokens, found in one
+        # vectorized pass per token of the n-gram (no Python loop over the hits: a
+        # common token occurs thousands of times in a long prompt).
+        match = np.ones(end - n, bool)
+        for i in range(n):
+            match &= arr[i : end - n + i] == arr[end - n + i]
+        hits = np.flatnonzero(match)
+        if len(hits):
+            j = int(hits[-1])  # the most recent
+            return [int(t) for t in arr[j + n : j + n + k]]
     return []
 
 

@@ -529,8 +529,9 @@ class LlamaStage:
         if self.last:
             # Only each item's last rows are sampled from: ask llama.cpp for those.
             outs = np.zeros(total, np.int8)
-            for e, nl in zip(ends, n_logits, strict=True):
-                outs[e - nl : e] = 1
+            outs[ends - 1] = 1
+            for k in np.flatnonzero(n_logits > 1):  # speculative steps only
+                outs[ends[k] - n_logits[k] : ends[k]] = 1
             hidden_out = None
         else:
             # Every row goes on to the next stage; rows not marked as outputs are

@@ -398,8 +398,7 @@ class Runner:
         self.generation = generation
         emit(GenerationAdopted(value=generation))
         # A stage of the new plan may be new: it holds none of the kept prefixes.
-        for slot in list(self.kept):
-            self.drop_kept(slot)
+        self.drop_all_kept()
         stale = [r for r in self.reqs.values() if r.generation != generation]
         for r in stale:
             self.fail(r.reply_to, r.req, "generation_mismatch", "plan changed during the request")
@@ -575,8 +574,7 @@ class Runner:
         # reuses nothing runs as on a fresh runner, every stage's kept prefixes dropped.
         cold = not reuse and not g.embed
         if cold:
-            for slot in list(self.kept):
-                self.drop_kept(slot)
+            self.drop_all_kept()
         seq, source, n_cached = self.seat_first(prompt if reuse else None)
         r = Request(
             g.req, seq, list(g.route), g.reply_to, g.sampling, n_prompt=n,
@@ -1129,6 +1127,11 @@ class Runner:
         self.stage.free(k.seq)
         self.free_seqs.append(k.seq)
 
+    def drop_all_kept(self) -> None:
+        """Forget every kept prefix (a cold request, a new plan)."""
+        for slot in list(self.kept):
+            self.drop_kept(slot)
+
     def _free_one(self, spare: int) -> bool:
         """Free the least recently used kept sequence but ``spare``'s; False if none."""
         victim = next((slot for slot in self.kept if slot != spare), None)
@@ -1163,8 +1166,7 @@ class Runner:
         """A later stage: the sequence for a new request, prefix copied as stage 0
         said; None (the request ended with an error) when this stage cannot."""
         if s.cold:
-            for slot in list(self.kept):
-                self.drop_kept(slot)
+            self.drop_all_kept()
         if s.slot in self.kept and s.slot != s.prefix_slot:
             self.drop_kept(s.slot)  # stage 0 gave that slot to this request
         if s.prefix_slot >= 0 and s.prefix_slot not in self.kept:
