@@ -88,7 +88,7 @@ def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {
         "model": inst.spec.model,
         "generation": inst.generation,
         "activations": inst.spec.activations,
-        "context": instance_context(inst.spec, inst.facts),
+        "context": instance_context(inst),
         "kv_cache": inst.spec.kv_cache,
         #: Requests the answering node's API runs on this instance now.
         "in_flight": load.get(inst.id, 0),

@@ -227,9 +227,10 @@ class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     #: Wire type of activations between two adjacent MLX stages: ``f32`` (default),
     #: ``f16`` or ``bf16``. Hops that touch llama.cpp always carry float32.
     activations: str = "f32"
-    #: Tokens of context each request gets (prompt + answer); 0: the default
-    #: (``meshd.placement.place.KV_TOKENS``, at most the model's trained context).
-    #: Placement reserves KV for it on every stage, and the runners allocate it.
+    #: Tokens of context each request gets (prompt + answer); 0: the default (the
+    #: model's trained context as far as memory allows, see
+    #: ``meshd.placement.place.default_context``). Placement reserves KV for it on
+    #: every stage, and the runners allocate it.
     context: int = 0
     #: KV cache type of its llama.cpp stages: ``f16``, ``q8_0`` or ``q4_0`` (about
     #: 0.53x and 0.28x the bytes: a longer context in the same memory).
@@ -280,6 +281,10 @@ class Instance(msgspec.Struct, kw_only=True, omit_defaults=True):
     generation: int = 1
     facts: ModelFacts | None = None
     basis: PlanBasis | None = None
+    #: Tokens of context each request gets, as placement chose them (the spec's, or
+    #: the longest the plan's memory allows, see ``placement.default_context``); the
+    #: runners allocate it. 0 in a record written before it was kept.
+    context: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()

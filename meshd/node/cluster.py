@@ -26,7 +26,6 @@ from meshd.crdt.views import (
     NodeCard,
     PlanBasis,
     RunnerStatus,
-    Stage,
     cards,
     healths,
     instances,
@@ -35,9 +34,10 @@ from meshd.crdt.views import (
 from meshd.models import canonical_name
 from meshd.placement import (
     NodeResources,
+    Placement,
     PlacementError,
     node_resources,
-    place_fetching,
+    placement,
     repair_needed,
 )
 from meshd.transport import wire
@@ -324,18 +324,17 @@ class ClusterView:
         facts: ModelFacts,
         previous: Instance | None = None,
         keep: Callable[[str], bool] = lambda nid: True,
-    ) -> tuple[list[Stage], dict[str, NodeResources]]:
+    ) -> Placement:
         """Placement on the holders of the model first, then on fetchers too (see
-        ``place_fetching``); ``keep`` filters both."""
+        ``place_fetching``), with the context the plan serves; ``keep`` filters both."""
         held = self.holders(spec.model, facts)
         holders = {k: v for k, v in held.items() if keep(k)}
         others = {k: v for k, v in self.fetchers(spec.model, facts, held).items() if keep(k)}
-        return place_fetching(spec, facts, holders, others, previous=previous)
+        return placement(spec, facts, holders, others, previous=previous)
 
-    def place_new(
-        self, spec: InstanceSpec, facts: ModelFacts
-    ) -> tuple[list[Stage], list[NodeResources]]:
-        """A fresh plan of ``spec`` and the nodes it was chosen among (``PlanBasis``).
+    def place_new(self, spec: InstanceSpec, facts: ModelFacts) -> Placement:
+        """A fresh plan of ``spec``, the nodes it was chosen among (``PlanBasis``) and
+        its context.
 
         Another instance of the same model (a replica) goes on nodes the others do not
         use when they can hold it, so replicas add capacity instead of sharing it; it
@@ -343,12 +342,10 @@ class ClusterView:
         busy = {s.node for i in self.replicas(spec.model) for s in i.stages}
         if busy and not spec.nodes:
             try:
-                stages, nodes = self._place(spec, facts, keep=lambda k: k not in busy)
-                return stages, list(nodes.values())
+                return self._place(spec, facts, keep=lambda k: k not in busy)
             except PlacementError:
                 pass
-        stages, nodes = self._place(spec, facts)
-        return stages, list(nodes.values())
+        return self._place(spec, facts)
 
     def relocatable(self, inst: Instance, without: str) -> bool:
         """Whether the serving nodes other than ``without`` can hold ``inst``."""
@@ -411,11 +408,13 @@ class ClusterView:
                 continue
             relaxed = inst.spec.relaxed()
             try:
-                stages, nodes = self._place(relaxed, inst.facts, inst, self._repair_keep(inst))
+                stages, nodes, context = self._place(
+                    relaxed, inst.facts, inst, self._repair_keep(inst)
+                )
             except PlacementError as e:
                 failed[inst.id] = str(e)
                 continue
-            if stages == inst.stages:
+            if stages == inst.stages and context == inst.context:
                 continue
             basis = PlanBasis(spec=relaxed, nodes=list(nodes.values()), previous=inst.stages)
             plans.append(
@@ -426,6 +425,7 @@ class ClusterView:
                     generation=inst.generation + 1,
                     facts=inst.facts,
                     basis=basis,
+                    context=context,
                 )
             )
         return plans, failed

@@ -126,14 +126,15 @@ class Instances:
         self, spec: InstanceSpec, facts: ModelFacts, instance_id: str | None = None
     ) -> Instance:
         """Compute a plan and write it; raise PlacementError when none fits."""
-        stages, nodes = self.state.view().place_new(spec, facts)
+        stages, nodes, context = self.state.view().place_new(spec, facts)
         inst = Instance(
             id=instance_id or secrets.token_hex(4),
             spec=spec,
             stages=stages,
             generation=1,
             facts=facts,
-            basis=PlanBasis(spec=spec, nodes=nodes),
+            basis=PlanBasis(spec=spec, nodes=list(nodes.values())),
+            context=context,
         )
         self.state.write(instance_key(inst.id), inst)
         log.info(

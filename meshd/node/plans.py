@@ -20,7 +20,7 @@ from meshd.crdt.views import (
     member_key,
     node_key,
 )
-from meshd.placement import PlacementError, place
+from meshd.placement import PlacementError, default_context, place
 
 __all__ = ["plan_refusal", "refuse_plan_entry"]
 
@@ -66,4 +66,11 @@ def plan_refusal(inst: Instance, m: LWWMap) -> str | None:
         stages = place(basis.spec, facts, nodes, previous=previous)
     except PlacementError:
         return "unreproducible_plan"
-    return None if stages == inst.stages else "unreproducible_plan"
+    if stages != inst.stages:
+        return "unreproducible_plan"
+    # A record from before the context was kept (0) says nothing to check.
+    if inst.context and inst.context != default_context(
+        basis.spec, facts, nodes, stages, previous
+    ):  # fmt: skip
+        return "unreproducible_plan"
+    return None

@@ -91,6 +91,9 @@ class StageKey:
     engine: str = "llama_cpp"
     #: Wire type of the activations sent on: it depends on the next stage's engine.
     send_dtype: str = "f32"
+    #: Context per request the runner allocates (a repair may change it: see
+    #: ``placement.default_context``); 0 where it is not known yet.
+    n_ctx: int = 0
 
 
 @dataclass
@@ -321,9 +324,10 @@ class Supervisor:
                         log.info("stage %s/%d: %s: its slice comes from the holders",
                                  inst.id, i, e)  # fmt: skip
                     path, sliced = str(fetched), True
+                n_ctx = inst.context or inst.spec.context or self.n_ctx
                 key = StageKey(
                     inst.id, i, len(inst.stages), st.start, st.end, path,
-                    st.engine, send_dtype(inst, i),
+                    st.engine, send_dtype(inst, i), n_ctx,
                 )  # fmt: skip
                 r = self.runners.get(k)
                 if r is not None and r.key == key:
@@ -349,8 +353,8 @@ class Supervisor:
                     engine=st.engine,
                     cache_dir=str(self.cache_dir),
                     bind_host=self.bind_host,
-                    # The instance's own context when it was placed with one.
-                    n_ctx=inst.spec.context or self.n_ctx,
+                    # The context placement chose for the instance.
+                    n_ctx=n_ctx,
                     n_seq_max=self.n_seq_max,
                     kv_cache=inst.spec.kv_cache,
                     send_dtype=send_dtype(inst, i),
@@ -384,7 +388,7 @@ class Supervisor:
                     st.start,
                     st.end,
                     st.engine,
-                    context=inst.spec.context,
+                    context=inst.context or inst.spec.context,
                     kv_cache=inst.spec.kv_cache,
                 )
                 if inst.facts

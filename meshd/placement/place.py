@@ -27,6 +27,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import NamedTuple
 
 import msgspec
 
@@ -68,6 +69,9 @@ KV_CACHE_TYPES = {"f16": 1.0, "q8_0": 34 / 64, "q4_0": 18 / 64}
 
 #: Context (tokens) of one request and requests in flight that a runner makes room
 #: for: the runner allocates exactly this KV cache, so placement reserves it.
+#: ``KV_TOKENS`` is the least context an instance placed without one gets (its trained
+#: context when that is shorter); it gets more where memory allows (see
+#: :func:`default_context`).
 KV_TOKENS = 4096
 KV_SEQUENCES = 8
 
@@ -81,6 +85,10 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
       KV cache reserved per stage for
       ``kv_sequences`` concurrent requests of ``min(kv_tokens, n_ctx_train)`` tokens
       each, at ``facts.kv_bytes_per_token_layer`` per layer of the stage.
+    - ``context_share`` (1/2): an instance placed without a context gets the longest
+      one (its trained context, halved until it fits) whose KV reservation is at most
+      this share of the memory its plan's nodes offer (see :func:`default_context`),
+      so a long default context never takes the room of the next model.
     - ``floor_bytes`` (512 MiB): memory kept free on every node.
     - ``engine_preference``: backends ranked fastest first
       (:data:`DEFAULT_ENGINE_PREFERENCE`); a backend not listed ranks after them, by
@@ -97,6 +105,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     kv_tokens: int = KV_TOKENS
     kv_cache: str = "f16"
     kv_sequences: int = KV_SEQUENCES
+    context_share: float = 0.5
     floor_bytes: int = 512 * MiB
     engine_preference: tuple[str, ...] = DEFAULT_ENGINE_PREFERENCE
     credit_held: bool = True
@@ -123,14 +132,64 @@ def stage_need(
     return _Model.of(facts, pol).need(start, end, engine_of(engine))
 
 
-def instance_context(spec: InstanceSpec, facts: ModelFacts | None) -> int:
-    """Tokens of context each request of an instance gets: ``spec.context``, else
-    :data:`KV_TOKENS` capped at the model's trained context."""
-    if spec.context:
-        return spec.context
+def instance_context(inst: Instance) -> int:
+    """Tokens of context each request of ``inst`` gets: what placement chose for it
+    (``Instance.context``), else (a record from before it was kept) its spec's, else
+    :func:`base_context`."""
+    return inst.context or inst.spec.context or base_context(inst.facts)
+
+
+def base_context(facts: ModelFacts | None) -> int:
+    """The least context an instance placed without one gets: :data:`KV_TOKENS`, or
+    the model's trained context when that is shorter."""
     if facts is not None and facts.n_ctx_train > 0:
         return min(KV_TOKENS, facts.n_ctx_train)
     return KV_TOKENS
+
+
+def default_context(
+    spec: InstanceSpec,
+    facts: ModelFacts,
+    nodes: Mapping[str, NodeResources],
+    stages: Sequence[Stage],
+    previous: Instance | None = None,
+    policy: Policy = Policy(),  # noqa: B008 (frozen, immutable)
+) -> int:
+    """The context of an instance placed as ``stages`` on ``nodes``: ``spec.context``
+    when the user set one; else the model's trained context, halved until it fits, and
+    never less than :func:`base_context` (the one the stages were placed with).
+
+    A context fits when every stage still fits its node's budget (with a repair's
+    credit, taken at that context) and the plan's whole KV reservation is at most
+    ``policy.context_share`` of the usable memory of the plan's nodes. The plan is
+    not changed for a longer context: it only takes memory its nodes have spare.
+    Pure, like :func:`place`: every node chooses the same context.
+    """
+    if spec.context:
+        return spec.context
+    base = base_context(facts)
+    if facts.n_ctx_train <= base or not stages:
+        return base
+    res = _by_id(nodes)
+    prev = _previous_stages(previous, facts.n_layers)
+    used = sorted({s.node for s in stages})
+    if any(n not in res for n in used):
+        return base
+    tokens = facts.n_ctx_train
+    while tokens > base:
+        m = _Model.of(facts, _with_context(policy, tokens, spec.kv_cache))
+        credit: Mapping[str, int] = {}
+        if prev is not None and previous is not None and policy.credit_held:
+            credit = _credits(previous.id, prev, m, res)
+        budget = {n: res[n].mem_available + credit.get(n, 0) for n in used}
+        kv = sum(m.kv(engine_of(s.engine)) * (s.end - s.start) for s in stages)
+        usable = sum(max(0, budget[n] - m.floor) for n in used)
+        if kv <= usable * policy.context_share and all(
+            m.need(s.start, s.end, engine_of(s.engine)) <= budget[s.node] for s in stages
+        ):
+            return tokens
+        tokens //= 2
+    return base
 
 
 def _with_context(policy: Policy, context: int, kv_cache: str = "") -> Policy:
@@ -180,6 +239,29 @@ def place_fetching(
         if len(wider) == len(first):
             raise
     return place(spec, facts, wider, previous, policy), wider
+
+
+def placement(
+    spec: InstanceSpec,
+    facts: ModelFacts,
+    holders: Mapping[str, NodeResources],
+    fetchers: Mapping[str, NodeResources],
+    previous: Instance | None = None,
+    policy: Policy = Policy(),  # noqa: B008 (frozen, immutable)
+) -> Placement:
+    """:func:`place_fetching`, and the context the plan serves (:func:`default_context`)."""
+    stages, nodes = place_fetching(spec, facts, holders, fetchers, previous, policy)
+    context = default_context(spec, facts, nodes, stages, previous, policy)
+    return Placement(stages, nodes, context)
+
+
+class Placement(NamedTuple):
+    """A plan (:func:`placement`): its stages, the nodes it was chosen among and the
+    context (tokens per request) its runners allocate."""
+
+    stages: list[Stage]
+    nodes: dict[str, NodeResources]
+    context: int
 
 
 def repair_needed(instance: Instance, live_ids: Iterable[str]) -> bool:
@@ -250,6 +332,8 @@ def place(
     exactly those nodes (and pinned engines) and still fit; otherwise a fresh pinned
     plan is made.
     """
+    # The stages are placed with the base context; default_context then lengthens it
+    # within the memory they leave (never moving a stage for it).
     if spec.context < 0 or (facts.n_ctx_train > 0 and spec.context > facts.n_ctx_train):
         raise PlacementError(
             "bad_spec",

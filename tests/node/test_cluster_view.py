@@ -197,20 +197,20 @@ def test_a_node_lacking_the_model_is_a_fetcher_only_while_a_holder_serves_slices
 
 def test_placement_prefers_holders_and_takes_a_fetcher_only_when_they_cannot_hold_it() -> None:
     fits = view([card("a", models=()), holder("b"), holder("c")], {}, [])
-    stages, _ = fits.place_new(InstanceSpec(model="m"), FACTS)
+    stages, _, _ = fits.place_new(InstanceSpec(model="m"), FACTS)
     assert [s.node for s in stages] == ["b"]
     # 512 MiB usable beside the floor: less than the model needs (670 MiB), more than half.
     room = 1 * GiB
     # The holder is too small: the roomier fetcher takes the whole model (fewest nodes).
     big = view([card("a", models=(), mem=8 * GiB), holder("b", mem=room)], {}, [])
-    stages, nodes = big.place_new(InstanceSpec(model="m"), FACTS)
-    assert [s.node for s in stages] == ["a"] and {n.id for n in nodes} == {"a", "b"}
+    stages, nodes, _ = big.place_new(InstanceSpec(model="m"), FACTS)
+    assert [s.node for s in stages] == ["a"] and set(nodes) == {"a", "b"}
     # Neither holds it alone: split over the holder and the fetcher.
     both = view([card("a", models=(), mem=room), holder("b", mem=room)], {}, [])
-    stages, _ = both.place_new(InstanceSpec(model="m"), FACTS)
+    stages, _, _ = both.place_new(InstanceSpec(model="m"), FACTS)
     assert sorted(s.node for s in stages) == ["a", "b"]
     # Named: a node that lacks the file is used as asked.
-    stages, _ = fits.place_new(InstanceSpec(model="m", nodes=["n-b", "n-a"]), FACTS)
+    stages, _, _ = fits.place_new(InstanceSpec(model="m", nodes=["n-b", "n-a"]), FACTS)
     assert [s.node for s in stages] == ["b", "a"]
 
 

@@ -69,6 +69,32 @@ def test_an_instance_serves_the_context_it_was_placed_with(cluster: Cluster) -> 
     assert [i["context"] for i in a.get("/v1/instances")["data"]] == [2048]
 
 
+def test_an_instance_placed_without_a_context_gets_the_longest_its_memory_allows(
+    cluster: Cluster,
+) -> None:
+    # 2.5 GiB usable: the trained 8192 tokens' KV (1.5 GB for 8 requests) is more than
+    # the half of it a default context may take, so the instance gets the base 4096.
+    small = cluster.start("small", extra_args=["--max-memory", "3G"])
+    r = httpx.post(small.api + "/v1/instances", timeout=60, json={"model": DEFAULT_MODEL})
+    assert r.status_code == 201, r.text
+    inst = _ready(small, r.json()["id"])
+    assert inst["context"] == 4096
+    r = _complete(small, 4200)
+    assert r.status_code == 400 and "4096" in r.json()["error"]["message"], r.text[:300]
+    assert httpx.delete(small.api + f"/v1/instances/{inst['id']}", timeout=30).status_code == 200
+    # 8 GiB offered: the model's trained context, which a runner really allocates (a
+    # prompt past the base 4096 is served).
+    roomy = cluster.start("roomy", extra_args=["--max-memory", "8G"])
+    r = httpx.post(roomy.api + "/v1/instances", timeout=60,
+                   json={"model": DEFAULT_MODEL, "nodes": ["roomy"]})  # fmt: skip
+    assert r.status_code == 201, r.text
+    inst = _ready(roomy, r.json()["id"])
+    assert inst["context"] == 8192
+    r = _complete(roomy, 4200)
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["usage"]["prompt_tokens"] > 4096
+
+
 def test_an_instance_with_a_quantized_kv_cache_serves(cluster: Cluster) -> None:
     a = cluster.start("a")
     r = httpx.post(a.api + "/v1/instances", timeout=60,

@@ -251,7 +251,7 @@ def test_openai_client_against_a_node_that_holds_no_stage(trio: list[NodeProc]) 
 def test_prompt_over_the_context_is_a_400_and_changes_nothing(trio: list[NodeProc]) -> None:
     inst = place(trio[0], trio[:1])
     try:
-        long = "word " * 5000
+        long = "word " * 9000
         r = httpx.post(trio[1].api + "/v1/completions",
                        json={"model": DEFAULT_MODEL, "prompt": long, "max_tokens": 4},
                        timeout=60)  # fmt: skip

@@ -37,7 +37,7 @@ def test_a_request_id_follows_the_request_through_the_logs(cluster: Cluster) -> 
     r = httpx.post(b.api + "/v1/chat/completions", json={**body, "model": "nope"}, timeout=30)
     assert r.status_code == 404 and len(r.headers["x-request-id"]) == 16
     # A request that fails at a stage: the stage's runner logs it under the API's id.
-    long = {**body, "messages": [{"role": "user", "content": "word " * 5000}]}
+    long = {**body, "messages": [{"role": "user", "content": "word " * 9000}]}
     r = httpx.post(b.api + "/v1/chat/completions", json=long, timeout=60,
                    headers={"X-Request-Id": "too-long-7"})  # fmt: skip
     assert r.status_code == 400, r.text

@@ -27,7 +27,7 @@ from meshd.crdt.views import (
 )
 from meshd.node.plans import plan_refusal
 from meshd.node.trust import MAX_INSTANCES_PER_WRITER, ClusterTrust
-from meshd.placement import place
+from meshd.placement import default_context, place
 from meshd.transport.identity import NodeKey, member_proof, sign_entry
 
 from .test_cluster_view import FACTS, card
@@ -168,6 +168,12 @@ def test_a_plan_placement_would_make_is_taken_and_a_forged_one_is_not() -> None:
         msgspec.structs.replace(s, node=b.node_id) for s in good.stages])  # fmt: skip
     if moved.stages != good.stages:
         assert plan_refusal(moved, r.map) == "unreproducible_plan"
+    # The same plan with a context its nodes' memory does not give (their runners would
+    # allocate more KV than placement reserved).
+    ctx = default_context(good.spec, FACTS, {n.id: n for n in good.basis.nodes}, good.stages)
+    assert plan_refusal(msgspec.structs.replace(good, context=ctx), r.map) is None
+    greedy = msgspec.structs.replace(good, context=ctx * 2)
+    assert plan_refusal(greedy, r.map) == "unreproducible_plan"
     # A node that claims memory its machine does not have.
     rich = msgspec.structs.replace(cb, mem_total=1 << 50, mem_available=1 << 50)
     grab = planned("z", [ca, rich])
