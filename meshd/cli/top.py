@@ -249,6 +249,15 @@ def _lines(parts: Iterable[Text]) -> Text:
     return Text("\n").join(parts) if parts else Text("-", style="dim")
 
 
+def _gpu(d: Any) -> str:
+    """A GPU of a card, as ``CUDA0 23/24G`` (free of total, as probed)."""
+    if not isinstance(d, dict):
+        return "?"
+    free, total = _num(d.get("mem_free")) or 0, _num(d.get("mem_total")) or 0
+    shared = " shared" if d.get("unified") else ""
+    return f"{d.get('name', '?')} {free / 2**30:.0f}/{total / 2**30:.0f}G{shared}"
+
+
 def _each(values: Any) -> Text:
     return _lines(Text(str(v)) for v in _list(values))
 
@@ -400,7 +409,9 @@ def nodes_table(
             "liveness": _liveness(node.get("liveness")),
             "memory": mem_figures(used, total),
             "bar": mem_bar(used, total),
-            "backends": _each(card.get("backends")),
+            "backends": _each(
+                [*_list(card.get("backends")), *(_gpu(d) for d in _list(card.get("devices")))]
+            ),
             "up": Text(_age(up) if up is not None and up >= 0 else "-"),
             "heartbeat": Text(_age(_num(node.get("heartbeat_age_s")))),
             "load": Text(f"{load:.2f}" if load is not None else "-"),

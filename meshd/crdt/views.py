@@ -65,6 +65,25 @@ class Member(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     proof: bytes = b""
 
 
+class Device(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A GPU an engine backend of a node computes on (``meshd.engines.probe``).
+
+    ``mem_free`` is the device's free memory: as probed in a card; in placement's
+    input (``NodeResources.devices``), less what the stages of other instances placed
+    on the node take of it. ``unified`` devices (Apple silicon, integrated GPUs) use
+    the host's memory, which ``mem_available`` already counts: placement budgets them
+    as RAM."""
+
+    #: The backend that uses it, e.g. ``llama_cpp-cuda``, ``mlx-metal``.
+    backend: str
+    #: The engine's own name for it, e.g. ``CUDA0``, ``Vulkan0``, ``Metal``.
+    name: str
+    description: str = ""
+    mem_total: int = 0
+    mem_free: int = 0
+    unified: bool = False
+
+
 class NodeCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What a node can do, written once at start (and when it changes)."""
 
@@ -81,6 +100,8 @@ class NodeCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     mem_available: int
     #: Engine backends detected on this machine, e.g. ``llama_cpp-cpu``, ``mlx-metal``.
     backends: list[str] = []
+    #: The GPUs those backends compute on, with their memory when probed.
+    devices: list[Device] = []
     #: Addresses peers may reach this node at, best first.
     addresses: list[str] = []
     mesh_port: int
@@ -260,6 +281,8 @@ class NodeResources(msgspec.Struct, frozen=True):
     mem_total: int = 0
     tokens_per_s: float = 0.0
     holds: list[str] = []
+    #: Its GPUs, ``mem_free`` less what other instances' stages on it take there.
+    devices: list[Device] = []
 
 
 class PlanBasis(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):

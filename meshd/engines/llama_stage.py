@@ -267,6 +267,10 @@ class LlamaStage:
     output (or llama.cpp would drop them before the last layer), so llama.cpp sizes
     an output buffer of ``n_batch * n_vocab`` floats it never fills: lower ``n_batch``
     for large vocabularies on memory-tight middle stages.
+
+    ``n_gpu_layers`` is llama.cpp's: on a GPU build, the stage's last layers that go to
+    its GPUs (one more than ``n_layers``: the output head too); 0, the default, keeps
+    everything on the CPU (llama.cpp's own default would offload all of it).
     """
 
     def __init__(
@@ -281,6 +285,7 @@ class LlamaStage:
         n_threads: int | None = None,
         n_batch: int = 512,
         kv_cache: str = "f16",
+        n_gpu_layers: int = 0,
     ) -> None:
         path = Path(path)
         if kv_cache not in KV_CACHE_GGML:
@@ -314,6 +319,9 @@ class LlamaStage:
         self._embed_ctx: Any = None
         self._cb_eval: Any = None
         mparams = L.llama_model_default_params()
+        # llama.cpp's default offloads every layer to a GPU build's devices, whatever
+        # they hold; placement says how many fit (0 on a machine without one).
+        mparams.n_gpu_layers = n_gpu_layers
         model = L.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise StageError(f"llama.cpp could not load {path}")

@@ -1,17 +1,24 @@
-"""Detect the engine backends this machine can really run.
+"""Detect the engine backends this machine can really run, and their GPUs.
 
 Run as a subprocess (``python -m meshd.engines.probe``) so that importing a native
-engine that crashes or hangs cannot take the node down; it prints one JSON list.
+engine that crashes or hangs cannot take the node down; it prints one JSON object.
 A backend is listed only if its engine imports and reports the device; never claimed.
+A GPU is listed with the memory its engine reports: llama.cpp's device API
+(``ggml_backend_dev_memory``) on a CUDA/Vulkan/Metal build, MLX's ``device_info``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import ctypes
 import logging
 import platform
 import sys
+from typing import Any, NamedTuple
+
+import msgspec
+
+from meshd.crdt.views import Device
 
 log = logging.getLogger("meshd.engines")
 
@@ -64,13 +71,108 @@ def _mlx() -> list[str]:
     return out
 
 
+#: ggml_backend_dev_type values that are GPUs: dedicated, integrated (host memory).
+_GGML_GPU, _GGML_IGPU = 1, 2
+
+
+def _ggml_lib() -> Any:
+    """The ggml library libllama loaded (by soname: a copy loaded by path would have
+    a registry of its own, see ``llama_stage._load_ggml_base``)."""
+    import llama_cpp
+
+    if sys.platform.startswith("linux"):
+        try:
+            return ctypes.CDLL("libggml.so.0")
+        except OSError:
+            pass
+    return llama_cpp.llama_cpp._lib
+
+
+def llama_devices(backend: str) -> list[Device]:
+    """The GPUs llama.cpp's device registry lists, as ``backend``'s (a GPU build's
+    ``llama_cpp-cuda`` and so on), with their free and total memory."""
+    lib = _ggml_lib()
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    for fn in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(lib, fn).restype = ctypes.c_char_p
+        getattr(lib, fn).argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    size_p = ctypes.POINTER(ctypes.c_size_t)
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, size_p, size_p]
+    out = []
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        kind = int(lib.ggml_backend_dev_type(dev))
+        if kind not in (_GGML_GPU, _GGML_IGPU):
+            continue
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append(
+            Device(
+                backend=backend,
+                name=(lib.ggml_backend_dev_name(dev) or b"").decode(errors="replace"),
+                description=(lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
+                mem_total=int(total.value),
+                mem_free=int(free.value),
+                # Apple's GPUs and integrated ones share the host's memory.
+                unified=kind == _GGML_IGPU or backend == "llama_cpp-metal",
+            )
+        )
+    return out
+
+
+def mlx_devices(backend: str) -> list[Device]:
+    """``backend``'s GPU (``mlx-metal``, ``mlx-cuda``) as MLX's ``device_info`` says:
+    on Metal, the recommended working set of the unified memory is what it may use."""
+    import mlx.core as mx
+
+    info = mx.device_info()
+    total = int(info.get("memory_size") or info.get("total_memory") or 0)
+    free = int(info.get("max_recommended_working_set_size") or info.get("free_memory") or total)
+    return [
+        Device(
+            backend=backend,
+            name=str(info.get("device_name") or backend),
+            mem_total=total,
+            mem_free=free,
+            unified=backend == "mlx-metal",
+        )
+    ]
+
+
 def detect() -> list[str]:
     """Backends available in this interpreter (runs engine imports: use :func:`probe`)."""
     return sorted(set(_llama_cpp() + _mlx()))
 
 
-async def probe(timeout: float = PROBE_TIMEOUT) -> list[str]:
-    """Detect backends in a subprocess, bounded by ``timeout``; [] if the probe fails."""
+def detect_devices(backends: list[str]) -> list[Device]:
+    """The GPUs of the GPU ``backends`` (runs engine imports: use :func:`probe`); a
+    backend whose engine cannot say is left out, never guessed."""
+    out: list[Device] = []
+    for b in backends:
+        engine, _, kind = b.partition("-")
+        if kind == "cpu":
+            continue
+        try:
+            out += llama_devices(b) if engine == "llama_cpp" else mlx_devices(b)
+        except Exception:
+            log.debug("no device facts for %s", b, exc_info=True)
+    return out
+
+
+class Probed(NamedTuple):
+    """What the probe found: engine backends and the GPUs they compute on."""
+
+    backends: list[str]
+    devices: list[Device]
+
+
+async def probe(timeout: float = PROBE_TIMEOUT) -> Probed:
+    """Detect backends and GPUs in a subprocess, bounded by ``timeout``; none if the
+    probe fails."""
     try:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -81,25 +183,32 @@ async def probe(timeout: float = PROBE_TIMEOUT) -> list[str]:
         )
     except OSError:
         log.exception("could not start the backend probe")
-        return []
+        return Probed([], [])
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:
         proc.kill()
         await proc.wait()
         log.warning("backend probe timed out after %.0f s; advertising no backends", timeout)
-        return []
+        return Probed([], [])
     try:
-        found = json.loads(out.decode().strip().splitlines()[-1])
-        return [str(b) for b in found]
-    except (ValueError, IndexError):
+        found = msgspec.json.decode(out.decode().strip().splitlines()[-1], type=_Found)
+    except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
         log.warning("backend probe printed nothing usable; advertising no backends")
-        return []
+        return Probed([], [])
+    return Probed(found.backends, found.devices)
+
+
+class _Found(msgspec.Struct):
+    backends: list[str]
+    devices: list[Device] = []
 
 
 if __name__ == "__main__":
     logging.disable(logging.CRITICAL)
-    print(json.dumps(detect()), flush=True)
+    backends = detect()
+    found = _Found(backends, detect_devices(backends))
+    print(msgspec.json.encode(found).decode(), flush=True)
     sys.stdout.flush()
     # Native engines may spin threads that slow interpreter exit.
     if platform.system() != "Windows":

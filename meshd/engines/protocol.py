@@ -110,6 +110,10 @@ class RunnerConfig(msgspec.Struct, kw_only=True):
     draft_max: int = 4
     #: KV cache type of a llama.cpp stage (``InstanceSpec.kv_cache``).
     kv_cache: str = "f16"
+    #: Layers a llama.cpp stage offloads to its GPUs, its last ones (one more than
+    #: its layer count: the output head too); 0 on the CPU (see
+    #: ``placement.stage_offload``).
+    n_gpu_layers: int = 0
     exact: bool = False
     n_threads: int | None = None
     #: Wire type of the activations this stage sends on (see transport.tensors);

@@ -1344,6 +1344,7 @@ def load_stage(cfg: RunnerConfig):
     return LlamaStage(
         path, first=first, last=last, n_ctx=cfg.n_ctx, n_seq_max=cfg.n_seq_max,
         exact=cfg.exact, n_threads=cfg.n_threads, kv_cache=cfg.kv_cache,
+        n_gpu_layers=cfg.n_gpu_layers,
     )  # fmt: skip
 
 

@@ -36,10 +36,14 @@ from meshd.placement import (
     NodeResources,
     Placement,
     PlacementError,
+    instance_context,
     node_resources,
+    node_vram,
     placement,
     repair_needed,
+    stage_offload,
 )
+from meshd.placement.resources import less_gpu
 from meshd.transport import wire
 from meshd.transport.identity import curve_public_of
 
@@ -328,9 +332,30 @@ class ClusterView:
         """Placement on the holders of the model first, then on fetchers too (see
         ``place_fetching``), with the context the plan serves; ``keep`` filters both."""
         held = self.holders(spec.model, facts)
-        holders = {k: v for k, v in held.items() if keep(k)}
+        skip = previous.id if previous is not None else ""
+        holders = self._gpu_left({k: v for k, v in held.items() if keep(k)}, skip)
         others = {k: v for k, v in self.fetchers(spec.model, facts, held).items() if keep(k)}
-        return placement(spec, facts, holders, others, previous=previous)
+        return placement(spec, facts, holders, self._gpu_left(others, skip), previous=previous)
+
+    def _gpu_left(self, nodes: dict[str, NodeResources], skip: str) -> dict[str, NodeResources]:
+        """``nodes`` with their GPUs' free memory less what the stages of every other
+        instance than ``skip`` take there (a card's figure is from before they ran).
+        Each is counted with the GPU memory as probed, whatever order they came in."""
+        taken: dict[str, int] = {}
+        for inst in self.instances.values():
+            if inst.id == skip or inst.facts is None:
+                continue
+            for st in inst.stages:
+                r = nodes.get(st.node)
+                if r is None or not r.devices:
+                    continue
+                vram = node_vram(r, st.engine)
+                _, used = stage_offload(
+                    inst.facts, st.start, st.end, st.engine, vram,
+                    context=instance_context(inst), kv_cache=inst.spec.kv_cache,
+                )  # fmt: skip
+                taken[st.node] = taken.get(st.node, 0) + used
+        return {k: less_gpu(r, taken.get(k, 0)) for k, r in nodes.items()}
 
     def place_new(self, spec: InstanceSpec, facts: ModelFacts) -> Placement:
         """A fresh plan of ``spec``, the nodes it was chosen among (``PlanBasis``) and

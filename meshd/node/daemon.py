@@ -29,6 +29,7 @@ from meshd.crdt.replica import Replica
 from meshd.crdt.views import INSTANCE, MEMBER, NodeCard, instances
 from meshd.engines.probe import probe
 from meshd.models.inventory import held_models
+from meshd.placement import fmt_bytes
 from meshd.transport import wire
 from meshd.transport.addresses import local_addresses, virtual_addresses
 from meshd.transport.dataplane import DataPlane
@@ -194,6 +195,10 @@ class Node:
             self.gossip.mesh_port, self.gossip.pub_port,
             ", ".join(card.backends) or "none",
         )  # fmt: skip
+        for d in card.devices:
+            log.info("GPU %s (%s, %s): %s free of %s%s", d.name, d.description, d.backend,
+                     fmt_bytes(d.mem_free), fmt_bytes(d.mem_total),
+                     ", shared with the host" if d.unified else "")  # fmt: skip
 
     async def _start_discovery(self) -> None:
         from meshd.transport.discovery import Discovery
@@ -391,7 +396,7 @@ async def _assemble(
         identity.node_id, HLC(max_drift_ms=cfg.max_clock_drift_ms), **access.replica_options()
     )
     access.install(replica, cfg.name)
-    backends = await probe()
+    backends, devices = await probe()
     incarnation = secrets.token_hex(6)
     mesh_port = cfg.mesh_port
     if access.secured and mesh_port == 0:
@@ -494,6 +499,7 @@ async def _assemble(
         mem_total=cap_memory(sysinfo.mem_total(), cfg.max_memory),
         mem_available=cap_memory(sysinfo.mem_available(), cfg.max_memory),
         backends=backends,
+        devices=devices,
         addresses=own,
         mesh_port=gossip.mesh_port,
         pub_port=gossip.pub_port,

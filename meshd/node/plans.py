@@ -56,6 +56,12 @@ def plan_refusal(inst: Instance, m: LWWMap) -> str | None:
             return "implausible_plan"
         if not set(n.backends) <= set(card.backends):
             return "implausible_plan"
+        # GPUs only as the card says, with no more free memory than it had.
+        probed = {(d.backend, d.name): d for d in card.devices}
+        for d in n.devices:
+            c = probed.get((d.backend, d.name))
+            if c is None or d.unified != c.unified or d.mem_free > max(c.mem_free, c.mem_total):
+                return "implausible_plan"
     previous = None
     if basis.previous is not None:
         previous = Instance(

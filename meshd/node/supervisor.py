@@ -55,6 +55,7 @@ from meshd.models.folder import folder_sha256
 from meshd.models.folder_slicing import folder_slice_dir
 from meshd.models.hashing import file_sha256
 from meshd.models.slicing import slice_path, trim_slices
+from meshd.placement import instance_context, node_vram, stage_offload
 from meshd.placement.place import KV_SEQUENCES, KV_TOKENS, stage_need
 from meshd.transport.security import ClusterKeys
 
@@ -183,6 +184,22 @@ def send_dtype(inst: Instance, i: int) -> str:
     if i + 1 < len(stages) and stages[i].engine == "mlx" and stages[i + 1].engine == "mlx":
         return inst.spec.activations
     return "f32"
+
+
+def gpu_layers(inst: Instance, i: int) -> int:
+    """``n_gpu_layers`` of stage ``i``'s runner: what placement counted on its node's
+    GPUs, from the node as the plan saw it (``PlanBasis``); 0 (the CPU) without one."""
+    st = inst.stages[i]
+    if inst.facts is None or inst.basis is None:
+        return 0
+    node = next((n for n in inst.basis.nodes if n.id == st.node), None)
+    if node is None:
+        return 0
+    n, _ = stage_offload(
+        inst.facts, st.start, st.end, st.engine, node_vram(node, st.engine),
+        context=instance_context(inst), kv_cache=inst.spec.kv_cache,
+    )  # fmt: skip
+    return n
 
 
 class Supervisor:
@@ -357,6 +374,7 @@ class Supervisor:
                     n_ctx=n_ctx,
                     n_seq_max=self.n_seq_max,
                     kv_cache=inst.spec.kv_cache,
+                    n_gpu_layers=gpu_layers(inst, i),
                     send_dtype=send_dtype(inst, i),
                     n_threads=threads_per_runner(len(desired)),
                     request_expiry_s=self.request_expiry,

@@ -14,12 +14,14 @@ from .place import (
     engine_of,
     instance_context,
     next_generation,
+    node_vram,
     place,
     place_fetching,
     placement,
     plan_digest,
     repair_needed,
     stage_need,
+    stage_offload,
 )
 from .resources import NodeResources, node_resources
 
@@ -37,10 +39,12 @@ __all__ = [
     "instance_context",
     "next_generation",
     "node_resources",
+    "node_vram",
     "place",
     "place_fetching",
     "placement",
     "plan_digest",
     "repair_needed",
     "stage_need",
+    "stage_offload",
 ]

@@ -18,6 +18,14 @@ Memory a stage needs on its node (see :func:`stage_need`)::
 
 and it must be at most the node's budget: ``mem_available`` (plus, in a repair, the
 memory the node already holds for this instance's previous stage, see ``Policy``).
+
+**GPUs.** A llama.cpp stage on a node whose llama.cpp backend has dedicated GPUs
+(``NodeResources.devices``) offloads its layers there, the last ones first as
+llama.cpp does, each with its KV, as many as fit in the devices' free memory less
+``vram_floor_bytes`` each, and the output head too once every layer is there. What is
+offloaded leaves the host's need: the stage fits when the rest fits ``mem_available``
+(:func:`stage_offload` gives the layer count its runner passes as ``n_gpu_layers``).
+Unified memory (Apple silicon, integrated GPUs) is the host's, budgeted as RAM.
 """
 
 from __future__ import annotations
@@ -90,6 +98,8 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
       this share of the memory its plan's nodes offer (see :func:`default_context`),
       so a long default context never takes the room of the next model.
     - ``floor_bytes`` (512 MiB): memory kept free on every node.
+    - ``vram_floor_bytes`` (512 MiB): memory kept free on every dedicated GPU (the
+      engine's own context and compute buffers live there).
     - ``engine_preference``: backends ranked fastest first
       (:data:`DEFAULT_ENGINE_PREFERENCE`); a backend not listed ranks after them, by
       name.
@@ -107,6 +117,7 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     kv_sequences: int = KV_SEQUENCES
     context_share: float = 0.5
     floor_bytes: int = 512 * MiB
+    vram_floor_bytes: int = 512 * MiB
     engine_preference: tuple[str, ...] = DEFAULT_ENGINE_PREFERENCE
     credit_held: bool = True
 
@@ -130,6 +141,41 @@ def stage_need(
     ("": the policy's)."""
     pol = _with_context(policy or Policy(), context, kv_cache)
     return _Model.of(facts, pol).need(start, end, engine_of(engine))
+
+
+def node_vram(r: NodeResources, engine: str, policy: Policy = Policy()) -> int:  # noqa: B008
+    """Bytes of dedicated GPU memory a stage of ``engine`` on node ``r`` may use: the
+    free memory of the devices of the node's best backend for it (a CPU backend has
+    none), less ``policy.vram_floor_bytes`` each. Only llama.cpp stages offload."""
+    if engine_of(engine) != "llama_cpp" or not r.devices:
+        return 0
+    backends = [b for b in r.backends if engine_of(b) == "llama_cpp"]
+    if not backends:
+        return 0
+    best = min(backends, key=lambda b: _backend_rank(b, policy.engine_preference))
+    return sum(
+        max(0, d.mem_free - policy.vram_floor_bytes)
+        for d in r.devices
+        if d.backend == best and not d.unified
+    )
+
+
+def stage_offload(
+    facts: ModelFacts,
+    start: int,
+    end: int,
+    engine: str,
+    vram: int,
+    policy: Policy | None = None,
+    context: int = 0,
+    kv_cache: str = "",
+) -> tuple[int, int]:
+    """``(n_gpu_layers, bytes)``: how much of a stage running layers ``[start, end)``
+    goes on ``vram`` bytes of dedicated GPU memory (see the module's **GPUs**).
+    ``n_gpu_layers`` is llama.cpp's: the stage's last layers, one more for the output
+    head (``end - start + 1``: all of it); 0 keeps the stage on the CPU."""
+    pol = _with_context(policy or Policy(), context, kv_cache)
+    return _Model.of(facts, pol).offload(start, end, engine_of(engine), vram)[:2]
 
 
 def instance_context(inst: Instance) -> int:
@@ -180,12 +226,14 @@ def default_context(
         m = _Model.of(facts, _with_context(policy, tokens, spec.kv_cache))
         credit: Mapping[str, int] = {}
         if prev is not None and previous is not None and policy.credit_held:
-            credit = _credits(previous.id, prev, m, res)
+            credit = _credits(previous.id, prev, m, res, policy)
         budget = {n: res[n].mem_available + credit.get(n, 0) for n in used}
         kv = sum(m.kv(engine_of(s.engine)) * (s.end - s.start) for s in stages)
-        usable = sum(max(0, budget[n] - m.floor) for n in used)
+        vram = {s.node: node_vram(res[s.node], engine_of(s.engine), policy) for s in stages}
+        usable = sum(max(0, budget[n] - m.floor) for n in used) + sum(vram.values())
         if kv <= usable * policy.context_share and all(
-            m.need(s.start, s.end, engine_of(s.engine)) <= budget[s.node] for s in stages
+            m.host_need(s.start, s.end, engine_of(s.engine), vram[s.node]) <= budget[s.node]
+            for s in stages
         ):
             return tokens
         tokens //= 2
@@ -369,10 +417,10 @@ def place(
     prev = _previous_stages(previous, m.n)
     credit = {}
     if prev is not None and previous is not None and policy.credit_held:
-        credit = _credits(previous.id, prev, m, res)
+        credit = _credits(previous.id, prev, m, res, policy)
 
     if spec.nodes:
-        return _place_pinned(spec, m, res, credit, prev)
+        return _place_pinned(spec, m, res, credit, prev, policy)
 
     pin = _single_engine_pin(spec, m)
     allowed = m.engines if pin is None else (pin,)
@@ -385,7 +433,9 @@ def place(
             f"but only {len(res)} are live",
         )
     cands = {
-        nid: c for nid in sorted(res) if (c := _candidate(res[nid], allowed, m, credit)) is not None
+        nid: c
+        for nid in sorted(res)
+        if (c := _candidate(res[nid], allowed, m, credit, policy)) is not None
     }
     if len(cands) < spec.min_nodes or not cands:
         raise PlacementError(
@@ -494,6 +544,34 @@ class _Model:
         """KV bytes a layer reserves on ``engine`` (llama.cpp keeps the cache type)."""
         return self.kv_layer if engine == "mlx" else math.ceil(self.kv_layer * self.kv_factor)
 
+    def offload(self, start: int, end: int, engine: str, vram: int) -> tuple[int, int, int]:
+        """``(n_gpu_layers, bytes on the GPU, bytes that leave the host)`` of a stage
+        with ``vram`` bytes of dedicated GPU memory. llama.cpp offloads the last layers
+        first, each with its KV; with every layer there, the output head follows when
+        it fits (a tied head is a copy of the embedding, which the host keeps too)."""
+        if vram <= 0 or engine != "llama_cpp":
+            return 0, 0, 0
+        kv = self.kv(engine)
+        used = k = 0
+        for i in range(end - 1, start - 1, -1):
+            b = math.ceil((self.prefix[i + 1] - self.prefix[i]) * self.overhead) + kv
+            if used + b > vram:
+                return k, used, used
+            used, k = used + b, k + 1
+        if end == self.n:
+            head = self.head or self.embed
+            if used + head <= vram:
+                return k + 1, used + head, used + self.head
+        return k, used, used
+
+    def host_need(self, start: int, end: int, engine: str, vram: int = 0) -> int:
+        """:meth:`need` less what goes on ``vram`` bytes of dedicated GPU memory."""
+        return self.need(start, end, engine) - self.offload(start, end, engine, vram)[2]
+
+    def fits(self, start: int, end: int, engine: str, c: _Cand) -> bool:
+        """Whether the stage fits candidate ``c``: its host part in ``c.budget``."""
+        return self.host_need(start, end, engine, c.gpu(engine)) <= c.budget
+
 
 # ------------------------------------------------------------------------ candidates
 
@@ -506,10 +584,15 @@ class _Cand:
     budget: int  # mem_available (+ credit)
     usable: int  # budget - floor
     tps: float
+    #: Usable dedicated GPU bytes per engine (node_vram), for those that have any.
+    vram: tuple[tuple[str, int], ...] = ()
 
     @property
     def engine(self) -> str:
         return self.engines[0]
+
+    def gpu(self, engine: str) -> int:
+        return dict(self.vram).get(engine, 0)
 
 
 def _by_id(nodes: Mapping[str, NodeResources]) -> dict[str, NodeResources]:
@@ -539,18 +622,32 @@ def _node_engines(r: NodeResources, allowed: Sequence[str], pref: tuple[str, ...
 
 
 def _candidate(
-    r: NodeResources, allowed: Sequence[str], m: _Model, credit: Mapping[str, int]
+    r: NodeResources,
+    allowed: Sequence[str],
+    m: _Model,
+    credit: Mapping[str, int],
+    policy: Policy,
 ) -> _Cand | None:
     engines = _node_engines(r, allowed, m.preference)
     if not engines:
         return None
     budget = r.mem_available + credit.get(r.id, 0)
     tps = r.tokens_per_s if math.isfinite(r.tokens_per_s) and r.tokens_per_s > 0 else 0.0
-    return _Cand(r.id, r.name, tuple(engines), budget, budget - m.floor, tps)
+    vram = tuple((e, v) for e in engines if (v := node_vram(r, e, policy)) > 0)
+    # A GPU's memory is room too: it ranks the node like RAM would.
+    usable = budget - m.floor + sum(v for _, v in vram[:1])
+    return _Cand(r.id, r.name, tuple(engines), budget, usable, tps, vram)
 
 
 def _label(c: _Cand) -> str:
     return f"node {c.name!r} ({c.id[:8]})" if c.name else f"node {c.id!r}"
+
+
+def _room(c: _Cand, engine: str) -> str:
+    """What a candidate offers a stage, for an error: RAM, and GPU memory if any."""
+    gpu = c.gpu(engine)
+    ram = fmt_bytes(max(0, c.usable - sum(v for _, v in c.vram[:1])))
+    return f"{ram} usable" + (f" + {fmt_bytes(gpu)} of GPU memory" if gpu else "")
 
 
 # ----------------------------------------------------------------------------- split
@@ -596,13 +693,13 @@ def _split(
 
     def maxend(i: int, s: int) -> int:
         """Largest end for stage i starting at s that fits (s if none)."""
-        budget, eng = members[i].budget, engines[i]
+        c, eng = members[i], engines[i]
         if i == k - 1:
-            return hi if m.need(s, hi, eng) <= budget else s
+            return hi if m.fits(s, hi, eng, c) else s
         a, b = s, hi - (k - 1 - i)
         while a < b:
             mid = (a + b + 1) // 2
-            if m.need(s, mid, eng) <= budget:
+            if m.fits(s, mid, eng, c):
                 a = mid
             else:
                 b = mid - 1
@@ -647,13 +744,13 @@ def _insufficient(m: _Model, members: Sequence[_Cand], engines: Sequence[str]) -
         a, b = bounds[i], bounds[i + 1]
         need = m.need(a, b, engines[i])
         total_need += need - m.floor
-        short = need - c.budget
+        short = m.host_need(a, b, engines[i], c.gpu(engines[i])) - c.budget
         if short > 0:
             shortfalls[c.id] = short
             layers = f"layer {a}" if b - a == 1 else f"layers {a}-{b - 1}"
             parts.append(
                 f"{_label(c)} needs {fmt_bytes(need - m.floor)} for {layers} "
-                f"but has {fmt_bytes(max(0, c.usable))} usable: {fmt_bytes(short)} short"
+                f"but has {_room(c, engines[i])}: {fmt_bytes(short)} short"
             )
     if not parts:  # cannot happen (a fitting target split would have been found)
         c = members[0]
@@ -755,6 +852,7 @@ def _place_pinned(
     res: Mapping[str, NodeResources],
     credit: Mapping[str, int],
     prev: tuple[Stage, ...] | None,
+    policy: Policy,
 ) -> list[Stage]:
     if spec.engines and len(spec.engines) != len(spec.nodes):
         raise PlacementError(
@@ -777,7 +875,7 @@ def _place_pinned(
             raise PlacementError(
                 "bad_spec", f"model {m.name!r} runs on {', '.join(m.engines)}, not on {pin!r}"
             )
-        c = _candidate(res[nid], m.engines if pin is None else (pin,), m, credit)
+        c = _candidate(res[nid], m.engines if pin is None else (pin,), m, credit, policy)
         if c is None:
             r = res[nid]
             want = pin or " or ".join(m.engines)
@@ -791,7 +889,7 @@ def _place_pinned(
         prev is not None
         and [s.node for s in prev] == ids
         and all(
-            s.engine in c.engines and m.need(s.start, s.end, s.engine) <= c.budget
+            s.engine in c.engines and m.fits(s.start, s.end, s.engine, c)
             for s, c in zip(prev, members, strict=True)
         )
     ):
@@ -825,14 +923,22 @@ def _previous_stages(previous: Instance | None, n: int) -> tuple[Stage, ...] | N
 
 
 def _credits(
-    instance: str, prev: Sequence[Stage], m: _Model, res: Mapping[str, NodeResources]
+    instance: str,
+    prev: Sequence[Stage],
+    m: _Model,
+    res: Mapping[str, NodeResources],
+    policy: Policy,
 ) -> dict[str, int]:
     out: dict[str, int] = {}
     for s in prev:
         r = res.get(s.node)
         if r is None or instance not in r.holds:
             continue
-        held = m.need(s.start, s.end, engine_of(s.engine)) - m.floor
+        # What it holds of the host's memory (a GPU's share is not in mem_available).
+        held = (
+            m.host_need(s.start, s.end, engine_of(s.engine), node_vram(r, s.engine, policy))
+            - m.floor
+        )
         if r.mem_total > 0:
             held = min(held, r.mem_total - r.mem_available)
         out[s.node] = max(0, held)
@@ -841,13 +947,13 @@ def _credits(
 
 def _survives(s: Stage, cands: Mapping[str, _Cand], m: _Model) -> bool:
     c = cands.get(s.node)
-    return c is not None and s.engine in c.engines and m.need(s.start, s.end, s.engine) <= c.budget
+    return c is not None and s.engine in c.engines and m.fits(s.start, s.end, s.engine, c)
 
 
 def _fill_new(m: _Model, a: int, b: int, fresh: Sequence[_Cand]) -> list[Stage] | None:
     """The gap ``[a, b)`` on nodes outside the plan: one if one fits, else the fewest."""
     for c in fresh:
-        if m.need(a, b, c.engine) <= c.budget:
+        if m.fits(a, b, c.engine, c):
             return [Stage(node=c.id, start=a, end=b, engine=c.engine)]
     for j in range(2, min(len(fresh), b - a) + 1):
         members = fresh[:j]
@@ -882,7 +988,7 @@ def _repair(
     fills: dict[int, list[Stage]] = {}
 
     def fits(i: int, start: int, end: int) -> bool:
-        return m.need(start, end, prev[i].engine) <= cands[prev[i].node].budget
+        return m.fits(start, end, prev[i].engine, cands[prev[i].node])
 
     for j, (kind, a, b) in enumerate(segs):
         if kind != "gap":
@@ -938,6 +1044,6 @@ def _repair(
     if len(out) < min_nodes or not _covers(out, m.n):
         return None
     for s in out:
-        if m.need(s.start, s.end, s.engine) > cands[s.node].budget:
+        if not m.fits(s.start, s.end, s.engine, cands[s.node]):
             return None
     return out

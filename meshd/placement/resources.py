@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import msgspec
+
 from meshd.crdt.views import Health, NodeCard, NodeResources
 
-__all__ = ["MEM_QUANTUM", "NodeResources", "node_resources", "quantize_mem"]
+__all__ = ["MEM_QUANTUM", "NodeResources", "less_gpu", "node_resources", "quantize_mem"]
 
 
 #: ``mem_available`` is rounded down to a multiple of this many bytes (or of 1/16 of
@@ -39,6 +41,7 @@ def node_resources(
     (``tokens_per_s`` is then 0, unmeasured). A live id without a card is skipped:
     placement cannot know what it runs. ``mem_available`` is rounded down with
     :func:`quantize_mem`, so that survivors compute a repair from the same figures.
+    ``devices`` are the card's GPUs as probed (see :func:`less_gpu`).
     """
     out: dict[str, NodeResources] = {}
     for nid in sorted(set(live)):
@@ -62,5 +65,19 @@ def node_resources(
             mem_total=card.mem_total,
             tokens_per_s=tps,
             holds=sorted(holds),
+            devices=list(card.devices),
         )
     return out
+
+
+def less_gpu(r: NodeResources, taken: int) -> NodeResources:
+    """``r`` with ``taken`` bytes of its dedicated GPUs' free memory in use, taken
+    from its devices in order (the stages of other instances on the node)."""
+    if taken <= 0 or not r.devices:
+        return r
+    devices = []
+    for d in r.devices:
+        cut = 0 if d.unified else min(taken, d.mem_free)
+        taken -= cut
+        devices.append(msgspec.structs.replace(d, mem_free=d.mem_free - cut))
+    return msgspec.structs.replace(r, devices=devices)

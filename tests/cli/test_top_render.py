@@ -25,6 +25,9 @@ B = "b2c3d4e5f6071829"
 C = "c3d4e5f60718293a"
 
 
+GPU = {"backend": "mlx-cuda", "name": "RTX 4090", "mem_total": 24 * GIB, "mem_free": 23 * GIB}
+
+
 def _card(nid: str, name: str, **over: object) -> dict:
     card = {
         "id": nid,
@@ -75,7 +78,7 @@ CLUSTER = {
             "name": "tower",
             "liveness": "suspect",
             "heartbeat_age_s": 1.9,
-            "card": _card(B, "tower", backends=["llama_cpp-cpu", "mlx-cuda"]),
+            "card": _card(B, "tower", backends=["llama_cpp-cpu", "mlx-cuda"], devices=[GPU]),
             "health": {
                 "seq": 17,
                 "load": 0.5,
@@ -148,6 +151,7 @@ def test_render_shows_memory_backends_heartbeat_load_and_runners() -> None:
     assert "█" in out
     assert "mlx-metal" in out
     assert "llama_cpp-cpu" in out and "mlx-cuda" in out
+    assert "RTX 4090 23/24G" in out  # its GPU: free of total
     assert "0.3s" in out and "12s" in out
     assert "1.25" in out
     assert "llama-70b ready" in out

@@ -332,3 +332,24 @@ def test_a_view_of_the_map_reads_liveness_at_the_moment_it_is_taken() -> None:
     assert early.liveness["a"] == "alive" and early.is_alive("b")
     assert late.liveness["b"] == "dead" and not late.is_live("b")
     assert late.ages["b"] == pytest.approx(2.5)
+
+
+def test_gpu_memory_another_instance_takes_is_not_offered_to_the_next() -> None:
+    from meshd.crdt.views import Device
+    from meshd.placement import node_vram, stage_offload
+
+    gpu = Device(backend="llama_cpp-cuda", name="CUDA0", mem_total=2 * GiB, mem_free=2 * GiB)
+    a = msgspec_replace(card("a", mem=1 * GiB), backends=["llama_cpp-cpu", "llama_cpp-cuda"],
+                        devices=[gpu])  # fmt: skip
+    alone = view([a], {}, [])
+    free = alone.place_new(InstanceSpec(model="m"), FACTS).nodes["a"].devices[0].mem_free
+    assert free == 2 * GiB
+    # Instance x runs all 8 layers on a, offloaded as far as a's GPU took them.
+    busy = view([a], {}, [inst("x", "a")])
+    got = busy.place_new(InstanceSpec(model="m"), FACTS)
+    _, used = stage_offload(FACTS, 0, 8, "llama_cpp", node_vram(alone.place_new(
+        InstanceSpec(model="m"), FACTS).nodes["a"], "llama_cpp"), context=2048)  # fmt: skip
+    assert used > 0 and got.nodes["a"].devices[0].mem_free == 2 * GiB - used
+    # A repair of x itself counts its own stages as its own, not as taken.
+    repaired = busy._place(InstanceSpec(model="m"), FACTS, previous=busy.instances["x"])
+    assert repaired.nodes["a"].devices[0].mem_free == 2 * GiB

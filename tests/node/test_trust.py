@@ -13,6 +13,7 @@ from meshd.crdt.hlc import HLC
 from meshd.crdt.lww import Entry
 from meshd.crdt.replica import Replica
 from meshd.crdt.views import (
+    Device,
     Health,
     Instance,
     InstanceSpec,
@@ -147,7 +148,8 @@ def test_a_writer_holds_a_bounded_number_of_instances() -> None:
 def planned(iid: str, cards: list, spec: InstanceSpec | None = None) -> Instance:
     spec = spec or InstanceSpec(model="m")
     nodes = {c.id: NodeResources(id=c.id, name=c.name, backends=c.backends,
-                                 mem_available=c.mem_available, mem_total=c.mem_total)
+                                 mem_available=c.mem_available, mem_total=c.mem_total,
+                                 devices=c.devices)
              for c in cards}  # fmt: skip
     stages = place(spec, FACTS, nodes)
     return Instance(id=iid, spec=spec, stages=stages, facts=FACTS,
@@ -178,6 +180,16 @@ def test_a_plan_placement_would_make_is_taken_and_a_forged_one_is_not() -> None:
     rich = msgspec.structs.replace(cb, mem_total=1 << 50, mem_available=1 << 50)
     grab = planned("z", [ca, rich])
     assert plan_refusal(grab, r.map) == "implausible_plan"
+    # A GPU its card never had, or more of its GPU's memory than the card said.
+    gpu = Device(backend="llama_cpp-cuda", name="CUDA0", mem_total=8 << 30, mem_free=8 << 30)
+    lent = msgspec.structs.replace(cb, backends=[*cb.backends, "llama_cpp-cuda"], devices=[gpu])
+    assert plan_refusal(planned("g", [ca, lent]), r.map) == "implausible_plan"
+    bigger = msgspec.structs.replace(gpu, mem_total=80 << 30, mem_free=80 << 30)
+    r.merge_remote([written(b, node_key(b.node_id), lent)])
+    assert plan_refusal(planned("g", [ca, lent]), r.map) is None
+    claim = msgspec.structs.replace(lent, devices=[bigger])
+    assert plan_refusal(planned("h", [ca, claim]), r.map) == "implausible_plan"
+    r.merge_remote([written(b, node_key(b.node_id), cb)])
     # No basis at all: nothing to check it against.
     assert plan_refusal(msgspec.structs.replace(good, basis=None), r.map) == "unverifiable_plan"
     # A node that is no member.
