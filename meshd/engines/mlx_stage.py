@@ -1,38 +1,58 @@
-"""One pipeline stage on MLX: a layer range of a llama-architecture model, in-process,
-loaded from a GGUF or from an MLX / Hugging Face model folder.
+"""One pipeline stage on MLX: a layer range of a decoder model, in-process, loaded from
+a llama GGUF or from an MLX / Hugging Face model folder of an architecture mlx-lm
+builds (llama, mistral, qwen2, qwen3, gemma3_text, gemma3's text model, phi3).
 
 The counterpart of :mod:`meshd.engines.llama_stage` with the same contract
 (:class:`~meshd.engines.llama_stage.StageInput` in, float32 hidden rows or logits out,
 the same errors), so a pipeline may mix the two engines: stages exchange float32
 residual-stream rows at the same absolute positions whichever engine ran them.
 
-- Weights: ``mx.load`` reads the whole GGUF; Q4_0, Q4_1 and Q8_0 tensors arrive as
-  MLX affine-quantized weights (group 32), Q6_K as f16, F32/F16/BF16 as they are. The
-  stage keeps only what it needs (its layers; the embedding on a first stage; the
-  final norm and the output head, or the tied embedding, on a last stage) and drops
-  the rest. ``mx.load`` reads GGUF tensors eagerly, so while a stage loads, the whole
-  file is in memory once (measured: +108 MB for the 98 MB default model, back to
-  its share once the rest is dropped). Any other tensor type is refused from the
-  header, before anything is loaded (:class:`UnsupportedQuantError`): Q4_K loads
-  with wrong values and Q5_0, Q2_K, Q3_K, IQ4_NL fail to load in this MLX.
+- Weights: where every tensor type is one ``mx.load`` reads right (F32/F16/BF16,
+  Q4_0, Q4_1, Q8_0, Q6_K), ``mx.load`` reads the whole GGUF; Q4_0, Q4_1 and Q8_0
+  tensors arrive as MLX affine-quantized weights (group 32), Q6_K as f16, F32/F16/BF16
+  as they are. The stage keeps only what it needs (its layers; the embedding on a
+  first stage; the final norm and the output head, or the tied embedding, on a last
+  stage) and drops the rest. ``mx.load`` reads GGUF tensors eagerly, so while a stage
+  loads, the whole file is in memory once (measured: +108 MB for the 98 MB default
+  model, back to its share once the rest is dropped). A file with any other type
+  (K-quants: Q4_K loads with wrong values in ``mx.load``, Q3_K, Q5_0, IQ4_NL... not
+  at all) is read by :func:`meshd.models.gguf_dequant.load_tensors` instead:
+  memory-mapped, only the stage's own tensors; Q4_K, Q5_K, Q4_0/1, Q5_0/1 and Q8_0
+  repacked exactly into MLX affine groups of 32, Q6_K re-quantized to 8 bits and
+  Q3_K, Q2_K, IQ* to 6 bits (measured errors in that module and in
+  ``tests/engines/test_mlx_kquants.py``). Types neither reads are refused from the
+  header, before anything is loaded (:class:`UnsupportedQuantError`).
 - Model: mlx-lm's llama ``Model`` built with ``end - start`` layers and
   ``rope_traditional=True`` (GGUF stores Q/K rows permuted for llama.cpp's rope).
   On the CPU the quantization scales and biases are cast to float32: MLX's CPU
   quantized matmul is ~1000x slower with f16 scales, and f32 keeps the residual
   stream in f32 like llama.cpp's exact mode.
-- Requests: one mlx-lm ``KVCache`` per layer per request (``seq``). A forward call
-  batches its items ragged: the token-wise work (norms, projections, MLP, head) runs
-  once on the rows of every item concatenated, and only attention (rope offset,
-  cache, causal mask) runs per item. (MLX's CPU quantized matmul costs the same per
-  row however many rows it gets, so this saves nothing there; on Metal it shares
-  each weight read between the requests.)
+- Requests: one mlx-lm ``KVCache`` per layer per request (``seq``), for sliding-window
+  layers too (their window is a mask: a ``RotatingKVCache`` overwrites positions that
+  ``truncate`` and ``share`` need). On a llama model a forward call batches its
+  items ragged: the token-wise work (norms, projections, MLP, head) runs once on the
+  rows of every item concatenated, and only attention (rope offset, cache, causal
+  mask) runs per item. (MLX's CPU quantized matmul costs the same per row however
+  many rows it gets, so this saves nothing there; on Metal it shares each weight
+  read between the requests.) Other blocks run through their own ``__call__`` one
+  item at a time.
 - Tokenizer: the GGUF's own vocabulary through llama.cpp (``vocab_only``), so token
   ids and pieces are the ones the llama.cpp stages use.
 - Folders (``config.json`` + ``*.safetensors``, see :mod:`meshd.models.folder`):
-  ``model_type`` llama or mistral, unquantized or MLX-quantized (config.json's
-  ``quantization``, bits and group size per module as mlx-lm infers them), rope as
-  the config says (``rope_traditional`` false unless stated, any rope scaling
-  mlx-lm builds). ``mx.load`` maps safetensors lazily, so a stage reads only its own
+  ``model_type`` llama, mistral, qwen2, qwen3, gemma3_text, gemma3 (its text model)
+  or phi3, unquantized or MLX-quantized (config.json's ``quantization``, bits and
+  group size per module as mlx-lm infers them). The model is mlx-lm's own for that
+  type (``mlx_lm.utils._get_classes``, as ``mlx_lm.load`` picks it), built with the
+  whole model's layer count so every layer is made at its own index (Gemma 3's
+  sliding pattern and rope per layer kind; a folder slice says where it starts),
+  then cut to the stage's layers; the others are lazy parameters never evaluated
+  (measured: a 2-of-16-layer stage adds exactly its 2 layers' bytes). The stage
+  runs that model's own embedding (with Gemma's sqrt(hidden) scale, on token
+  embeddings only), its layers' ``__call__`` with mlx-lm's mask for each layer's
+  kind (from the model's ``make_cache()``: a rotating cache marks a sliding layer
+  and its window), its final norm and head, its ``sanitize`` (ties). Within ~2e-5
+  of mlx-lm's whole model in logits (0 for llama, mistral, qwen2, qwen3, phi3).
+  ``mx.load`` maps safetensors lazily, so a stage reads only its own
   tensors. Tokenizer: the folder's ``tokenizer.json`` through
   :class:`~meshd.models.vocab.HfVocab` (llama.cpp's rules for pieces and stop ids).
   A folder written from a GGUF (:func:`~meshd.models.convert.gguf_to_mlx_folder`)
@@ -52,7 +72,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from meshd.models.errors import ModelFormatError
+from meshd.models.errors import ModelFormatError, UnsupportedModelError
 from meshd.models.mlx_layout import (
     GGUF_GROUP_SIZE,
     GgufLayout,
@@ -116,7 +136,7 @@ class _FactorRoPE:
 
 
 class MlxStage:
-    """Layers ``[start, end)`` of a llama-architecture model, run with MLX in-process.
+    """Layers ``[start, end)`` of a decoder model, run with MLX in-process.
 
     ``path`` is the whole model's GGUF (not a slice) or its MLX / Hugging Face folder
     (``config.json`` + ``*.safetensors``). ``first``: the stage takes token
@@ -246,9 +266,22 @@ class MlxStage:
 
         mx = self._mx
         f32_scales = self.exact or mx.default_device() == mx.cpu
-        # The header was read already (read_header): the metadata is not needed.
-        raw = mx.load(str(self.path))
         want_embed = self.first or (self.last and spec.tied)
+        if spec.mx_loadable:
+            # The header was read already (read_header): the metadata is not needed.
+            raw = mx.load(str(self.path))
+        else:
+            # mx.load reads some of this file's types wrong (Q4_K) or not at all
+            # (Q3_K, IQ4_NL...): gguf-py reads this stage's own tensors, memory-mapped.
+            from meshd.models.gguf_dequant import load_tensors
+
+            raw = load_tensors(
+                self.path,
+                lambda n: (
+                    n == "rope_freqs.weight"
+                    or self._holds(mlx_name(n, self.start, self.end), want_embed)
+                ),
+            )
         weights: dict[str, Any] = {}
         rope_factors = raw.get("rope_freqs.weight")
         for name in list(raw):
@@ -313,8 +346,13 @@ class MlxStage:
 
         ``mx.load`` maps safetensors lazily: only the tensors kept here are ever read,
         so a stage holds its share of the model, never the whole of it.
+
+        The model is mlx-lm's own for the folder's ``model_type`` (as ``mlx_lm.load``
+        picks it), built with the whole model's layer count so that every layer is
+        made at its own index (Gemma 3's sliding-window pattern, rope per layer kind);
+        only the stage's layers are kept (see :meth:`_assemble`).
         """
-        from mlx_lm.models.llama import ModelArgs
+        from mlx_lm.utils import _get_classes
 
         mx = self._mx
         f32_scales = self.exact or mx.default_device() == mx.cpu
@@ -331,7 +369,7 @@ class MlxStage:
         for file, names in per_file.items():
             arrays = mx.load(str(file))
             for name, target in names.items():
-                arr = arrays[name]
+                arr = arrays[spec.prefix + name]
                 if (
                     f32_scales
                     and target.endswith((".scales", ".biases"))
@@ -341,16 +379,25 @@ class MlxStage:
                 weights[target] = arr
             del arrays
 
+        # Layer start + i of this folder is layer first + i of the whole model (a
+        # folder slice starts past the whole model's layer 0).
+        first = spec.layer_offset + self.start
+        total = spec.layer_offset + spec.n_layers
         config = dict(spec.config)
         config.update(
-            model_type="llama",
-            num_hidden_layers=self.n_layers,
+            num_hidden_layers=total,
             vocab_size=spec.embed_rows,
             tie_word_embeddings=spec.tied,
-            rope_traditional=spec.rope_traditional,
-            layer_types=None,
         )
-        args = ModelArgs.from_dict(config)
+        types = spec.config.get("layer_types")
+        if spec.layer_offset and isinstance(types, list) and len(types) == spec.n_layers:
+            # A slice's per-layer list holds its own layers only: pad it in front for
+            # the whole model's layers it does not hold (they are never loaded).
+            config["layer_types"] = types[:1] * spec.layer_offset + types
+        if spec.model_type in ("llama", "mistral"):
+            config["rope_traditional"] = spec.rope_traditional
+        model_class, args_class = _get_classes(config)
+        args = args_class.from_dict(config)
         quant = spec.quantization or {}
         start = self.start
 
@@ -360,7 +407,7 @@ class MlxStage:
             if scales is None or packed is None or not hasattr(m, "to_quantized"):
                 return False
             # Per-module entries of config.json name the model's own layer numbers.
-            over = quant.get(layer_shift(p, start))
+            over = quant.get(spec.prefix + layer_shift(p, start))
             params = over if isinstance(over, dict) else quant
             in_dims = int(m.weight.shape[-1])
             if scales.shape[-1] == 0 or in_dims % scales.shape[-1]:
@@ -373,20 +420,51 @@ class MlxStage:
                 "mode": str(params.get("mode", "affine")),
             }
 
-        self._assemble(args, weights, quantized, tied=spec.tied)
+        self._assemble(
+            args, weights, quantized, tied=spec.tied, model_class=model_class, first=first
+        )
 
-    def _assemble(self, args: Any, weights: dict[str, Any], quantized: Any, *, tied: bool) -> Any:
-        """mlx-lm's llama ``Model`` with ``weights`` (this stage's tensors, named as in
-        the stage's model) loaded into it; sets the stage's modules."""
+    def _assemble(
+        self,
+        args: Any,
+        weights: dict[str, Any],
+        quantized: Any,
+        *,
+        tied: bool,
+        model_class: Any = None,
+        first: int | None = None,
+    ) -> Any:
+        """mlx-lm's ``model_class`` (its llama ``Model`` by default, built with
+        ``args``) with ``weights`` (this stage's tensors, named as in the stage's
+        model) loaded into it; sets the stage's modules.
+
+        ``first``: the whole model's index of the stage's first layer when ``args``
+        counts the whole model's layers; the stage keeps ``end - start`` layers from
+        there (renumbered from 0) and drops the others before any is loaded. None:
+        ``args`` counts the stage's layers only.
+        """
         import mlx.nn as nn
         from mlx.utils import tree_flatten
-        from mlx_lm.models.llama import Model
+
+        if model_class is None:
+            from mlx_lm.models.llama import Model as model_class
 
         mx = self._mx
         want_embed = self.first or (self.last and tied)
         # Parameters are created lazily: modules this stage never loads or runs (the
-        # embedding of a middle stage) never allocate memory.
-        model = Model(args)
+        # embedding of a middle stage, the layers of other stages) never allocate
+        # memory, they are graphs of random initializers that are never evaluated.
+        model = model_class(args)
+        inner = model.model
+        lo = 0 if first is None else first
+        # Each layer's attention window (None: full), read off the model's own cache
+        # list before its layers are cut to the stage's.
+        self._windows = _layer_windows(model, len(inner.layers))[lo : lo + self.n_layers]
+        inner.layers = inner.layers[lo : lo + self.n_layers]
+        # The model's own renaming and tying (Gemma 3 drops its lm_head when the
+        # checkpoint has none), as mlx_lm.load applies it, before quantizing.
+        if hasattr(model, "sanitize"):
+            weights = model.sanitize(weights)
         nn.quantize(model, class_predicate=quantized)
 
         params = dict(tree_flatten(model.parameters()))
@@ -413,18 +491,26 @@ class MlxStage:
         mx.eval(list(weights.values()))
 
         self._model = model
-        self._layers = list(model.model.layers)
-        self._embed = model.model.embed_tokens if self.first else None
+        self._layers = list(inner.layers)
+        self._embed = inner.embed_tokens if self.first else None
+        self._embed_scale = _embed_scale(model) if self.first else None
+        # The ragged path (attention per request, the rest batched) re-implements
+        # llama's block; any other block, or windowed attention, runs through the
+        # layer's own __call__ one request at a time.
+        from mlx_lm.models import llama
+
+        self._ragged = model_class is llama.Model and not any(self._windows)
         if self.last:
-            self._norm = model.model.norm
+            self._norm = inner.norm
             # A tied head is the embedding used as a linear layer.
-            self._head = model.model.embed_tokens.as_linear if tied else model.lm_head
+            self._head = inner.embed_tokens.as_linear if tied else model.lm_head
         return model
 
     @property
     def mlx_model(self) -> Any:
-        """The mlx-lm llama ``Model`` holding this stage's layers (``end - start`` of
-        them) and, where the stage uses them, the embedding, final norm and head."""
+        """The mlx-lm ``Model`` (of the folder's ``model_type``; llama for a GGUF)
+        holding this stage's layers (``end - start`` of them, numbered from 0) and,
+        where the stage uses them, the embedding, final norm and head."""
         self._check_open()
         return self._model
 
@@ -486,8 +572,10 @@ class MlxStage:
         stream after the stage's last layer) on a stage that is not last, the last
         row's logits ``(n_vocab,)`` on the last one.
 
-        The rows of all items run together (ragged batch: attention per item, all
-        other work on the concatenated rows), in chunks of at most ``n_batch`` rows.
+        On a llama model the rows of all items run together (ragged batch: attention
+        per item, all other work on the concatenated rows); other models run each
+        item through the layers on its own. Either way in chunks of at most
+        ``n_batch`` rows.
         Raises StageInputError (before running anything) for an item that does not
         fit; if MLX fails, every item's sequence is rolled back to its ``pos``.
         """
@@ -537,7 +625,7 @@ class MlxStage:
         # Views of one array made for this call: nothing else ever writes to it.
         return [hidden[s:e] for s, e in zip(starts, ends, strict=True)]
 
-    #: MLX stages run decoder models (llama-like) only.
+    #: MLX stages run decoder models only.
     generative = True
 
     def embed(self, items: Sequence[StageInput]) -> list[npt.NDArray[np.float32]]:
@@ -581,17 +669,45 @@ class MlxStage:
         mx = self._mx
         if self.first:
             assert self._embed is not None
-            h = self._embed(mx.array(x)).astype(mx.float32)[None]
+            h = self._embed(mx.array(x))
+            if self._embed_scale is not None:
+                # In the embedding's dtype, as the model's own __call__ scales it;
+                # only token embeddings: hidden rows from a stage before are not.
+                h = h * self._embed_scale.astype(h.dtype)
+            h = h.astype(mx.float32)[None]
         else:
             h = mx.array(x)[None]
-        for i, layer in enumerate(self._layers):
-            h = self._layer(layer, h, [(s, e, c[i]) for s, e, c in spans])
+        if self._ragged:
+            for i, layer in enumerate(self._layers):
+                h = self._layer(layer, h, [(s, e, c[i]) for s, e, c in spans])
+        else:
+            h = self._items(h, spans)
         if not self.last or not last_rows:
             # A last stage's chunk where no request ends (a long prefill cut into
             # chunks) has no logits to give; evaluating h fills the caches.
             return h[0]
         rows = self._norm(h[0][mx.array(np.asarray(last_rows, np.int32))])
         return self._head(rows)
+
+    def _items(self, h: Any, spans: list[tuple[int, int, list[Any]]]) -> Any:
+        """Every layer's own ``__call__`` on the rows of one request at a time (its
+        own caches), with mlx-lm's mask for each layer's kind: causal over the whole
+        cache for full attention, causal within the window for sliding layers."""
+        from mlx_lm.models.base import create_attention_mask
+
+        mx = self._mx
+        outs = []
+        for s, e, caches in spans:
+            x = h[:, s:e]
+            # One mask per window size: every layer of a request holds the same
+            # positions, so the first layer's cache stands for all of them.
+            masks = {
+                w: create_attention_mask(x, caches[0], window_size=w) for w in set(self._windows)
+            }
+            for layer, cache, w in zip(self._layers, caches, self._windows, strict=True):
+                x = layer(x, masks[w], cache)
+            outs.append(x)
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
 
     def _layer(self, layer: Any, h: Any, spans: list[tuple[int, int, Any]]) -> Any:
         """One transformer block of mlx-lm's llama, ragged over several requests."""
@@ -654,6 +770,8 @@ class MlxStage:
         self._model = None
         self._layers = []
         self._embed = None
+        self._embed_scale = None
+        self._windows = []
         self._norm = None
         self._head = None
         if self._vocab is not None:
@@ -672,6 +790,47 @@ class MlxStage:
             f"MlxStage({self.path.name}, {role}, layers=[{self.start}, {self.end}), "
             f"n_ctx={self.n_ctx}, n_seq_max={self.n_seq_max})"
         )
+
+
+def _layer_windows(model: Any, n_layers: int) -> list[int | None]:
+    """Each layer's attention window (None: the whole context), from the model's own
+    ``make_cache()``: mlx-lm gives a sliding layer a ``RotatingKVCache`` of the
+    window's size (Gemma 3's pattern, llama's ``layer_types``).
+
+    The stage itself keeps a plain ``KVCache`` for every layer and masks the window
+    instead: a rotating cache writes over positions past the window, so it could
+    not be truncated back (speculation's rollback, prefix reuse) or shared.
+    """
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    if not hasattr(model, "make_cache"):
+        return [None] * n_layers
+    windows: list[int | None] = []
+    for c in model.make_cache():
+        if isinstance(c, RotatingKVCache) and c.keep == 0 and c.max_size:
+            windows.append(int(c.max_size))
+        elif type(c) is KVCache:
+            windows.append(None)
+        else:
+            raise UnsupportedModelError(
+                f"{type(model).__module__}: layer cache {type(c).__name__} is not supported "
+                "by the MLX engine"
+            )
+    if len(windows) != n_layers:
+        raise ModelFormatError(
+            f"{type(model).__module__}: {len(windows)} caches for {n_layers} layers"
+        )
+    return windows
+
+
+def _embed_scale(model: Any) -> Any | None:
+    """The factor a model's own ``__call__`` multiplies token embeddings by, where it
+    has one (Gemma's sqrt(hidden_size), rounded to bfloat16 as mlx-lm does); None."""
+    import mlx.core as mx
+
+    if type(model).__module__ == "mlx_lm.models.gemma3_text":
+        return mx.array(model.args.hidden_size**0.5, mx.bfloat16)
+    return None
 
 
 def _kv_cache_class() -> Any:

@@ -187,6 +187,13 @@ def gguf_to_mlx_folder(gguf_path: Path | str, out_dir: Path | str) -> Path:
     spec = inspect_gguf(gguf_path)
     if spec.has_rope_freqs:
         raise UnsupportedModelError(f"{gguf_path}: rope frequency factors are not converted")
+    if not spec.mx_loadable:
+        # mx.load reads this file whole below: it would get Q4_K wrong and fail on the
+        # other types only the MLX stage's gguf_dequant path reads.
+        raise UnsupportedModelError(
+            f"{gguf_path}: only GGUFs mx.load reads whole (F32/F16/BF16, Q4_0, Q4_1, "
+            "Q8_0, Q6_K) are converted"
+        )
     weights, md = mx.load(str(gguf_path), return_metadata=True)
     tok, tok_cfg = _gguf_tokenizer(md, gguf_path)
 

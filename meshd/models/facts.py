@@ -3,7 +3,7 @@
 Every number comes from the model itself (``<arch>.block_count``, tensor sizes, ...):
 nothing about a particular model is hard-coded here, so a new GGUF works as soon as
 llama.cpp can load it. Only headers are read. GGUF facts are cached in
-``cache_dir/facts-v3.json`` by (path, size, mtime).
+``cache_dir/facts-v4.json`` by (path, size, mtime).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .folder import read_folder_facts
 from .generation import gguf_sampling
 from .gguf import read_header
 from .hashing import file_key, file_sha256
-from .mlx_layout import MLX_TYPES
+from .mlx_layout import MLX_GGUF_TYPES
 from .resolve import resolve_model
 
 __all__ = ["read_facts", "read_model_facts"]
@@ -70,8 +70,9 @@ def read_facts(
     return facts
 
 
-#: Named by version: facts cached by an older meshd lack fields added since.
-_FACTS_FILE = "facts-v3.json"
+#: Named by version: facts cached by an older meshd lack fields added since, or
+#: hold stale ones (v3 had no "mlx" engine for K-quant GGUFs).
+_FACTS_FILE = "facts-v4.json"
 
 
 def _cached_facts(path: Path, cache_dir: Path | None) -> ModelFacts | None:
@@ -144,9 +145,9 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
     quant_types = sorted(types)
     engines = ["llama_cpp"]
     encoder = embedding_only(arch, kv)
-    if types <= MLX_TYPES and not encoder:
-        # Any other type either fails to load in mx.load or, worse (Q4_K), loads
-        # with wrong values: such a model must never be placed on an MLX stage.
+    if types <= MLX_GGUF_TYPES and not encoder:
+        # mx.load reads some types, gguf-py dequantizes the others (K-quants, IQ*);
+        # a type neither reads must never be placed on an MLX stage.
         engines.append("mlx")
 
     return ModelFacts(

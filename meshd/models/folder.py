@@ -8,8 +8,10 @@
 
 (:func:`meshd.models.convert.gguf_to_mlx_folder` writes such a folder from a GGUF.)
 
-Supported architectures: llama-like configs (``model_type`` ``llama`` or ``mistral``:
-mlx-lm builds both with its llama model). Weights may be unquantized (f32/f16/bf16) or
+Supported architectures (:data:`FOLDER_ARCHITECTURES`): ``model_type`` llama, mistral,
+qwen2, qwen3, gemma3_text and phi3, each built with mlx-lm's own model of that type
+(``mistral`` with its llama model, as mlx-lm does), and gemma3 (image-text Gemma 3:
+its gemma3_text model only, see :func:`text_model`). Weights may be unquantized (f32/f16/bf16) or
 MLX-quantized (``"quantization"`` in config.json: affine at any bits/group size, with
 per-module overrides, or the mxfp4/mxfp8/nvfp4 modes); other quantization schemes
 (``quantization_config`` of AWQ, GPTQ, bitsandbytes...) are refused.
@@ -33,6 +35,7 @@ from .hashing import file_sha256
 
 __all__ = [
     "FOLDER_ARCHITECTURES",
+    "LAYER_OFFSET_KEY",
     "FolderModel",
     "check_folder_for_mlx",
     "folder_sha256",
@@ -40,20 +43,12 @@ __all__ = [
     "is_mlx_folder",
     "read_folder_facts",
     "read_safetensors_header",
+    "text_model",
     "weight_files",
 ]
 
-#: ``model_type`` values of config.json that the MLX stage builds (mlx-lm's llama model).
-FOLDER_ARCHITECTURES = frozenset({"llama", "mistral"})
-
-#: Rope scaling types mlx-lm's ``initialize_rope`` builds for a llama model.
-_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3", "yarn", "longrope"})
-
-#: K and V cache entries in the MLX stage: float32 (its residual stream is float32).
-_MLX_KV_ELEMENT_BYTES = 4
-
-#: Parameter names inside ``model.layers.N.`` that a llama layer has.
-_LAYER_MODULES = frozenset(
+#: Module names inside ``model.layers.N.`` that a llama layer has.
+_LLAMA_LAYER = frozenset(
     {
         "input_layernorm",
         "post_attention_layernorm",
@@ -66,6 +61,53 @@ _LAYER_MODULES = frozenset(
         "mlp.down_proj",
     }
 )
+_QK_NORM = frozenset({"self_attn.q_norm", "self_attn.k_norm"})
+
+#: Per ``model_type`` the MLX stage builds (with mlx-lm's model of that type), the
+#: module names a layer of it has: a checkpoint with others is another variant.
+_LAYER_MODULES: dict[str, frozenset[str]] = {
+    "llama": _LLAMA_LAYER,
+    "mistral": _LLAMA_LAYER,  # mlx-lm builds it with its llama model
+    "qwen2": _LLAMA_LAYER,  # q/k/v biases are "bias" parameters of the same modules
+    "qwen3": _LLAMA_LAYER | _QK_NORM,
+    "gemma3_text": _LLAMA_LAYER
+    | _QK_NORM
+    | {"pre_feedforward_layernorm", "post_feedforward_layernorm"},
+    "phi3": frozenset(
+        {
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attn.qkv_proj",
+            "self_attn.o_proj",
+            "mlp.gate_up_proj",
+            "mlp.down_proj",
+        }
+    ),
+}
+
+#: Gemma 3's image-text folders (``model_type`` gemma3): the text model is
+#: ``text_config`` with its tensors under this prefix; the vision tower and projector
+#: beside it are never loaded. (mlx-lm's gemma3 model wraps the gemma3_text one.)
+_WRAPPED_TEXT = {"gemma3": ("gemma3_text", "language_model.")}
+
+#: ``model_type`` values of config.json that the MLX stage builds.
+FOLDER_ARCHITECTURES = frozenset(_LAYER_MODULES) | frozenset(_WRAPPED_TEXT)
+
+#: Architectures whose mlx-lm model reads ``layer_types`` (sliding-window layers).
+#: Gemma 3's model places its sliding layers by ``sliding_window_pattern`` itself; the
+#: others would ignore sliding entries and compute something else than the checkpoint.
+_LAYER_TYPES_READ = frozenset({"llama", "mistral"})
+_SLIDING_OK = _LAYER_TYPES_READ | {"gemma3_text"}
+
+#: Config key a folder slice (:mod:`meshd.models.folder_slicing`) writes: the whole
+#: model's index of its first layer, for architectures whose layers depend on it.
+LAYER_OFFSET_KEY = "meshd_layer_offset"
+
+#: Rope scaling types mlx-lm builds (``initialize_rope``; phi3's ``su``).
+_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3", "yarn", "longrope", "su"})
+
+#: K and V cache entries in the MLX stage: float32 (its residual stream is float32).
+_MLX_KV_ELEMENT_BYTES = 4
 _PARAM_SUFFIXES = ("weight", "bias", "scales", "biases")
 _LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(\w+)$")
 #: Tensors a checkpoint may carry that a model never loads.
@@ -150,6 +192,11 @@ class FolderModel:
     #: Weight files, and each tensor's file, dtype and shape (from the headers).
     files: tuple[Path, ...]
     tensors: dict[str, tuple[Path, str, tuple[int, ...], int]] = field(repr=False)
+    #: The whole model's index of layer 0 here (non-zero in a folder slice).
+    layer_offset: int = 0
+    #: What the files' tensor names have in front of the ``tensors`` keys (see
+    #: :func:`text_model`).
+    prefix: str = ""
 
 
 def _normalized_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -162,6 +209,26 @@ def _normalized_config(config: dict[str, Any]) -> dict[str, Any]:
         if rp.get("rope_type", "default") != "default" and cfg.get("rope_scaling") is None:
             cfg["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
     return cfg
+
+
+def text_model(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The config of the text model a folder holds, and the prefix of its tensor names.
+
+    A text model's config.json is its own (prefix ""). An image-text Gemma 3
+    (``model_type`` gemma3) holds a gemma3_text model: its ``text_config`` with the
+    top-level keys besides (quantization, ids), and the vocabulary size that mlx-lm's
+    gemma3 model gives it (the top-level ``vocab_size``, 262208 by default); its
+    tensors are named under ``language_model.``.
+    """
+    wrapped = _WRAPPED_TEXT.get(str(config.get("model_type")))
+    text = config.get("text_config")
+    if wrapped is None or not isinstance(text, dict):
+        return config, ""
+    model_type, prefix = wrapped
+    outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+    inner = {**outer, **text, "model_type": model_type}
+    inner["vocab_size"] = config.get("vocab_size", 262208)
+    return _normalized_config(inner), prefix
 
 
 def inspect_folder(path: Path | str) -> FolderModel:
@@ -185,6 +252,8 @@ def inspect_folder(path: Path | str) -> FolderModel:
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise ModelFormatError(f"{cfg_file}: no model_type")
+    config, prefix = text_model(config)
+    model_type = str(config.get("model_type"))
     if model_type not in FOLDER_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{path}: architecture {model_type!r} is not supported by the MLX engine "
@@ -206,11 +275,19 @@ def inspect_folder(path: Path | str) -> FolderModel:
         if kind not in _ROPE_TYPES:
             raise UnsupportedModelError(f"{path}: rope scaling {kind!r} is not supported")
     layer_types = config.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
+    kinds = set(layer_types) - {"full_attention"}
+    if kinds and (model_type not in _SLIDING_OK or kinds != {"sliding_attention"}):
         raise UnsupportedModelError(
             f"{path}: layer types {sorted(set(layer_types))} (sliding-window layers) "
-            "are not supported by the MLX engine"
+            f"are not supported by the MLX engine for {model_type!r}"
         )
+    if kinds and model_type in _LAYER_TYPES_READ:
+        window = config.get("sliding_window")
+        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+            raise ModelFormatError(f"{cfg_file}: sliding layers but no sliding_window")
+    offset = config.get(LAYER_OFFSET_KEY, 0)
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise ModelFormatError(f"{cfg_file}: {LAYER_OFFSET_KEY} is not a count of layers")
 
     def need_int(key: str) -> int:
         v = config.get(key)
@@ -232,15 +309,19 @@ def inspect_folder(path: Path | str) -> FolderModel:
                 entry = (file, str(info["dtype"]), tuple(int(d) for d in info["shape"]), b - a)
             except (KeyError, TypeError, ValueError) as e:
                 raise ModelFormatError(f"{file}: bad header entry for {name!r}") from e
+            if prefix:
+                if not name.startswith(prefix):
+                    continue  # another model's (a vision tower's): never loaded
+                name = name[len(prefix) :]
             tensors[name] = entry
     for name in tensors:
         if _IGNORED.search(name):
             continue
         m = _LAYER_TENSOR.match(name)
         if m is not None:
-            if m.group(2) not in _LAYER_MODULES or m.group(3) not in _PARAM_SUFFIXES:
+            if m.group(2) not in _LAYER_MODULES[model_type] or m.group(3) not in _PARAM_SUFFIXES:
                 raise UnsupportedModelError(
-                    f"{path}: layer tensor {name!r} has no place in a llama layer "
+                    f"{path}: layer tensor {name!r} has no place in a {model_type} layer "
                     "(an architecture variant the MLX engine does not build)"
                 )
             if int(m.group(1)) >= n_layers:
@@ -270,6 +351,8 @@ def inspect_folder(path: Path | str) -> FolderModel:
         quantization=quantization,
         files=tuple(files),
         tensors=tensors,
+        layer_offset=offset,
+        prefix=prefix,
     )
 
 

@@ -3,10 +3,16 @@ as one archive that travels over the mesh like a GGUF slice.
 
 The slice of layers ``[start, end)`` is a folder an MLX stage loads as a whole model
 of ``end - start`` layers: ``config.json`` with that layer count (and per-layer lists
-cut to the range), every other small file as it is (tokenizer, templates), and one
+cut to the range, and the whole model's index of its first layer under
+:data:`~meshd.models.folder.LAYER_OFFSET_KEY`: what a layer computes may depend on
+that index, as Gemma 3's sliding-window pattern does, and the stage builds its layers
+at their own indices), every other small file as it is (tokenizer, templates), and one
 ``model.safetensors`` holding the range's tensors renamed from layer 0 plus the global
 ones (embedding, final norm, head), their bytes copied as they are (quantized weights,
-scales and biases alike; nothing is loaded or converted).
+scales and biases alike; nothing is loaded or converted). An image-text Gemma 3
+folder is cut as the gemma3_text folder of its text model (its ``text_config`` and
+``language_model.`` tensors, see :func:`~meshd.models.folder.text_model`): the vision
+tower is left out.
 
 The archive is a tar with sorted members, zero times and owners, so two holders of the
 same folder cut byte-identical archives and a fetcher can pull from both at once.
@@ -27,7 +33,7 @@ from typing import Any
 
 from .atomic import written_whole
 from .errors import ModelFormatError
-from .folder import read_safetensors_header, weight_files
+from .folder import LAYER_OFFSET_KEY, read_safetensors_header, text_model, weight_files
 from .mlx_layout import folder_name
 
 __all__ = ["folder_slice_dir", "folder_slice_path", "slice_folder", "unpack_folder_slice"]
@@ -57,7 +63,7 @@ def slice_folder(src: Path, start: int, end: int, out_dir: Path, sha256: str) ->
         with contextlib.suppress(OSError):
             os.utime(dest)  # the cache evicts the least recently used first
         return dest
-    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    config, prefix = text_model(json.loads((src / "config.json").read_text(encoding="utf-8")))
     key = next((k for k in _LAYER_KEYS if isinstance(config.get(k), int)), None)
     if key is None:
         raise ModelFormatError(f"{src}/config.json gives no layer count")
@@ -69,12 +75,19 @@ def slice_folder(src: Path, start: int, end: int, out_dir: Path, sha256: str) ->
         for k, v in config.items()
     }
     sliced[key] = end - start
+    # A slice of a slice counts from the whole model's first layer still.
+    offset = config.get(LAYER_OFFSET_KEY, 0)
+    offset = (offset if isinstance(offset, int) else 0) + start
+    if offset:
+        sliced[LAYER_OFFSET_KEY] = offset
     with written_whole(dest, prefix=f".{start}-{end}.") as tmp:
-        _write_archive(src, start, end, sliced, tmp)
+        _write_archive(src, start, end, sliced, tmp, prefix)
     return dest
 
 
-def _write_archive(src: Path, start: int, end: int, config: dict[str, Any], out: Path) -> None:
+def _write_archive(
+    src: Path, start: int, end: int, config: dict[str, Any], out: Path, prefix: str = ""
+) -> None:
     """The tar of the slice: the cut config, the small files, the range's weights."""
     files = {
         p.name: p for p in sorted(src.iterdir())
@@ -86,7 +99,7 @@ def _write_archive(src: Path, start: int, end: int, config: dict[str, Any], out:
         **files,
     }
     with written_whole(out.with_suffix(".safetensors")) as weights:
-        _write_weights(src, start, end, weights)
+        _write_weights(src, start, end, weights, prefix)
     try:
         members[_WEIGHTS] = out.with_suffix(".safetensors")
         with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
@@ -108,9 +121,10 @@ def _add(tar: tarfile.TarFile, name: str, content: bytes | Path) -> None:
         tar.addfile(info, f)
 
 
-def _write_weights(src: Path, start: int, end: int, out: Path) -> None:
+def _write_weights(src: Path, start: int, end: int, out: Path, prefix: str = "") -> None:
     """One safetensors file: the range's tensors (renamed from layer 0) and the global
-    ones, sorted by name, bytes copied from the source files."""
+    ones, sorted by name, bytes copied from the source files; with ``prefix``, only
+    the tensors named under it, with the prefix taken off."""
     picked: dict[str, tuple[Path, int, dict[str, Any]]] = {}
     metadata: dict[str, str] = {}
     for file in weight_files(src):
@@ -120,7 +134,9 @@ def _write_weights(src: Path, start: int, end: int, out: Path) -> None:
         if isinstance(raw.get("__metadata__"), dict) and not metadata:
             metadata = {str(k): str(v) for k, v in raw["__metadata__"].items()}
         for name, info in read_safetensors_header(file).items():
-            new = folder_name(name, start, end)
+            if not name.startswith(prefix):
+                continue
+            new = folder_name(name[len(prefix) :], start, end)
             if new is not None:
                 picked[new] = (file, 8 + hlen, info)
     if not picked:

@@ -1,6 +1,7 @@
 """How the MLX engine reads a model: which GGUF tensor types and architectures it can
-load, and under which mlx-lm module names each tensor of a GGUF or of a model folder
-goes in a stage's model (layer ``start + i`` of the file is layer ``i`` of the stage).
+load (``mx.load`` reads some types, :mod:`meshd.models.gguf_dequant` the others), and
+under which mlx-lm module names each tensor of a GGUF or of a model folder goes in a
+stage's model (layer ``start + i`` of the file is layer ``i`` of the stage).
 
 Reads headers only (memory-mapped): nothing here loads a tensor or imports MLX.
 """
@@ -13,10 +14,12 @@ from pathlib import Path
 
 from .errors import ModelFormatError, UnsupportedModelError
 from .gguf import GgufHeader, read_header
+from .gguf_dequant import DEQUANT_TYPES
 
 __all__ = [
     "GGUF_GROUP_SIZE",
     "MLX_ARCHITECTURES",
+    "MLX_GGUF_TYPES",
     "MLX_TYPES",
     "GgufLayout",
     "UnsupportedQuantError",
@@ -28,15 +31,21 @@ __all__ = [
 ]
 
 #: GGUF tensor types that ``mx.load`` reads with correct values (ENGINE-NOTES): Q4_K
-#: loads with wrong values and Q5_0/Q2_K/Q3_K/IQ4_NL do not load, so a model holding
-#: any other type is not offered to the MLX engine.
+#: loads with wrong values and Q5_0/Q2_K/Q3_K/IQ4_NL do not load, so a file holding
+#: any other type is read through gguf-py instead (:mod:`meshd.models.gguf_dequant`).
 MLX_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q6_K"})
+
+#: Every GGUF tensor type the MLX engine runs: those of ``MLX_TYPES`` plus those
+#: gguf-py dequantizes (K-quants, Q5_0/Q5_1, IQ*); a model holding any other type
+#: (F64, integer tensors, Q1_0...) is not offered to the MLX engine.
+MLX_GGUF_TYPES = MLX_TYPES | DEQUANT_TYPES
 
 #: GGUF architectures this stage builds (mlx-lm's llama model). Mistral, TinyLlama,
 #: SmolLM, Llama 2/3 GGUFs all declare ``llama``.
 MLX_ARCHITECTURES = frozenset({"llama"})
 
-#: Group size of every GGUF block quant that ``mx.load`` turns into affine weights.
+#: Group size of every GGUF block quant that ``mx.load`` turns into affine weights,
+#: and of every matrix :mod:`meshd.models.gguf_dequant` builds (its ``GROUP_SIZE``).
 GGUF_GROUP_SIZE = 32
 
 #: GGUF tensor name (inside ``blk.N.``) -> mlx-lm module path (inside ``model.layers.N.``).
@@ -63,10 +72,11 @@ _SUFFIXES = ("weight", "scales", "biases", "bias")
 
 
 class UnsupportedQuantError(UnsupportedModelError):
-    """The GGUF holds tensor types that MLX loads wrong or not at all.
+    """The GGUF holds tensor types the MLX engine cannot read (not in
+    ``MLX_GGUF_TYPES``: neither ``mx.load`` nor gguf-py's dequantizer reads them).
 
-    ``types`` lists the offending GGUF type names (``Q4_K``, ``Q5_0``, ``IQ4_NL``...),
-    ``examples`` one tensor of each.
+    ``types`` lists the offending GGUF type names (``Q1_0``, ``F64``...), ``examples``
+    one tensor of each.
     """
 
     def __init__(self, path: Path | str, examples: dict[str, str]) -> None:
@@ -76,8 +86,8 @@ class UnsupportedQuantError(UnsupportedModelError):
         listed = ", ".join(f"{t} (e.g. {examples[t]})" for t in self.types)
         super().__init__(
             f"{path}: GGUF tensor type(s) {listed} cannot run on MLX "
-            f"(mx.load reads only {', '.join(sorted(MLX_TYPES))} correctly); "
-            "use the llama_cpp engine or a Q4_0/Q4_1/Q8_0 file"
+            "(neither mx.load nor gguf-py's dequantizer reads them); "
+            "use the llama_cpp engine or a Q4_K/Q4_0/Q8_0 file"
         )
 
 
@@ -101,6 +111,9 @@ class GgufLayout:
     has_rope_freqs: bool  # llama 3.1-style per-dimension rope factors
     attention_bias: bool
     mlp_bias: bool
+    #: Every tensor type is one ``mx.load`` reads right (``MLX_TYPES``); if not, the
+    #: stage reads its tensors through :func:`meshd.models.gguf_dequant.load_tensors`.
+    mx_loadable: bool = True
 
 
 def _meta_int(header: GgufHeader, key: str, path: Path, default: int | None = None) -> int:
@@ -124,9 +137,11 @@ def inspect_gguf(path: Path) -> GgufLayout:
     header = read_header(path)
     bad: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    types: set[str] = set()
     for name, (type_name, shape) in header.tensors.items():
-        if type_name not in MLX_TYPES:
+        if type_name not in MLX_GGUF_TYPES:
             bad.setdefault(type_name, name)
+        types.add(type_name)
         shapes[name] = shape
     if bad:
         raise UnsupportedQuantError(path, bad)
@@ -196,6 +211,7 @@ def inspect_gguf(path: Path) -> GgufLayout:
         has_rope_freqs="rope_freqs.weight" in shapes,
         attention_bias="blk.0.attn_q.bias" in shapes,
         mlp_bias="blk.0.ffn_up.bias" in shapes,
+        mx_loadable=types <= MLX_TYPES,
     )
 
 
@@ -203,7 +219,7 @@ def check_gguf_for_mlx(path: Path | str) -> None:
     """Raise if the MLX engine cannot run this GGUF; return None if it can.
 
     Reads only the header. Raises :class:`UnsupportedQuantError` naming the tensor
-    types MLX cannot load correctly (Q4_K, Q5_0, Q2_K, Q3_K, IQ*...),
+    types MLX cannot read (those outside ``MLX_GGUF_TYPES``: Q1_0, F64...),
     :class:`UnsupportedModelError` for an architecture or rope variant the engine
     does not build, ModelFormatError for a file that is not a usable GGUF model and
     FileNotFoundError for a missing one.

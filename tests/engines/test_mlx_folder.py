@@ -286,16 +286,16 @@ def test_middle_stage_reads_only_its_layers(folder: Path) -> None:
 @pytest.mark.timeout(30)
 def test_unsupported_folders_are_refused_by_name(tmp_path: Path) -> None:
     f32 = np.zeros((16, 32), np.float32)
-    qwen = _tiny_folder(
-        tmp_path / "qwen", {**_TINY, "model_type": "qwen3"}, {"model.embed_tokens.weight": f32}
+    olmo = _tiny_folder(
+        tmp_path / "olmo", {**_TINY, "model_type": "olmo2"}, {"model.embed_tokens.weight": f32}
     )
-    with pytest.raises(UnsupportedModelError, match="qwen3"):
-        check_folder_for_mlx(qwen)
-    with pytest.raises(UnsupportedModelError, match="qwen3"):
-        MlxStage(qwen, start=0, end=1, first=True, last=True, n_ctx=8, n_seq_max=1)
+    with pytest.raises(UnsupportedModelError, match=r"olmo2.*supported: .*qwen3"):
+        check_folder_for_mlx(olmo)
+    with pytest.raises(UnsupportedModelError, match="olmo2"):
+        MlxStage(olmo, start=0, end=1, first=True, last=True, n_ctx=8, n_seq_max=1)
     # Facts still read (sizes), but no engine is offered.
-    facts = read_folder_facts(qwen, "qwen")
-    assert facts.engines == [] and facts.architecture == "qwen3"
+    facts = read_folder_facts(olmo, "olmo")
+    assert facts.engines == [] and facts.architecture == "olmo2"
 
     awq = _tiny_folder(
         tmp_path / "awq",
@@ -311,9 +311,10 @@ def test_unsupported_folders_are_refused_by_name(tmp_path: Path) -> None:
     )
     with pytest.raises(UnsupportedModelError, match="q_norm"):
         check_folder_for_mlx(qknorm)
+    # mlx-lm's qwen3 model has no sliding layers (llama's and Gemma 3's have).
     swa = _tiny_folder(
         tmp_path / "swa",
-        {**_TINY, "layer_types": ["sliding_attention"]},
+        {**_TINY, "model_type": "qwen3", "layer_types": ["sliding_attention"]},
         {"model.embed_tokens.weight": f32},
     )
     with pytest.raises(UnsupportedModelError, match="sliding"):

@@ -165,7 +165,7 @@ def test_mixed_pipeline_gives_a_whole_models_greedy_tokens(
 def test_refused_quant_type_gets_a_clear_error_and_changes_nothing(
     trio: list[NodeProc], tmp_path: Path
 ) -> None:
-    path = tmp_path / "q4k.gguf"
+    path = tmp_path / "q1_0.gguf"
     w = gguf.GGUFWriter(path, "llama")
     w.add_block_count(1)
     w.add_embedding_length(32)
@@ -173,7 +173,7 @@ def test_refused_quant_type_gets_a_clear_error_and_changes_nothing(
     w.add_head_count(4)
     w.add_head_count_kv(4)
     w.add_layer_norm_rms_eps(1e-5)
-    kind = gguf.GGMLQuantizationType.Q4_K
+    kind = gguf.GGMLQuantizationType.Q1_0  # neither mx.load nor gguf-py reads it
     block, size = gguf.GGML_QUANT_SIZES[kind]
     w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
     w.add_tensor("blk.0.attn_q.weight", np.zeros((1, 256 // block * size), np.uint8),
@@ -188,5 +188,5 @@ def test_refused_quant_type_gets_a_clear_error_and_changes_nothing(
                    json={"model": str(path), "nodes": ["a"], "engines": ["mlx"]})  # fmt: skip
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["code"] == "unsupported_quant" and "Q4_K" in err["message"]
+    assert err["code"] == "unsupported_quant" and "Q1_0" in err["message"]
     assert a.get("/v1/instances")["data"] == before

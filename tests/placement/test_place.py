@@ -606,10 +606,10 @@ def test_no_live_node_is_no_nodes():
 
 
 def test_model_no_node_can_run_is_no_backend():
-    q4k = replace(SMOL, engines=["llama_cpp"])  # a Q4_K GGUF: MLX cannot load it
+    q1_0 = replace(SMOL, engines=["llama_cpp"])  # e.g. a Q1_0 GGUF: MLX cannot read it
     nodes = by_id(node("aa11bb22", "studio", ["mlx-metal"], 64 * GiB))
     with pytest.raises(PlacementError) as err:
-        place(SPEC, q4k, nodes)
+        place(SPEC, q1_0, nodes)
     assert err.value.reason == "no_backend"
     assert err.value.shortfalls == {}
 
