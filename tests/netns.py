@@ -44,14 +44,16 @@ _live: set[Lan] = set()
 _NAME_RE = re.compile(r"^(?P<prefix>[a-z0-9]+)-(?P<pid>\d+)-\d+-(?:sw|h\d+|probe)$")
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``ip ARGS``; raise RuntimeError with its stderr when it fails and ``check``."""
     proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=False)
     if check and proc.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed: {proc.stderr.strip()}")
     return proc
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one we may not signal counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -62,29 +64,30 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _netns_names() -> list[str]:
-    out = _ip("netns", "list", check=False).stdout
+    out = ip("netns", "list", check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _kill_netns_pids(name: str) -> None:
-    out = _ip("netns", "pids", name, check=False).stdout
+def delete_netns(name: str) -> None:
+    """Kill every process left in namespace ``name`` (but this one, which may have
+    entered it and left), then delete it (its veths and TUNs go with it)."""
+    out = ip("netns", "pids", name, check=False).stdout
     for word in out.split():
+        if word == str(os.getpid()):
+            continue
         with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
             os.kill(int(word), signal.SIGKILL)
+    ip("netns", "del", name, check=False)
 
 
-def _delete_netns(name: str) -> None:
-    _kill_netns_pids(name)
-    _ip("netns", "del", name, check=False)
-
-
-def reap_stale(prefix: str) -> list[str]:
-    """Delete namespaces named ``<prefix>-<pid>-...`` whose creating process is dead."""
+def reap_stale(prefix: str, pattern: re.Pattern[str] = _NAME_RE) -> list[str]:
+    """Delete namespaces named ``<prefix>-<pid>-...`` (as ``pattern`` reads them)
+    whose creating process is dead."""
     reaped = []
     for name in _netns_names():
-        m = _NAME_RE.match(name)
-        if m and m["prefix"] == prefix and not _pid_alive(int(m["pid"])):
-            _delete_netns(name)
+        m = pattern.match(name)
+        if m and m["prefix"] == prefix and not pid_alive(int(m["pid"])):
+            delete_netns(name)
             reaped.append(name)
     return reaped
 
@@ -100,11 +103,11 @@ def netns_available() -> tuple[bool, str]:
         return False, "iproute2 `ip` command not found"
     name = f"mdprobe-{os.getpid()}-{next(_serial)}-probe"
     try:
-        _ip("netns", "add", name)
+        ip("netns", "add", name)
         try:
-            _ip("-n", name, "link", "add", "br0", "type", "bridge")
-            _ip("-n", name, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
-            _ip("-n", name, "link", "set", "lo", "up")
+            ip("-n", name, "link", "add", "br0", "type", "bridge")
+            ip("-n", name, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+            ip("-n", name, "link", "set", "lo", "up")
             exe = subprocess.run(
                 ["ip", "netns", "exec", name, "true"],
                 capture_output=True,
@@ -115,7 +118,7 @@ def netns_available() -> tuple[bool, str]:
             if exe.returncode != 0:
                 return False, f"`ip netns exec` failed: {exe.stderr.strip()}"
         finally:
-            _delete_netns(name)
+            delete_netns(name)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         return False, f"cannot build a namespace with bridge and veth: {exc}"
     return True, ""
@@ -188,25 +191,25 @@ class Lan:
     # -- building --------------------------------------------------------------------
 
     def _add_netns(self, name: str) -> None:
-        _ip("netns", "add", name)
+        ip("netns", "add", name)
         self._made.append(name)
-        _ip("-n", name, "link", "set", "lo", "up")
+        ip("-n", name, "link", "set", "lo", "up")
 
     def _build(self) -> None:
         reap_stale(self.prefix)
         sw = self.switch.name
         self._add_netns(sw)
-        _ip("-n", sw, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
-        _ip("-n", sw, "link", "set", "br0", "multicast", "on", "up")
+        ip("-n", sw, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
+        ip("-n", sw, "link", "set", "br0", "multicast", "on", "up")
         for host in self.hosts:
             self._add_netns(host.name)
-            _ip("-n", sw, "link", "add", host.port, "type", "veth",
+            ip("-n", sw, "link", "add", host.port, "type", "veth",
                 "peer", "name", "eth0", "netns", host.name)  # fmt: skip
-            _ip("-n", sw, "link", "set", host.port, "master", "br0")
-            _ip("-n", sw, "link", "set", host.port, "multicast", "on", "up")
-            _ip("-n", host.name, "addr", "add", f"{host.ip}/24", "dev", "eth0")
-            _ip("-n", host.name, "link", "set", "eth0", "multicast", "on", "up")
-            _ip("-n", host.name, "route", "add", "224.0.0.0/4", "dev", "eth0")
+            ip("-n", sw, "link", "set", host.port, "master", "br0")
+            ip("-n", sw, "link", "set", host.port, "multicast", "on", "up")
+            ip("-n", host.name, "addr", "add", f"{host.ip}/24", "dev", "eth0")
+            ip("-n", host.name, "link", "set", "eth0", "multicast", "on", "up")
+            ip("-n", host.name, "route", "add", "224.0.0.0/4", "dev", "eth0")
 
     def __enter__(self) -> Lan:
         _live.add(self)
@@ -224,11 +227,11 @@ class Lan:
 
     def cut(self, i: int) -> None:
         """Unplug host ``i``: its switch port goes down (its ``eth0`` loses carrier)."""
-        _ip("-n", self.switch.name, "link", "set", self.hosts[i].port, "down")
+        ip("-n", self.switch.name, "link", "set", self.hosts[i].port, "down")
 
     def heal(self, i: int) -> None:
         """Plug host ``i`` back in."""
-        _ip("-n", self.switch.name, "link", "set", self.hosts[i].port, "up")
+        ip("-n", self.switch.name, "link", "set", self.hosts[i].port, "up")
 
     # -- cleanup -----------------------------------------------------------------------
 
@@ -240,7 +243,7 @@ class Lan:
         _live.discard(self)
         self._stop_procs()
         for name in reversed(self._made):
-            _delete_netns(name)
+            delete_netns(name)
         self._made.clear()
 
     def _stop_procs(self, grace_s: float = 2.0) -> None:
