@@ -45,6 +45,11 @@ def cluster_body(view: ClusterView, cluster_name: str) -> dict[str, Any]:
         "cluster": cluster_name,
         "nodes": nodes,
         "instances": [msgspec.to_builtins(i) for i in view.instances.values()],
+        # Derived, not replicated: one request's tokens/s placement predicts for each
+        # instance from its nodes' measurements now.
+        "predicted_tokens_s": {
+            iid: view.predicted_tokens_s(i) for iid, i in sorted(view.instances.items())
+        },
     }
 
 

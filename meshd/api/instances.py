@@ -92,6 +92,10 @@ def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {
         "kv_cache": inst.spec.kv_cache,
         #: Requests the answering node's API runs on this instance now.
         "in_flight": load.get(inst.id, 0),
+        #: One request's decode tokens/s: placement's prediction from its nodes'
+        #: measured speeds and links, and what the API nodes measured (0: not yet).
+        "predicted_tokens_s": view.predicted_tokens_s(inst),
+        "measured_tokens_s": view.measured_tokens_s(inst),
         "stages": [
             {
                 "node": st.node,

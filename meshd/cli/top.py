@@ -106,7 +106,7 @@ def node_speed(node: Mapping[str, Any]) -> dict[str, float]:
     """A node's ``tokens_s`` (what its API streams now) and ``in_flight`` requests."""
     health = _dict(node.get("health"))
     serving = [_dict(v) for v in _dict(health.get("serving")).values()]
-    tps = _num(health.get("tokens_s")) or _num(health.get("tokens_per_s")) or 0.0
+    tps = _num(health.get("tokens_s")) or 0.0
     return {"tokens_s": tps, "in_flight": sum(_num(v.get("in_flight")) or 0 for v in serving)}
 
 
@@ -170,6 +170,7 @@ def snapshot(cluster: Mapping[str, Any]) -> dict[str, Any]:
             "id": node.get("id"), "name": names.get(str(node.get("id"))),
             "liveness": node.get("liveness"), "state": health.get("state"),
             "mem_available": health.get("mem_available"), "load": health.get("load"),
+            "decode_bps": health.get("decode_bps", 0.0), "rtt_ms": health.get("rtt_ms", {}),
             **node_speed(node),
         })  # fmt: skip
     instances = []
@@ -185,6 +186,7 @@ def snapshot(cluster: Mapping[str, Any]) -> dict[str, Any]:
         instances.append({
             "id": inst.get("id"), "model": _dict(inst.get("spec")).get("model"),
             "generation": inst.get("generation"), **speed, "stages": stages,
+            "predicted_tokens_s": _predicted(cluster, inst),
         })  # fmt: skip
     return {"cluster": cluster.get("cluster"), "self": cluster.get("self"), "nodes": nodes,
             "instances": instances}  # fmt: skip
@@ -247,6 +249,19 @@ def _runner_state(state: Any, generation: Any = None) -> Text:
 def _lines(parts: Iterable[Text]) -> Text:
     parts = list(parts)
     return Text("\n").join(parts) if parts else Text("-", style="dim")
+
+
+def _predicted(cluster: Mapping[str, Any], inst: Mapping[str, Any]) -> float:
+    """Placement's predicted tokens/s of one request of ``inst`` (0.0: not known)."""
+    return _num(_dict(cluster.get("predicted_tokens_s")).get(str(inst.get("id")))) or 0.0
+
+
+def _stream(pred: float, speed: Mapping[str, Any]) -> str:
+    """One request's tokens/s: placement's prediction, and what was measured (1000 /
+    the time between tokens): ``41/38``, ``-`` for a figure not known yet."""
+    itl = _num(speed.get("itl_ms")) or 0.0
+    real = 1000 / itl if itl > 0 else 0.0
+    return f"{f'{pred:.0f}' if pred else '-'}/{f'{real:.0f}' if real else '-'}"
 
 
 def _gpu(d: Any) -> str:
@@ -519,6 +534,7 @@ def instances_table(cluster: Mapping[str, Any]) -> FitTable:
         Column("queue", 4, justify="right"),
         Column("ttft", 2, justify="right"),
         Column("itl", 2, justify="right"),
+        Column("1 req pred/real", 3, justify="right"),
         Column("stages (ms/token)", 0, no_wrap=False),
     ]
     rows = []
@@ -551,7 +567,8 @@ def instances_table(cluster: Mapping[str, Any]) -> FitTable:
             Text(iid), Text(model), Text(str(generation)),
             Text(f"{speed['tokens_s']:.1f}"), Text(str(speed["in_flight"])),
             Text(str(speed["queue"])), Text(_ms(speed["ttft_ms"])),
-            Text(_ms(speed["itl_ms"])), _lines(stages),
+            Text(_ms(speed["itl_ms"])), Text(_stream(_predicted(cluster, inst), speed)),
+            _lines(stages),
         ])  # fmt: skip
     return FitTable(
         "instances", columns, rows, caption=None if instances else "no instances placed"

@@ -169,8 +169,12 @@ class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
     mem_available: int = 0
     load: float = 0.0
     queue_depth: int = 0
-    #: The node's measured decode capacity for placement (0: not measured).
-    tokens_per_s: float = 0.0
+    #: Bytes of weights a decode step reads per second on this node, as its runners
+    #: measure it (placement's speed figure; 0: not measured yet).
+    decode_bps: float = 0.0
+    #: Round trip (ms) to each peer it exchanged mesh requests with (the least of the
+    #: recent ones: the link, not the peer's work), by node id.
+    rtt_ms: dict[str, float] = {}
     #: The node's anti-entropy horizon (see ``meshd.crdt.lww.stable_horizon``).
     synced: int = 0
     runners: list[RunnerStatus] = []
@@ -268,7 +272,8 @@ class NodeResources(msgspec.Struct, frozen=True):
 
     ``backends`` are engine backends such as ``llama_cpp-cpu`` or ``mlx-metal``
     (``<engine>-<device>``). ``mem_available`` and ``mem_total`` are bytes.
-    ``tokens_per_s`` is the node's measured decode speed; 0 means not measured.
+    ``decode_bps`` is the node's measured decode speed (bytes of weights read per
+    second); 0 means not measured. ``rtt_ms`` its round trips to peers, by id.
     ``holds`` lists the instances this node has a runner loading or ready for: the
     memory those runners hold is no longer in ``mem_available``, and a repair credits
     it back (see ``Policy.credit_held``).
@@ -279,8 +284,9 @@ class NodeResources(msgspec.Struct, frozen=True):
     backends: list[str]
     mem_available: int
     mem_total: int = 0
-    tokens_per_s: float = 0.0
+    decode_bps: float = 0.0
     holds: list[str] = []
+    rtt_ms: dict[str, float] = {}
     #: Its GPUs, ``mem_free`` less what other instances' stages on it take there.
     devices: list[Device] = []
 

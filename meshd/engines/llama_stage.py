@@ -55,8 +55,9 @@ __all__ = ["LlamaStage", "LlamaVocab"]
 log = logging.getLogger("meshd.engines.llama")
 
 
-def _load_ggml_base(llama: Any) -> Any:
-    """The ggml-base library that libllama itself uses.
+def load_ggml(llama: Any, soname: str = "libggml-base.so.0") -> Any:
+    """The ggml library ``soname`` (ggml-base; or libggml, the device registry) that
+    libllama itself uses.
 
     The wheel ships libggml-base under several file names that are copies, not links;
     loading one by path would map a second copy with its own globals (a second
@@ -67,7 +68,7 @@ def _load_ggml_base(llama: Any) -> Any:
     """
     if sys.platform.startswith("linux"):
         try:
-            return ctypes.CDLL("libggml-base.so.0")
+            return ctypes.CDLL(soname)
         except OSError:
             pass
     return llama.llama_cpp._lib
@@ -81,7 +82,7 @@ class _Ggml:
     """The few ggml functions the capture callback needs, typed once."""
 
     def __init__(self, llama: Any) -> None:
-        lib = _load_ggml_base(llama)
+        lib = load_ggml(llama)
         self.get_name = lib.ggml_get_name
         self.get_name.restype = ctypes.c_char_p
         self.get_name.argtypes = [ctypes.c_void_p]

@@ -14,7 +14,7 @@ import ctypes
 import logging
 import platform
 import sys
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import msgspec
 
@@ -75,23 +75,14 @@ def _mlx() -> list[str]:
 _GGML_GPU, _GGML_IGPU = 1, 2
 
 
-def _ggml_lib() -> Any:
-    """The ggml library libllama loaded (by soname: a copy loaded by path would have
-    a registry of its own, see ``llama_stage._load_ggml_base``)."""
-    import llama_cpp
-
-    if sys.platform.startswith("linux"):
-        try:
-            return ctypes.CDLL("libggml.so.0")
-        except OSError:
-            pass
-    return llama_cpp.llama_cpp._lib
-
-
 def llama_devices(backend: str) -> list[Device]:
     """The GPUs llama.cpp's device registry lists, as ``backend``'s (a GPU build's
     ``llama_cpp-cuda`` and so on), with their free and total memory."""
-    lib = _ggml_lib()
+    import llama_cpp
+
+    from .llama_stage import load_ggml
+
+    lib = load_ggml(llama_cpp, "libggml.so.0")
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t
     lib.ggml_backend_dev_get.restype = ctypes.c_void_p
     lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]

@@ -143,7 +143,10 @@ class Listening(msgspec.Struct, tag="listening", tag_field="event"):
 
 
 class Ready(msgspec.Struct, tag="ready", tag_field="event"):
-    """The stage is loaded and serves."""
+    """The stage is loaded and serves; a decode step took ``layer_ms`` milliseconds
+    per layer when it was timed right after loading (0: not timed)."""
+
+    layer_ms: float = 0.0
 
 
 class Failed(msgspec.Struct, tag="failed", tag_field="event"):
@@ -153,9 +156,11 @@ class Failed(msgspec.Struct, tag="failed", tag_field="event"):
 
 
 class Load(msgspec.Struct, tag="load", tag_field="event"):
-    """Requests holding KV on this stage now."""
+    """Requests holding KV on this stage now, and its decode steps' milliseconds per
+    layer as they run (see ``calibrate.LayerClock``; 0: none timed)."""
 
     active: int
+    layer_ms: float = 0.0
 
 
 class GenerationAdopted(msgspec.Struct, tag="generation", tag_field="event"):

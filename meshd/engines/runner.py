@@ -60,6 +60,7 @@ from meshd.transport.security import (
 from meshd.transport.sockets import DATA, DealerCache, bind, decode_frame, open_socket
 from meshd.transport.tensors import TensorError, decode_rows, encode_rows
 
+from .calibrate import LayerClock, calibrate
 from .detok import TextStream
 from .drafting import DraftBudget, prompt_lookup
 from .grammar import (
@@ -95,6 +96,8 @@ log = logging.getLogger("meshd.runner")
 #: Requests stage 0 queues per KV slot before it refuses more (``overloaded``): the
 #: API nodes' own admission keeps far below this; a flood of Generates does not grow it.
 MAX_WAITING_PER_SEQ = 8
+#: Seconds after loading at which an idle stage times a decode step again.
+RETIME_AFTER_S = (5.0, 30.0)
 
 #: Cancelled request ids remembered, so that a request's first activation arriving
 #: after its cancel (from another sender, so unordered) is not admitted.
@@ -291,6 +294,9 @@ class Runner:
         self.ctx = ctx
         self.router = router
         self.reqs: dict[str, Request] = {}
+        #: Milliseconds per layer of the decode steps this stage runs (placement's
+        #: speed figure, sent with every Load report).
+        self.clock = LayerClock(cfg.end - cfg.start)
         self.free_seqs = list(range(cfg.n_seq_max - 1, -1, -1))
         #: The prefix cache: finished requests' KV by stage 0's slot, least recently
         #: used first. A kept sequence is not free, but any admission may take it.
@@ -318,6 +324,9 @@ class Runner:
         self._next_expiry_check = (
             time.monotonic() + self._expiry_every if self.expiry > 0 else float("inf")
         )
+        #: When to time a decode step again while idle: the timing at load ran beside
+        #: other stages loading on the same cores (see :meth:`retime`).
+        self._retime_at = [time.monotonic() + t for t in RETIME_AFTER_S]
 
     # -- sockets -------------------------------------------------------------------
     def send(self, addr: wire.Addr, msg: wire.Message, *frames) -> None:
@@ -366,6 +375,24 @@ class Runner:
             if now >= self._next_expiry_check:
                 self._next_expiry_check = now + self._expiry_every
                 self.expire(now)
+            if self._retime_at and now >= self._retime_at[0]:
+                self.retime()
+
+    def retime(self) -> None:
+        """Time a decode step again if the stage is idle and nothing it ran has been
+        timed yet; the least of the figures is kept (a machine's speed, not the
+        moment's)."""
+        self._retime_at.pop(0)
+        if self.reqs or self.work or not self.free_seqs or self.clock.steps:
+            return
+        try:
+            ms = calibrate(self.stage, self.cfg.end - self.cfg.start, self.free_seqs[-1])
+        except Exception:
+            log.debug("could not time a decode step", exc_info=True)
+            return
+        if ms > 0 and (self.clock.ms <= 0 or ms < self.clock.ms):
+            self.clock.ms = self.clock.reported = ms
+            self.report_load()
 
     def control(self) -> bool:
         """Handle the commands waiting on stdin; False when the node closed stdin (it
@@ -521,7 +548,7 @@ class Runner:
 
     def report_load(self) -> None:
         """Tell the supervisor how many requests hold KV here (it shows in the heartbeat)."""
-        emit(Load(active=len(self.reqs)))
+        emit(Load(active=len(self.reqs), layer_ms=round(self.clock.ms, 4)))
 
     # -- stage 0 -------------------------------------------------------------------
     def admit(self, g: wire.Generate) -> None:
@@ -807,6 +834,9 @@ class Runner:
             t0 = time.perf_counter()
             try:
                 outs = self.stage.forward(items)
+                self.clock.record(time.perf_counter() - t0, [it.n_rows for it in items])
+                if self.clock.news(t0):
+                    self.report_load()
             except Exception:
                 # One bad item fails the whole call: run them one by one so only the
                 # requests at fault end (with a typed error), and the runner lives on.
@@ -1287,8 +1317,15 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("could not load the stage")
         emit(Failed(reason=f"{type(e).__name__}: {e}"))
         return 1
-    emit(Ready())
+    try:
+        layer_ms = calibrate(stage, cfg.end - cfg.start)
+    except Exception:
+        # A figure for placement, not a condition of serving.
+        log.warning("could not time a decode step", exc_info=True)
+        layer_ms = 0.0
+    emit(Ready(layer_ms=round(layer_ms, 4)))
     runner = Runner(cfg, stage, ctx, router, template, keys)
+    runner.clock.ms = runner.clock.reported = layer_ms
     try:
         runner.serve(stdin, members)
     finally:

@@ -10,6 +10,7 @@ rule.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ from meshd.placement import (
     node_resources,
     node_vram,
     placement,
+    predicted_tokens_s,
     repair_needed,
     stage_offload,
 )
@@ -337,6 +339,25 @@ class ClusterView:
         others = {k: v for k, v in self.fetchers(spec.model, facts, held).items() if keep(k)}
         return placement(spec, facts, holders, self._gpu_left(others, skip), previous=previous)
 
+    def predicted_tokens_s(self, inst: Instance) -> float:
+        """One request's decode tokens/s that placement predicts for ``inst`` from its
+        nodes' measurements now (0.0 until each of them has measured its speed)."""
+        if inst.facts is None:
+            return 0.0
+        nodes = node_resources(self.cards, self.healths, [s.node for s in inst.stages])
+        return predicted_tokens_s(inst.facts, inst.stages, nodes.values())
+
+    def measured_tokens_s(self, inst: Instance) -> float:
+        """One request's decode tokens/s as the nodes that sent ``inst``'s model
+        requests measured it over the last minute (1000 / the median time between
+        tokens; 0.0 with none)."""
+        itls = sorted(
+            m.itl_ms
+            for h in self.healths.values()
+            if (m := h.serving.get(inst.spec.model)) is not None and m.itl_ms > 0
+        )
+        return round(1000 / statistics.median(itls), 2) if itls else 0.0
+
     def _gpu_left(self, nodes: dict[str, NodeResources], skip: str) -> dict[str, NodeResources]:
         """``nodes`` with their GPUs' free memory less what the stages of every other
         instance than ``skip`` take there (a card's figure is from before they ran).
@@ -350,10 +371,10 @@ class ClusterView:
                 if r is None or not r.devices:
                     continue
                 vram = node_vram(r, st.engine)
-                _, used = stage_offload(
+                used = stage_offload(
                     inst.facts, st.start, st.end, st.engine, vram,
                     context=instance_context(inst), kv_cache=inst.spec.kv_cache,
-                )  # fmt: skip
+                ).gpu_bytes  # fmt: skip
                 taken[st.node] = taken.get(st.node, 0) + used
         return {k: less_gpu(r, taken.get(k, 0)) for k, r in nodes.items()}
 

@@ -54,7 +54,7 @@ from .requests import Requests
 from .roots import ModelRoots
 from .services import NodeServices
 from .state import ClusterState
-from .supervisor import Supervisor
+from .supervisor import Supervisor, decode_bps
 from .tasks import Tasks
 from .twins import EXIT_ID_CLASH, Twins
 from .weights import Weights
@@ -524,6 +524,8 @@ async def _assemble(
         runners=supervisor.statuses,
         in_flight=dataplane.in_flight,
         speed=metrics.speed.summary,
+        decode_bps=lambda: decode_bps(supervisor.runners.values()),
+        rtt_ms=gossip.rtt_ms,
     )
     twins = Twins(
         state,

@@ -62,6 +62,8 @@ class Presence:
         runners: Callable[[], list[RunnerStatus]],
         in_flight: Callable[[], int],
         speed: Callable[[], tuple[float, dict[str, ModelSpeed]]] = lambda: (0.0, {}),
+        decode_bps: Callable[[], float] = lambda: 0.0,
+        rtt_ms: Callable[[], dict[str, float]] = dict,
     ) -> None:
         self.state = state
         self.tasks = tasks
@@ -72,6 +74,8 @@ class Presence:
         self._runners = runners
         self._in_flight = in_flight
         self._speed = speed
+        self._decode_bps = decode_bps
+        self._rtt_ms = rtt_ms
         #: Set by the drain: the heartbeat says ``draining`` and placement avoids us.
         self.draining = False
         self._seq = 0
@@ -96,6 +100,8 @@ class Presence:
             runners=self._runners(),
             tokens_s=tokens_s,
             serving=serving,
+            decode_bps=self._decode_bps(),
+            rtt_ms=self._rtt_ms(),
         )
 
     def announce(self) -> None:

@@ -29,9 +29,10 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import fmean
 
 import msgspec
 
@@ -56,7 +57,7 @@ from meshd.models.folder_slicing import folder_slice_dir
 from meshd.models.hashing import file_sha256
 from meshd.models.slicing import slice_path, trim_slices
 from meshd.placement import instance_context, node_vram, stage_offload
-from meshd.placement.place import KV_SEQUENCES, KV_TOKENS, stage_need
+from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
 from meshd.transport.security import ClusterKeys
 
 from .cluster import CRASH_LOOP, FETCH_FAILED, MODEL_MISSING, REFUSED, gave_up
@@ -114,6 +115,10 @@ class RunnerProc:
     fetched: int = 0
     fetch_total: int = 0
     fetch_rate: float = 0.0
+    #: Milliseconds per layer of its decode steps, and the mean bytes of its layers:
+    #: together, how fast this machine reads weights (``Supervisor.decode_bps``).
+    layer_ms: float = 0.0
+    layer_bytes: float = 0.0
 
     def status(self) -> RunnerStatus:
         fetching = self.state == "fetching"
@@ -186,20 +191,63 @@ def send_dtype(inst: Instance, i: int) -> str:
     return "f32"
 
 
+def decode_bps(runners: Iterable[RunnerProc]) -> float:
+    """Bytes of weights a decode step reads per second here, as this node's ready
+    runners measured it (their mean, by layer bytes); 0.0 before any measured.
+
+    Decode reads every weight once a step, so the rate is the machine's, not the
+    model's: placement predicts any model's ms per layer from it."""
+    timed = [r for r in runners if r.state == "ready" and r.layer_ms > 0 and r.layer_bytes > 0]
+    if not timed:
+        return 0.0
+    rate = fmean(r.layer_bytes / (r.layer_ms / 1000) for r in timed)
+    return float(f"{rate:.3g}")
+
+
+def _vram(inst: Instance, i: int) -> int:
+    """GPU bytes placement counted for stage ``i`` on its node, from the node as the
+    plan saw it (``PlanBasis``); 0 without one."""
+    st = inst.stages[i]
+    node = next((n for n in inst.basis.nodes if n.id == st.node), None) if inst.basis else None
+    return 0 if node is None else node_vram(node, st.engine)
+
+
 def gpu_layers(inst: Instance, i: int) -> int:
     """``n_gpu_layers`` of stage ``i``'s runner: what placement counted on its node's
-    GPUs, from the node as the plan saw it (``PlanBasis``); 0 (the CPU) without one."""
+    GPUs (0, the CPU, without one)."""
     st = inst.stages[i]
-    if inst.facts is None or inst.basis is None:
+    if inst.facts is None:
         return 0
-    node = next((n for n in inst.basis.nodes if n.id == st.node), None)
-    if node is None:
-        return 0
-    n, _ = stage_offload(
-        inst.facts, st.start, st.end, st.engine, node_vram(node, st.engine),
+    return stage_offload(
+        inst.facts, st.start, st.end, st.engine, _vram(inst, i),
         context=instance_context(inst), kv_cache=inst.spec.kv_cache,
-    )  # fmt: skip
-    return n
+    ).layers  # fmt: skip
+
+
+def admit(
+    desired: Mapping[tuple[str, int], tuple[Instance, int]],
+    running: set[tuple[str, int]],
+    max_runners: int,
+    memory: int,
+) -> set[tuple[str, int]]:
+    """The stages a node takes: at most ``max_runners``, and no more host memory than
+    ``memory`` (0: no bound), whatever a plan says (running stages first, then by id)."""
+    admitted: set[tuple[str, int]] = set()
+    total = 0
+    for k in sorted(desired, key=lambda k: (k not in running, k)):
+        inst, i = desired[k]
+        st = inst.stages[i]
+        need = 0
+        if inst.facts is not None:
+            need = stage_offload(
+                inst.facts, st.start, st.end, st.engine, _vram(inst, i),
+                context=instance_context(inst), kv_cache=inst.spec.kv_cache,
+            ).host_need  # fmt: skip
+        if len(admitted) >= max_runners or (memory and total + need > memory):
+            continue
+        total += need
+        admitted.add(k)
+    return admitted
 
 
 class Supervisor:
@@ -390,33 +438,12 @@ class Supervisor:
                     self.runners[k] = self._fetching(key, cfg, inst, i)
                 else:
                     self.runners[k] = await self._start(key, cfg)
+                if facts is not None and facts.layer_bytes[st.start : st.end]:
+                    self.runners[k].layer_bytes = fmean(facts.layer_bytes[st.start : st.end])
             await self._trim_slices(desired)
 
     def _admit(self, desired: dict[tuple[str, int], tuple[Instance, int]]) -> set[tuple[str, int]]:
-        """The stages this node takes: at most ``max_runners``, and no more memory than
-        the machine has, whatever a plan says (running stages first, then by id)."""
-        admitted: set[tuple[str, int]] = set()
-        total = 0
-        for k in sorted(desired, key=lambda k: (k not in self.runners, k)):
-            inst, i = desired[k]
-            st = inst.stages[i]
-            need = (
-                stage_need(
-                    inst.facts,
-                    st.start,
-                    st.end,
-                    st.engine,
-                    context=inst.context or inst.spec.context,
-                    kv_cache=inst.spec.kv_cache,
-                )
-                if inst.facts
-                else 0
-            )
-            if len(admitted) >= self.max_runners or (self.memory and total + need > self.memory):
-                continue
-            total += need
-            admitted.add(k)
-        return admitted
+        return admit(desired, set(self.runners), self.max_runners, self.memory)
 
     async def _trim_slices(self, desired: dict[tuple[str, int], tuple[Instance, int]]) -> None:
         keep = [
@@ -529,10 +556,12 @@ class Supervisor:
             if isinstance(ev, Listening):
                 r.port = ev.port
             elif isinstance(ev, Ready):
-                r.state = "ready"
-                log.info("runner %s stage %d ready on port %d", r.key.instance, r.key.stage, r.port)
+                r.state, r.layer_ms = "ready", ev.layer_ms
+                log.info("runner %s stage %d ready on port %d (%.3f ms a layer)",
+                         r.key.instance, r.key.stage, r.port, r.layer_ms)  # fmt: skip
             elif isinstance(ev, Load):
                 r.active = ev.active
+                r.layer_ms = ev.layer_ms or r.layer_ms
             elif isinstance(ev, Failed):
                 r.state, r.reason = "failed", public_reason(ev.reason)
                 log.warning("runner %s stage %d failed: %s", r.key.instance, r.key.stage, r.reason)

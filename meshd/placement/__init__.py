@@ -7,6 +7,7 @@ inputs, so no node coordinates the others. See :func:`place` for the rules.
 from .errors import PlacementError, Reason, fmt_bytes
 from .place import (
     DEFAULT_ENGINE_PREFERENCE,
+    Offload,
     Placement,
     Policy,
     base_context,
@@ -19,6 +20,7 @@ from .place import (
     place_fetching,
     placement,
     plan_digest,
+    predicted_tokens_s,
     repair_needed,
     stage_need,
     stage_offload,
@@ -28,6 +30,7 @@ from .resources import NodeResources, node_resources
 __all__ = [
     "DEFAULT_ENGINE_PREFERENCE",
     "NodeResources",
+    "Offload",
     "Placement",
     "PlacementError",
     "Policy",
@@ -44,6 +47,7 @@ __all__ = [
     "place_fetching",
     "placement",
     "plan_digest",
+    "predicted_tokens_s",
     "repair_needed",
     "stage_need",
     "stage_offload",

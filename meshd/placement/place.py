@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import NamedTuple
 
@@ -160,6 +160,19 @@ def node_vram(r: NodeResources, engine: str, policy: Policy = Policy()) -> int: 
     )
 
 
+class Offload(NamedTuple):
+    """A stage on a node's dedicated GPUs (:func:`stage_offload`)."""
+
+    #: llama.cpp's ``n_gpu_layers``: the stage's last layers, one more for the output
+    #: head (``end - start + 1``: all of it); 0 keeps the stage on the CPU.
+    layers: int
+    #: Bytes they take on the GPUs.
+    gpu_bytes: int
+    #: What the stage still takes of the host's memory (:func:`stage_need` less what
+    #: left it; a tied head's GPU copy leaves the embedding on the host too).
+    host_need: int
+
+
 def stage_offload(
     facts: ModelFacts,
     start: int,
@@ -169,13 +182,14 @@ def stage_offload(
     policy: Policy | None = None,
     context: int = 0,
     kv_cache: str = "",
-) -> tuple[int, int]:
-    """``(n_gpu_layers, bytes)``: how much of a stage running layers ``[start, end)``
-    goes on ``vram`` bytes of dedicated GPU memory (see the module's **GPUs**).
-    ``n_gpu_layers`` is llama.cpp's: the stage's last layers, one more for the output
-    head (``end - start + 1``: all of it); 0 keeps the stage on the CPU."""
-    pol = _with_context(policy or Policy(), context, kv_cache)
-    return _Model.of(facts, pol).offload(start, end, engine_of(engine), vram)[:2]
+) -> Offload:
+    """How a stage running layers ``[start, end)`` of ``facts`` on ``engine`` uses
+    ``vram`` bytes of dedicated GPU memory (see the module's **GPUs**), with ``context``
+    tokens per request in a ``kv_cache`` cache ("" / 0: the policy's)."""
+    m = _Model.of(facts, _with_context(policy or Policy(), context, kv_cache))
+    eng = engine_of(engine)
+    layers, gpu, host = m.offload(start, end, eng, vram)
+    return Offload(layers, gpu, m.need(start, end, eng) - host)
 
 
 def instance_context(inst: Instance) -> int:
@@ -342,11 +356,14 @@ def place(
     **Fresh plan.** Candidates are ranked by usable memory (budget less the floor),
     most first, ties on node id. For k = ``spec.min_nodes``, k + 1, ..., the top k
     candidates, in rank order, get the layers split in proportion to usable memory
-    (averaged with the share of measured tokens/s when every one of them has one),
-    rounded by largest remainder (ties to the earlier stage), every stage >= 1 layer;
-    then each boundary, left to right, is moved to the nearest position (ties: the
-    lower one) for which this stage fits its node and the stages after it can still
-    fit theirs. The first k that fits wins: one node when the model fits on one.
+    (in proportion to measured speed, ``decode_bps``, instead when every one of them
+    has one), rounded by largest remainder (ties to the earlier stage), every stage
+    >= 1 layer; then each boundary, left to right, is moved to the nearest position
+    (ties: the lower one) for which this stage fits its node and the stages after it
+    can still fit theirs. The first k that fits wins: one node when the model fits on
+    one. When every candidate has measured its speed, each k that fits is tried and a
+    plan on more nodes replaces one on fewer only when its predicted tokens/s
+    (:func:`predicted_tokens_s`) is :data:`SPLIT_GAIN` times higher.
 
     **Pinned nodes.** ``spec.nodes`` (ids or names, in stage order) are used as they
     are, split as above; a name or id that is not live raises ``unknown_node``.
@@ -583,9 +600,10 @@ class _Cand:
     engines: tuple[str, ...]  # engines usable here, best first
     budget: int  # mem_available (+ credit)
     usable: int  # budget - floor
-    tps: float
+    speed: float  # decode_bps, 0: not measured
     #: Usable dedicated GPU bytes per engine (node_vram), for those that have any.
     vram: tuple[tuple[str, int], ...] = ()
+    rtt: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def engine(self) -> str:
@@ -632,11 +650,11 @@ def _candidate(
     if not engines:
         return None
     budget = r.mem_available + credit.get(r.id, 0)
-    tps = r.tokens_per_s if math.isfinite(r.tokens_per_s) and r.tokens_per_s > 0 else 0.0
+    speed = r.decode_bps if math.isfinite(r.decode_bps) and r.decode_bps > 0 else 0.0
     vram = tuple((e, v) for e in engines if (v := node_vram(r, e, policy)) > 0)
     # A GPU's memory is room too: it ranks the node like RAM would.
     usable = budget - m.floor + sum(v for _, v in vram[:1])
-    return _Cand(r.id, r.name, tuple(engines), budget, usable, tps, vram)
+    return _Cand(r.id, r.name, tuple(engines), budget, usable, speed, vram, r.rtt_ms)
 
 
 def _label(c: _Cand) -> str:
@@ -650,6 +668,60 @@ def _room(c: _Cand, engine: str) -> str:
     return f"{ram} usable" + (f" + {fmt_bytes(gpu)} of GPU memory" if gpu else "")
 
 
+# --------------------------------------------------------------------------- predict
+
+#: A plan on more nodes must predict this much more speed than one on fewer.
+SPLIT_GAIN = 1.05
+#: What a hop costs beyond half the link's round trip (serialising, the wake-ups of
+#: both ends: measured ~0.5 ms on loopback), and the round trip assumed for a link
+#: neither end has measured.
+HOP_MS = 0.5
+UNKNOWN_RTT_MS = 1.0
+
+
+def _rtt(a: _Cand, b: _Cand) -> float:
+    got = [x for x in (a.rtt.get(b.id), b.rtt.get(a.id)) if x]
+    return min(got) if got else UNKNOWN_RTT_MS
+
+
+def _predict(m: _Model, stages: Sequence[Stage], cands: Mapping[str, _Cand]) -> float:
+    """Predicted decode tokens/s of one request through ``stages``: each stage reads
+    its layers' bytes (and the head's on the last) at its node's ``speed``, and each
+    hop of the ring (the last stage's token goes back to the first) costs half the
+    link's round trip plus :data:`HOP_MS`. 0.0 when a node's speed is not known."""
+    ms = 0.0
+    for s in stages:
+        c = cands[s.node]
+        if c.speed <= 0:
+            return 0.0
+        head = (m.head or m.embed) if s.end == m.n else 0  # a tied head reads the embedding
+        read = m.prefix[s.end] - m.prefix[s.start] + head
+        ms += 1000 * read / c.speed
+    if len(stages) > 1:
+        ring = [cands[s.node] for s in stages]
+        ms += sum(_rtt(a, b) / 2 + HOP_MS for a, b in zip(ring, ring[1:] + ring[:1], strict=True))
+    return 1000 / ms if ms > 0 else 0.0
+
+
+def predicted_tokens_s(
+    facts: ModelFacts,
+    stages: Sequence[Stage],
+    nodes: Iterable[NodeResources],
+    policy: Policy = Policy(),  # noqa: B008 (frozen, immutable)
+) -> float:
+    """Decode tokens/s of one request that placement predicts for ``stages`` on
+    ``nodes`` (their measured ``decode_bps`` and ``rtt_ms``); 0.0 when a stage's node
+    has not measured its speed (or is not among ``nodes``)."""
+    m = _Model.of(facts, policy)
+    cands = {}
+    for r in nodes:
+        speed = r.decode_bps if math.isfinite(r.decode_bps) and r.decode_bps > 0 else 0.0
+        cands[r.id] = _Cand(r.id, r.name, (), 0, 0, speed, (), r.rtt_ms)
+    if any(s.node not in cands for s in stages):
+        return 0.0
+    return float(f"{_predict(m, stages, cands):.4g}")
+
+
 # ----------------------------------------------------------------------------- split
 
 
@@ -658,10 +730,11 @@ def _shares(members: Sequence[_Cand]) -> list[Fraction]:
     usable = [max(0, c.usable) for c in members]
     total = sum(usable)
     shares = [Fraction(u, total) if total else Fraction(1, k) for u in usable]
-    if k > 1 and all(c.tps > 0 for c in members):
-        speeds = [Fraction(c.tps) for c in members]
+    if k > 1 and all(c.speed > 0 for c in members):
+        # Measured: layers in proportion to speed (memory bounds them in _split).
+        speeds = [Fraction(c.speed) for c in members]
         fast = sum(speeds)
-        shares = [(s + v / fast) / 2 for s, v in zip(shares, speeds, strict=True)]
+        shares = [v / fast for v in speeds]
     return shares
 
 
@@ -783,14 +856,25 @@ def _place_fresh(m: _Model, ranked: Sequence[_Cand], min_nodes: int) -> list[Sta
     least = m.n * min(m.kv(e) for e in m.engines) + m.embed + m.head
     least += math.floor(m.prefix[-1] * m.overhead) - m.n  # - n: float rounding, stay low
     budgets = 0
+    best: tuple[float, list[Stage]] | None = None
+    measured = all(c.speed > 0 for c in ranked)
     for k in range(1, top + 1):
         budgets += ranked[k - 1].usable
         if k < min_nodes or least > budgets:
             continue
         members = ranked[:k]
         plan = _split(m, 0, m.n, members, [c.engine for c in members])
-        if plan is not None:
-            return plan
+        if plan is None:
+            continue
+        if not measured:
+            return plan  # the fewest nodes that fit
+        # Every node measured: a split that fits with fewer nodes is taken only when
+        # its predicted speed beats theirs by SPLIT_GAIN (hops cost on a real LAN).
+        speed = _predict(m, plan, {c.id: c for c in members})
+        if best is None or speed > best[0] * SPLIT_GAIN:
+            best = (speed, plan)
+    if best is not None:
+        return best[1]
     members = ranked[: max(min_nodes, top)]
     err = _insufficient(m, members, [c.engine for c in members])
     if m.max_stages == 1 and len(ranked) > 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 import msgspec
@@ -23,6 +24,28 @@ MEM_QUANTUM = 256 * 1024 * 1024
 MEM_TOTAL_SHARE = 16
 
 
+#: Steps of the speed figures placement reads, as a factor: a node's measured speed
+#: wobbles by a few percent from one heartbeat to the next, and survivors that repair
+#: a plan at once must read the same figure (as with ``MEM_QUANTUM``).
+SPEED_STEP = 2 ** (1 / 4)
+#: Round trips shorter than this (ms) are the same to placement (a loopback, a switch).
+RTT_FLOOR_MS = 0.25
+
+
+def quantize_speed(value: float) -> float:
+    """``value`` (> 0) rounded down to a power of :data:`SPEED_STEP`; 0 stays 0."""
+    if not (value > 0 and math.isfinite(value)):
+        return 0.0
+    return float(f"{SPEED_STEP ** math.floor(math.log(value, SPEED_STEP) + 1e-9):.4g}")
+
+
+def quantize_rtt(ms: float) -> float:
+    """A round trip rounded up to a power of two ms, at least :data:`RTT_FLOOR_MS`."""
+    if not (ms > 0 and math.isfinite(ms)):
+        return RTT_FLOOR_MS
+    return max(RTT_FLOOR_MS, 2.0 ** math.ceil(math.log2(ms)))
+
+
 def quantize_mem(mem_available: int, mem_total: int = 0) -> int:
     """``mem_available`` rounded down to placement's step (see :data:`MEM_QUANTUM`)."""
     q = max(MEM_QUANTUM, mem_total // MEM_TOTAL_SHARE // MEM_QUANTUM * MEM_QUANTUM)
@@ -36,26 +59,31 @@ def node_resources(
 ) -> dict[str, NodeResources]:
     """The resources of every live node that has a card, by node id (sorted by id).
 
-    ``mem_available`` and ``tokens_per_s`` come from the node's heartbeat when it has
-    one that reports them (a heartbeat's 0 means "not reported"), else from its card
-    (``tokens_per_s`` is then 0, unmeasured). A live id without a card is skipped:
+    ``mem_available``, ``decode_bps`` and ``rtt_ms`` come from the node's heartbeat
+    when it has one that reports them (a heartbeat's 0 means "not reported"), else
+    ``mem_available`` from its card (``decode_bps`` is then 0, unmeasured); the speed
+    and round trips are rounded (:func:`quantize_speed`, :func:`quantize_rtt`), round
+    trips kept only to the nodes given. A live id without a card is skipped:
     placement cannot know what it runs. ``mem_available`` is rounded down with
     :func:`quantize_mem`, so that survivors compute a repair from the same figures.
     ``devices`` are the card's GPUs as probed (see :func:`less_gpu`).
     """
     out: dict[str, NodeResources] = {}
-    for nid in sorted(set(live)):
+    live_ids = set(live)
+    for nid in sorted(live_ids):
         card = cards.get(nid)
         if card is None:
             continue
         health = healths.get(nid)
         mem = card.mem_available
-        tps = 0.0
+        bps = 0.0
+        rtt: dict[str, float] = {}
         holds: set[str] = set()
         if health is not None:
             if health.mem_available > 0:
                 mem = health.mem_available
-            tps = health.tokens_per_s
+            bps = quantize_speed(health.decode_bps)
+            rtt = {k: quantize_rtt(v) for k, v in sorted(health.rtt_ms.items()) if k in live_ids}
             holds = {r.instance for r in health.runners if r.state in ("loading", "ready")}
         out[nid] = NodeResources(
             id=nid,
@@ -63,8 +91,9 @@ def node_resources(
             backends=sorted(set(card.backends)),
             mem_available=quantize_mem(mem, card.mem_total),
             mem_total=card.mem_total,
-            tokens_per_s=tps,
+            decode_bps=bps,
             holds=sorted(holds),
+            rtt_ms=rtt,
             devices=list(card.devices),
         )
     return out

@@ -19,8 +19,10 @@ spreads epidemically when a PUB link is down.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,6 +77,8 @@ class _Peer:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     sub_addr: str | None = None
     pulling: bool = False
+    #: Round trips (s) of its last mesh requests answered: their least is the link's.
+    rtts: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=16))
 
 
 #: Gossip messages and mesh requests a second one peer may send (twice that in a burst).
@@ -83,6 +87,10 @@ PEER_RATE = 200.0
 #: Bytes of entries one welcome or pull reply carries; a larger state comes in pages
 #: (so a state of any size syncs, under the frame limit).
 PAGE_BYTES = 1 << 20
+#: When a node first, then how often, pulls from each peer whatever the digests say
+#: (the round trips of those pulls are the links' figures for placement).
+ROUND_TRIP_FIRST = 1.0
+ROUND_TRIP_INTERVAL = 10.0
 #: Pages one pull may take before it stops (the next digest resumes it).
 MAX_PAGES = 256
 
@@ -146,6 +154,7 @@ class Gossip:
             asyncio.create_task(self._router_loop(), name="gossip-router"),
             asyncio.create_task(self._sub_loop(), name="gossip-sub"),
             asyncio.create_task(self._digest_loop(), name="gossip-digest"),
+            asyncio.create_task(self._round_trip_loop(), name="gossip-rtt"),
         ]
         if self.keys is not None:
             # The SUB names every peer it dials, so a peer without the secret is
@@ -201,6 +210,15 @@ class Gossip:
             p.dealer.close(linger=0)
         self.synced_from.pop(node_id, None)
 
+    def rtt_ms(self) -> dict[str, float]:
+        """Round trip to each known peer in ms: the least of its recent mesh requests
+        (a reply's own work only adds to one; the least is closest to the link's)."""
+        return {
+            nid: round(1000 * min(p.rtts), 2)
+            for nid, p in sorted(self._peers.items())
+            if p.rtts and not nid.startswith("@")
+        }
+
     def peers(self) -> dict[str, Endpoint]:
         """Peers this node currently points at."""
         return {k: p.endpoint for k, p in self._peers.items()}
@@ -248,6 +266,7 @@ class Gossip:
                     return None
                 p.dealer = dealer
             await p.dealer.send(wire.encode(msg))
+            t0 = time.monotonic()
             try:
                 frames = await asyncio.wait_for(
                     p.dealer.recv_multipart(copy=True), self.request_timeout
@@ -256,6 +275,7 @@ class Gossip:
                 p.dealer.close(linger=0)
                 p.dealer = None
                 return None
+            p.rtts.append(time.monotonic() - t0)
         if key.startswith("@"):
             # Anonymous (seed) sockets are one-shot.
             self._drop_anonymous(key)
@@ -441,6 +461,18 @@ class Gossip:
                 await self.publish_digest()
             except zmq.ZMQError:
                 log.exception("could not publish digest")
+
+    async def _round_trip_loop(self) -> None:
+        """Pull from every peer now and then: anti-entropy that a cluster in sync
+        (deltas reach everyone, digests agree) would otherwise never do, and the round
+        trips placement reads (:meth:`rtt_ms`). In sync, a pull is one small request."""
+        await asyncio.sleep(ROUND_TRIP_FIRST)
+        while True:
+            peers = [n for n, p in self._peers.items() if not n.startswith("@") and not p.pulling]
+            for nid in peers:
+                self._peers[nid].pulling = True
+                self._spawn(self._pull_then_clear(nid))
+            await asyncio.sleep(ROUND_TRIP_INTERVAL)
 
     # -- helpers -------------------------------------------------------------------
     def _synced(self, peer: str, hlc: int, socket: str) -> None:

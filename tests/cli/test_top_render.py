@@ -68,7 +68,7 @@ CLUSTER = {
                 "mem_available": 4 * GIB,
                 "load": 1.25,
                 "queue_depth": 1,
-                "tokens_per_s": 31.5,
+                "decode_bps": 31.5e9,
                 "synced": 40,
                 "runners": [{"instance": "llama-70b", "generation": 2, "state": "ready"}],
             },
@@ -104,6 +104,7 @@ CLUSTER = {
             },
         },
     ],
+    "predicted_tokens_s": {"llama-70b": 12.4},
     "instances": [
         {
             "id": "llama-70b",
@@ -160,7 +161,8 @@ def test_render_shows_memory_backends_heartbeat_load_and_runners() -> None:
 
 
 def test_render_shows_instance_model_generation_and_stage_ranges_with_state() -> None:
-    out = text_of(render(CLUSTER, now_ms=NOW_MS))
+    out = text_of(render(CLUSTER, now_ms=NOW_MS), width=200)
+    assert "12/-" in out  # one request: placement's prediction, nothing measured yet
     assert "meta-llama/Llama-3.1-70B" in out
     assert "studio[0:48) mlx ready" in out
     assert "tower[48:72) llama_cpp loading (node suspect)" in out

@@ -347,8 +347,8 @@ def test_gpu_memory_another_instance_takes_is_not_offered_to_the_next() -> None:
     # Instance x runs all 8 layers on a, offloaded as far as a's GPU took them.
     busy = view([a], {}, [inst("x", "a")])
     got = busy.place_new(InstanceSpec(model="m"), FACTS)
-    _, used = stage_offload(FACTS, 0, 8, "llama_cpp", node_vram(alone.place_new(
-        InstanceSpec(model="m"), FACTS).nodes["a"], "llama_cpp"), context=2048)  # fmt: skip
+    probed = alone.place_new(InstanceSpec(model="m"), FACTS).nodes["a"]
+    used = stage_offload(FACTS, 0, 8, "llama_cpp", node_vram(probed, "llama_cpp"), context=2048)[1]
     assert used > 0 and got.nodes["a"].devices[0].mem_free == 2 * GiB - used
     # A repair of x itself counts its own stages as its own, not as taken.
     repaired = busy._place(InstanceSpec(model="m"), FACTS, previous=busy.instances["x"])

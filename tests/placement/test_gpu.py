@@ -75,14 +75,14 @@ def offload(vram: int, start: int, end: int, last: bool) -> tuple[int, int]:
 def test_a_stage_offloads_its_last_layers_first_then_the_head() -> None:
     need = stage_need(EIGHT_B, 0, 32, "llama_cpp")
     for vram in (0, LAYER - 1, LAYER, 10 * LAYER + 5, 32 * LAYER, 32 * LAYER + 400 * MiB):
-        assert stage_offload(EIGHT_B, 0, 32, "llama_cpp", vram) == offload(vram, 0, 32, True)
+        assert stage_offload(EIGHT_B, 0, 32, "llama_cpp", vram)[:2] == offload(vram, 0, 32, True)
     assert stage_offload(EIGHT_B, 0, 32, "llama_cpp", 32 * LAYER + 400 * MiB)[0] == 33
     # A middle stage has no head to offload: all its layers is all there is.
-    assert stage_offload(EIGHT_B, 8, 16, "llama_cpp", 100 * GiB) == (8, 8 * LAYER)
+    assert stage_offload(EIGHT_B, 8, 16, "llama_cpp", 100 * GiB)[:2] == (8, 8 * LAYER)
     # MLX stages do not offload this way (their GPU, Metal, is unified memory).
-    assert stage_offload(EIGHT_B, 0, 32, "mlx", 100 * GiB) == (0, 0)
+    assert stage_offload(EIGHT_B, 0, 32, "mlx", 100 * GiB) == (0, 0, need)
     # The KV of an offloaded layer follows its context.
-    n, used = stage_offload(EIGHT_B, 0, 32, "llama_cpp", 4 * LAYER, context=2048)
+    n, used, _ = stage_offload(EIGHT_B, 0, 32, "llama_cpp", 4 * LAYER, context=2048)
     assert n > 4 and used <= 4 * LAYER
     assert 9 * GiB < need < 10 * GiB
 
@@ -101,8 +101,8 @@ def test_gpu_memory_lets_a_node_hold_what_its_ram_cannot_and_the_error_says_both
     assert place(spec, EIGHT_B, {"box": box}) == [
         Stage(node="box", start=0, end=32, engine="llama_cpp")
     ]
-    n, used = stage_offload(EIGHT_B, 0, 32, "llama_cpp", node_vram(box, "llama_cpp"))
-    assert n == 33 and need - (used - 0) <= box.mem_available
+    n, used, host = stage_offload(EIGHT_B, 0, 32, "llama_cpp", node_vram(box, "llama_cpp"))
+    assert n == 33 and host == need - used <= box.mem_available
     # A 4 GiB GPU: part of the model only; RAM must take the rest, and the error names
     # both what the node offers in RAM and on its GPU.
     small = node("small", 4 * GiB, [gpu(4 * GiB)])
@@ -115,7 +115,7 @@ def test_gpu_memory_lets_a_node_hold_what_its_ram_cannot_and_the_error_says_both
     mixed = node("mixed", 8 * GiB, [gpu(4 * GiB)])
     (stage,) = place(spec, EIGHT_B, {"mixed": mixed})
     assert (stage.start, stage.end) == (0, 32)
-    k, _ = stage_offload(EIGHT_B, 0, 32, "llama_cpp", node_vram(mixed, "llama_cpp"))
+    k, _, _ = stage_offload(EIGHT_B, 0, 32, "llama_cpp", node_vram(mixed, "llama_cpp"))
     assert 0 < k < 32
 
 
@@ -161,8 +161,8 @@ def test_the_runner_offloads_what_placement_counted_on_its_node() -> None:
     stages = place(spec, EIGHT_B, {"box": box, "cpu": cpu})
     inst = Instance(id="i", spec=spec, stages=stages, facts=EIGHT_B,
                     basis=PlanBasis(spec=spec, nodes=[box, cpu]))  # fmt: skip
-    want, _ = stage_offload(EIGHT_B, stages[0].start, stages[0].end, "llama_cpp",
-                            node_vram(box, "llama_cpp"))  # fmt: skip
+    want = stage_offload(EIGHT_B, stages[0].start, stages[0].end, "llama_cpp",
+                         node_vram(box, "llama_cpp")).layers  # fmt: skip
     assert gpu_layers(inst, 0) == want > 0
     assert gpu_layers(inst, 1) == 0  # no GPU there
     assert gpu_layers(msgspec.structs.replace(inst, basis=None), 0) == 0  # CPU by default
