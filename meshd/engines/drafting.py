@@ -51,9 +51,12 @@ def prompt_lookup(tokens: Sequence[int], k: int) -> list[int]:
 
 #: Plain steps timed before a request drafts: the baseline a draft must beat.
 WARMUP_STEPS = 3
-#: Drafted steps timed before it decides whether drafting pays.
+#: Drafted steps between two decisions on whether drafting pays.
 TRIAL_STEPS = 6
-#: Weight of the newest step in the running means.
+#: Plain steps after which a request that stopped drafting tries again (its text,
+#: or the links, may have changed).
+RETRY_STEPS = 64
+#: Weight of the newest step in the running mean of a plain step.
 EMA = 0.3
 
 
@@ -64,11 +67,13 @@ class DraftBudget:
     ``k`` grows by one after a draft accepted whole and falls to what was accepted
     plus one otherwise. Whether drafting pays is measured, not guessed: stage 0 times
     each step from feeding a token to getting the next (the trip around the ring and
-    every stage's compute), plain steps and drafted ones alike. After
-    :data:`TRIAL_STEPS` drafted steps, a request whose seconds per token with drafts
-    are not below its plain steps' drafts no more (a model whose compute, not the
-    trip, sets the pace, or text that does not repeat), nor does one whose drafts are
-    mostly wrong (under ``min_rate`` accepted).
+    every stage's compute), plain steps and drafted ones alike. Every
+    :data:`TRIAL_STEPS` drafted steps, a request whose seconds per token over its
+    drafted steps so far are not below its plain steps' stops drafting (a model whose
+    compute, not the trip, sets the pace, or text that does not repeat), as does one
+    whose drafts are mostly wrong (under ``min_rate`` accepted). The totals, not a
+    running mean, decide: one draft thrown away whole does not end a run of good ones.
+    After :data:`RETRY_STEPS` plain steps it tries again from a clean slate.
     """
 
     k_max: int
@@ -76,12 +81,15 @@ class DraftBudget:
     drafted: int = 0
     accepted: int = 0
     min_rate: float = 0.25
-    #: Running means: seconds of a plain step, seconds per token of a drafted one.
+    #: Running mean of a plain step's seconds; totals of the drafted steps of this try.
     plain_s: float = 0.0
-    spec_s: float = 0.0
+    spec_seconds: float = 0.0
+    spec_tokens: int = 0
     n_plain: int = 0
     n_spec: int = 0
     off: bool = False
+    #: Plain steps since drafting stopped.
+    n_off: int = 0
 
     def __post_init__(self) -> None:
         self.k = self.k or self.k_max
@@ -91,10 +99,22 @@ class DraftBudget:
         """Whether to draft at the next step."""
         return self.k_max > 0 and not self.off and self.n_plain >= WARMUP_STEPS
 
+    @property
+    def spec_s(self) -> float:
+        """Seconds per token of the drafted steps of this try (0: none timed)."""
+        return self.spec_seconds / self.spec_tokens if self.spec_tokens else 0.0
+
     def plain(self, seconds: float) -> None:
         """A step without a draft took ``seconds``."""
         self.plain_s = _mean(self.plain_s, seconds, self.n_plain)
         self.n_plain += 1
+        if self.off:
+            self.n_off += 1
+            if self.n_off >= RETRY_STEPS:
+                self.off, self.n_off = False, 0
+                self.spec_seconds, self.spec_tokens, self.n_spec = 0.0, 0, 0
+                self.drafted = self.accepted = 0
+                self.k = self.k_max
 
     def record(self, drafted: int, accepted: int, seconds: float = 0.0) -> None:
         """A draft of ``drafted`` tokens had its first ``accepted`` taken, in a step
@@ -103,10 +123,13 @@ class DraftBudget:
         self.accepted += accepted
         self.k = min(self.k_max, self.k + 1) if accepted == drafted else max(1, accepted + 1)
         if seconds > 0:
-            self.spec_s = _mean(self.spec_s, seconds / (accepted + 1), self.n_spec)
+            self.spec_seconds += seconds
+            self.spec_tokens += accepted + 1
             self.n_spec += 1
-        if self.n_spec >= TRIAL_STEPS and (
-            self.spec_s >= self.plain_s or self.accepted < self.min_rate * self.drafted
+        if (
+            self.n_spec
+            and self.n_spec % TRIAL_STEPS == 0
+            and (self.spec_s >= self.plain_s or self.accepted < self.min_rate * self.drafted)
         ):
             self.off = True
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.engines.drafting import DraftBudget, prompt_lookup
+from meshd.engines.drafting import RETRY_STEPS, DraftBudget, prompt_lookup
 from meshd.transport import wire
 from tests.synthetic import N_LAYERS, write_model
 
@@ -58,6 +58,21 @@ def test_the_budget_follows_acceptance_and_measured_time() -> None:
         wrong.record(4, 0, 0.001)  # fast, but drafts that never hold
     assert not wrong.on
     assert not DraftBudget(k_max=0).on
+    # One draft thrown away whole, in a run of good ones, does not end the run: the
+    # totals decide (5 ms a token with it, against 10 without drafts).
+    spike = DraftBudget(k_max=4)
+    for _ in range(3):
+        spike.plain(0.010)
+    for _ in range(5):
+        spike.record(4, 4, 0.015)
+    spike.record(4, 0, 0.040)
+    assert spike.on and spike.spec_s == pytest.approx(0.115 / 26)
+    # A request that stopped drafting tries again after RETRY_STEPS plain steps.
+    for _ in range(RETRY_STEPS - 1):
+        slow.plain(0.010)
+    assert not slow.on
+    slow.plain(0.010)
+    assert slow.on and slow.k == 4 and slow.spec_s == 0.0
 
 
 @pytest.fixture(scope="module")
