@@ -834,13 +834,16 @@ class Runner:
             t0 = time.perf_counter()
             try:
                 outs = self.stage.forward(items)
-                self.clock.record(time.perf_counter() - t0, [it.n_rows for it in items])
-                if self.clock.news(t0):
-                    self.report_load()
             except Exception:
                 # One bad item fails the whole call: run them one by one so only the
                 # requests at fault end (with a typed error), and the runner lives on.
                 outs = [self.forward_one(w, it) for w, it in zip(run, items, strict=True)]
+            else:
+                # Outside the try: a failure here (the node gone, its pipe broken) must
+                # not run the items a second time.
+                self.clock.record(time.perf_counter() - t0, [it.n_rows for it in items])
+                if self.clock.news(t0):
+                    self.report_load()
             spent = round(time.perf_counter() - t0, 6)
         for w, k, out in zip(run, run_keys, outs, strict=True):
             if out is None:
