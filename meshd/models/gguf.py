@@ -61,6 +61,8 @@ class GgufHeader:
     tensors: dict[str, tuple[str, tuple[int, ...]]]
     #: name -> bytes of the tensor's data in the file.
     nbytes: dict[str, int]
+    #: name -> where the tensor's data starts in the file (bytes from its start).
+    offsets: dict[str, int]
 
 
 class _Cursor:
@@ -179,12 +181,14 @@ def read_header(path: Path) -> GgufHeader:
             tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
             nbytes: dict[str, int] = {}
             starts: list[int] = []
+            relative: dict[str, int] = {}
             unsized: list[tuple[int, str]] = []
             for _ in range(n_tensors):
                 name = cur.string()
                 shape = tuple(cur.scalar(10) for _ in range(cur.scalar(4)))
                 kind = cur.scalar(4)
                 offset = cur.scalar(10)
+                relative[name] = offset
                 try:
                     qtype = gguf.GGMLQuantizationType(kind)
                 except ValueError:
@@ -199,13 +203,14 @@ def read_header(path: Path) -> GgufHeader:
                 starts.append(offset)
         except (struct.error, IndexError) as e:
             raise _truncated(path, e) from e
+        align = int(kv.get("general.alignment") or 32)
+        data_start = -(-cur.pos // align) * align
         if unsized:
-            align = int(kv.get("general.alignment") or 32)
-            data_start = -(-cur.pos // align) * align
             ends = sorted(starts + [o for o, _ in unsized] + [len(buf) - data_start])
             for offset, name in unsized:
                 nbytes[name] = next(e for e in ends if e > offset) - offset
-    return GgufHeader(kv=kv, tensors=tensors, nbytes=nbytes)
+    offsets = {name: data_start + o for name, o in relative.items()}
+    return GgufHeader(kv=kv, tensors=tensors, nbytes=nbytes, offsets=offsets)
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:

@@ -362,6 +362,8 @@ class ClusterView:
         """``nodes`` with their GPUs' free memory less what the stages of every other
         instance than ``skip`` take there (a card's figure is from before they ran).
         Each is counted with the GPU memory as probed, whatever order they came in."""
+        if not any(r.devices for r in nodes.values()):
+            return nodes  # no GPU among them: nothing to take off
         taken: dict[str, int] = {}
         for inst in self.instances.values():
             if inst.id == skip or inst.facts is None:

@@ -139,8 +139,7 @@ def stage_need(
     """Bytes a stage running layers ``[start, end)`` of ``facts`` on ``engine`` needs,
     with ``context`` tokens per request (0: the policy's) in a ``kv_cache`` cache
     ("": the policy's)."""
-    pol = _with_context(policy or Policy(), context, kv_cache)
-    return _Model.of(facts, pol).need(start, end, engine_of(engine))
+    return stage_offload(facts, start, end, engine, 0, policy, context, kv_cache).host_need
 
 
 def node_vram(r: NodeResources, engine: str, policy: Policy = Policy()) -> int:  # noqa: B008
@@ -610,7 +609,7 @@ class _Cand:
         return self.engines[0]
 
     def gpu(self, engine: str) -> int:
-        return dict(self.vram).get(engine, 0)
+        return next((v for e, v in self.vram if e == engine), 0)
 
 
 def _by_id(nodes: Mapping[str, NodeResources]) -> dict[str, NodeResources]:

@@ -8,7 +8,6 @@ import time
 import numpy as np
 import pytest
 
-from meshd.crdt.views import Instance, InstanceSpec, ModelFacts, Stage
 from meshd.engines.calibrate import LayerClock, calibrate
 from meshd.engines.llama_stage import LlamaStage
 from meshd.engines.stage import StageInput
@@ -58,4 +57,3 @@ def test_a_node_turns_its_runners_timings_into_bytes_a_second() -> None:
     assert decode_bps([proc(0.0, 3e6), proc(0.5, 3e6, "loading")]) == 0.0
     # 3 MB a layer in 0.5 ms and 6 MB in 0.75 ms: 6 and 8 GB/s, 7 on average.
     assert decode_bps([proc(0.5, 3e6), proc(0.75, 6e6)]) == pytest.approx(7e9)
-    _ = (Instance, InstanceSpec, ModelFacts, Stage)

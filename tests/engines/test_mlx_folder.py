@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,7 @@ from meshd.models.folder import (
     read_folder_facts,
 )
 from meshd.models.vocab import HfVocab
+from tests.engines.chains import greedy, worst
 
 N_CTX = 128
 N_GEN = 12
@@ -60,31 +61,6 @@ TEXTS = [
     "",
     " ",
 ]
-
-
-def _greedy(chain: Sequence[MlxStage], prompt: Sequence[int], n: int = N_GEN):
-    out: list[int] = []
-    logits: list[np.ndarray] = []
-    pos = 0
-    cur = np.asarray(prompt, np.int32)
-    try:
-        for _ in range(n):
-            x = chain[0].forward([StageInput(seq=0, pos=pos, tokens=cur)])[0]
-            for stage in chain[1:]:
-                x = stage.forward([StageInput(seq=0, pos=pos, hidden=x)])[0]
-            assert x.shape == (chain[-1].n_vocab,)
-            pos += len(cur)
-            out.append(int(np.argmax(x)))
-            logits.append(x)
-            cur = np.array([out[-1]], np.int32)
-    finally:
-        for stage in chain:
-            stage.free(0)
-    return out, logits
-
-
-def _worst(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
 
 # -- fixtures ----------------------------------------------------------------------
@@ -112,7 +88,7 @@ def prompt(model_path: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def folder_run(folder_whole: MlxStage, prompt: list[int]):
-    return _greedy([folder_whole], prompt)
+    return greedy([folder_whole], prompt, N_GEN)
 
 
 def _tiny_folder(path: Path, config: dict, tensors: dict[str, np.ndarray]) -> Path:
@@ -238,9 +214,9 @@ def test_mlx_lm_load_and_the_gguf_stage_give_the_folder_stages_tokens(
     with MlxStage(
         model_path, start=0, end=30, first=True, last=True, n_ctx=N_CTX, n_seq_max=1
     ) as gguf_whole:
-        g_tokens, g_logits = _greedy([gguf_whole], prompt)
+        g_tokens, g_logits = greedy([gguf_whole], prompt, N_GEN)
     assert g_tokens == tokens
-    assert _worst(g_logits, logits) <= FOLDER_TOL
+    assert worst(g_logits, logits) <= FOLDER_TOL
 
 
 @pytest.mark.timeout(60)
@@ -258,9 +234,9 @@ def test_two_stage_split_matches_the_whole_folder_model(
         p1 = dict(tree_flatten(s1.mlx_model.parameters()))
         assert "model.layers.14.self_attn.q_proj.scales" in p0
         assert "model.embed_tokens.scales" in p0 and "model.embed_tokens.scales" in p1
-        tokens, logits = _greedy([s0, s1], prompt)
+        tokens, logits = greedy([s0, s1], prompt, N_GEN)
     assert tokens == folder_run[0]
-    assert _worst(logits, folder_run[1]) <= CHAIN_TOL
+    assert worst(logits, folder_run[1]) <= CHAIN_TOL
 
 
 @pytest.mark.timeout(60)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,6 @@ import pytest
 
 from meshd.engines.llama_stage import LlamaStage
 from meshd.engines.mlx_stage import MlxStage
-from meshd.engines.stage import StageInput
 from meshd.models.convert import gguf_to_mlx_folder
 from meshd.models.errors import UnsupportedModelError
 from meshd.models.facts import read_facts
@@ -60,6 +59,7 @@ from meshd.models.gguf_dequant import (
 )
 from meshd.models.mlx_layout import UnsupportedQuantError, check_gguf_for_mlx
 from meshd.models.slicing import slice_gguf
+from tests.engines.chains import greedy, worst
 from tests.synthetic import _copy_tokenizer
 
 N_LAYERS = 2
@@ -149,31 +149,6 @@ def _quantize(src: Path, dest: Path, ftype_name: str) -> None:
     params.nthread = 2
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dest).encode(), ctypes.byref(params))
     assert rc == 0, f"llama_model_quantize({ftype_name}) returned {rc}"
-
-
-def _greedy(chain: Sequence[Stage], prompt: Sequence[int]) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens and the logits of each step through a chain of stages."""
-    tokens: list[int] = []
-    logits: list[np.ndarray] = []
-    pos = 0
-    cur = np.asarray(prompt, np.int32)
-    try:
-        for _ in range(N_GEN):
-            x = chain[0].forward([StageInput(seq=0, pos=pos, tokens=cur)])[0]
-            for stage in chain[1:]:
-                x = stage.forward([StageInput(seq=0, pos=pos, hidden=x)])[0]
-            pos += len(cur)
-            tokens.append(int(np.argmax(x)))
-            logits.append(x)
-            cur = np.array([tokens[-1]], np.int32)
-    finally:
-        for stage in chain:
-            stage.free(0)
-    return tokens, logits
-
-
-def _worst(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
 
 def _types(path: Path) -> set[str]:
@@ -330,24 +305,24 @@ def _compare(path: Path, slice_dir: Path, label: str, tol: float, *, mixed: bool
             stages.append(LlamaStage(lo, first=True, last=False, exact=True, n_threads=1, **kw))
             stages.append(MlxStage(path, start=1, end=N_LAYERS, first=False, last=True, **kw))
             chains["llama->mlx"] = stages[2:4]
-        worst = dict.fromkeys(chains, 0.0)
+        worst_of = dict.fromkeys(chains, 0.0)
         top, margin = 0.0, np.inf
         for text in PROMPTS:
             prompt = reference.tokenize(text, add_special=False, parse_special=True)
-            want, want_logits = _greedy([reference], prompt)
+            want, want_logits = greedy([reference], prompt, N_GEN)
             top = max(top, *(float(x.max()) for x in want_logits))
             # The model is decisive: llama.cpp's top token leads by far more than tol.
             margin = min(margin, *(float(np.diff(np.sort(x)[-2:])[0]) for x in want_logits))
             assert margin > 2 * tol, (label, text, margin)
             for name, chain in chains.items():
-                tokens, logits = _greedy(chain, prompt)
+                tokens, logits = greedy(chain, prompt, N_GEN)
                 assert tokens == want, (label, name, text)
-                worst[name] = max(worst[name], _worst(logits, want_logits))
+                worst_of[name] = max(worst_of[name], worst(logits, want_logits))
         FIGURES[label] = (
-            ", ".join(f"{name} {w:.3g}" for name, w in worst.items())
+            ", ".join(f"{name} {w:.3g}" for name, w in worst_of.items())
             + f" (top logit {top:.0f}, least lead {margin:.1f}; MLX load {load_s:.2f} s)"
         )
-        assert max(worst.values()) <= tol, (label, worst)
+        assert max(worst_of.values()) <= tol, (label, worst_of)
     finally:
         for s in stages:
             s.close()
