@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -160,3 +161,36 @@ def write_bert(path: Path, tokenizer_from: Path, *, pooling: int = 1) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_f32_model(src: Path, dest: Path, n_layers: int, rope_factors: Any = None) -> None:
+    """The first ``n_layers`` of ``src`` with every tensor dequantized to F32.
+
+    On F32 weights llama.cpp's exact mode multiplies f32 by f32, so it is a true f32
+    reference for an MLX stage. ``rope_factors`` adds a ``rope_freqs.weight`` tensor
+    (Llama 3.1-style per-dimension rope frequency factors).
+    """
+    reader = gguf.GGUFReader(src)
+    arch = "llama"
+    w = gguf.GGUFWriter(dest, arch)
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == gguf.Keys.General.ARCHITECTURE:
+            continue
+        vtype = f.types[0]
+        value = f.contents()
+        if f.name == f"{arch}.block_count":
+            value = n_layers
+        elif f.name == gguf.Keys.General.FILE_TYPE:
+            value = int(gguf.LlamaFileType.ALL_F32)
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layers:
+            continue
+        w.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+    if rope_factors is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_factors, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

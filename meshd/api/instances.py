@@ -51,6 +51,9 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     #: Instances of the model to place (replicas share the requests, least busy first;
     #: each goes on nodes the others do not use while such nodes can hold it).
     replicas: int = 1
+    #: The placed model that drafts for this one (speculative decoding): "" any
+    #: with the same tokens and at most half the bytes, nearest first; ``none``: none.
+    draft: str = ""
 
     def __post_init__(self) -> None:
         if not self.model.strip():
@@ -73,6 +76,11 @@ def _fetch_fields(s: StageState) -> dict[str, float]:
     return {"fetched": s.fetched, "fetch_total": s.fetch_total, "fetch_rate": s.fetch_rate}
 
 
+def _draft_id(view: ClusterView, inst: Instance) -> str | None:
+    got = view.draft_for(inst)
+    return got[0].id if got else None
+
+
 def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {}) -> dict:
     """The JSON shape of one instance (``load``: requests this node runs on each)."""
     states = view.stage_states(inst)
@@ -90,6 +98,8 @@ def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {
         "activations": inst.spec.activations,
         "context": instance_context(inst),
         "kv_cache": inst.spec.kv_cache,
+        #: The instance drafting for it now (speculative decoding), if any.
+        "draft": _draft_id(view, inst),
         #: Requests the answering node's API runs on this instance now.
         "in_flight": load.get(inst.id, 0),
         #: One request's decode tokens/s: placement's prediction from its nodes'
@@ -125,6 +135,7 @@ async def create_instance(request: Request) -> Response:
         activations=body.activations,
         context=body.context,
         kv_cache=body.kv_cache,
+        draft=body.draft.strip(),
     )
     placed = []
     try:

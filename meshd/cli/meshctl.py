@@ -99,6 +99,8 @@ def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
         body["replicas"] = args.replicas
     if args.kv_cache:
         body["kv_cache"] = args.kv_cache
+    if args.draft:
+        body["draft"] = args.draft
     placed = client.place(body)
     insts = placed["data"] if placed.get("object") == "list" else [placed]
     wait = sys.stdout.isatty() if args.wait is None else args.wait
@@ -288,6 +290,12 @@ def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         "--kv-cache", choices=["f16", "q8_0", "q4_0"],
         help="KV cache type of the llama.cpp stages: q8_0 or q4_0 keep about 0.53x or "
         "0.28x the bytes of f16 (a longer context in the same memory)",
+    )  # fmt: skip
+    p.add_argument(
+        "--draft", metavar="MODEL",
+        help="the placed model that drafts tokens for this one to verify (speculative "
+        "decoding; default: any placed model with the same tokens and at most half the "
+        "size, nearest first); 'none' for none",
     )  # fmt: skip
     p.add_argument(
         "--replicas", type=positive_int, metavar="N",

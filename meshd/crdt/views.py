@@ -240,6 +240,9 @@ class ModelFacts(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     sampling: SamplingDefaults | None = None
     #: An encoder (BERT-like): it serves embeddings, never a completion, on one node.
     embedding_only: bool = False
+    #: Fingerprint of its token list (GGUF; "" unknown): a model with the same one
+    #: can draft for it (see ``meshd.placement.drafts``).
+    vocab_hash: str = ""
 
 
 class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
@@ -260,11 +263,16 @@ class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     #: KV cache type of its llama.cpp stages: ``f16``, ``q8_0`` or ``q4_0`` (about
     #: 0.53x and 0.28x the bytes: a longer context in the same memory).
     kv_cache: str = "f16"
+    #: Which placed model drafts for it (speculative decoding): "" any that fits
+    #: (see ``meshd.placement.drafts``), a model name that one only, ``none`` none.
+    draft: str = ""
 
     def relaxed(self) -> InstanceSpec:
-        """What a repair places: the model, its context and KV cache type, no pins (a
-        repair serves with the nodes left rather than not at all)."""
-        return InstanceSpec(model=self.model, context=self.context, kv_cache=self.kv_cache)
+        """What a repair places: the model, its context, KV cache type and draft
+        model, no pins (a repair serves with the nodes left rather than not at all)."""
+        return InstanceSpec(
+            model=self.model, context=self.context, kv_cache=self.kv_cache, draft=self.draft
+        )
 
 
 class NodeResources(msgspec.Struct, frozen=True):

@@ -27,15 +27,15 @@ MIN_NGRAM = 2
 WINDOW = 8192
 
 
-def prompt_lookup(tokens: Sequence[int], k: int) -> list[int]:
+def prompt_lookup(tokens: Sequence[int], k: int, min_ngram: int = MIN_NGRAM) -> list[int]:
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the last
-    n-gram of ``tokens`` (n from :data:`MAX_NGRAM` down to :data:`MIN_NGRAM`); none
+    n-gram of ``tokens`` (n from :data:`MAX_NGRAM` down to ``min_ngram``); none
     when nothing repeats."""
-    if k <= 0 or len(tokens) < MIN_NGRAM + 1:
+    if k <= 0 or len(tokens) < min_ngram + 1:
         return []
     arr = np.asarray(tokens[-WINDOW:], np.int64)
     end = len(arr)
-    for n in range(min(MAX_NGRAM, end - 1), MIN_NGRAM - 1, -1):
+    for n in range(min(MAX_NGRAM, end - 1), min_ngram - 1, -1):
         # Starts j < end - n of earlier occurrences of the last n tokens, found in one
         # vectorized pass per token of the n-gram (no Python loop over the hits: a
         # common token occurs thousands of times in a long prompt).

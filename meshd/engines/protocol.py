@@ -23,6 +23,7 @@ import msgspec
 
 from meshd.logs import LogFormat
 from meshd.transport.security import ClusterKeys
+from meshd.transport.wire import Addr
 
 __all__ = [
     "REQUEST_EXPIRY_S",
@@ -156,11 +157,13 @@ class Failed(msgspec.Struct, tag="failed", tag_field="event"):
 
 
 class Load(msgspec.Struct, tag="load", tag_field="event"):
-    """Requests holding KV on this stage now, and its decode steps' milliseconds per
-    layer as they run (see ``calibrate.LayerClock``; 0: none timed)."""
+    """Requests holding KV on this stage now, its decode steps' milliseconds per
+    layer as they run (see ``calibrate.LayerClock``; 0: none timed), and the tokens
+    it has drafted for other models' requests so far (a draft model's runner)."""
 
     active: int
     layer_ms: float = 0.0
+    proposed: int = 0
 
 
 class GenerationAdopted(msgspec.Struct, tag="generation", tag_field="event"):
@@ -194,11 +197,19 @@ class SetMembers(msgspec.Struct, tag="members", tag_field="cmd"):
     keys: list[str]
 
 
+class SetDraft(msgspec.Struct, tag="draft", tag_field="cmd"):
+    """Stage 0: ask the draft model ``instance`` (its runner at ``addr``) for drafts
+    when a request speculates and its own text proposes nothing; None: no draft model."""
+
+    instance: str | None = None
+    addr: Addr | None = None
+
+
 class Stop(msgspec.Struct, tag="stop", tag_field="cmd"):
     """Exit now."""
 
 
-RunnerCommand = SetGeneration | SetMembers | Stop
+RunnerCommand = SetGeneration | SetMembers | SetDraft | Stop
 
 _events = msgspec.json.Decoder(RunnerEvent)
 _commands = msgspec.json.Decoder(RunnerCommand)

@@ -62,7 +62,8 @@ from meshd.transport.tensors import TensorError, decode_rows, encode_rows
 
 from .calibrate import LayerClock, calibrate
 from .detok import TextStream
-from .drafting import DraftBudget, prompt_lookup
+from .draft_model import DraftClient, DraftServer
+from .drafting import MAX_NGRAM, MIN_NGRAM, DraftBudget, prompt_lookup
 from .grammar import (
     Constraint,
     GrammarVocab,
@@ -80,6 +81,7 @@ from .protocol import (
     Ready,
     RunnerConfig,
     RunnerEvent,
+    SetDraft,
     SetGeneration,
     SetMembers,
     Stop,
@@ -327,6 +329,15 @@ class Runner:
         #: When to time a decode step again while idle: the timing at load ran beside
         #: other stages loading on the same cores (see :meth:`retime`).
         self._retime_at = [time.monotonic() + t for t in RETIME_AFTER_S]
+        #: Stage 0: drafts from a draft model's runner, when the node names one.
+        self.drafts = DraftClient(cfg.instance, self.send)
+        #: A whole-model stage: drafts for other models' requests (it may be a draft
+        #: model; see meshd.engines.draft_model).
+        self.draft_server = (
+            DraftServer(stage, self.n_ctx, self._take_seq, self.free_seqs.append, self.send)
+            if self.first and self.last and getattr(stage, "generative", True)
+            else None
+        )
 
     # -- sockets -------------------------------------------------------------------
     def send(self, addr: wire.Addr, msg: wire.Message, *frames) -> None:
@@ -361,10 +372,15 @@ class Runner:
             poller.register(mon, zmq.POLLIN)
             reporter = HandshakeReporter(lambda _s, reason: self.counters.dropped.update([reason]))
         while True:
-            timeout = 0 if self.work else 200
-            events = dict(poller.poll(timeout))
+            events = dict(poller.poll(self._poll_ms()))
             if self.router in events:
                 self.drain()
+            if self.draft_server is not None:
+                if self.draft_server.asks:
+                    self.draft_server.run()  # before this stage's own step: a pipeline waits
+                self.draft_server.report(self.report_load)
+            if self.drafts.pending:
+                self.run_undrafted(time.monotonic())
             if mon is not None and mon in events:
                 reporter.event("stage", mon.recv_multipart())
             if stdin.fd in events and not self.control():
@@ -377,6 +393,16 @@ class Runner:
                 self.expire(now)
             if self._retime_at and now >= self._retime_at[0]:
                 self.retime()
+
+    def _poll_ms(self) -> int:
+        """How long the loop may sleep: not at all with work queued, else until the
+        first step waiting for a draft gives up on it (or 200 ms)."""
+        if self.work:
+            return 0
+        due = self.drafts.next_deadline()
+        if due is None:
+            return 200
+        return max(0, min(200, int((due - time.monotonic()) * 1000) + 1))
 
     def retime(self) -> None:
         """Time a decode step again if the stage is idle and nothing it ran has been
@@ -410,6 +436,8 @@ class Runner:
                 new = {k.encode() for k in cmd.keys}
                 self.members.intersection_update(new)
                 self.members.update(new)
+            elif isinstance(cmd, SetDraft):
+                self.drafts.set(cmd.instance, cmd.addr)
             elif isinstance(cmd, Stop):
                 return False
         return True
@@ -465,6 +493,8 @@ class Runner:
             )  # fmt: skip
             # "cancel" walks on: the stages after this one hold the same dead request.
             self.release(r.req, "cancel")
+        if self.draft_server is not None:
+            self.draft_server.expire(now, self.expiry)
 
     def drain(self) -> None:
         # Ask the socket whether input waits rather than catch zmq.Again: the exception
@@ -522,7 +552,19 @@ class Runner:
             else:
                 self.counters.dropped["unknown_request"] += 1
         elif isinstance(msg, wire.Release):
+            if msg.instance != self.cfg.instance:
+                # A target's stage 0 done with a request this runner drafted for.
+                if self.draft_server is not None and self.draft_server.release(msg.req):
+                    self.admit_waiting()
+                return
             self.release(msg.req, msg.reason)
+        elif isinstance(msg, wire.Propose):
+            if self.draft_server is None or msg.instance != self.cfg.instance:
+                self.counters.dropped["wrong_stage"] += 1
+            else:
+                self.draft_server.ask(msg)
+        elif isinstance(msg, wire.Proposal):
+            self.on_proposal(msg)
         else:
             self.counters.dropped["unexpected"] += 1
 
@@ -548,7 +590,9 @@ class Runner:
 
     def report_load(self) -> None:
         """Tell the supervisor how many requests hold KV here (it shows in the heartbeat)."""
-        emit(Load(active=len(self.reqs), layer_ms=round(self.clock.ms, 4)))
+        ds = self.draft_server
+        emit(Load(active=len(self.reqs), layer_ms=round(self.clock.ms, 4),
+                  proposed=ds.proposed if ds is not None else 0))  # fmt: skip
 
     # -- stage 0 -------------------------------------------------------------------
     def admit(self, g: wire.Generate) -> None:
@@ -619,6 +663,8 @@ class Runner:
             )
         if speculate and not g.embed and self.cfg.draft_max > 0:
             r.budget = DraftBudget(self.cfg.draft_max)
+            assert r.tokens is not None
+            self.drafts.prime(g.req, r.tokens, r.route[0])
         self.reqs[g.req] = r
         self.report_load()
         fmt = self.tool_format if g.tools else None
@@ -1104,20 +1150,24 @@ class Runner:
     def free(self, r: Request) -> None:
         """Give ``r``'s KV slot back here (nothing is sent)."""
         self.reqs.pop(r.req, None)
+        self.drafts.forget(r.req)
         self.stage.free(r.seq)
         self.free_seqs.append(r.seq)
         self.report_load()
 
     # -- prefix cache ------------------------------------------------------------------
     def has_room(self) -> bool:
-        """Whether a new request can have a sequence (a free one, or a kept one)."""
-        return bool(self.free_seqs or self.kept)
+        """Whether a new request can have a sequence (a free one, a kept one, or one
+        drafting for another model)."""
+        return bool(self.free_seqs or self.kept or (self.draft_server and self.draft_server.held))
 
     def feed(self, r: Request, token: int, pos: int) -> None:
         """Queue ``token`` at ``pos`` (stage 0), with a draft after it when the
-        request speculates; its KV joins what ``r`` holds."""
+        request speculates (from its own text, else from the draft model: then the
+        step waits for the proposal); its KV joins what ``r`` holds."""
         if r.tokens is not None:
             del r.tokens[pos:]  # a rejected draft's tokens
+            self.drafts.truncated(r.req, pos)
             if len(r.tokens) == pos:
                 r.tokens.append(token)
         b = r.budget
@@ -1132,8 +1182,20 @@ class Runner:
                 b.plain(took)
             r.fed_at = now
         draft: list[int] = []
+        k = min(b.k, self.n_ctx - pos - 2) if b is not None else 0
         if b is not None and b.on and r.tokens is not None and len(r.tokens) == pos + 1:
-            draft = prompt_lookup(r.tokens, min(b.k, self.n_ctx - pos - 2))
+            # With a draft model to ask, only the surest lookups (the longest n-gram
+            # found again: text being quoted) go before it.
+            model = self.drafts.usable(r.req)
+            draft = prompt_lookup(r.tokens, k, MAX_NGRAM if model else MIN_NGRAM)
+            if not draft and k > 0 and model:
+                wait = self.drafts.wait_s(b.plain_s)
+                self.drafts.ask(r.req, r.tokens, k, r.route[0], wait)
+                return  # on_proposal (or run_undrafted) queues the step
+        self.queue_step(r, token, pos, draft)
+
+    def queue_step(self, r: Request, token: int, pos: int, draft: list[int]) -> None:
+        """Queue the step feeding ``token`` at ``pos``, and ``draft`` after it."""
         if draft:
             assert r.tokens is not None
             r.tokens += draft
@@ -1142,9 +1204,36 @@ class Runner:
         tokens = np.array([token, *draft], np.int32)
         self.work.append(Work(r.req, pos, tokens=tokens, draft=draft))
 
+    def on_proposal(self, p: wire.Proposal) -> None:
+        """A draft model's answer: the step that waited for it runs now."""
+        if p.instance != self.cfg.instance:
+            self.counters.dropped["wrong_instance"] += 1
+            return
+        got = self.drafts.answer(p)
+        r = self.reqs.get(p.req)
+        if got is None or r is None:
+            return
+        pend, draft = got
+        draft = draft[: max(0, self.n_ctx - pend.pos - 2)]
+        self.drafts.truncated(r.req, pend.pos + 1 + len(draft))
+        if not draft:
+            r.last_draft = (pend.pos, pend.k)  # asked and waited for: a draft that failed
+        self.queue_step(r, pend.token, pend.pos, draft)
+
+    def run_undrafted(self, now: float) -> None:
+        """Queue without a draft the steps whose proposal did not come in time."""
+        for req, pend in self.drafts.overdue(now):
+            r = self.reqs.get(req)
+            if r is not None:
+                # Timed as a draft none of which held: the budget stops asking a draft
+                # model that does not answer in time, as one whose drafts fail.
+                r.last_draft = (pend.pos, pend.k)
+                self.queue_step(r, pend.token, pend.pos, [])
+
     def keep(self, r: Request) -> None:
         """Finish ``r`` here, its KV kept for a later request with the same start."""
         self.reqs.pop(r.req, None)
+        self.drafts.forget(r.req)
         tokens = r.tokens
         if tokens is not None:
             # What the sequence holds: the last token sampled was never fed.
@@ -1165,13 +1254,23 @@ class Runner:
         for slot in list(self.kept):
             self.drop_kept(slot)
 
-    def _free_one(self, spare: int) -> bool:
-        """Free the least recently used kept sequence but ``spare``'s; False if none."""
+    def _take_seq(self) -> int | None:
+        """A free sequence for a draft, a kept prefix given up for it if need be;
+        None when every sequence serves a request."""
+        if not self.free_seqs:
+            self._free_one(spare=-1, drafts=False)
+        return self.free_seqs.pop() if self.free_seqs else None
+
+    def _free_one(self, spare: int, drafts: bool = True) -> bool:
+        """Free the least recently used kept sequence but ``spare``'s, else (with
+        ``drafts``) the one drafting for the least recent other model's request: this
+        model's own requests come first. False if none."""
         victim = next((slot for slot in self.kept if slot != spare), None)
-        if victim is None:
-            return False
-        self.drop_kept(victim)
-        return True
+        if victim is not None:
+            self.drop_kept(victim)
+            return True
+        ds = self.draft_server
+        return drafts and ds is not None and ds.release_oldest()
 
     def seat_first(self, prompt: list[int] | None) -> tuple[int, int, int]:
         """Stage 0: a sequence for a new request whose prompt is ``prompt`` (None:

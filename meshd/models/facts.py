@@ -71,8 +71,8 @@ def read_facts(
 
 
 #: Named by version: facts cached by an older meshd lack fields added since, or
-#: hold stale ones (v3 had no "mlx" engine for K-quant GGUFs).
-_FACTS_FILE = "facts-v4.json"
+#: hold stale ones (v3 had no "mlx" engine for K-quant GGUFs, v4 no vocab_hash).
+_FACTS_FILE = "facts-v5.json"
 
 
 def _cached_facts(path: Path, cache_dir: Path | None) -> ModelFacts | None:
@@ -165,6 +165,7 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
         quant_types=quant_types,
         engines=engines,
         n_vocab=_n_vocab(header.tensors),
+        vocab_hash=header.vocab_hash,
         sampling=gguf_sampling(kv),
         embedding_only=encoder,
     )

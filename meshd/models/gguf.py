@@ -8,6 +8,7 @@ to its first token); this memory-maps the file and skips what it does not need
 
 from __future__ import annotations
 
+import hashlib
 import math
 import mmap
 import struct
@@ -63,6 +64,9 @@ class GgufHeader:
     nbytes: dict[str, int]
     #: name -> where the tensor's data starts in the file (bytes from its start).
     offsets: dict[str, int]
+    #: A hash of the token list (``tokenizer.ggml.tokens``, as stored): two models
+    #: with the same one give a token id the same text ("" when there is none).
+    vocab_hash: str = ""
 
 
 class _Cursor:
@@ -175,9 +179,15 @@ def read_header(path: Path) -> GgufHeader:
         try:
             n_tensors, n_kv = cur.scalar(10), cur.scalar(10)
             kv: dict[str, Any] = {}
+            vocab_hash = ""
             for _ in range(n_kv):
                 key = cur.string()
-                kv[key] = cur.value(cur.scalar(4), arrays=True)
+                kind = cur.scalar(4)
+                at = cur.pos
+                kv[key] = cur.value(kind, arrays=True)
+                if key == "tokenizer.ggml.tokens":
+                    # The stored bytes themselves: no string is decoded (~1 ms).
+                    vocab_hash = hashlib.blake2b(buf[at : cur.pos], digest_size=16).hexdigest()
             tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
             nbytes: dict[str, int] = {}
             starts: list[int] = []
@@ -210,7 +220,7 @@ def read_header(path: Path) -> GgufHeader:
             for offset, name in unsized:
                 nbytes[name] = next(e for e in ends if e > offset) - offset
     offsets = {name: data_start + o for name, o in relative.items()}
-    return GgufHeader(kv=kv, tensors=tensors, nbytes=nbytes, offsets=offsets)
+    return GgufHeader(kv=kv, tensors=tensors, nbytes=nbytes, offsets=offsets, vocab_hash=vocab_hash)
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:

@@ -45,6 +45,7 @@ from meshd.placement import (
     repair_needed,
     stage_offload,
 )
+from meshd.placement.drafts import NO_DRAFT, pick_draft
 from meshd.placement.resources import less_gpu
 from meshd.transport import wire
 from meshd.transport.identity import curve_public_of
@@ -212,6 +213,25 @@ class ClusterView:
 
         ready = [i for i in self.replicas(model) if self.is_ready(i)]
         return min(ready, key=lambda i: (depth(i), i.id)) if ready else None
+
+    def draft_for(self, inst: Instance) -> tuple[Instance, wire.Addr] | None:
+        """The ready instance that drafts for ``inst`` and its runner's address (see
+        ``meshd.placement.drafts``), or None."""
+        if not inst.stages or inst.spec.draft == NO_DRAFT:
+            return None
+        h = self.healths.get(inst.stages[0].node)
+        ready = {}
+        for c in self.instances.values():
+            if c.id == inst.id or len(c.stages) != 1:
+                continue
+            states = self.stage_states(c)
+            if states[0].state == "ready" and states[0].addr is not None:
+                ready[c.id] = (c, states[0].addr)
+        picked = pick_draft(
+            inst, [c for c, _ in ready.values()], h.rtt_ms if h else {},
+            lambda name, wanted: canonical_name(name) == canonical_name(wanted),
+        )  # fmt: skip
+        return ready[picked.id] if picked else None
 
     def find_instance(self, model: str) -> Instance | None:
         """The instance serving ``model`` (ready ones first, then by id)."""

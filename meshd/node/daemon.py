@@ -54,12 +54,15 @@ from .requests import Requests
 from .roots import ModelRoots
 from .services import NodeServices
 from .state import ClusterState
-from .supervisor import Supervisor, decode_bps
+from .supervisor import Supervisor, decode_bps, tell_drafts
 from .tasks import Tasks
 from .twins import EXIT_ID_CLASH, Twins
 from .weights import Weights
 
 __all__ = ["EXIT_ID_CLASH", "ApiAddress", "Node"]
+
+#: How often the draft model of each local stage 0 is chosen again.
+DRAFT_CHECK_S = 1.0
 
 log = logging.getLogger("meshd.node")
 
@@ -178,6 +181,7 @@ class Node:
         self.tasks.spawn(self.peers.run(), name="hello")
         self.tasks.spawn(self.membership.run(), name="liveness")
         self.tasks.spawn(self.instances.run_repairs(), name="repair")
+        self.tasks.spawn(self._choose_drafts(), name="drafts")
         if self.access.desk is not None:
             self.tasks.spawn(self.access.desk.run(), name="join-desk")
         if cfg.discovery:
@@ -199,6 +203,20 @@ class Node:
             log.info("GPU %s (%s, %s): %s free of %s%s", d.name, d.description, d.backend,
                      fmt_bytes(d.mem_free), fmt_bytes(d.mem_total),
                      ", shared with the host" if d.unified else "")  # fmt: skip
+
+    async def _choose_drafts(self) -> None:
+        """Keep each stage 0 here told which draft model to ask: instances are placed,
+        get ready, move and go (see ``meshd.placement.drafts``)."""
+
+        def pick(iid: str) -> tuple[str, wire.Addr] | None:
+            view = self.state.view()
+            inst = view.instances.get(iid)
+            got = view.draft_for(inst) if inst is not None else None
+            return (got[0].id, got[1]) if got else None
+
+        while True:
+            tell_drafts(self.supervisor.runners.values(), pick)
+            await asyncio.sleep(DRAFT_CHECK_S)
 
     async def _start_discovery(self) -> None:
         from meshd.transport.discovery import Discovery

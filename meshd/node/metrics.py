@@ -42,6 +42,12 @@ class Metrics:
             "meshd_draft_tokens_accepted", "Drafted tokens the model agreed with", ["model"],
             registry=r,
         )  # fmt: skip
+        self.proposed = Gauge(
+            "meshd_draft_model_tokens",
+            "Tokens a draft model's runner on this node drafted for other models' requests "
+            "(since it started)",
+            ["instance"], registry=r,
+        )  # fmt: skip
         self.completion_tokens = Counter(
             "meshd_completion_tokens", "Tokens generated", ["model"], registry=r
         )

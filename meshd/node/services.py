@@ -169,6 +169,9 @@ class NodeServices:
             by_state[r.state] = by_state.get(r.state, 0) + 1
         for st in ("fetching", "loading", "ready", "failed"):
             self.metrics.runners.labels(st).set(by_state.get(st, 0))
+        for (iid, _), r in self._supervisor.runners.items():
+            if r.proposed:
+                self.metrics.proposed.labels(iid).set(r.proposed)
 
     async def instance_for(self, model: str, context: int = 0) -> Instance:
         """The ready instance serving ``model``, placing one if needed (with ``context``

@@ -43,6 +43,7 @@ from meshd.engines.protocol import (
     Load,
     Ready,
     RunnerConfig,
+    SetDraft,
     SetGeneration,
     SetMembers,
     SocketKeys,
@@ -58,6 +59,7 @@ from meshd.models.hashing import file_sha256
 from meshd.models.slicing import slice_path, trim_slices
 from meshd.placement import instance_context, node_vram, stage_offload
 from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
+from meshd.transport import wire
 from meshd.transport.security import ClusterKeys
 
 from .cluster import CRASH_LOOP, FETCH_FAILED, MODEL_MISSING, REFUSED, gave_up
@@ -119,6 +121,10 @@ class RunnerProc:
     #: together, how fast this machine reads weights (``Supervisor.decode_bps``).
     layer_ms: float = 0.0
     layer_bytes: float = 0.0
+    #: The draft model its process was told to ask (stage 0): instance and address.
+    draft: tuple[str, wire.Addr] | None = None
+    #: Tokens it drafted for other models' requests (a draft model's runner).
+    proposed: int = 0
 
     def status(self) -> RunnerStatus:
         fetching = self.state == "fetching"
@@ -222,6 +228,22 @@ def gpu_layers(inst: Instance, i: int) -> int:
         inst.facts, st.start, st.end, st.engine, _vram(inst, i),
         context=instance_context(inst), kv_cache=inst.spec.kv_cache,
     ).layers  # fmt: skip
+
+
+def tell_drafts(
+    runners: Iterable[RunnerProc], pick: Callable[[str], tuple[str, wire.Addr] | None]
+) -> None:
+    """Tell each stage 0 among ``runners`` the draft model ``pick(instance)`` names
+    for its instance, where that changed (see ``meshd.placement.drafts``)."""
+    for r in runners:
+        p = r.proc
+        if r.key.stage != 0 or p is None or p.stdin is None or p.returncode is not None:
+            continue
+        choice = pick(r.key.instance)
+        if choice != r.draft:
+            r.draft = choice
+            iid, addr = choice if choice else (None, None)
+            p.stdin.write(encode(SetDraft(instance=iid, addr=addr)) + b"\n")
 
 
 def admit(
@@ -522,7 +544,7 @@ class Supervisor:
 
     async def _spawn(self, r: RunnerProc) -> None:
         key, cfg = r.key, msgspec.structs.replace(r.config, generation=r.generation)
-        r.state, r.port, r.active = "loading", 0, 0
+        r.state, r.port, r.active, r.draft = "loading", 0, 0, None
         log.info(
             "starting runner %s stage %d [%d, %d)%s",
             key.instance,
@@ -560,7 +582,7 @@ class Supervisor:
                 log.info("runner %s stage %d ready on port %d (%.3f ms a layer)",
                          r.key.instance, r.key.stage, r.port, r.layer_ms)  # fmt: skip
             elif isinstance(ev, Load):
-                r.active = ev.active
+                r.active, r.proposed = ev.active, ev.proposed
                 r.layer_ms = ev.layer_ms or r.layer_ms
             elif isinstance(ev, Failed):
                 r.state, r.reason = "failed", public_reason(ev.reason)

@@ -311,6 +311,36 @@ class Release(msgspec.Struct, tag=True, kw_only=True):
     reason: str = "done"
 
 
+class Propose(msgspec.Struct, tag=True, kw_only=True):
+    """Stage 0 of a target -> the runner of a draft model: after the first ``pos``
+    tokens it was sent for ``req`` (unchanged since), the request reads ``tokens``;
+    propose the ``k`` tokens the draft model would write next (0: only take them in,
+    as at admission, so the first proposal does not wait for the prompt)."""
+
+    req: str
+    #: The draft model's instance (the receiving runner's).
+    instance: str
+    #: The target's instance, echoed in the answer.
+    target: str
+    pos: int
+    tokens: list[int]
+    k: int
+    reply_to: Addr
+
+
+class Proposal(msgspec.Struct, tag=True, kw_only=True):
+    """A draft model's runner -> stage 0 of the target: ``draft`` continues the
+    request's tokens up to ``pos`` (exclusive); the draft runner now holds the first
+    ``held`` of the tokens stage 0 sent and drafted (0: it holds none; send all)."""
+
+    req: str
+    #: The target's instance.
+    instance: str
+    pos: int
+    draft: list[int]
+    held: int
+
+
 class Usage(msgspec.Struct, frozen=True, array_like=True):
     """Token counts of one request."""
 
@@ -508,6 +538,8 @@ Message = (
     | Token
     | Release
     | DataChunk
+    | Propose
+    | Proposal
 )
 
 _encoder = msgspec.msgpack.Encoder()

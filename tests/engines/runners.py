@@ -218,6 +218,15 @@ class ApiSide:
         self.wait(req, lambda c: c.finish_reason is not None or c.error is not None, timeout)
         return self.chunks[req]
 
+    def answer(self, route: list[RunnerProcess], req: str, **kw: object) -> list[wire.DataChunk]:
+        """Run ``req`` on ``route`` to its end; its chunks, none an error. Returns
+        once stage 0 freed it (its release walked the chain)."""
+        self.generate(route, req, **kw)
+        chunks = self.result(req)
+        assert not any(c.error for c in chunks), chunks
+        route[0].wait_active(0, 10)
+        return chunks
+
     def close(self) -> None:
         """Close every socket."""
         for d in self._dealers.values():

@@ -32,6 +32,7 @@ from meshd.models.errors import ModelFormatError, UnsupportedModelError
 from meshd.models.mlx_layout import UnsupportedQuantError, check_gguf_for_mlx
 from meshd.models.slicing import slice_gguf
 from tests.conftest import MODEL_SHA256
+from tests.synthetic import write_f32_model
 
 N_CTX = 256
 #: llama.cpp threads in these tests: MLX's CPU backend computes on this thread, and
@@ -141,39 +142,6 @@ def _write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Any]
     w.add_layer_norm_rms_eps(1e-5)
     for name, (arr, raw) in tensors.items():
         w.add_tensor(name, arr, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def _write_f32_model(src: Path, dest: Path, n_layers: int, rope_factors: Any = None) -> None:
-    """The first ``n_layers`` of ``src`` with every tensor dequantized to F32.
-
-    On F32 weights llama.cpp's exact mode multiplies f32 by f32, so it is a true f32
-    reference for an MLX stage. ``rope_factors`` adds a ``rope_freqs.weight`` tensor
-    (Llama 3.1-style per-dimension rope frequency factors).
-    """
-    reader = gguf.GGUFReader(src)
-    arch = "llama"
-    w = gguf.GGUFWriter(dest, arch)
-    for f in reader.fields.values():
-        if f.name.startswith("GGUF.") or f.name == gguf.Keys.General.ARCHITECTURE:
-            continue
-        vtype = f.types[0]
-        value = f.contents()
-        if f.name == f"{arch}.block_count":
-            value = n_layers
-        elif f.name == gguf.Keys.General.FILE_TYPE:
-            value = int(gguf.LlamaFileType.ALL_F32)
-        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, value, vtype, sub_type=sub)
-    for t in reader.tensors:
-        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layers:
-            continue
-        w.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
-    if rope_factors is not None:
-        w.add_tensor("rope_freqs.weight", np.asarray(rope_factors, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -482,7 +450,7 @@ def f32_model(
     """The default model's first 3 layers in F32 (with rope factors, or not)."""
     factors = np.linspace(1.0, 8.0, 32) if request.param else None
     dest = tmp_path_factory.mktemp("f32") / "smollm2-3layers-f32.gguf"
-    _write_f32_model(model_path, dest, 3, factors)
+    write_f32_model(model_path, dest, 3, factors)
     return dest
 
 

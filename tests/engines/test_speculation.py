@@ -107,11 +107,7 @@ def pipeline(
 
 
 def _run(api: ApiSide, route: list[RunnerProcess], req: str, **kw: object) -> list[wire.DataChunk]:
-    api.generate(route, req, prompt=PROMPT, **kw)
-    chunks = api.result(req)
-    assert not any(c.error for c in chunks), chunks
-    route[0].wait_active(0, 10)
-    return chunks
+    return api.answer(route, req, prompt=PROMPT, **kw)
 
 
 @pytest.mark.parametrize("max_tokens", [7, 60])
@@ -176,3 +172,19 @@ def test_one_stage_speculates_alone(
         assert spec[-1].usage.accepted_tokens > 0
     finally:
         runner.stop()
+
+
+def test_a_speculating_request_replayed_from_token_k_continues_exactly(
+    pipeline: list[RunnerProcess], api: ApiSide
+) -> None:
+    # What the API node sends after losing a stage at token k: the tokens the client
+    # has, re-fed one a step; drafting resumes after them and the stream is the same.
+    s = wire.Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
+    whole = tokens_of(_run(api, pipeline, "spec-whole", sampling=s, speculate=True))
+    for k in (1, 17):
+        replay = _run(
+            api, pipeline, f"spec-replay-{k}", sampling=s, speculate=True,
+            resume_tokens=whole[:k],
+        )  # fmt: skip
+        assert tokens_of(replay) == whole[k:]
+        assert replay[-1].usage.drafted_tokens > 0

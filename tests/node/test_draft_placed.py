@@ -1,0 +1,70 @@
+"""A placed draft model drafts for the models that share its tokens.
+
+A real node on loopback serves the default model; a small model with the same
+tokenizer is placed beside it. The node picks it as the default model's draft model
+(``GET /v1/instances`` says so), its runner drafts for a speculating request (its
+node's ``/metrics`` count the tokens), and once it is removed, requests go on without.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from meshd.models.resolve import DEFAULT_MODEL
+from tests.cluster import Cluster, NodeProc, wait_for
+from tests.synthetic import write_model
+
+pytestmark = pytest.mark.timeout(240)
+
+PROMPT = "Tell me about the weather in Lisbon, the food in Porto and trains to Madrid."
+
+
+def _instances(node: NodeProc) -> dict[str, dict]:
+    return {i["model"]: i for i in node.get("/v1/instances")["data"]}
+
+
+def _drafted(node: NodeProc, instance: str) -> float:
+    text = httpx.get(node.api + "/metrics", timeout=5).text
+    m = re.search(rf'^meshd_draft_model_tokens{{instance="{instance}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _ask(node: NodeProc, speculate: bool) -> dict:
+    body = {
+        "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 60, "temperature": 0, "ignore_eos": True, "speculate": speculate,
+    }  # fmt: skip
+    r = httpx.post(node.api + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_placed_draft_model_drafts_for_the_default_model(
+    cluster: Cluster, model_path: Path, tmp_path: Path
+) -> None:
+    d = tmp_path / "models"
+    d.mkdir()
+    write_model(d / "synth.gguf", model_path, "llama")  # the default model's tokenizer
+    a = cluster.start("a", model=DEFAULT_MODEL, extra_args=["--models", str(d)])
+    wait_for(lambda: DEFAULT_MODEL in _instances(a), 60, interval=0.3)
+    r = httpx.post(a.api + "/v1/instances", json={"model": "synth"}, timeout=120)
+    assert r.status_code == 201, r.text
+    draft_id = r.json()["id"]
+
+    def drafting() -> bool:
+        return _instances(a)[DEFAULT_MODEL].get("draft") == draft_id
+
+    wait_for(drafting, 90, interval=0.3)
+    assert _instances(a)["synth"].get("draft") is None  # nothing smaller shares its tokens
+
+    out = _ask(a, speculate=True)
+    assert out["usage"]["completion_tokens"] == 60
+    wait_for(lambda: _drafted(a, draft_id) > 0, 10, interval=0.2)
+
+    assert httpx.delete(a.api + f"/v1/instances/{draft_id}", timeout=30).status_code == 200
+    wait_for(lambda: _instances(a)[DEFAULT_MODEL].get("draft") is None, 30, interval=0.3)
+    assert _ask(a, speculate=True)["usage"]["completion_tokens"] == 60
