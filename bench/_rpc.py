@@ -4,7 +4,8 @@ The llama-cpp-python wheel has no RPC backend. This module fetches the sdist of 
 the installed version from PyPI (``pip download --no-binary :all:``), builds only what
 an RPC split needs from its vendored llama.cpp (``ggml-rpc-server``, the ``ggml-rpc``
 backend library and the CPU backend the server runs on, ``GGML_NATIVE`` as pip builds
-it here), into a cache dir outside the repository (``$MESHD_BENCH_CACHE``, else
+it here), and ``llama-server``, llama.cpp's own C++ server (bench/compare.py's
+one-machine anchor), into a cache dir outside the repository (``$MESHD_BENCH_CACHE``, else
 ``~/.cache/meshd-bench``). Later runs reuse the build.
 
 The client side is the installed llama-cpp-python itself: :func:`load_rpc_backend`
@@ -30,7 +31,9 @@ from pathlib import Path
 
 CACHE = Path(os.environ.get("MESHD_BENCH_CACHE", Path.home() / ".cache" / "meshd-bench"))
 SERVER = "ggml-rpc-server"
-TARGETS = (SERVER, "ggml-rpc", "ggml-cpu")
+#: llama.cpp's own C++ server, the one-machine anchor of bench/compare.py.
+LLAMA_SERVER = "llama-server"
+TARGETS = (SERVER, "ggml-rpc", "ggml-cpu", LLAMA_SERVER)
 
 
 def llama_cpp_version() -> str:
@@ -44,7 +47,10 @@ def build_dir(version: str | None = None) -> Path:
 def built(version: str | None = None) -> Path | None:
     """The directory holding the server and the backend libraries, when built."""
     b = build_dir(version)
-    return b / "bin" if (b / "meshd-bench-done").exists() else None
+    stamp = b / "meshd-bench-done"
+    # A build from before llama-server was a target is finished off, not trusted.
+    ok = stamp.exists() and (b / "bin" / LLAMA_SERVER).exists()
+    return b / "bin" if ok else None
 
 
 def ensure_built(log=print, jobs: int = 2) -> Path:
@@ -80,13 +86,13 @@ def ensure_built(log=print, jobs: int = 2) -> Path:
              "-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=OFF", "-DGGML_RPC=ON",
              "-DGGML_CPU=ON", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_COMMON=ON",
              "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-             "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"],
+             "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"],
             ["cmake", "--build", str(build), "-j", str(jobs), "--target", *TARGETS],
         ):  # fmt: skip
             r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
             if r.returncode:
                 raise RuntimeError(f"{' '.join(cmd[:2])} failed ({r.returncode}); see {out}")
-    for name in (SERVER, "libggml-rpc.so"):
+    for name in (SERVER, "libggml-rpc.so", LLAMA_SERVER):
         if not (build / "bin" / name).exists():
             raise RuntimeError(f"the RPC build in {build} has no {name}; see {out}")
     (build / "meshd-bench-done").write_text(version + "\n")

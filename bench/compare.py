@@ -8,6 +8,9 @@ Subjects, all on the same GGUF (the default model unless ``--model``), greedy, a
 prompt set, the same threads and ``GOMP_SPINCOUNT``:
 
 * ``direct``: llama-cpp-python in process (``Llama.generate``, whole model): the floor;
+* ``llama-server``: llama.cpp's own C++ server (built by bench/_rpc.py from the
+  installed llama-cpp-python's source), ``-np 8`` slots with continuous batching: the
+  anchor a user runs on one machine;
 * ``llama_cpp.server``: llama-cpp-python's own OpenAI server;
 * ``llama.cpp RPC``: the same server, the last half of the layers (and the head) on one
   ``ggml-rpc-server`` over loopback (built by bench/_rpc.py from the installed
@@ -16,7 +19,9 @@ prompt set, the same threads and ``GOMP_SPINCOUNT``:
 * meshd with 1, 2 and 3 stages (``meshd up`` nodes a, b, c on loopback).
 
 For each: decode tok/s and time to first token at 1 and 8 concurrent streams, and
-meshd's per-hop time from its own ``/metrics``. In each repeat and phase (1 stream,
+meshd's per-hop time from its own ``/metrics``; then meshd 1 stage / llama-server, and
+two meshd 1-stage figures: turn 2 of a ~1,500-token chat with the prefix cache / turn 1,
+and decode with ``speculate`` / without on a code-edit prompt. In each repeat and phase (1 stream,
 then 8 streams) direct runs first and last, the others in between in an order that
 rotates; every figure is divided by the mean of those two direct figures, and the
 table shows the median of those ratios over the repeats and their spread. The raw
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -36,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from _common import (
@@ -99,6 +105,18 @@ def messages(i: int) -> list[dict[str, str]]:
 
 
 SINGLE = len(PROMPTS) - 1  # the prompt of the single-stream runs
+#: Goals against llama.cpp's own server: (key, what, "<=" or ">=", target).
+CPP_GOALS = [
+    ("aggk", "aggregate tok/s, {k} streams", ">=", 1.0),
+    ("ttft1", "TTFT, 1 stream", "<=", 1.5),
+    ("ttftk", "TTFT, {k} streams (median stream)", "<=", 1.5),
+    ("decode1", "decode tok/s, 1 stream", "", 0.0),
+]
+#: Goal of the prefix cache: turn 2's time to first token / turn 1's.
+PREFIX_GOAL = 0.2
+#: Seeds of the long texts of the prefix figure: every conversation its own.
+_SEEDS = itertools.count(1_000)
+T = TypeVar("T")
 
 # -- direct llama-cpp-python (a worker process) -----------------------------------------
 
@@ -144,6 +162,10 @@ def worker_main(args: argparse.Namespace) -> int:
         out = []
         for i in cmd["prompts"]:
             ts: list[float] = []
+            # Every request prefills its whole prompt, as everywhere else: without the
+            # reset, Llama.generate would keep the KV of the longest common prefix with
+            # the previous prompt (the whole prompt when a single stream runs again).
+            llm.reset()
             # Llama.generate yields tokens until told to stop: EOS does not end it.
             for tok in llm.generate(prompts[i], temp=0.0):
                 llm.detokenize([tok])  # text per token, as a stream needs
@@ -291,6 +313,46 @@ def start_rpc(tmp: Path, model_path: str, threads: int, n_layers: int) -> tuple[
     return s, split
 
 
+def start_cpp_server(tmp: Path, model_path: str, threads: int, slots: int) -> Subject:
+    """llama.cpp's C++ ``llama-server`` from bench/_rpc.py's build (the same llama.cpp
+    source as the installed llama-cpp-python): ``slots`` slots with continuous batching,
+    ``N_CTX`` tokens of context each (``-c`` is the total), flash attention, no web UI,
+    no prompt cache (``-cram 0`` and ``cache_prompt: false``: every request prefills
+    its whole prompt, as everywhere else)."""
+    import _rpc
+
+    from meshd.engines.threads import runner_env
+
+    bin_dir = _rpc.ensure_built(log=log)
+    port = free_port()
+    args = [
+        str(bin_dir / _rpc.LLAMA_SERVER), "--model", model_path,
+        "--threads", str(threads), "--threads-batch", str(threads),
+        "--ctx-size", str(N_CTX * slots), "--parallel", str(slots), "--cont-batching",
+        "--flash-attn", "on", "--cache-ram", "0", "--no-webui",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    proc = Proc(args, tmp / "llama-server-cpp.log", env=runner_env())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base, "/health", proc, 120.0)  # 503 while it loads
+    except Exception:
+        proc.stop()
+        raise
+
+    def payload(i: int, n: int) -> dict:
+        return {
+            "model": "bench", "messages": messages(i), "stream": True, "max_tokens": n,
+            "temperature": 0, "ignore_eos": True, "cache_prompt": False,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+
+    label = f"llama-server (llama.cpp's C++ server, -np {slots})"
+    s = http_subject("llama-server", label, base, payload)
+    s.close = proc.stop
+    return s
+
+
 def start_mlx(tmp: Path, model_path: str, eos: list[int], tokens: int) -> Subject:
     import _mlx
 
@@ -386,6 +448,28 @@ def hop_metrics(before: dict, after: dict, model: str) -> dict[str, float]:
     return out
 
 
+def least_shared(
+    run: Callable[[], T], key: str, args: argparse.Namespace, once: bool = False
+) -> tuple[T, float, int]:
+    """``run()`` taken again up to ``--retries`` times (not when ``once``) while other
+    processes used more than ``--max-others`` of the CPUs during it: the result that
+    shared the machine least, that share, and how many attempts it took."""
+    best: tuple[T, float] | None = None
+    attempts = 0
+    for attempt in range(1 + (0 if once else max(0, args.retries))):
+        attempts = attempt + 1
+        meter = OthersMeter()
+        result = run()
+        share = meter.share()
+        if best is None or share < best[1]:
+            best = (result, share)
+        if not share > args.max_others:  # NaN (no /proc) counts as quiet
+            break
+        log(f"{key}: other processes used {100 * share:.0f}% of the CPUs; again")
+    assert best is not None
+    return best[0], best[1], attempts
+
+
 def measure_once(
     s: Subject,
     phase: str,
@@ -395,33 +479,117 @@ def measure_once(
     nodes: list[Node],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """One measurement of ``s`` (``phase`` "one" or "many"), taken again up to
-    ``--retries`` times while other processes used more than ``--max-others`` of the
-    CPUs during it; the attempt that shared the machine least is kept."""
+    """One measurement of ``s`` (``phase`` "one" or "many"), through :func:`least_shared`
+    (a subject measured once, MLX: a minute a burst, is not taken again)."""
     assert s.one is not None and s.many is not None
-    best: dict[str, Any] | None = None
-    attempts = 0
-    # A subject measured once (MLX: a minute a burst) is not taken again.
-    for attempt in range(1 + (0 if s.once else max(0, args.retries))):
-        attempts = attempt + 1
-        meter = OthersMeter()
+    one, many = s.one, s.many
+
+    def run() -> dict[str, Any]:
         out: dict[str, Any] = {}
         if phase == "one":
             before = scrape(client, nodes[0]) if s.meshd_model else {}
-            out["result"] = s.one(tok)
+            out["result"] = one(tok)
             if s.meshd_model:
                 out["hop"] = hop_metrics(before, scrape(client, nodes[0]), s.meshd_model)
         else:
-            out["result"] = s.many(k, tok)
-        out["others"] = meter.share()
-        if best is None or out["others"] < best["others"]:
-            best = out
-        if not out["others"] > args.max_others:  # NaN (no /proc) counts as quiet
-            break
-        log(f"{s.key}: other processes used {100 * out['others']:.0f}% of the CPUs; again")
-    assert best is not None
-    best["attempts"] = attempts
-    return best
+            out["result"] = many(k, tok)
+        return out
+
+    best, share, attempts = least_shared(run, s.key, args, s.once)
+    return {**best, "others": share, "attempts": attempts}
+
+
+# -- meshd 1 stage: prefix cache and speculative decoding ------------------------------
+
+
+def prefix_once(client: httpx.Client, api: str, model: str, words: int) -> dict[str, float]:
+    """Turn 2 of a long chat against turn 1, bench/prefix.py's way: turn 1 is a new
+    text of ``words`` words (~1,500 tokens at 1450) and a question, so nothing of it is
+    cached; its answer (32 tokens at most, greedy) and one more question make turn 2.
+    Every request says ``cache_prompt: true`` (a greedy request computes its whole
+    prompt by default, and drops what the runner kept)."""
+    import prefix
+
+    seed = next(_SEEDS)
+    first = [{"role": "user", "content": f"{prefix.long_text(seed, words)}\n\nWhich word "
+              "comes first?"}]  # fmt: skip
+    t1, u1 = prefix.ttft(client, api, first, model=model, cache_prompt=True)
+    body = {"model": model, "messages": first, "max_tokens": 32, "temperature": 0,
+            "cache_prompt": True}  # fmt: skip
+    r = client.post(api + "/v1/chat/completions", json=body)
+    r.raise_for_status()
+    history = [
+        *first,
+        {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And which word comes last?"},
+    ]
+    t2, u2 = prefix.ttft(client, api, history, model=model, cache_prompt=True)
+
+    def cached(u: dict) -> int:
+        return int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+    return {
+        "turn1_s": t1, "turn2_s": t2, "ratio": t2 / t1,
+        "turn1_prompt": u1.get("prompt_tokens", 0), "turn1_cached": cached(u1),
+        "turn2_prompt": u2.get("prompt_tokens", 0), "turn2_cached": cached(u2),
+    }  # fmt: skip
+
+
+def spec_once(
+    client: httpx.Client, node: Node, model: str, tokens: int, spec_first: bool
+) -> dict[str, float]:
+    """Decode tok/s of bench/speculate.py's code-edit prompt with ``speculate`` true and
+    false (greedy, ``ignore_eos``, ``tokens`` tokens), in the order given, and the share
+    of drafted tokens the pipeline accepted (from ``/metrics``)."""
+    import speculate
+
+    msgs = [{"role": "user", "content": speculate.SETS["code edit"]}]
+    rate: dict[bool, float] = {}
+    before = scrape(client, node)
+    for spec in (spec_first, not spec_first):
+        p = chat_payload(model, tokens, meshd=True, messages=msgs)
+        p["speculate"] = spec
+        rate[spec] = stream_chat(client, node.api, p).decode_tok_s
+    after = scrape(client, node)
+    drafted = speculate.counted(before, after, "meshd_draft_tokens_total")
+    accepted = speculate.counted(before, after, "meshd_draft_tokens_accepted_total")
+    return {
+        "plain_tok_s": rate[False], "spec_tok_s": rate[True],
+        "ratio": rate[True] / rate[False], "drafted": drafted, "accepted": accepted,
+    }  # fmt: skip
+
+
+def meshd1_extras(
+    subjects: list[Subject],
+    client: httpx.Client,
+    nodes: list[Node],
+    rep: int,
+    skip: set[str],
+    notes: list[str],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The prefix-cache and speculative figures of meshd 1 stage for one repeat (each
+    through :func:`least_shared`), as ``{"prefix": {...}, "speculate": {...}}``."""
+    s = next((x for x in subjects if x.key == "meshd1" and x.one is not None), None)
+    if s is None or s.meshd_model is None or not nodes:
+        return {}
+    model, node = s.meshd_model, nodes[0]
+    out: dict[str, Any] = {}
+    runs: dict[str, Callable[[], dict[str, float]]] = {
+        "prefix": lambda: prefix_once(client, node.api, model, args.prefix_words),
+        "speculate": lambda: spec_once(client, node, model, args.spec_tokens, rep % 2 == 0),
+    }
+    for key, run in runs.items():
+        if key in skip:
+            continue
+        try:
+            fig, share, attempts = least_shared(run, f"meshd1 {key}", args)
+        except Exception as e:
+            notes.append(f"meshd1 {key}, repeat {rep + 1}: {type(e).__name__}: {e}")
+            log(notes[-1])
+            continue
+        out[key] = {**fig, "others_cpu_share": share, "attempts": attempts}
+    return out
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -467,6 +635,17 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
                 close=direct.close,
             )
         )
+
+        # ---- llama.cpp's C++ llama-server ----------------------------------------------
+        label = "llama-server (llama.cpp's C++ server)"
+        if "llama-server" in skip:
+            add_missing("llama-server", label, "skipped (--skip)")
+        else:
+            log(f"starting llama.cpp's llama-server (-np {k})")
+            try:
+                subjects.append(start_cpp_server(tmp, model_path, threads, k))
+            except Exception as e:
+                add_missing("llama-server", label, f"{type(e).__name__}: {e}")
 
         # ---- llama_cpp.server -------------------------------------------------------
         why = llama_server_missing()
@@ -559,8 +738,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
                 s.meshd_model, s.n_stages = name, n
                 subjects.append(s)
 
-        order = {key: i for i, key in enumerate(
-            ["direct", "server", "rpc", "mlx", "meshd1", "meshd2", "meshd3"])}  # fmt: skip
+        ranks = ["direct", "llama-server", "server", "rpc", "mlx", "meshd1", "meshd2", "meshd3"]
+        order = {key: i for i, key in enumerate(ranks)}
         subjects.sort(key=lambda s: order.get(s.key, 99))
         live = [s for s in subjects if s.one is not None]
 
@@ -609,6 +788,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
                     got[s.key].setdefault("attempts", []).append(best["attempts"])
                     if "hop" in best:
                         got[s.key]["hop"] = best["hop"]
+            extra = meshd1_extras(subjects, client, nodes, rep, skip, notes, args)
             for s in subjects:
                 g = got[s.key]
                 if not g["one"] and not g["many"]:
@@ -627,6 +807,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
                         "attempts": g.get("attempts", []),
                         "one": [stream_json(x) for x in g["one"]],
                         "many": [[stream_json(x) for x in m] for m in g["many"]],
+                        **(extra if s.key == "meshd1" else {}),
                     }
                 )
             t_rep = time.perf_counter() - t0
@@ -727,6 +908,7 @@ def report(
         if extra:
             rows.append([f"  note: {'; '.join(extra)}"] + [""] * (len(COLUMNS) + 2))
     print(table(rows, header))
+    cpp = anchor_report(by, k)
 
     # ---- goals -------------------------------------------------------------------------
     def paired(a: str, b: str, key: str) -> list[float]:
@@ -827,6 +1009,7 @@ def report(
             for s in subjects if direct is not None
         },
         "goals": [{"goal": name, "ratios": xs, "target": goal} for name, xs, goal in goals],
+        "meshd1_vs_llama_server": cpp,
         "notes": notes,
     }  # fmt: skip
     path = Path(args.json) if args.json else default_json()
@@ -834,6 +1017,67 @@ def report(
     path.write_text(json.dumps(out, indent=1))
     print(f"\nraw numbers: {path}")
     print(f"total run time {time.perf_counter() - t_run:.0f} s")
+
+
+def verdict(v: float, op: str, goal: float) -> str:
+    if not op:
+        return "-"
+    return "met" if (v >= goal if op == ">=" else v <= goal) else "NOT met"
+
+
+def anchor_report(by: dict[str, Subject], k: int) -> dict[str, Any]:
+    """Print meshd 1 stage against llama.cpp's ``llama-server`` (paired ratios within
+    each repeat), the prefix-cache and the speculative figures; return them for the
+    JSON."""
+    out: dict[str, Any] = {}
+    m1, cpp = by.get("meshd1"), by.get("llama-server")
+    rows = []
+    for key, what, op, goal in CPP_GOALS:
+        xs = ratios(m1, cpp, key) if m1 and cpp else []
+        out[key] = xs
+        target = f"{op} {goal}x" if op else "-"
+        if not xs:
+            why = (cpp.error if cpp else None) or (m1.error if m1 else None) or "not measured"
+            rows.append([what.format(k=k), "-", "-", target, f"n/a: {why}"[:60]])
+            continue
+        v = med(xs)
+        rows.append([what.format(k=k), f"{v:.2f}", f"{min(xs):.2f}-{max(xs):.2f}", target,
+                     verdict(v, op, goal)])  # fmt: skip
+    runs = m1.runs if m1 else []
+    pre = [r["prefix"] for r in runs if "prefix" in r]
+    if pre:
+        xs = [x["ratio"] for x in pre]
+        v = med(xs)
+        n2, c2, t1, t2 = (
+            med([x[key] for x in pre])
+            for key in ("turn2_prompt", "turn2_cached", "turn1_s", "turn2_s")
+        )
+        what = (
+            f"prefix cache: TTFT turn 2 / turn 1 ({n2:.0f}-token turn 2, {c2:.0f} cached; "
+            f"turn 1 {t1:.3f} s, turn 2 {t2:.3f} s)"
+        )
+        rows.append([what, f"{v:.2f}", f"{min(xs):.2f}-{max(xs):.2f}", f"<= {PREFIX_GOAL}x",
+                     verdict(v, "<=", PREFIX_GOAL)])  # fmt: skip
+    out["prefix"] = pre
+    spec = [r["speculate"] for r in runs if "speculate" in r]
+    if spec:
+        xs = [x["ratio"] for x in spec]
+        drafted = sum(x["drafted"] for x in spec)
+        acc = f"{sum(x['accepted'] for x in spec) / drafted:.0%}" if drafted else "none"
+        plain, fast = med([x["plain_tok_s"] for x in spec]), med([x["spec_tok_s"] for x in spec])
+        what = (
+            f"speculate / plain, decode tok/s, code edit ({plain:.1f} -> {fast:.1f} tok/s, "
+            f"{acc} of drafts accepted)"
+        )
+        rows.append([what, f"{med(xs):.2f}", f"{min(xs):.2f}-{max(xs):.2f}", "-", "-"])
+    out["speculate"] = spec
+    print()
+    print(
+        "meshd 1 stage / llama-server (llama.cpp's C++ server, continuous batching): paired "
+        "ratios within each repeat, median (min-max); then meshd 1 stage alone"
+    )
+    print(table(rows, ["meshd 1 stage", "ratio", "min-max", "goal", "result"]))
+    return out
 
 
 def default_json() -> Path:
@@ -864,7 +1108,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--skip",
         default="",
-        help="comma-separated subjects to leave out: server, rpc, mlx, meshd1, meshd2, meshd3",
+        help="comma-separated subjects to leave out: llama-server, server, rpc, mlx, meshd1, "
+        "meshd2, meshd3; and meshd 1 stage's figures: prefix, speculate",
+    )
+    p.add_argument(
+        "--prefix-words",
+        type=int,
+        default=1450,
+        help="words of the long text of the prefix-cache figure (default %(default)s: "
+        "~1,500 tokens)",
+    )
+    p.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=96,
+        help="tokens per request of the speculative figure (default %(default)s)",
     )
     p.add_argument(
         "--budget",
