@@ -295,7 +295,7 @@ def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         "--draft", metavar="MODEL",
         help="the placed model that drafts tokens for this one to verify (speculative "
         "decoding; default: any placed model with the same tokens and at most half the "
-        "size, nearest first); 'none' for none",
+        "size, nearest first; a named one may be any size); 'none' for none",
     )  # fmt: skip
     p.add_argument(
         "--replicas", type=positive_int, metavar="N",

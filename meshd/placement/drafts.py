@@ -9,7 +9,7 @@ candidate must:
 * generate (not an embedding model) and share the target's token list exactly
   (``ModelFacts.vocab_hash``: the same id is the same text);
 * weigh at most :data:`MAX_SHARE` of the target's bytes (a decode step reads every
-  weight once, so bytes set a step's cost);
+  weight once, so bytes set a step's cost), unless the user named it;
 * be the model ``InstanceSpec.draft`` names, when it names one (``none``: no draft).
 
 Among them the nearest to the target's stage 0 wins: on its very node (no link to
@@ -36,14 +36,15 @@ def model_bytes(f: ModelFacts) -> int:
     return sum(f.layer_bytes) + f.embed_bytes + f.head_bytes
 
 
-def can_draft(draft: ModelFacts, target: ModelFacts) -> bool:
-    """Whether ``draft``'s proposals mean tokens to ``target`` and cost far less."""
+def can_draft(draft: ModelFacts, target: ModelFacts, named: bool = False) -> bool:
+    """Whether ``draft``'s proposals mean tokens to ``target`` and cost far less (or
+    the user ``named`` it: then its size is their call)."""
     return (
         bool(target.vocab_hash)
         and draft.vocab_hash == target.vocab_hash
         and not draft.embedding_only
         and not target.embedding_only
-        and model_bytes(draft) <= MAX_SHARE * model_bytes(target)
+        and (named or model_bytes(draft) <= MAX_SHARE * model_bytes(target))
     )
 
 
@@ -65,9 +66,11 @@ def pick_draft(
     best: tuple[tuple[int, float, int, str], Instance] | None = None
     for c in ready:
         f = c.facts
-        if c.id == target.id or len(c.stages) != 1 or f is None or not can_draft(f, tf):
+        if c.id == target.id or len(c.stages) != 1 or f is None:
             continue
         if wanted and not same_model(c.spec.model, wanted):
+            continue
+        if not can_draft(f, tf, named=bool(wanted)):
             continue
         node = c.stages[0].node
         near = 0 if node == home else 1

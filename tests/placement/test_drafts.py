@@ -55,3 +55,9 @@ def test_the_spec_names_the_draft_or_none() -> None:
     assert pick_draft(named, [a, b], {}) is b
     off = inst("t", BIG, "a", "b", draft="none")
     assert pick_draft(off, [a, b], {}) is None
+    # Named, its size is the user's call (never its tokens).
+    heavy = inst("d-heavy", facts("heavy", 80), "a")
+    assert pick_draft(inst("t", BIG, "a", "b", draft="heavy"), [heavy], {}) is heavy
+    assert pick_draft(TARGET, [heavy], {}) is None
+    alien = inst("d-alien", facts("alien", 5, vocab="ee" * 16), "a")
+    assert pick_draft(inst("t", BIG, "a", "b", draft="alien"), [alien], {}) is None
