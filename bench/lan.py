@@ -3,6 +3,7 @@
     python bench/lan.py                      # 0.5 and 5 ms RTT, 3 prompts a set (~5 min)
     python bench/lan.py --quick              # 1 prompt a set, 64 tokens
     python bench/lan.py --rtt 5 --skip rpc
+    python bench/lan.py --draft-layers 30    # the whole model drafting: a ceiling
 
 Needs root (network namespaces, a TUN device). Two hosts, a (10.77.1.2) and b
 (10.77.2.2), each in a network namespace of its own, joined by a router namespace whose
@@ -15,7 +16,13 @@ for meshd; llama.cpp ignores EOS in ``Llama.generate``):
 
 * meshd 1 stage: a one-node cluster of its own on host a (``speculate: false``);
 * meshd 2 stages a -> b, without speculation and with prompt lookup
-  (``speculate: false`` / ``true``); the draft-model proposer is printed as not built;
+  (``speculate: false`` / ``true``);
+* meshd 2 stages a -> b with a draft model: a cluster of its own (nodes a2 on a, b2 on
+  b), the default model cut to its first ``--draft-layers`` layers (raw tensors, same
+  tokens) placed on a2 alone and named as the target's ``draft`` (``speculate: true``:
+  prompt lookup where it matches, the draft model elsewhere). 30 layers (the whole
+  model drafting for itself: its greedy drafts all accepted) is a ceiling on the
+  drafts, not on the speed, as it computes as much as the target on a's CPUs;
 * llama.cpp RPC 2-way: llama-cpp-python in a process on a, the last half of the layers
   and the head on a ``ggml-rpc-server`` on b (built by bench/_rpc.py), timed in that
   process (``llama_cpp.server`` needs packages this machine may lack).
@@ -284,6 +291,8 @@ class Cell:
     others: list[float] = field(default_factory=list)
     drafted: float = 0.0
     accepted: float = 0.0
+    #: Tokens the draft model's runner proposed (``meshd_draft_model_tokens`` growth).
+    proposed: float = 0.0
 
     def ok(self) -> list[Stream]:
         return [s for s in self.streams if s is not None]
@@ -305,7 +314,7 @@ ROWS = {
     "m2draft": "meshd 2 stages a->b, draft model",
     "rpc": "llama.cpp RPC 2-way (a + rpc-server on b)",
 }
-MEASURED = ("m1", "m2", "m2spec", "rpc")
+MEASURED = ("m1", "m2", "m2spec", "m2draft", "rpc")
 
 
 #: Host index -> the CPUs its processes are pinned to (``taskset -c``); empty: unpinned.
@@ -354,8 +363,12 @@ def start_node(
     return Node(name, proc, m["api"], int(m["mesh"]))
 
 
-def place(client: httpx.Client, node: Node, nodes: list[str]) -> str:
-    r = client.post(f"{node.api}/v1/instances", json={"model": DEFAULT_MODEL, "nodes": nodes})
+def place(
+    client: httpx.Client, node: Node, nodes: list[str], model: str = DEFAULT_MODEL, **extra: str
+) -> str:
+    """Place ``model`` on ``nodes`` (a stage each), ``extra``: more fields of the body."""
+    body = {"model": model, "nodes": nodes, **extra}
+    r = client.post(f"{node.api}/v1/instances", json=body)
     if r.status_code >= 300:
         raise HttpError(r.status_code, r.text)
     iid = r.json()["id"]
@@ -368,6 +381,68 @@ def place(client: httpx.Client, node: Node, nodes: list[str]) -> str:
 
 def counted(before: dict, after: dict, name: str) -> float:
     return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == name)
+
+
+def write_draft(src: Path, dest: Path, n_layers: int) -> Path:
+    """The first ``n_layers`` of the llama GGUF ``src``, tensors copied raw (their
+    quant type kept), every other key as in ``src``: a draft model with its tokens."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = "llama"
+    w = gguf.GGUFWriter(dest, arch)
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == gguf.Keys.General.ARCHITECTURE:
+            continue
+        vtype = f.types[0]
+        value = n_layers if f.name == f"{arch}.block_count" else f.contents()
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layers:
+            continue
+        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest
+
+
+def wait_draft(client: httpx.Client, node: Node, target: str, draft: str, timeout: float) -> None:
+    """Until ``GET /v1/instances`` on ``node`` shows ``draft`` drafting for ``target``."""
+    deadline = time.monotonic() + timeout
+    got = None
+    while True:
+        r = client.get(f"{node.api}/v1/instances")
+        r.raise_for_status()
+        got = next((i.get("draft") for i in r.json()["data"] if i["id"] == target), None)
+        if got == draft:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the target's draft is {got!r} after {timeout:g} s, not {draft}")
+        time.sleep(0.2)
+
+
+def start_draft_cluster(
+    client: httpx.Client, tmp: Path, lan: _delay.DelayLan, model_path: Path, n_layers: int
+) -> tuple[Node, str, str]:
+    """Cluster lan2: a2 on a, b2 on b; the draft model (``n_layers`` of the default
+    one) on a2, the target in 2 stages a2 -> b2 naming it. (a2, draft id, note)."""
+    a, b = lan.hosts
+    draft_path = write_draft(model_path, tmp / f"draft-{n_layers}l.gguf", n_layers)
+    na2 = start_node(tmp, a, "a2", "lan2", [])
+    start_node(tmp, b, "b2", "lan2", [(a.ip, na2.mesh_port)])
+    wait_live(client, na2, {"a2", "b2"}, 60.0)
+    draft = place(client, na2, ["a2"], str(draft_path))
+    target = place(client, na2, ["a2", "b2"], draft=str(draft_path))
+    wait_draft(client, na2, target, draft, 60.0)
+    mb = draft_path.stat().st_size / 2**20
+    note = (
+        f"draft model: the default model's first {n_layers} layers ({mb:.0f} MiB, raw "
+        f"tensors) on a2, drafting for a2 -> b2 (instance {draft})"
+    )
+    return na2, draft, note
 
 
 def wait_port(ip: str, port: int, proc: Proc, timeout: float) -> None:
@@ -383,6 +458,8 @@ def wait_port(ip: str, port: int, proc: Proc, timeout: float) -> None:
 
 
 def meshd_subject(client: httpx.Client, node: Node, speculate: bool, tokens: int):
+    """Streams from ``node``'s API on the default model."""
+
     def run(prompt: str) -> Stream:
         msgs = [{"role": "user", "content": prompt}]
         p = chat_payload(DEFAULT_MODEL, tokens, meshd=True, messages=msgs)
@@ -436,6 +513,9 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     model_path = Path(resolve_model(DEFAULT_MODEL).path)
     n_layers = read_facts(model_path, DEFAULT_MODEL).n_layers
+    if not 1 <= args.draft_layers <= n_layers:
+        print(f"--draft-layers must be 1 to {n_layers}")
+        return 0
     # Each host gets half the CPUs' worth of threads (two machines do not share cores),
     # and with --pin those very CPUs. Unpinned, the scheduler moves them away from
     # whatever else runs on this machine; pinned, a host whose CPU someone else uses
@@ -485,6 +565,21 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
                 for key in ("m2", "m2spec"):
                     if key not in skip:
                         subjects[key] = meshd_subject(client, na, key == "m2spec", tokens)
+            # The api node whose /metrics count each drafting row's drafts.
+            counts = {"m2spec": na}
+            draft_id = ""
+            if "m2draft" not in skip:
+                log(f"starting meshd nodes a2 and b2, a {args.draft_layers}-layer draft on a2")
+                try:
+                    na2, draft_id, note = start_draft_cluster(
+                        client, tmp, lan, model_path, args.draft_layers
+                    )
+                    notes.append(note)
+                    counts["m2draft"] = na2
+                    subjects["m2draft"] = meshd_subject(client, na2, True, tokens)
+                except Exception as e:
+                    missing["m2draft"] = f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
+                    log(f"m2draft: {missing['m2draft']}")
             if "rpc" not in skip:
                 log("starting ggml-rpc-server on b and llama-cpp-python with RPC on a")
                 try:
@@ -506,15 +601,25 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
                             order = keys[turn % len(keys) :] + keys[: turn % len(keys)]
                             for key in order:
                                 cell = cells.setdefault((key, rtt, set_name), Cell())
-                                before = scrape(client, na) if key == "m2spec" and na else {}
+                                api = counts.get(key)
+                                before = scrape(client, api) if api else {}
                                 s, share = timed(subjects[key], prompt, args)
                                 if before:
-                                    after = scrape(client, na)
+                                    if key == "m2draft":
+                                        # The runner reports its count at most every 1 s.
+                                        time.sleep(1.2)
+                                    after = scrape(client, api)
                                     cell.drafted += counted(
                                         before, after, "meshd_draft_tokens_total"
                                     )
                                     cell.accepted += counted(
                                         before, after, "meshd_draft_tokens_accepted_total"
+                                    )
+                                    cell.proposed += sum(
+                                        v - before.get(k, 0.0)
+                                        for k, v in after.items()
+                                        if k[0] == "meshd_draft_model_tokens"
+                                        and ("instance", draft_id) in k[1]
                                     )
                                 cell.streams.append(s)
                                 cell.others.append(share)
@@ -693,9 +798,6 @@ def report(
     for rtt in args.rtt:
         for key, label in ROWS.items():
             r = [f"{rtt:g} ms", label]
-            if key == "m2draft":
-                rows.append([*r, "not built", *[""] * (2 * len(sets) - 1), ""])
-                continue
             if key in missing or not any(cells.get((key, rtt, s)) for s in sets):
                 rows.append([*r, "skipped", *[""] * (2 * len(sets) - 1), ""])
                 continue
@@ -703,17 +805,31 @@ def report(
                 c = cells.get((key, rtt, name))
                 r += [f"{c.tok_s:.1f}", f"{c.ttft_ms:.0f}"] if c and c.ok() else ["failed", ""]
             c = cells.get((key, rtt, "code edit"))
-            r.append(f"{c.accepted / c.drafted:.0%} of {c.drafted:.0f}" if c and c.drafted else "")
+            acc = f"{c.accepted / c.drafted:.0%} of {c.drafted:.0f}" if c and c.drafted else ""
+            if key == "m2draft" and c:
+                acc += f" ({c.proposed:.0f} by the model)"
+            r.append(acc)
             rows.append(r)
     print(table(rows, header))
     for note in notes:
         print(f"  {note}")
     for key, why in missing.items():
         print(f"  {ROWS[key]}: skipped: {why}")
-    print("  draft model proposer: not built in meshd yet")
+    for rtt in args.rtt:
+        c = [cells[k] for k in cells if k[0] == "m2draft" and k[1] == rtt]
+        drafted, accepted = sum(x.drafted for x in c), sum(x.accepted for x in c)
+        if drafted:
+            print(
+                f"  draft model row at {rtt:g} ms, every set: {accepted / drafted:.0%} of "
+                f"{drafted:.0f} drafts accepted, {sum(x.proposed for x in c):.0f} drafted by "
+                "the model (the rest by prompt lookup)"
+            )
     print()
     print("ratios of decode tok/s, paired prompt by prompt, median (min-max)")
-    pairs = [("m2", "m1"), ("m2spec", "m1"), ("m2spec", "m2"), ("m2", "rpc"), ("m2spec", "rpc")]
+    pairs = [
+        ("m2", "m1"), ("m2spec", "m1"), ("m2spec", "m2"), ("m2draft", "m1"), ("m2draft", "m2"),
+        ("m2", "rpc"), ("m2spec", "rpc"),
+    ]  # fmt: skip
     rrows = []
     for rtt in args.rtt:
         for name in sets:
@@ -723,7 +839,8 @@ def report(
                 r.append(f"{med(v):.2f}x ({spread(v, '{:.2f}')})" if v else "-")
             rrows.append(r)
     print(table(rrows, ["RTT", "prompts", "2 stages / 1 stage", "2 st. spec / 1 stage",
-                        "spec / plain", "2 stages / RPC", "2 st. spec / RPC"]))  # fmt: skip
+                        "spec / plain", "2 st. draft / 1 stage", "draft / plain",
+                        "2 stages / RPC", "2 st. spec / RPC"]))  # fmt: skip
     print()
     if 5.0 not in args.rtt:
         print("the goals are judged at 5 ms RTT (not in --rtt)")
@@ -732,6 +849,7 @@ def report(
     for label, (x, y), goal in (
         ("meshd 2 stages + speculation / meshd 1 stage", ("m2spec", "m1"), 1.0),
         ("meshd 2 stages + speculation / llama.cpp RPC 2-way", ("m2spec", "rpc"), 2.5),
+        ("meshd 2 stages + draft model / meshd 1 stage", ("m2draft", "m1"), 1.0),
     ):
         v = paired(cells, x, y, 5.0, "code edit")
         met = "not measured" if not v else ("met" if med(v) >= goal else "NOT met")
@@ -748,7 +866,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=3, help="prompts a set (1-3, default 3)")
     p.add_argument("--quick", action="store_true", help="1 prompt a set, 64 tokens")
     p.add_argument("--skip", default="", help="comma-separated rows to leave out: m1, m2, "
-                   "m2spec, rpc")  # fmt: skip
+                   "m2spec, m2draft, rpc")  # fmt: skip
+    p.add_argument("--draft-layers", type=int, default=6, help="layers of the draft model, "
+                   "the default model's first ones (default 6; 30: all, a ceiling)")  # fmt: skip
     p.add_argument(
         "--retries",
         type=int,
