@@ -168,7 +168,9 @@ def _print_instances(data: list, client: NodeClient) -> None:
 
     names = {n["id"]: n["name"] for n in client.cluster().get("nodes") or []}
     t = Table(box=None, header_style="bold")
-    for col in ("id", "model", "gen", "stages"):
+    # The draft column only where some instance has a draft model drafting for it.
+    drafts = any(inst.get("draft") for inst in data)
+    for col in ("id", "model", "gen", "stages", *(["draft"] if drafts else [])):
         t.add_column(col)
     for inst in data:
         stages = "\n".join(
@@ -176,7 +178,8 @@ def _print_instances(data: list, client: NodeClient) -> None:
             f"{s.get('state', '')}{' (' + s['reason'] + ')' if s.get('reason') else ''}"
             for s in inst.get("stages") or []
         )
-        t.add_row(inst["id"], inst["model"], str(inst.get("generation", "")), stages)
+        row = [inst["id"], inst["model"], str(inst.get("generation", "")), stages]
+        t.add_row(*row, *([inst.get("draft") or ""] if drafts else []))
     if not data:
         print("no instances placed")
         return

@@ -9,6 +9,8 @@ node's ``/metrics`` count the tokens), and once it is removed, requests go on wi
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -60,6 +62,13 @@ def test_a_placed_draft_model_drafts_for_the_default_model(
 
     wait_for(drafting, 90, interval=0.3)
     assert _instances(a)["synth"].get("draft") is None  # nothing smaller shares its tokens
+    ls = subprocess.run(
+        [sys.executable, "-m", "meshd.cli.meshctl", "--node", a.api, "ls"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert ls.returncode == 0, ls.stderr
+    row = next(line for line in ls.stdout.splitlines() if DEFAULT_MODEL in line)
+    assert "draft" in ls.stdout.splitlines()[0] and draft_id in row, ls.stdout
 
     out = _ask(a, speculate=True)
     assert out["usage"]["completion_tokens"] == 60
