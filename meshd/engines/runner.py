@@ -1214,7 +1214,11 @@ class Runner:
         if got is None or r is None:
             return
         pend, draft = got
-        draft = draft[: max(0, self.n_ctx - pend.pos - 2)]
+        # A draft model padded to more embedding rows may name ids past this model's
+        # (never trained, never likely): the draft ends before the first such one.
+        n_vocab = self.stage.n_vocab
+        cut = next((i for i, t in enumerate(draft) if not 0 <= t < n_vocab), len(draft))
+        draft = draft[: min(cut, max(0, self.n_ctx - pend.pos - 2))]
         self.drafts.truncated(r.req, pend.pos + 1 + len(draft))
         if not draft:
             r.last_draft = (pend.pos, pend.k)  # asked and waited for: a draft that failed

@@ -71,8 +71,9 @@ def read_facts(
 
 
 #: Named by version: facts cached by an older meshd lack fields added since, or
-#: hold stale ones (v3 had no "mlx" engine for K-quant GGUFs, v4 no vocab_hash).
-_FACTS_FILE = "facts-v5.json"
+#: hold stale ones (v3 had no "mlx" engine for K-quant GGUFs, v4 no vocab_hash, v5 one
+#: that counted a vocabulary's padding).
+_FACTS_FILE = "facts-v6.json"
 
 
 def _cached_facts(path: Path, cache_dir: Path | None) -> ModelFacts | None:

@@ -64,8 +64,9 @@ class GgufHeader:
     nbytes: dict[str, int]
     #: name -> where the tensor's data starts in the file (bytes from its start).
     offsets: dict[str, int]
-    #: A hash of the token list (``tokenizer.ggml.tokens``, as stored): two models
-    #: with the same one give a token id the same text ("" when there is none).
+    #: A hash of the token list (``tokenizer.ggml.tokens``, as stored, trailing
+    #: ``[PAD<i>]`` entries left out): two models with the same one give a token id
+    #: the same text ("" when there is none).
     vocab_hash: str = ""
 
 
@@ -100,6 +101,28 @@ class _Cursor:
         text = bytes(self.buf[self.pos : end]).decode("utf-8", "replace")
         self.pos = end
         return text
+
+    def token_list_hash(self) -> str:
+        """Read past a string array (the cursor at its item type) and return a hash
+        of its stored bytes up to its last entry that is not padding: converters pad
+        a vocabulary to the embedding's rows with ``[PAD<i>]`` entries, and two sizes
+        of one family (Qwen2.5 0.5B and 7B) differ only there."""
+        item, count = self.scalar(4), self.scalar(10)
+        if item != _GGUF_STRING:
+            for _ in range(count):
+                self.value(item, arrays=False)
+            return ""
+        start = end = self.pos
+        buf, order = self.buf, self.order + "Q"
+        for _ in range(count):
+            (n,) = struct.unpack_from(order, buf, self.pos)
+            body = self.pos + 8
+            if buf[body : body + 4] != b"[PAD":
+                end = body + n
+            self.pos = body + n
+        if self.pos > len(buf):
+            raise ModelFormatError(f"{self.path}: GGUF header is truncated")
+        return hashlib.blake2b(buf[start:end], digest_size=16).hexdigest()
 
     def value(self, kind: int, arrays: bool) -> Any:
         """The value of type ``kind`` at the cursor; an array is read only when
@@ -183,11 +206,11 @@ def read_header(path: Path) -> GgufHeader:
             for _ in range(n_kv):
                 key = cur.string()
                 kind = cur.scalar(4)
-                at = cur.pos
-                kv[key] = cur.value(kind, arrays=True)
-                if key == "tokenizer.ggml.tokens":
-                    # The stored bytes themselves: no string is decoded (~1 ms).
-                    vocab_hash = hashlib.blake2b(buf[at : cur.pos], digest_size=16).hexdigest()
+                if key == "tokenizer.ggml.tokens" and kind == _GGUF_ARRAY:
+                    vocab_hash = cur.token_list_hash()
+                    kv[key] = None  # as any long array: skipped
+                else:
+                    kv[key] = cur.value(kind, arrays=True)
             tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
             nbytes: dict[str, int] = {}
             starts: list[int] = []

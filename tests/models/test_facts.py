@@ -15,7 +15,7 @@ from meshd.crdt.views import ModelFacts
 from meshd.models.chat import chat_template_at
 from meshd.models.errors import ModelFormatError
 from meshd.models.facts import read_facts
-from meshd.models.gguf import special_tokens
+from meshd.models.gguf import read_header, special_tokens
 from meshd.models.hashing import file_sha256
 from tests.conftest import MODEL_SHA256
 
@@ -133,3 +133,27 @@ def test_an_encoder_is_an_embedding_only_model_for_llama_cpp_alone(
     assert bert.engines == ["llama_cpp"]  # MLX stages run decoders only
     llama = read_facts(write_model(tmp_path / "llama.gguf", model_path, "llama"), name="l")
     assert not llama.embedding_only and "mlx" in llama.engines
+
+
+def _vocab_file(path: Path, tokens: list[str]) -> Path:
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_token_list(tokens)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.timeout(60)
+def test_the_token_list_fingerprint_leaves_out_padding(model_path: Path, tmp_path: Path) -> None:
+    # Two sizes of one family (Qwen2.5 0.5B and 7B) store one token list padded to
+    # their embeddings' rows: they may draft for each other. Another list may not.
+    tokens = gguf.GGUFReader(model_path).fields["tokenizer.ggml.tokens"].contents()
+    base = read_header(_vocab_file(tmp_path / "a.gguf", tokens)).vocab_hash
+    padded = [*tokens, *(f"[PAD{i}]" for i in range(len(tokens), len(tokens) + 40))]
+    other = [*tokens[:-1], "something else"]
+    assert base and base == read_header(_vocab_file(tmp_path / "b.gguf", padded)).vocab_hash
+    assert base != read_header(_vocab_file(tmp_path / "c.gguf", other)).vocab_hash
+    assert base != read_header(_vocab_file(tmp_path / "d.gguf", tokens[:-1])).vocab_hash
+    assert read_facts(model_path, "smollm2", cache_dir=tmp_path).vocab_hash == base
