@@ -8,6 +8,7 @@ node's ``/metrics`` count the tokens), and once it is removed, requests go on wi
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -77,3 +78,43 @@ def test_a_placed_draft_model_drafts_for_the_default_model(
     assert httpx.delete(a.api + f"/v1/instances/{draft_id}", timeout=30).status_code == 200
     wait_for(lambda: _instances(a)[DEFAULT_MODEL].get("draft") is None, 30, interval=0.3)
     assert _ask(a, speculate=True)["usage"]["completion_tokens"] == 60
+
+
+def test_a_killed_draft_node_leaves_the_stream_whole(
+    cluster: Cluster, model_path: Path, tmp_path: Path
+) -> None:
+    # The draft model on another node dies mid-answer (SIGKILL): the steps waiting for
+    # its proposals run without them, and the answer comes whole.
+    d = tmp_path / "models"
+    d.mkdir()
+    write_model(d / "synth.gguf", model_path, "llama")
+    a = cluster.start("a", model=DEFAULT_MODEL)
+    b = cluster.start("b", peers=[a], extra_args=["--models", str(d)])
+    wait_for(lambda: all(len(n.cluster()["nodes"]) == 2 for n in (a, b)), 15)
+    wait_for(lambda: DEFAULT_MODEL in _instances(a), 60, interval=0.3)
+    r = httpx.post(a.api + "/v1/instances", json={"model": "synth", "nodes": ["b"]}, timeout=120)
+    assert r.status_code == 201, r.text
+    draft_id = r.json()["id"]
+    wait_for(lambda: _instances(a)[DEFAULT_MODEL].get("draft") == draft_id, 90, interval=0.3)
+
+    body = {
+        "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 300, "temperature": 0, "ignore_eos": True, "speculate": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    pieces, usage = 0, None
+    with httpx.stream("POST", a.api + "/v1/chat/completions", json=body, timeout=60) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            usage = event.get("usage") or usage
+            if any((c.get("delta") or {}).get("content") for c in event.get("choices", [])):
+                pieces += 1
+                if pieces == 20:
+                    b.kill()
+    assert pieces > 20 and not b.alive()
+    assert usage is not None and usage["completion_tokens"] == 300, usage
+    assert _ask(a, speculate=True)["usage"]["completion_tokens"] == 60  # the next one too
