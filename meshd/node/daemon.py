@@ -41,6 +41,7 @@ from meshd.transport.stats import DropCounters
 from . import sysinfo
 from .access import Access
 from .changes import Changes
+from .cluster import ClusterView
 from .cluster_store import ClusterStore, StoredCluster
 from .config import NodeConfig
 from .enrollment import enroll, join_port_of
@@ -208,13 +209,14 @@ class Node:
         """Keep each stage 0 here told which draft model to ask: instances are placed,
         get ready, move and go (see ``meshd.placement.drafts``)."""
 
-        def pick(iid: str) -> tuple[str, wire.Addr] | None:
-            view = self.state.view()
-            inst = view.instances.get(iid)
-            got = view.draft_for(inst) if inst is not None else None
-            return (got[0].id, got[1]) if got else None
-
         while True:
+            view = self.state.view()  # one view a tick, whatever the runners here
+
+            def pick(iid: str, view: ClusterView = view) -> tuple[str, wire.Addr] | None:
+                inst = view.instances.get(iid)
+                got = view.draft_for(inst) if inst is not None else None
+                return (got[0].id, got[1]) if got else None
+
             tell_drafts(self.supervisor.runners.values(), pick)
             await asyncio.sleep(DRAFT_CHECK_S)
 
