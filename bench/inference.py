@@ -228,14 +228,13 @@ class BareRunner:
                 raise TimeoutError("the bare runner sent nothing for 60 s")
             frames = self.router.recv_multipart()
             now = time.perf_counter()
-            msg = wire.decode(frames[-1])
-            if not isinstance(msg, wire.DataChunk) or msg.req != req:
-                continue
-            if msg.error is not None:
-                raise RuntimeError(f"runner: {msg.error.code}: {msg.error.message}")
-            if msg.tokens:
-                ts.append(now)
-            if msg.finish_reason is not None:
+            mine = [c for c in wire.chunks_in(wire.decode(frames[-1])) or [] if c.req == req]
+            for msg in mine:
+                if msg.error is not None:
+                    raise RuntimeError(f"runner: {msg.error.code}: {msg.error.message}")
+                # A chunk may carry several tokens (see meshd.engines.outbox).
+                ts.extend([now] * len(msg.tokens))
+            if any(msg.finish_reason is not None for msg in mine):
                 break
         return (len(ts) - 1) / (ts[-1] - ts[0])
 

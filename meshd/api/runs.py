@@ -163,22 +163,25 @@ class Run:
                     m.drafted_tokens.labels(model).inc(c.usage.drafted_tokens)
                     m.accepted_tokens.labels(model).inc(c.usage.accepted_tokens)
                 if c.tokens:
-                    for i, sec in enumerate(c.compute):
+                    # A chunk may carry several tokens (the runner coalesces tokens that
+                    # come fast, see meshd.engines.outbox; a verified draft brings
+                    # several): its times and compute are shared out per token.
+                    k = len(c.tokens)
+                    stages = [sec / k for sec in c.compute]
+                    for i, sec in enumerate(stages):
                         m.stage_compute.labels(model, str(i)).observe(sec)
                     ttft = itl = hop = None
                     if last is None:
                         ttft = now - self.t0
                         m.ttft.labels(model).observe(ttft)
                     else:
-                        itl = now - last
+                        itl = (now - last) / k
                         m.itl.labels(model).observe(itl)
-                        hops = len(c.compute)  # n stages: n-1 forward hops + 1 back
+                        hops = len(stages)  # n stages: n-1 forward hops + 1 back
                         if hops:
-                            hop = max(0.0, itl - sum(c.compute)) / hops
+                            hop = max(0.0, itl - sum(stages)) / hops
                             m.hop_overhead.labels(model).observe(hop)
-                    m.speed.token(
-                        model, len(c.tokens), ttft=ttft, itl=itl, stages=c.compute, hop=hop
-                    )
+                    m.speed.token(model, k, ttft=ttft, itl=itl, stages=stages, hop=hop)
                     last = now
                     self.t_first = self.t_first or now
                     self.t_last = now

@@ -17,6 +17,17 @@ def positive_int(text: str) -> int:
     return n
 
 
+def nonnegative_float(text: str) -> float:
+    """A number >= 0 (NaN refused)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
+    return x
+
+
 def positive_float(text: str) -> float:
     """A number > 0 (NaN refused)."""
     try:

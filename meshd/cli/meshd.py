@@ -16,7 +16,7 @@ from meshd.api.app import create_app
 from meshd.api.origins import allowed_hosts
 from meshd.api.server import ApiServer, bind_api
 from meshd.api.services import ApiSettings
-from meshd.cli.argtypes import positive_float, positive_int
+from meshd.cli.argtypes import nonnegative_float, positive_float, positive_int
 from meshd.cli.settings import (
     CONFIG_ENV,
     ConfigError,
@@ -46,6 +46,7 @@ from meshd.node.config import (
     REQUEST_EXPIRY_S,
     SLICE_CACHE_BYTES,
     STOP_GRACE_S,
+    STREAM_INTERVAL_S,
     TOMBSTONE_GRACE_MS,
     NodeConfig,
     parse_peer,
@@ -312,6 +313,15 @@ def _node_flags(up: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     up.add_argument(
+        "--stream-interval-ms",
+        type=nonnegative_float,
+        default=STREAM_INTERVAL_S * 1000,
+        metavar="MS",
+        help="a stream's tokens that come faster than this go to the client together, "
+        "at most this late (fewer wake-ups of the node and client beside the engine); "
+        "0 sends every token alone (default: %(default)s)",
+    )
+    up.add_argument(
         "--stop-grace",
         type=positive_float,
         default=STOP_GRACE_S,
@@ -383,6 +393,7 @@ def _config(args: argparse.Namespace) -> NodeConfig:
         models_rescan=args.models_rescan,
         chunk_timeout=args.chunk_timeout,
         request_expiry=args.request_expiry,
+        stream_interval=args.stream_interval_ms / 1000,
         stop_grace=args.stop_grace,
         max_restarts=args.max_restarts,
         drain_timeout=args.drain_timeout,

@@ -241,6 +241,19 @@ class LlamaVocab:
             self._model = None
 
 
+def _one_token(it: StageInput) -> bool:
+    """One token in, its logits out: a plain decode step."""
+    t = it.tokens
+    return (
+        t is not None
+        and it.hidden is None
+        and it.n_logits == 1
+        and t.ndim == 1
+        and len(t) == 1
+        and t.dtype.kind in "iu"
+    )
+
+
 class LlamaStage:
     """Layers of one GGUF slice, run with llama.cpp's low-level API in this process.
 
@@ -524,6 +537,13 @@ class LlamaStage:
         self._check_open()
         if not items:
             return []
+        if (
+            self.first
+            and self.last
+            and len(items) <= self.n_batch
+            and all(_one_token(it) for it in items)
+        ):
+            return self._decode_step(items)
         inputs = self._validate(items)
         lengths = [len(a) for a in inputs]
         total = sum(lengths)
@@ -567,6 +587,47 @@ class LlamaStage:
         assert hidden_out is not None
         # Views of one array made for this call: nothing else ever writes to it.
         return [hidden_out[s:e] for s, e in zip(starts, ends, strict=True)]
+
+    def _decode_step(self, items: Sequence[StageInput]) -> list[StageOutput]:
+        """:meth:`forward` for one new token per request on a whole-model stage (each
+        decode step of a one-stage instance): the same checks, errors and outputs in
+        fewer interpreted steps. Why it pays: a decode streams the weights through the
+        caches, and each Python step after it runs ~10x slower than warm (measured:
+        0.2 ms a step on the general path, 4% of a small model's token on 2 cores)."""
+        n_ctx, n_vocab, n_seq_max = self.n_ctx, self.n_vocab, self.n_seq_max
+        seen: set[int] = set()
+        for i, it in enumerate(items):
+            seq, pos = it.seq, it.pos
+            if not 0 <= seq < n_seq_max:
+                raise StageInputError(f"seq {seq} outside [0, {n_seq_max})")
+            if seq in seen:
+                raise StageInputError(f"seq {seq} appears twice in one forward")
+            seen.add(seq)
+            tok = int(it.tokens[0])  # type: ignore[index]
+            if not 0 <= tok < n_vocab:
+                raise StageInputError(f"token id outside [0, {n_vocab})")
+            past = self.n_past(seq)
+            if pos != past:
+                raise StageInputError(f"seq {seq}: pos {pos} but the stage holds {past}")
+            if pos + 1 > n_ctx:
+                raise ContextFullError(f"seq {seq}: {pos} + 1 positions exceed n_ctx {n_ctx}")
+            self._b_tok[i] = tok  # type: ignore[index]
+            self._b_pos[i] = pos
+            self._b_seq[i] = seq
+        n = len(items)
+        self._b_out[:n] = 1
+        self._batch.n_tokens = n
+        ret = int(self._L.llama_decode(self._ctx, self._batch))
+        if ret != 0:
+            for it in items:
+                self._L.llama_memory_seq_rm(self._mem, it.seq, it.pos, -1)
+            why = {1: "no KV cache slot", 2: "aborted"}.get(ret, "invalid batch or error")
+            raise StageError(f"llama_decode returned {ret} ({why})")
+        ptr = self._L.llama_get_logits(self._ctx)  # the rows in batch order
+        if not ptr:
+            raise StageError("llama.cpp gave no logits")
+        # Copy: llama.cpp overwrites its logits buffer on the next decode.
+        return list(np.ctypeslib.as_array(ptr, shape=(n, n_vocab)).copy())
 
     def _fill_batch(
         self,

@@ -25,8 +25,11 @@ from meshd.logs import LogFormat
 from meshd.transport.security import ClusterKeys
 from meshd.transport.wire import Addr
 
+from .outbox import STREAM_INTERVAL_S
+
 __all__ = [
     "REQUEST_EXPIRY_S",
+    "STREAM_INTERVAL_S",
     "Expired",
     "Failed",
     "GenerationAdopted",
@@ -126,6 +129,9 @@ class RunnerConfig(msgspec.Struct, kw_only=True):
     #: Most tokens a request may generate here, whatever its ``max_tokens`` says
     #: (None: up to the context's end).
     max_tokens: int | None = None
+    #: Longest a generated token waits to go with the next ones in one DataChunk
+    #: (see meshd.engines.outbox); 0 sends every token alone.
+    stream_interval_s: float = STREAM_INTERVAL_S
     #: None: an open cluster (no CURVE).
     keys: SocketKeys | None = None
     #: How the runner logs: its node's ``--log-level`` and ``--log-format``, so that a

@@ -72,6 +72,7 @@ from .grammar import (
     closed_objects,
     lark_grammar,
 )
+from .outbox import Outbox
 from .protocol import (
     Expired,
     Failed,
@@ -309,6 +310,8 @@ class Runner:
         self.cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.work: collections.deque[Work] = collections.deque()
         self.dealers = DealerCache(ctx, keys=keys, own_addresses=local_addresses())
+        #: Where DataChunks go: a request's tokens coalesce while they come fast.
+        self.outbox = Outbox(self.send, cfg.stream_interval_s)
         self.counters = Counters()
         self.template = template
         # What chat templates get as bos_token / eos_token: the model's own token text,
@@ -348,12 +351,12 @@ class Runner:
             self.counters.dropped["send_queue_full"] += 1
 
     def chunk(self, r: Request | None, reply_to: wire.Addr, req: str, **kw) -> None:
-        self.send(reply_to, wire.DataChunk(req=req, **kw))
+        self.outbox.put(reply_to, wire.DataChunk(req=req, **kw))
 
     def fail(self, reply_to: wire.Addr, req: str, code: str, message: str) -> None:
         log.info("request %s ends at stage %d: %s: %s", req, self.cfg.stage, code, message,
                  extra={"req": req})  # fmt: skip
-        self.send(
+        self.outbox.put(
             reply_to, wire.DataChunk(req=req, error=wire.ChunkError(code=code, message=message))
         )
 
@@ -375,6 +378,7 @@ class Runner:
             events = dict(poller.poll(self._poll_ms()))
             if self.router in events:
                 self.drain()
+                self.outbox.flush()  # acknowledgements and errors: not after a step
             if self.draft_server is not None:
                 if self.draft_server.asks:
                     self.draft_server.run()  # before this stage's own step: a pipeline waits
@@ -384,9 +388,11 @@ class Runner:
             if mon is not None and mon in events:
                 reporter.event("stage", mon.recv_multipart())
             if stdin.fd in events and not self.control():
+                self.outbox.flush()
                 return
             if self.work:
                 self.step()
+            self.outbox.flush()
             now = time.monotonic()
             if now >= self._next_expiry_check:
                 self._next_expiry_check = now + self._expiry_every
@@ -396,13 +402,13 @@ class Runner:
 
     def _poll_ms(self) -> int:
         """How long the loop may sleep: not at all with work queued, else until the
-        first step waiting for a draft gives up on it (or 200 ms)."""
+        first step waiting for a draft gives up on it or held output is due (or 200 ms)."""
         if self.work:
             return 0
-        due = self.drafts.next_deadline()
-        if due is None:
+        dues = [d for d in (self.drafts.next_deadline(), self.outbox.next_due()) if d is not None]
+        if not dues:
             return 200
-        return max(0, min(200, int((due - time.monotonic()) * 1000) + 1))
+        return max(0, min(200, int((min(dues) - time.monotonic()) * 1000) + 1))
 
     def retime(self) -> None:
         """Time a decode step again if the stage is idle and nothing it ran has been
@@ -951,7 +957,11 @@ class Runner:
         output follows the same distribution as without a draft."""
         r.n_drafted += len(w.draft)
         for i in range(len(w.draft) + 1):
-            tok = self.sample(r, logits[i], w.pos + i + 1, compute)
+            # The step's compute goes with its first token only: the node adds up the
+            # compute of the tokens a chunk carries.
+            tok = self.sample(
+                r, logits[i], w.pos + i + 1, compute if i == 0 else [0.0] * len(compute)
+            )
             if tok is None:
                 return  # finished (or failed)
             if i == len(w.draft) or tok != w.draft[i]:
@@ -1117,6 +1127,8 @@ class Runner:
         way); the id is remembered so that its activation, if still on its way, is
         not admitted after its cancel.
         """
+        if reason != "done":  # "done": the answer's last chunk is on its way
+            self.outbox.forget(req)
         r = self.reqs.pop(req, None)
         if r is None:
             for g in self.waiting:

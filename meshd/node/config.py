@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshd.crdt import hlc, liveness
-from meshd.engines.protocol import REQUEST_EXPIRY_S
+from meshd.engines.protocol import REQUEST_EXPIRY_S, STREAM_INTERVAL_S
 from meshd.models import DEFAULT_MODEL
 from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
 from meshd.transport import gossip
@@ -129,6 +129,9 @@ class NodeConfig:
     #: A runner frees a request idle this long (its stage 0 died, no cancel can come);
     #: above ``chunk_timeout`` so that the API node gives up on a silent pipeline first.
     request_expiry: float = REQUEST_EXPIRY_S
+    #: Longest a generated token waits at its last stage to go with the next ones in
+    #: one message (seconds; 0: every token alone; see meshd.engines.outbox).
+    stream_interval: float = STREAM_INTERVAL_S
     stop_grace: float = STOP_GRACE_S
     max_restarts: int = MAX_RESTARTS
     max_runners: int = MAX_RUNNERS

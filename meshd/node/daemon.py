@@ -478,6 +478,7 @@ async def _assemble(
         slice_cache=cfg.slice_cache,
         memory=cap_memory(sysinfo.mem_total(), cfg.max_memory),
         request_expiry=cfg.request_expiry,
+        stream_interval=cfg.stream_interval,
         stop_grace=cfg.stop_grace,
         max_restarts=cfg.max_restarts,
         restart_window=cfg.restart_window,

@@ -71,6 +71,7 @@ from .config import (
     RESTART_WINDOW_S,
     SLICE_CACHE_BYTES,
     STOP_GRACE_S,
+    STREAM_INTERVAL_S,
 )
 
 log = logging.getLogger("meshd.supervisor")
@@ -291,6 +292,7 @@ class Supervisor:
         memory: int = 0,
         slice_cache: int = SLICE_CACHE_BYTES,
         request_expiry: float = REQUEST_EXPIRY_S,
+        stream_interval: float = STREAM_INTERVAL_S,
         stop_grace: float = STOP_GRACE_S,
         max_restarts: int = MAX_RESTARTS,
         restart_window: float = RESTART_WINDOW_S,
@@ -318,6 +320,7 @@ class Supervisor:
         self.n_ctx = n_ctx
         self.n_seq_max = n_seq_max
         self.request_expiry = request_expiry
+        self.stream_interval = stream_interval
         self.stop_grace = stop_grace
         self.max_restarts = max_restarts
         self.restart_window = restart_window
@@ -448,6 +451,7 @@ class Supervisor:
                     send_dtype=send_dtype(inst, i),
                     n_threads=threads_per_runner(len(desired)),
                     request_expiry_s=self.request_expiry,
+                    stream_interval_s=self.stream_interval,
                     max_tokens=self.max_tokens,
                     keys=self._socket_keys(),
                     # As this process logs (`meshd up --log-level/--log-format`): the

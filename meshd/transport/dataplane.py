@@ -123,21 +123,27 @@ class DataPlane:
         msg = decode_frame(frames[1].buffer, self._drop)
         if msg is None:
             return
-        if not isinstance(msg, wire.DataChunk):
+        chunks = wire.chunks_in(msg)
+        if chunks is None:
             self.counters.add("data", "unexpected")
             return
-        q = self._streams.get(msg.req)
-        if q is None:
-            self.counters.add("data", "unknown_request")
-            return
-        senders = self._senders.get(msg.req)
-        if senders is not None and _user_id(frames[1]) not in senders:
-            self.counters.add("data", "foreign_sender")
-            return
-        try:
-            q.put_nowait(msg)
-        except asyncio.QueueFull:
-            self.counters.add("data", "queue_full")
+        sender: bytes | None = None
+        for c in chunks:
+            q = self._streams.get(c.req)
+            if q is None:
+                self.counters.add("data", "unknown_request")
+                continue
+            senders = self._senders.get(c.req)
+            if senders is not None:
+                if sender is None:
+                    sender = _user_id(frames[1])
+                if sender not in senders:
+                    self.counters.add("data", "foreign_sender")
+                    continue
+            try:
+                q.put_nowait(c)
+            except asyncio.QueueFull:
+                self.counters.add("data", "queue_full")
 
 
 def _user_id(frame: zmq.Frame) -> bytes:

@@ -406,6 +406,27 @@ class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     stop_sequence: str | None = None
 
 
+class DataChunks(msgspec.Struct, tag=True, kw_only=True):
+    """Stage -> API node: several requests' DataChunks in one message.
+
+    A runner sends what one pass of its loop produced for one API node together (a
+    batched step makes a token for each of its requests): one wake-up of the API node,
+    not one per request (see ``meshd.engines.outbox``).
+    """
+
+    chunks: list[DataChunk]
+
+
+def chunks_in(msg: Message) -> list[DataChunk] | None:
+    """The DataChunks ``msg`` carries (one, or a :class:`DataChunks` batch); None for
+    any other message."""
+    if isinstance(msg, DataChunk):
+        return [msg]
+    if isinstance(msg, DataChunks):
+        return msg.chunks
+    return None
+
+
 # -- weights: a node fetches a stage's slice from the nodes that hold the model ------
 #: Largest header frame on a weights ROUTER (a refusal's message is the longest part).
 MAX_TRANSFER_HEADER = 64 * 1024
@@ -538,6 +559,7 @@ Message = (
     | Token
     | Release
     | DataChunk
+    | DataChunks
     | Propose
     | Proposal
 )

@@ -165,6 +165,8 @@ class ApiSide:
         self._dealers: dict[int, zmq.Socket] = {}
         #: Every chunk received, by request id, in arrival order.
         self.chunks: dict[str, list[wire.DataChunk]] = {}
+        #: Messages received (a DataChunks batch counts once).
+        self.received = 0
 
     @property
     def reply_to(self) -> wire.Addr:
@@ -200,9 +202,11 @@ class ApiSide:
         if self.router.poll(int(timeout * 1000)):
             while self.router.poll(0):
                 frames = self.router.recv_multipart()
-                c = wire.decode(frames[1], wire.MAX_DATA_FRAME)
-                assert isinstance(c, wire.DataChunk)
-                self.chunks.setdefault(c.req, []).append(c)
+                chunks = wire.chunks_in(wire.decode(frames[1], wire.MAX_DATA_FRAME))
+                assert chunks is not None
+                self.received += 1
+                for c in chunks:
+                    self.chunks.setdefault(c.req, []).append(c)
 
     def wait(self, req: str, match: Callable[[wire.DataChunk], bool], timeout: float) -> None:
         """Receive until a chunk of ``req`` satisfies ``match``."""

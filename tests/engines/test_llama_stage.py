@@ -241,6 +241,46 @@ def test_prefill_longer_than_the_batch_is_split_in_order(
 
 
 @pytest.mark.timeout(60)
+def test_a_one_token_step_of_a_whole_model_matches_the_general_path(model_path: Path) -> None:
+    # A step of one token per request takes a shorter path through forward(); the
+    # general one runs when any item has more rows. Same logits, same refusals.
+    with LlamaStage(
+        model_path, first=True, last=True, n_ctx=N_CTX, n_seq_max=3, exact=True
+    ) as stage:
+        prompt = np.asarray(_tokens(stage, PROMPTS["short"]), np.int32)
+        n = len(prompt)
+        start = stage.forward([StageInput(0, 0, tokens=prompt), StageInput(1, 0, tokens=prompt)])
+        tok = np.asarray([int(np.argmax(start[0]))], np.int32)
+        (step,) = stage.forward([StageInput(0, n, tokens=tok)])
+        general = stage.forward(
+            [StageInput(1, n, tokens=tok), StageInput(2, 0, tokens=prompt[:2])]
+        )[0]
+        assert step.shape == (stage.n_vocab,)
+        assert float(np.abs(step - general).max()) <= LOGITS_TOL
+        # Several requests in one step: each its own logits, in item order.
+        nxt = np.asarray([int(np.argmax(step))], np.int32)
+        both = stage.forward([StageInput(1, n + 1, tokens=nxt), StageInput(0, n + 1, tokens=nxt)])
+        assert float(np.abs(both[0] - both[1]).max()) <= LOGITS_TOL
+        assert stage.n_past(0) == stage.n_past(1) == n + 2
+
+        for bad in (
+            [StageInput(0, n + 5, tokens=nxt)],  # not where seq 0 is
+            [StageInput(0, n + 2, tokens=nxt), StageInput(0, n + 2, tokens=nxt)],  # twice
+            [StageInput(0, n + 2, tokens=np.asarray([stage.n_vocab], np.int32))],
+            [StageInput(3, 0, tokens=nxt)],  # seq id past n_seq_max
+        ):
+            with pytest.raises(StageInputError):
+                stage.forward(bad)
+        assert stage.n_past(0) == n + 2  # nothing was decoded by the refused calls
+
+    with LlamaStage(model_path, first=True, last=True, n_ctx=8, n_seq_max=1) as tiny:
+        tiny.forward([StageInput(0, 0, tokens=np.arange(1, 9, dtype=np.int32))])
+        with pytest.raises(ContextFullError):
+            tiny.forward([StageInput(0, 8, tokens=np.asarray([5], np.int32))])
+        assert tiny.n_past(0) == 8
+
+
+@pytest.mark.timeout(60)
 def test_stage_refuses_inputs_that_do_not_fit(
     model_path: Path, three_stages: list[LlamaStage]
 ) -> None:
