@@ -598,8 +598,7 @@ class LlamaStage:
         seen: set[int] = set()
         for i, it in enumerate(items):
             seq, pos = it.seq, it.pos
-            if not 0 <= seq < n_seq_max:
-                raise StageInputError(f"seq {seq} outside [0, {n_seq_max})")
+            check_seq(seq, n_seq_max)
             if seq in seen:
                 raise StageInputError(f"seq {seq} appears twice in one forward")
             seen.add(seq)
