@@ -14,6 +14,15 @@ if python3 -c 'import sys, sysconfig, os; sys.exit(0 if sys.prefix == sys.base_p
     echo "install.sh: this Python is managed by the system (PEP 668); installing for this user (~/.local)" >&2
     pip_args="--user --break-system-packages"
 fi
+# llama-cpp-python compiles llama.cpp for this CPU (-march=native). On one with Intel
+# AMX that brings in an AMX matmul which crashes at the first prompt (llama.cpp
+# #20824): leave it out. Explicit -mno-* flags win over -march=native in any order.
+if [ "$(uname -s)" = Linux ] && [ "$(uname -m)" = x86_64 ] && grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CFLAGS="${CFLAGS:-} $no_amx"
+    CXXFLAGS="${CXXFLAGS:-} $no_amx"
+    export CFLAGS CXXFLAGS
+fi
 # shellcheck disable=SC2086
 python3 -m pip install -q $pip_args -e ".${extra}"
 # shellcheck disable=SC2086

@@ -74,6 +74,33 @@ def load_ggml(llama: Any, soname: str = "libggml-base.so.0") -> Any:
     return llama.llama_cpp._lib
 
 
+def cpu_extra_buffer_types(llama: Any) -> list[str]:
+    """Names of the extra buffer types of llama.cpp's CPU device in this build (where
+    it repacks weights: ``CPU_REPACK``, ``AMX``, ...); empty if the build has none."""
+    lib = llama.llama_cpp._lib
+    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    lib.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.ggml_backend_buft_name.restype = ctypes.c_char_p
+    lib.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+    dev = lib.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    if not dev:
+        return []
+    reg = lib.ggml_backend_dev_backend_reg(dev)
+    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not fn:
+        return []
+    bufts = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)(dev)
+    names: list[str] = []
+    # A NULL-terminated array.
+    while bufts and bufts[len(names)]:
+        names.append(lib.ggml_backend_buft_name(bufts[len(names)]).decode())
+    return names
+
+
 #: KV cache types a stage may keep (``InstanceSpec.kv_cache``) -> llama.cpp's ggml type.
 KV_CACHE_GGML = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
 
@@ -115,6 +142,14 @@ class _Backend:
         llama_cpp.llama_log_set(self.log_cb, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         self.ggml = _Ggml(llama_cpp)
+        #: Whether this build packs weights for Intel AMX (see LlamaStage.__init__).
+        self.amx = "AMX" in cpu_extra_buffer_types(llama_cpp)
+        if self.amx:
+            log.warning(
+                "this llama.cpp build uses Intel AMX, whose matmul crashes (llama.cpp "
+                "#20824): stages load without repacked weights; `./install.sh` on this "
+                "machine builds llama-cpp-python without AMX"
+            )
 
 
 #: ggml_log_level in this llama.cpp: 1 debug, 2 info, 3 warn, 4 error, 5 continuation.
@@ -336,6 +371,11 @@ class LlamaStage:
         # llama.cpp's default offloads every layer to a GPU build's devices, whatever
         # they hold; placement says how many fit (0 on a machine without one).
         mparams.n_gpu_layers = n_gpu_layers
+        # A build with Intel AMX repacks weights for it, and its matmul crashes the
+        # process at the first prompt on AMX machines (llama.cpp #20824; seen here
+        # on Sapphire Rapids with Q4_1 and Q4_K). Without extra buffer types the
+        # weights stay as the file has them: slower on such a build, never a crash.
+        mparams.use_extra_bufts = not backend.amx
         model = L.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise StageError(f"llama.cpp could not load {path}")
