@@ -322,6 +322,10 @@ class LlamaStage:
     everything on the CPU (llama.cpp's own default would offload all of it).
     """
 
+    #: The one KV buffer: a sequence kept for no request lengthens every row's
+    #: attention (see ``RunnerConfig.kept_prefix_rows``).
+    shared_kv = True
+
     def __init__(
         self,
         path: Path | str,

@@ -200,6 +200,8 @@ class Kept:
 
     seq: int
     tokens: list[int] | None = None
+    #: The stage's :attr:`Runner.rows_run` when it was kept or last reused.
+    rows_at: int = 0
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -270,6 +272,8 @@ class Counters:
     #: Requests that started from a kept prefix, and the positions they took from it.
     prefix_hits: int = 0
     prefix_tokens: int = 0
+    #: Kept prefixes dropped for going unused too long (``age_kept``).
+    prefixes_aged: int = 0
 
     def drop(self, reason: str) -> None:
         """Count one frame dropped for ``reason``."""
@@ -304,6 +308,16 @@ class Runner:
         #: The prefix cache: finished requests' KV by stage 0's slot, least recently
         #: used first. A kept sequence is not free, but any admission may take it.
         self.kept: collections.OrderedDict[int, Kept] = collections.OrderedDict()
+        #: Rows this stage has computed, the clock kept prefixes age by.
+        self.rows_run = 0
+        # Later stages count a request's rows a little after stage 0 does, and must
+        # not drop a prefix stage 0 still counts on (a prefix_miss costs a replay).
+        # Where kept KV slows no one, only room evicts it.
+        self.kept_rows = (
+            cfg.kept_prefix_rows * (2 if self.first else 3) // 2
+            if getattr(stage, "shared_kv", False)
+            else None
+        )
         self.prefills: collections.OrderedDict[bytes, Prefill] = collections.OrderedDict()
         self.waiting: collections.deque[wire.Generate] = collections.deque()
         #: Recently cancelled ids this stage did not hold (oldest first).
@@ -883,6 +897,8 @@ class Runner:
         outs: list = []
         spent = 0.0
         if items:
+            self.rows_run += sum(it.n_rows for it in items)
+            self.age_kept()
             t0 = time.perf_counter()
             try:
                 outs = self.stage.forward(items)
@@ -1256,7 +1272,7 @@ class Runner:
             tokens = tokens[: self.stage.n_past(r.seq)]
         if r.slot in self.kept:  # cannot happen unless stage 0 reused a live slot
             self.drop_kept(r.slot)
-        self.kept[r.slot] = Kept(r.seq, tokens)
+        self.kept[r.slot] = Kept(r.seq, tokens, self.rows_run)
         self.report_load()
 
     def drop_kept(self, slot: int) -> None:
@@ -1264,6 +1280,16 @@ class Runner:
         k = self.kept.pop(slot)
         self.stage.free(k.seq)
         self.free_seqs.append(k.seq)
+
+    def age_kept(self) -> None:
+        """Drop the prefixes kept unused for more rows than they are worth
+        (``RunnerConfig.kept_prefix_rows``): least recently used first."""
+        while self.kept and self.kept_rows is not None:
+            slot, k = next(iter(self.kept.items()))
+            if self.rows_run - k.rows_at <= self.kept_rows:
+                return
+            self.drop_kept(slot)
+            self.counters.prefixes_aged += 1
 
     def drop_all_kept(self) -> None:
         """Forget every kept prefix (a cold request, a new plan)."""
@@ -1357,6 +1383,7 @@ class Runner:
         else:
             self.stage.share(k.seq, seq, n)
             self.kept.move_to_end(source)
+            k.rows_at = self.rows_run
         self.counters.prefix_hits += 1
         self.counters.prefix_tokens += n
 

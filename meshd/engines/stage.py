@@ -93,6 +93,9 @@ class Stage(Protocol):
     n_ctx_train: int
     #: False for an encoder (embeddings only): :meth:`forward` is not for it.
     generative: bool
+    #: Whether all sequences share one KV buffer whose used span every row's attention
+    #: reads (llama.cpp), so that KV held for no request slows the others.
+    shared_kv: bool
 
     def n_past(self, seq: int) -> int:
         """Positions the stage holds for ``seq``."""

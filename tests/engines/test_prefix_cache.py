@@ -69,7 +69,7 @@ def synth(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
 
 
 def _pipeline(
-    model: tuple[Path, str], cache: Path, log_dir: Path, seqs: tuple[int, int]
+    model: tuple[Path, str], cache: Path, log_dir: Path, seqs: tuple[int, int], **kw: object
 ) -> list[RunnerProcess]:
     half = N_LAYERS // 2
     bounds = [(0, half), (half, N_LAYERS)]
@@ -85,6 +85,7 @@ def _pipeline(
                 sha256=model[1],
                 n_layers=N_LAYERS,
                 n_ctx=512,
+                **kw,
             ),
             log_dir,
         )
@@ -207,6 +208,31 @@ def test_a_stage_without_the_prefix_ends_the_request_and_stage_0_forgets_it(
         # d's own KV is the one stage 1 kept: the same prompt again starts from it.
         e = _run(api, route, "e", prompt=STORY + "More.")
         assert e[0].n_cached == e[0].n_prompt - 1 and tokens_of(e) == tokens_of(d)
+    finally:
+        for r in route:
+            r.stop()
+
+
+def test_a_prefix_unused_for_more_rows_than_it_is_worth_is_dropped(
+    synth: tuple[Path, str], slice_dir: Path, tmp_path: Path, api: ApiSide
+) -> None:
+    # Room for every request here: only age drops a kept prefix. Stage 0 drops one
+    # after 100 rows computed beside it, stage 1 after 150.
+    route = _pipeline(synth, slice_dir, tmp_path, (4, 4), kept_prefix_rows=100)
+    try:
+        first = _run(api, route, "a", prompt=STORY)
+        _run(api, route, "short", prompt="A short one.")  # ~15 rows
+        again = _run(api, route, "a-again", prompt=STORY)
+        assert again[0].n_cached == again[0].n_prompt - 1
+        long = _run(api, route, "long", prompt="The rules of chess: " * 40)
+        assert long[0].n_prompt > 160  # more rows than either stage keeps a prefix for
+        late = _run(api, route, "a-late", prompt=STORY)
+        # Gone on both stages: computed again (a stage that had dropped it alone
+        # would have ended the request with prefix_miss), and still right.
+        assert late[0].n_cached == 0
+        assert tokens_of(late) == tokens_of(first)
+        # The long prompt was used last: it is still kept.
+        assert _run(api, route, "long-again", prompt="The rules of chess: " * 40)[0].n_cached
     finally:
         for r in route:
             r.stop()
