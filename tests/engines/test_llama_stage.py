@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshd.engines.llama_stage import LlamaStage
+from meshd.engines.llama_stage import LlamaStage, _get_backend, cpu_extra_buffer_types
 from meshd.engines.stage import ContextFullError, StageInput, StageInputError
 from meshd.engines.threads import runner_env
 from meshd.models.slicing import slice_gguf
@@ -374,3 +375,15 @@ def test_thread_settings_are_set_only_when_asked_and_only_while_they_can_work() 
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == expected
+
+
+def test_stages_know_the_builds_cpu_buffer_types_and_whether_it_has_amx() -> None:
+    import llama_cpp
+
+    names = cpu_extra_buffer_types(llama_cpp)
+    assert all(isinstance(n, str) and n for n in names)
+    if platform.machine() == "x86_64":
+        assert "CPU_REPACK" in names  # llama.cpp's default CPU build repacks Q4_0 & co.
+    # What LlamaStage loads with follows the build (a stage forward on an AMX build
+    # would crash the process: llama.cpp #20824).
+    assert _get_backend().amx == ("AMX" in names)
