@@ -35,6 +35,9 @@ DEFAULT_MODEL = "smollm2-135m"
 PROMPT = "Write a long story about a robot who learns to paint."
 #: The llama_cpp.server options that match meshd's runners (n_ctx per request).
 N_CTX = 4096
+#: Flash attention in the baselines: as a meshd stage on the CPU runs it (off:
+#: meshd.engines.attention), so a ratio compares engines, not attention kernels.
+FLASH_ATTN = False
 READY = re.compile(
     r"meshd ready node=(?P<id>\S+) name=(?P<name>\S+) api=(?P<api>\S+) "
     r"mesh=(?P<mesh>\d+) pub=(?P<pub>\d+)"
@@ -543,7 +546,7 @@ def start_llama_server(
     args = [
         *(launcher or [sys.executable, "-m", "llama_cpp.server"]), "--model", model_path,
         "--n_ctx", str(N_CTX), "--n_threads", str(threads), "--n_threads_batch", str(threads),
-        "--flash_attn", "True", "--host", "127.0.0.1", "--port", "0",
+        "--flash_attn", str(FLASH_ATTN), "--host", "127.0.0.1", "--port", "0",
         "--interrupt_requests", "False", "--verbose", "False", *extra,
     ]  # fmt: skip
     proc = Proc(args, tmp / f"{name}.log", env=runner_env())

@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 import httpx
 from _common import (
     DEFAULT_MODEL,
+    FLASH_ATTN,
     N_CTX,
     Node,
     OthersMeter,
@@ -135,7 +136,7 @@ def worker_main(args: argparse.Namespace) -> int:
         n_ctx=N_CTX,
         n_threads=threads,
         n_threads_batch=threads,
-        flash_attn=True,
+        flash_attn=FLASH_ATTN,
         verbose=False,
     )
     template = chat_template_at(path) or CHATML_TEMPLATE
@@ -316,7 +317,7 @@ def start_rpc(tmp: Path, model_path: str, threads: int, n_layers: int) -> tuple[
 def start_cpp_server(tmp: Path, model_path: str, threads: int, slots: int) -> Subject:
     """llama.cpp's C++ ``llama-server`` from bench/_rpc.py's build (the same llama.cpp
     source as the installed llama-cpp-python): ``slots`` slots with continuous batching,
-    ``N_CTX`` tokens of context each (``-c`` is the total), flash attention, no web UI,
+    ``N_CTX`` tokens of context each (``-c`` is the total), ``FLASH_ATTN``, no web UI,
     no prompt cache (``-cram 0`` and ``cache_prompt: false``: every request prefills
     its whole prompt, as everywhere else)."""
     import _rpc
@@ -329,7 +330,7 @@ def start_cpp_server(tmp: Path, model_path: str, threads: int, slots: int) -> Su
         str(bin_dir / _rpc.LLAMA_SERVER), "--model", model_path,
         "--threads", str(threads), "--threads-batch", str(threads),
         "--ctx-size", str(N_CTX * slots), "--parallel", str(slots), "--cont-batching",
-        "--flash-attn", "on", "--cache-ram", "0", "--no-webui",
+        "--flash-attn", "on" if FLASH_ATTN else "off", "--cache-ram", "0", "--no-webui",
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
     proc = Proc(args, tmp / "llama-server-cpp.log", env=runner_env())

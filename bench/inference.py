@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 from _common import (
     DEFAULT_MODEL,
+    FLASH_ATTN,
     N_CTX,
     PROMPT,
     READY,
@@ -102,7 +103,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
     def llama(t: int) -> Any:
         return llama_cpp.Llama(
-            path, n_ctx=N_CTX, n_threads=t, n_threads_batch=t, flash_attn=True, verbose=False
+            path, n_ctx=N_CTX, n_threads=t, n_threads_batch=t, flash_attn=FLASH_ATTN, verbose=False
         )
 
     llms = {"generate": llama(threads)}
@@ -540,7 +541,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> int:
     print(f"model     {model} = {model_path} ({size:.0f} MiB)")
     print(
         f"settings  {args.tokens} tokens after a {n_prompt}-token chat prompt, greedy, "
-        f"ignore_eos (llama_cpp.server: min_tokens), flash_attn, n_threads={threads}, "
+        f"ignore_eos (llama_cpp.server: min_tokens), flash_attn={FLASH_ATTN}, n_threads={threads}, "
         f"n_ctx={N_CTX}, GOMP_SPINCOUNT as meshd's runners; {done} of {args.repeats} "
         f"repeats measured (interleaved), {len(S['ttft'].xs)} of {args.startup_repeats} "
         f"start-up(s) of each kind"

@@ -54,6 +54,7 @@ from pathlib import Path
 import _delay
 import httpx
 from _common import (
+    FLASH_ATTN,
     N_CTX,
     PROCS,
     READY,
@@ -713,7 +714,7 @@ def rpc_worker_main(argv: list[str]) -> int:
     model, ep, offload, threads = argv[0], argv[1], int(argv[2]), int(argv[3])
     n = _rpc.load_rpc_backend(_rpc.ensure_built(log=lambda m: None), [ep])
     llm = llama_cpp.Llama(
-        model, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, flash_attn=True,
+        model, n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, flash_attn=FLASH_ATTN,
         n_gpu_layers=offload, verbose=False,
     )  # fmt: skip
     template = chat_template_at(model) or CHATML_TEMPLATE

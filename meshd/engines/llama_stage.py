@@ -37,6 +37,7 @@ from meshd.models.facts import embedding_only
 from meshd.models.gguf import read_metadata
 from meshd.models.scaling import input_scale
 
+from . import attention
 from .stage import (
     ContextFullError,
     StageError,
@@ -100,6 +101,15 @@ def cpu_extra_buffer_types(llama: Any) -> list[str]:
         names.append(lib.ggml_backend_buft_name(bufts[len(names)]).decode())
     return names
 
+
+#: Most bytes of attention scores one decode call may hold with plain attention (see
+#: meshd.engines.attention): llama.cpp reserves rows x cells x heads f32 for them, 646
+#: MiB against flash attention's 98 for the default model at 512 rows x 32,768 cells.
+#: A prefill hardly minds fewer rows a call: 3.3-3.5 ms a token from 64 to 512.
+PLAIN_ATTENTION_BYTES = 128 * 2**20
+#: Fewest rows a call may take whatever that budget says (a speculative step's rows
+#: and a decode step of many requests should stay one call).
+MIN_BATCH = 32
 
 #: KV cache types a stage may keep (``InstanceSpec.kv_cache``) -> llama.cpp's ggml type.
 KV_CACHE_GGML = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
@@ -320,11 +330,11 @@ class LlamaStage:
     ``n_gpu_layers`` is llama.cpp's: on a GPU build, the stage's last layers that go to
     its GPUs (one more than ``n_layers``: the output head too); 0, the default, keeps
     everything on the CPU (llama.cpp's own default would offload all of it).
-    """
 
-    #: The one KV buffer: a sequence kept for no request lengthens every row's
-    #: attention (see ``RunnerConfig.kept_prefix_rows``).
-    shared_kv = True
+    ``flash_attn`` picks the attention kernels for f16 K/V (see :attr:`flash_attn`):
+    None, the default, is plain attention on the CPU and llama.cpp's choice with GPU
+    layers.
+    """
 
     def __init__(
         self,
@@ -339,6 +349,7 @@ class LlamaStage:
         n_batch: int = 512,
         kv_cache: str = "f16",
         n_gpu_layers: int = 0,
+        flash_attn: bool | None = None,
     ) -> None:
         path = Path(path)
         if kv_cache not in KV_CACHE_GGML:
@@ -375,6 +386,8 @@ class LlamaStage:
         # llama.cpp's default offloads every layer to a GPU build's devices, whatever
         # they hold; placement says how many fit (0 on a machine without one).
         mparams.n_gpu_layers = n_gpu_layers
+        self.n_gpu_layers = n_gpu_layers
+        self._flash_attn = flash_attn
         # A build with Intel AMX repacks weights for it, and its matmul crashes the
         # process at the first prompt on AMX machines (llama.cpp #20824; seen here
         # on Sapphire Rapids with Q4_1 and Q4_K). Without extra buffer types the
@@ -404,8 +417,12 @@ class LlamaStage:
         self.input_scale = np.float32(input_scale(more, arch)) if not first else np.float32(1)
         self._target = f"l_out-{self.n_layers - 1}".encode()
 
-        cparams = self._cparams(n_ctx * n_seq_max, n_seq_max)
+        cparams = self._cparams(n_ctx * n_seq_max, n_seq_max, self.flash_attn)
         self.n_batch = min(n_batch, n_ctx * n_seq_max)
+        if not self.flash_attn:
+            # Plain attention holds every score of a call: rows x cells x heads, f32.
+            per_row = n_ctx * n_seq_max * int(L.llama_model_n_head(model)) * 4
+            self.n_batch = min(self.n_batch, max(MIN_BATCH, PLAIN_ATTENTION_BYTES // per_row))
         cparams.n_batch = self.n_batch
         # One ubatch per decode: the capture sees each decode's rows in one piece.
         cparams.n_ubatch = self.n_batch
@@ -431,7 +448,7 @@ class LlamaStage:
         self._tok = LlamaVocab(L, self._vocab)
         self._alloc_batch()
 
-    def _cparams(self, n_cells: int, n_seq_max: int) -> Any:
+    def _cparams(self, n_cells: int, n_seq_max: int, flash: bool | None) -> Any:
         """Context parameters shared by the stage's context and its embeddings one."""
         L = self._L
         cparams = L.llama_context_default_params()
@@ -444,15 +461,32 @@ class LlamaStage:
         cparams.n_threads = self.n_threads
         cparams.n_threads_batch = self.n_threads
         cparams.no_perf = True
+        cparams.flash_attn_type = (
+            L.LLAMA_FLASH_ATTN_TYPE_AUTO
+            if flash is None
+            else L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if flash
+            else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         if self.exact:
-            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
             cparams.type_k = L.GGML_TYPE_F32
             cparams.type_v = L.GGML_TYPE_F32
         elif self.kv_cache != "f16":
-            # A quantized V cache needs flash attention (llama.cpp refuses it without).
-            cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
             cparams.type_k = cparams.type_v = getattr(L, KV_CACHE_GGML[self.kv_cache])
         return cparams
+
+    @property
+    def flash_attn(self) -> bool | None:
+        """Whether the stage's attention is llama.cpp's flash attention (None: its
+        own choice, ``auto``): see :func:`meshd.engines.attention.flash_attn`."""
+        return attention.flash_attn(self.kv_cache, self.n_gpu_layers, self.exact, self._flash_attn)
+
+    @property
+    def kept_rows(self) -> int:
+        """Rows of other work after which a sequence kept for no request (a cached
+        prefix) has cost what computing it again would (see
+        :func:`meshd.engines.attention.kept_rows`)."""
+        return attention.kept_rows(self.flash_attn)
 
     # -- batch ---------------------------------------------------------------------
 
@@ -763,7 +797,10 @@ class LlamaStage:
     def _embedding_context(self) -> Any:
         if self._embed_ctx is None:
             L = self._L
-            cparams = self._cparams(self.n_ctx, self.n_seq_max)
+            # Whole inputs in one call, no decode steps: where flash attention is
+            # slow (see flash_attn), llama.cpp's own choice is the faster prefill.
+            flash = None if self.flash_attn is False and not self.exact else self.flash_attn
+            cparams = self._cparams(self.n_ctx, self.n_seq_max, flash)
             cparams.n_batch = cparams.n_ubatch = self._embed_batch
             cparams.embeddings = True
             cparams.pooling_type = L.LLAMA_POOLING_TYPE_NONE

@@ -628,7 +628,7 @@ class MlxStage:
     #: MLX stages run decoder models only.
     generative = True
     #: Each sequence has caches of its own: a kept one costs memory, not time.
-    shared_kv = False
+    kept_rows = None
 
     def embed(self, items: Sequence[StageInput]) -> list[npt.NDArray[np.float32]]:
         """For each item, the final hidden states (after the output norm) of every row

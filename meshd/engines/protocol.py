@@ -28,7 +28,6 @@ from meshd.transport.wire import Addr
 from .outbox import STREAM_INTERVAL_S
 
 __all__ = [
-    "KEPT_PREFIX_ROWS",
     "REQUEST_EXPIRY_S",
     "STREAM_INTERVAL_S",
     "Expired",
@@ -54,19 +53,6 @@ __all__ = [
 #: Default idle time after which a request's KV is freed. Above the API node's chunk
 #: timeout (30 s): the API node gives up on a silent pipeline first.
 REQUEST_EXPIRY_S = 60.0
-
-#: Rows a stage computes before it drops a prefix kept that long unused. llama.cpp's
-#: KV buffer is one for all sequences and every row's attention reads up to its
-#: highest cell in use, so a kept sequence of n cells makes each row cost about a*n
-#: more, while a hit saves its prefill, b*n: past b/a rows keeping it has cost what
-#: computing it again would (the n cancels). Measured on the default model on 2
-#: cores: a is 0.55-0.75 us a cell (a decode row: 5.2 ms alone, 5.9 ms beside a kept
-#: 1,024-cell sequence, 6.3 ms beside 2,048 cells) and b 2.7 ms a token, so b/a is
-#: 3,600-4,900. A larger model has a larger b/a (its prefill grows with its weights,
-#: its cells with its KV width only): there this drops a prefix early, and a chat
-#: that comes back after it computes its history again. An idle stage keeps
-#: everything (it computes no rows).
-KEPT_PREFIX_ROWS = 4096
 
 
 class SocketKeys(msgspec.Struct, kw_only=True, frozen=True):
@@ -146,9 +132,10 @@ class RunnerConfig(msgspec.Struct, kw_only=True):
     #: Longest a generated token waits to go with the next ones in one DataChunk
     #: (see meshd.engines.outbox); 0 sends every token alone.
     stream_interval_s: float = STREAM_INTERVAL_S
-    #: Rows the stage computes before it drops a prefix kept unused that long
-    #: (see :data:`KEPT_PREFIX_ROWS`).
-    kept_prefix_rows: int = KEPT_PREFIX_ROWS
+    #: Rows the stage computes before it drops a prefix kept unused that long: the
+    #: pipeline's (``meshd.engines.attention.pipeline_kept_rows``), 0 never; None:
+    #: what this stage's engine says such KV costs it (``Stage.kept_rows``).
+    kept_prefix_rows: int | None = None
     #: None: an open cluster (no CURVE).
     keys: SocketKeys | None = None
     #: How the runner logs: its node's ``--log-level`` and ``--log-format``, so that a

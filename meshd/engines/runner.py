@@ -312,12 +312,11 @@ class Runner:
         self.rows_run = 0
         # Later stages count a request's rows a little after stage 0 does, and must
         # not drop a prefix stage 0 still counts on (a prefix_miss costs a replay).
-        # Where kept KV slows no one, only room evicts it.
-        self.kept_rows = (
-            cfg.kept_prefix_rows * (2 if self.first else 3) // 2
-            if getattr(stage, "shared_kv", False)
-            else None
-        )
+        # Where kept KV slows no one (None, 0), only room evicts it.
+        rows = cfg.kept_prefix_rows
+        if rows is None:
+            rows = getattr(stage, "kept_rows", None)
+        self.kept_rows = rows * (2 if self.first else 3) // 2 if rows else None
         self.prefills: collections.OrderedDict[bytes, Prefill] = collections.OrderedDict()
         self.waiting: collections.deque[wire.Generate] = collections.deque()
         #: Recently cancelled ids this stage did not hold (oldest first).
@@ -1283,7 +1282,7 @@ class Runner:
 
     def age_kept(self) -> None:
         """Drop the prefixes kept unused for more rows than they are worth
-        (``RunnerConfig.kept_prefix_rows``): least recently used first."""
+        (``Stage.kept_rows``): least recently used first."""
         while self.kept and self.kept_rows is not None:
             slot, k = next(iter(self.kept.items()))
             if self.rows_run - k.rows_at <= self.kept_rows:

@@ -93,9 +93,10 @@ class Stage(Protocol):
     n_ctx_train: int
     #: False for an encoder (embeddings only): :meth:`forward` is not for it.
     generative: bool
-    #: Whether all sequences share one KV buffer whose used span every row's attention
-    #: reads (llama.cpp), so that KV held for no request slows the others.
-    shared_kv: bool
+    #: Rows of other work after which KV kept for no request (a cached prefix) has
+    #: cost what computing it again would; None where keeping it costs no time (each
+    #: sequence has caches of its own).
+    kept_rows: int | None
 
     def n_past(self, seq: int) -> int:
         """Positions the stage holds for ``seq``."""

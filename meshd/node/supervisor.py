@@ -37,6 +37,7 @@ from statistics import fmean
 import msgspec
 
 from meshd.crdt.views import Instance, ModelFacts, RunnerStatus
+from meshd.engines.attention import pipeline_kept_rows
 from meshd.engines.protocol import (
     Failed,
     Listening,
@@ -448,6 +449,11 @@ class Supervisor:
                     n_seq_max=self.n_seq_max,
                     kv_cache=inst.spec.kv_cache,
                     n_gpu_layers=gpu_layers(inst, i),
+                    # One figure for every stage: none drops a prefix stage 0 names.
+                    kept_prefix_rows=pipeline_kept_rows(
+                        (s.engine, inst.spec.kv_cache, gpu_layers(inst, j))
+                        for j, s in enumerate(inst.stages)
+                    ),
                     send_dtype=send_dtype(inst, i),
                     n_threads=threads_per_runner(len(desired)),
                     request_expiry_s=self.request_expiry,

@@ -92,15 +92,16 @@ def three_stages(model_path: Path, slice_dir: Path) -> Iterator[list[LlamaStage]
 def two_stages(model_path: Path, slice_dir: Path) -> Iterator[list[LlamaStage]]:
     """Layers [0,10) and [10,30) as two stages holding up to three requests.
 
-    llama.cpp's default numerics (flash attention, f16 K/V), the ones requests are
-    served with: its CPU flash attention skips masked cells one by one, so a request's
-    result does not depend on where its cells sit in the KV cache that it shares with
-    the others. (With flash attention off, the masked matmul's rounding does: up to
-    ~0.5 in logits on this model, whose residual stream reaches ~3e4.)
+    Flash attention with f16 K/V (a GPU stage's, or a quantized cache's): its CPU
+    kernel skips masked cells one by one, so a request's result does not depend on
+    where its cells sit in the KV cache that it shares with the others, and batches
+    can be held to ~1e-4. (The CPU default, plain attention, sums a masked matmul
+    whose rounding does: up to ~0.8 in logits on this model, whose residual stream
+    reaches ~3e4.)
     """
     paths = [slice_gguf(model_path, a, b, slice_dir, MODEL_SHA256) for a, b in [(0, 10), (10, 30)]]
     stages = [
-        LlamaStage(p, first=i == 0, last=i == 1, n_ctx=N_CTX, n_seq_max=3)
+        LlamaStage(p, first=i == 0, last=i == 1, n_ctx=N_CTX, n_seq_max=3, flash_attn=True)
         for i, p in enumerate(paths)
     ]
     yield stages
@@ -387,3 +388,25 @@ def test_stages_know_the_builds_cpu_buffer_types_and_whether_it_has_amx() -> Non
     # What LlamaStage loads with follows the build (a stage forward on an AMX build
     # would crash the process: llama.cpp #20824).
     assert _get_backend().amx == ("AMX" in names)
+
+
+def test_plain_attention_holds_its_scores_to_a_budget_by_taking_fewer_rows_a_call(
+    model_path: Path,
+) -> None:
+    from meshd.engines.llama_stage import PLAIN_ATTENTION_BYTES
+
+    # 8 sequences of 4,096: 32,768 cells x 9 heads x 4 bytes a row of scores.
+    plain = LlamaStage(model_path, first=True, last=True, n_ctx=4096, n_seq_max=8)
+    with plain:
+        assert plain.flash_attn is False
+        assert plain.n_batch == PLAIN_ATTENTION_BYTES // (32768 * 9 * 4) < 512
+        # A prompt of several calls gives what one call of flash attention does.
+        prompt = np.asarray(_tokens(plain, PROMPTS["long"]) * 3, np.int32)
+        assert len(prompt) > plain.n_batch
+        got = plain.forward([StageInput(seq=0, pos=0, tokens=prompt)])[0]
+    with LlamaStage(
+        model_path, first=True, last=True, n_ctx=4096, n_seq_max=8, flash_attn=True
+    ) as flash:
+        assert flash.n_batch == 512
+        want = flash.forward([StageInput(seq=0, pos=0, tokens=prompt)])[0]
+    assert int(np.argmax(got)) == int(np.argmax(want))

@@ -44,7 +44,7 @@ def llm(model_path: Path):
     from llama_cpp import Llama
 
     model = Llama(
-        str(model_path), n_ctx=1024, n_threads=1, n_threads_batch=1, flash_attn=True,
+        str(model_path), n_ctx=1024, n_threads=1, n_threads_batch=1, flash_attn=False,
         verbose=False,
     )  # fmt: skip
     yield model

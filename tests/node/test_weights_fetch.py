@@ -37,7 +37,7 @@ def reference() -> str:
 
     t = default_threads()
     llm = Llama(
-        resolve_model(DEFAULT_MODEL).path, n_ctx=4096, flash_attn=True,
+        resolve_model(DEFAULT_MODEL).path, n_ctx=4096, flash_attn=False,
         n_threads=t, n_threads_batch=t, verbose=False,
     )  # fmt: skip
     out = llm(PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, repeat_penalty=1.0)
