@@ -797,10 +797,9 @@ class LlamaStage:
     def _embedding_context(self) -> Any:
         if self._embed_ctx is None:
             L = self._L
-            # Whole inputs in one call, no decode steps: where flash attention is
-            # slow (see flash_attn), llama.cpp's own choice is the faster prefill.
-            flash = None if self.flash_attn is False and not self.exact else self.flash_attn
-            cparams = self._cparams(self.n_ctx, self.n_seq_max, flash)
+            # The same attention as the stage's own context: on a split, the stages
+            # before the last compute an input's rows in theirs.
+            cparams = self._cparams(self.n_ctx, self.n_seq_max, self.flash_attn)
             cparams.n_batch = cparams.n_ubatch = self._embed_batch
             cparams.embeddings = True
             cparams.pooling_type = L.LLAMA_POOLING_TYPE_NONE

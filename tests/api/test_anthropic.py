@@ -18,6 +18,8 @@ pytestmark = pytest.mark.timeout(300)
 
 HI = [{"role": "user", "content": "Say hello in one short sentence."}]
 GREEDY = {"temperature": 0}  # the 2.x SDK sends sampling through extra_body
+#: Fewer tokens than the greedy answer to HI has: it ends by length.
+N = 8
 TOOLS = [{"name": "get_weather", "description": "The current weather in a city",
           "input_schema": WEATHER}]  # fmt: skip
 
@@ -28,17 +30,15 @@ def ac(via: NodeProc):
 
 
 def test_a_message_matches_the_openai_route(ac, via) -> None:
-    m = ac.messages.create(model=DEFAULT_MODEL, max_tokens=12, messages=HI, extra_body=GREEDY,
+    m = ac.messages.create(model=DEFAULT_MODEL, max_tokens=N, messages=HI, extra_body=GREEDY,
                            system="You are a friendly assistant.")  # fmt: skip
-    ref = greedy_chat(
-        via, [{"role": "system", "content": "You are a friendly assistant."}, *HI], 12
-    )
+    ref = greedy_chat(via, [{"role": "system", "content": "You are a friendly assistant."}, *HI], N)
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
     assert m.content[0].type == "text"
     assert m.content[0].text == ref["choices"][0]["message"]["content"]
     assert m.stop_reason == "max_tokens" and m.stop_sequence is None
     assert m.usage.input_tokens == ref["usage"]["prompt_tokens"]
-    assert m.usage.output_tokens == 12
+    assert m.usage.output_tokens == N
 
 
 def test_the_stop_sequence_that_ended_the_answer_is_named(ac) -> None:
@@ -49,8 +49,8 @@ def test_the_stop_sequence_that_ended_the_answer_is_named(ac) -> None:
 
 
 def test_streaming_follows_anthropics_event_sequence(ac) -> None:
-    whole = ac.messages.create(model=DEFAULT_MODEL, max_tokens=12, messages=HI, extra_body=GREEDY)
-    with ac.messages.stream(model=DEFAULT_MODEL, max_tokens=12, messages=HI,
+    whole = ac.messages.create(model=DEFAULT_MODEL, max_tokens=N, messages=HI, extra_body=GREEDY)
+    with ac.messages.stream(model=DEFAULT_MODEL, max_tokens=N, messages=HI,
                             extra_body=GREEDY) as s:  # fmt: skip
         kinds = [e.type for e in s]
         final = s.get_final_message()
@@ -58,7 +58,7 @@ def test_streaming_follows_anthropics_event_sequence(ac) -> None:
     assert kinds[-2:] == ["message_delta", "message_stop"]
     assert "content_block_delta" in kinds and "content_block_stop" in kinds
     assert final.content[0].text == whole.content[0].text
-    assert final.usage.output_tokens == 12 and final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == N and final.stop_reason == "max_tokens"
 
 
 def test_raw_stream_has_ping_and_event_lines(via) -> None:

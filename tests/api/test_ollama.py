@@ -18,7 +18,9 @@ jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.timeout(300)
 
 HI = [{"role": "user", "content": "Say hello in one short sentence."}]
-GREEDY = {"temperature": 0, "num_predict": 12}
+#: Fewer tokens than the greedy answer to HI has: it ends by length.
+N = 8
+GREEDY = {"temperature": 0, "num_predict": N}
 TOOLS = [{"type": "function", "function": {"name": "get_weather",
           "description": "The current weather in a city", "parameters": WEATHER}}]  # fmt: skip
 
@@ -30,12 +32,12 @@ def oc(via: NodeProc):
 
 def test_chat_matches_the_openai_route_and_reports_measured_timings(oc, via) -> None:
     r = oc.chat(model=DEFAULT_MODEL, messages=HI, options=GREEDY)
-    ref = greedy_chat(via, HI, 12)
+    ref = greedy_chat(via, HI, N)
     assert r.message.role == "assistant"
     assert r.message.content == ref["choices"][0]["message"]["content"]
     assert r.done and r.done_reason == "length"
     assert r.prompt_eval_count == ref["usage"]["prompt_tokens"]
-    assert r.eval_count == 12
+    assert r.eval_count == N
     # Measured, and consistent with one another: each part within the total.
     assert 0 < r.eval_duration < r.total_duration
     assert 0 < r.prompt_eval_duration < r.total_duration
@@ -48,18 +50,18 @@ def test_streamed_chat_is_ndjson_and_ends_with_the_timings(oc) -> None:
     assert len(parts) > 2
     assert all(not p.done for p in parts[:-1]) and parts[-1].done
     assert "".join(p.message.content for p in parts) == whole.message.content
-    assert parts[-1].eval_count == 12 and parts[-1].total_duration > 0
+    assert parts[-1].eval_count == N and parts[-1].total_duration > 0
 
 
 def test_generate_templates_the_prompt_unless_raw(oc, via) -> None:
     r = oc.generate(model=DEFAULT_MODEL, prompt="Say hello in one short sentence.",
                     options=GREEDY)  # fmt: skip
-    assert r.response == greedy_chat(via, HI, 12)["choices"][0]["message"]["content"]
+    assert r.response == greedy_chat(via, HI, N)["choices"][0]["message"]["content"]
     raw = oc.generate(model=DEFAULT_MODEL, prompt="The capital of France is", raw=True,
                       options=GREEDY)  # fmt: skip
     ref = httpx.post(via.api + "/v1/completions", timeout=120,
                      json={"model": DEFAULT_MODEL, "prompt": "The capital of France is",
-                           "temperature": 0, "max_tokens": 12}).json()  # fmt: skip
+                           "temperature": 0, "max_tokens": N}).json()  # fmt: skip
     assert raw.response == ref["choices"][0]["text"]
     parts = list(oc.generate(model=DEFAULT_MODEL, prompt="The capital of France is", raw=True,
                              options=GREEDY, stream=True))  # fmt: skip

@@ -63,8 +63,10 @@ def _body(prompt: str, **kw) -> dict:
 
 #: How close (in log-probability) the two best tokens must be for a batched greedy
 #: answer to differ from a lone one: a batch sums floats in another order (see the
-#: operations doc), which can flip a near-tie and nothing else.
-NEAR_TIE = 0.15
+#: operations doc), which can flip a near-tie and nothing else. Plain attention's sums
+#: also follow where a sequence's cells sit in the shared KV buffer (up to ~0.8 in a
+#: logit of this model, tests/engines/test_llama_stage.py).
+NEAR_TIE = 0.5
 
 
 def _same_or_near_tie(got: Outcome, alone: Outcome) -> None:
@@ -72,8 +74,9 @@ def _same_or_near_tie(got: Outcome, alone: Outcome) -> None:
     tokens nearly tie, taking the other one (never garbled, cut or lost text)."""
     if got.text == alone.text:
         return
-    diff = [k for k, (a, b) in enumerate(zip(got.tokens, alone.tokens, strict=True)) if a != b]
-    assert diff, (got.text, alone.text)  # same tokens, other text: garbled
+    # Not strict: a flipped near-tie may lead to an end of the answer's own.
+    diff = [k for k, (a, b) in enumerate(zip(got.tokens, alone.tokens, strict=False)) if a != b]
+    assert diff, (got.text, alone.text)  # same tokens, other text or fewer: garbled or cut
     i = diff[0]
     best = sorted(alone.tops[i].items(), key=lambda kv: -kv[1])
     assert len(best) == 2 and got.tokens[i] == best[1][0], (i, got.tokens[i], best)
@@ -154,8 +157,11 @@ def test_64_concurrent_streams_complete_or_get_a_clean_429(
     for o, b in zip(outs, bodies, strict=True):
         if o.status == 200:
             assert o.error is None, o.error
-            assert o.done and o.finish == "length", o
-            _same_or_near_tie(o, reference[b["prompt"]])
+            alone = reference[b["prompt"]]
+            _same_or_near_tie(o, alone)
+            # Whole: it ends as the lone answer does (at max_tokens or the model's
+            # end), unless a flipped near-tie led to an end of its own.
+            assert o.done and (o.finish == alone.finish or o.text != alone.text), o
         else:
             assert o.retry_after is not None and int(o.retry_after) >= 1
             assert o.error and o.error["type"] == "rate_limit_error"
