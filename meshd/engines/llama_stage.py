@@ -417,11 +417,12 @@ class LlamaStage:
         self.input_scale = np.float32(input_scale(more, arch)) if not first else np.float32(1)
         self._target = f"l_out-{self.n_layers - 1}".encode()
 
-        cparams = self._cparams(n_ctx * n_seq_max, n_seq_max, self.flash_attn)
-        self.n_batch = min(n_batch, n_ctx * n_seq_max)
+        n_cells = n_ctx * n_seq_max
+        cparams = self._cparams(n_cells, n_seq_max, self.flash_attn)
+        self.n_batch = min(n_batch, n_cells)
         if not self.flash_attn:
             # Plain attention holds every score of a call: rows x cells x heads, f32.
-            per_row = n_ctx * n_seq_max * int(L.llama_model_n_head(model)) * 4
+            per_row = n_cells * int(L.llama_model_n_head(model)) * 4
             self.n_batch = min(self.n_batch, max(MIN_BATCH, PLAIN_ATTENTION_BYTES // per_row))
         cparams.n_batch = self.n_batch
         # One ubatch per decode: the capture sees each decode's rows in one piece.
@@ -461,13 +462,11 @@ class LlamaStage:
         cparams.n_threads = self.n_threads
         cparams.n_threads_batch = self.n_threads
         cparams.no_perf = True
-        cparams.flash_attn_type = (
-            L.LLAMA_FLASH_ATTN_TYPE_AUTO
-            if flash is None
-            else L.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if flash
-            else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
+        cparams.flash_attn_type = {
+            None: L.LLAMA_FLASH_ATTN_TYPE_AUTO,
+            True: L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+            False: L.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        }[flash]
         if self.exact:
             cparams.type_k = L.GGML_TYPE_F32
             cparams.type_v = L.GGML_TYPE_F32

@@ -896,7 +896,8 @@ class Runner:
         outs: list = []
         spent = 0.0
         if items:
-            self.rows_run += sum(it.n_rows for it in items)
+            rows = [it.n_rows for it in items]
+            self.rows_run += sum(rows)
             self.age_kept()
             t0 = time.perf_counter()
             try:
@@ -908,7 +909,7 @@ class Runner:
             else:
                 # Outside the try: a failure here (the node gone, its pipe broken) must
                 # not run the items a second time.
-                self.clock.record(time.perf_counter() - t0, [it.n_rows for it in items])
+                self.clock.record(time.perf_counter() - t0, rows)
                 if self.clock.news(t0):
                     self.report_load()
             spent = round(time.perf_counter() - t0, 6)

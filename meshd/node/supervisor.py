@@ -232,6 +232,14 @@ def gpu_layers(inst: Instance, i: int) -> int:
     ).layers  # fmt: skip
 
 
+def kept_prefix_rows(inst: Instance) -> int:
+    """Rows after which every stage of ``inst`` drops a prefix kept unused: one figure
+    for all, from the plan, so none drops a prefix that stage 0 still names."""
+    return pipeline_kept_rows(
+        (st.engine, inst.spec.kv_cache, gpu_layers(inst, i)) for i, st in enumerate(inst.stages)
+    )
+
+
 def tell_drafts(
     runners: Iterable[RunnerProc], pick: Callable[[str], tuple[str, wire.Addr] | None]
 ) -> None:
@@ -449,11 +457,7 @@ class Supervisor:
                     n_seq_max=self.n_seq_max,
                     kv_cache=inst.spec.kv_cache,
                     n_gpu_layers=gpu_layers(inst, i),
-                    # One figure for every stage: none drops a prefix stage 0 names.
-                    kept_prefix_rows=pipeline_kept_rows(
-                        (s.engine, inst.spec.kv_cache, gpu_layers(inst, j))
-                        for j, s in enumerate(inst.stages)
-                    ),
+                    kept_prefix_rows=kept_prefix_rows(inst),
                     send_dtype=send_dtype(inst, i),
                     n_threads=threads_per_runner(len(desired)),
                     request_expiry_s=self.request_expiry,
