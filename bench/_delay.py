@@ -47,6 +47,7 @@ import itertools
 import os
 import re
 import select
+import shutil
 import signal
 import struct
 import subprocess
@@ -87,8 +88,10 @@ def available() -> tuple[bool, str]:
         return False, "network namespaces and TUN devices need root"
     if not os.path.exists("/dev/net/tun"):
         return False, "no /dev/net/tun (the tun module is not loaded)"
-    if subprocess.run(["ip", "-V"], capture_output=True, check=False).returncode != 0:
+    if shutil.which("ip") is None:
         return False, "iproute2 `ip` command not found"
+    if shutil.which("ping") is None:
+        return False, "`ping` not found (it checks the links' delay; Debian: iputils-ping)"
     return True, ""
 
 

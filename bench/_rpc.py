@@ -3,10 +3,10 @@
 The llama-cpp-python wheel has no RPC backend. This module fetches the sdist of exactly
 the installed version from PyPI (``pip download --no-binary :all:``), builds only what
 an RPC split needs from its vendored llama.cpp (``ggml-rpc-server``, the ``ggml-rpc``
-backend library and the CPU backend the server runs on, ``GGML_NATIVE`` as pip builds
-it here), and ``llama-server``, llama.cpp's own C++ server (bench/compare.py's
-one-machine anchor), into a cache dir outside the repository (``$MESHD_BENCH_CACHE``, else
-``~/.cache/meshd-bench``). Later runs reuse the build.
+backend library and the CPU backend the server runs on, ``GGML_NATIVE`` and without
+Intel AMX, as ``install.sh`` builds it here), and ``llama-server``, llama.cpp's own C++
+server (bench/compare.py's one-machine anchor), into a cache dir outside the repository
+(``$MESHD_BENCH_CACHE``, else ``~/.cache/meshd-bench``). Later runs reuse the build.
 
 The client side is the installed llama-cpp-python itself: :func:`load_rpc_backend`
 loads ``libggml-rpc.so`` into the running process (its ``libggml-base.so.0`` resolves to
@@ -40,8 +40,21 @@ def llama_cpp_version() -> str:
     return metadata.version("llama_cpp_python")
 
 
+def no_amx_flags() -> str:
+    """Compiler flags that leave Intel AMX out of a ``-march=native`` build on a CPU
+    that has it (its matmul crashes at the first prompt, llama.cpp #20824), as
+    ``install.sh`` does for llama-cpp-python; empty elsewhere."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return ""
+    return "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if "amx_int8" in flags else ""
+
+
 def build_dir(version: str | None = None) -> Path:
-    return CACHE / f"llama-cpp-python-{version or llama_cpp_version()}" / "build"
+    # The flags name the dir: a build from before they were set is not reused.
+    tag = "-noamx" if no_amx_flags() else ""
+    return CACHE / f"llama-cpp-python-{version or llama_cpp_version()}" / f"build{tag}"
 
 
 def built(version: str | None = None) -> Path | None:
@@ -80,9 +93,11 @@ def ensure_built(log=print, jobs: int = 2) -> Path:
     log(f"rpc: building {', '.join(TARGETS)} in {build} (-j{jobs}, once; log in {out})")
     # The stamp file is written last: an interrupted build never looks finished (the
     # build stays where it is: its binaries carry their RUNPATH).
+    no_amx = no_amx_flags()
+    flags = [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"] if no_amx else []
     with open(out, "w") as f:
         for cmd in (
-            ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+            ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *flags,
              "-DBUILD_SHARED_LIBS=ON", "-DGGML_BACKEND_DL=OFF", "-DGGML_RPC=ON",
              "-DGGML_CPU=ON", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_COMMON=ON",
              "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
