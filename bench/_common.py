@@ -180,22 +180,30 @@ class Proc:
         stop_process(self.proc)
 
 
+def whole_model_env() -> dict[str, str]:
+    """The environment meshd gives a runner that holds a whole model alone on its node
+    (``GOMP_SPINCOUNT``: ``meshd.engines.threads.runner_spincount``): what every
+    subject that holds a whole model on this machine gets, so all use the same OpenMP
+    behaviour."""
+    from meshd.engines.threads import runner_env, runner_spincount
+
+    return runner_env(spincount=runner_spincount(n_stages=1, n_runners=1))
+
+
 class WorkerProc:
     """The calling script run again as ``--worker``: one process holding the model
     in llama-cpp-python, answering one JSON line per command on stdin.
 
-    It gets the runners' environment (``GOMP_SPINCOUNT``), so both sides use the
-    same OpenMP behaviour. Its first line (``info``) says it is ready.
+    It gets a whole-model runner's environment (:func:`whole_model_env`), so both
+    sides use the same OpenMP behaviour. Its first line (``info``) says it is ready.
     """
 
     def __init__(self, script: str, tmp: Path, args: list[str], quit_line: str) -> None:
-        from meshd.engines.threads import runner_env
-
         with open(tmp / "direct.log", "wb") as err:
             self.p = subprocess.Popen(
                 [sys.executable, str(Path(script).resolve()), "--worker", *args],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                env=runner_env(), start_new_session=True, text=True,
+                env=whole_model_env(), start_new_session=True, text=True,
             )  # fmt: skip
         PROCS.append(self.p)
         self.quit_line = quit_line
@@ -535,21 +543,21 @@ def start_llama_server(
     launcher: Sequence[str] | None = None,
     extra: Sequence[str] = (),
     name: str = "llama-server",
+    env: dict[str, str] | None = None,
 ) -> tuple[Proc, str]:
     """``python -m llama_cpp.server`` on loopback, an OS-chosen port, same settings
-    (``launcher`` replaces ``python -m llama_cpp.server``; ``extra`` options follow).
+    (``launcher`` replaces ``python -m llama_cpp.server``; ``extra`` options follow;
+    ``env``, :func:`whole_model_env` unless given).
 
     ``--interrupt_requests False``: by default it cuts the stream in progress whenever
     another request arrives, which would end 7 of 8 concurrent streams early."""
-    from meshd.engines.threads import runner_env
-
     args = [
         *(launcher or [sys.executable, "-m", "llama_cpp.server"]), "--model", model_path,
         "--n_ctx", str(N_CTX), "--n_threads", str(threads), "--n_threads_batch", str(threads),
         "--flash_attn", str(FLASH_ATTN), "--host", "127.0.0.1", "--port", "0",
         "--interrupt_requests", "False", "--verbose", "False", *extra,
     ]  # fmt: skip
-    proc = Proc(args, tmp / f"{name}.log", env=runner_env())
+    proc = Proc(args, tmp / f"{name}.log", env=env or whole_model_env())
     _, m = proc.wait_line(UVICORN_READY, 120.0)
     return proc, f"http://{m['host']}:{m['port']}"
 

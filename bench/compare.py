@@ -5,7 +5,8 @@
     python bench/compare.py --repeats 5 --skip mlx --json out.json
 
 Subjects, all on the same GGUF (the default model unless ``--model``), greedy, a fixed
-prompt set, the same threads and ``GOMP_SPINCOUNT``:
+prompt set, the same threads and ``GOMP_SPINCOUNT`` (a whole model's: the meshd runner's
+own where it holds one, ``_common.whole_model_env``):
 
 * ``direct``: llama-cpp-python in process (``Llama.generate``, whole model): the floor;
 * ``llama-server``: llama.cpp's own C++ server (built by bench/_rpc.py from the
@@ -73,6 +74,7 @@ from _common import (
     table,
     version,
     wait_live,
+    whole_model_env,
 )
 
 #: The fixed prompt set: a distinct system line first, so no server's prefix cache
@@ -281,6 +283,7 @@ def start_rpc(tmp: Path, model_path: str, threads: int, n_layers: int) -> tuple[
 
     bin_dir = _rpc.ensure_built(log=log)
     port = free_port()
+    # Both ends hold a pipeline stage: the spin count meshd gives those.
     rpc = Proc(
         _rpc.server_command(bin_dir, port, threads), tmp / "rpc-server.log", env=runner_env()
     )
@@ -297,6 +300,7 @@ def start_rpc(tmp: Path, model_path: str, threads: int, n_layers: int) -> tuple[
         launcher=launcher,
         extra=["--n_gpu_layers", str(offload)],
         name="rpc-llama-server",
+        env=runner_env(),
     )
     s = http_subject(
         "rpc",
@@ -322,8 +326,6 @@ def start_cpp_server(tmp: Path, model_path: str, threads: int, slots: int) -> Su
     its whole prompt, as everywhere else)."""
     import _rpc
 
-    from meshd.engines.threads import runner_env
-
     bin_dir = _rpc.ensure_built(log=log)
     port = free_port()
     args = [
@@ -333,7 +335,7 @@ def start_cpp_server(tmp: Path, model_path: str, threads: int, slots: int) -> Su
         "--flash-attn", "on" if FLASH_ATTN else "off", "--cache-ram", "0", "--no-webui",
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
-    proc = Proc(args, tmp / "llama-server-cpp.log", env=runner_env())
+    proc = Proc(args, tmp / "llama-server-cpp.log", env=whole_model_env())
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(base, "/health", proc, 120.0)  # 503 while it loads

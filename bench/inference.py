@@ -72,6 +72,7 @@ from _common import (
     table,
     version,
     wait_live,
+    whole_model_env,
 )
 
 # -- direct llama-cpp-python (a worker process) ---------------------------------------
@@ -182,7 +183,6 @@ class BareRunner:
         import zmq
 
         from meshd.engines.protocol import RunnerConfig, runner_command
-        from meshd.engines.threads import runner_env
         from meshd.models.hashing import file_sha256
 
         # The runner checks that its file is the model placed (by sha256).
@@ -193,7 +193,9 @@ class BareRunner:
         )  # fmt: skip
         args, config_line = runner_command(cfg)
         # stdin stays open: the runner exits when it closes.
-        self.proc = Proc(args, tmp / "bare-runner.log", env=runner_env(), stdin=subprocess.PIPE)
+        self.proc = Proc(
+            args, tmp / "bare-runner.log", env=whole_model_env(), stdin=subprocess.PIPE
+        )
         self.proc.write_stdin(config_line)
         _, m = self.proc.wait_line(re.compile(r'"event": ?"listening", ?"port": ?(\d+)'), 60.0)
         self.port = int(m[1])

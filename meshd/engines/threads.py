@@ -12,12 +12,14 @@ import sys
 from collections.abc import Mapping
 
 __all__ = [
+    "GOMP_DEFAULT_SPINCOUNT",
     "GOMP_SPINCOUNT",
     "RUNNER_ENV_KEEP",
     "THREADS_ENV",
     "configure_threads",
     "default_threads",
     "runner_env",
+    "runner_spincount",
     "threads_from_env",
     "threads_per_runner",
 ]
@@ -32,6 +34,25 @@ THREADS_ENV = "MESHD_THREADS"
 #: burn each other's time (measured 8.0 vs 4.8 ms/token on 2 cores). ~1e4 keeps the
 #: wake-up fast inside one decode and yields soon after it.
 GOMP_SPINCOUNT = 10_000
+
+#: libgomp's own spin count where its threads do not outnumber the cores (what a
+#: llama.cpp program gets unless told otherwise): 4-7 ms of spinning after a step on a
+#: 2-core VM (the process's CPU time in the second after one decode).
+GOMP_DEFAULT_SPINCOUNT = 300_000
+
+
+def runner_spincount(n_stages: int, n_runners: int) -> int:
+    """``GOMP_SPINCOUNT`` for a runner of an instance of ``n_stages`` stages on a node
+    that runs ``n_runners`` runners.
+
+    A whole model alone on its node goes from one step straight to the next, with only
+    its own Python between them: libgomp's default keeps the workers spinning through
+    that gap instead of asleep, and waking them costs the next step more than the gap
+    (bench/compare.py, 1 stage on 2 cores: 11.3 against 12.4-12.5 ms a token). A
+    pipeline stage waits for the ring between its steps, and runners that share a
+    node's cores would spin in each other's time (8.0 against 4.8 ms a token): those
+    yield soon (:data:`GOMP_SPINCOUNT`)."""
+    return GOMP_DEFAULT_SPINCOUNT if n_stages == 1 and n_runners == 1 else GOMP_SPINCOUNT
 
 
 def threads_from_env() -> int | None:

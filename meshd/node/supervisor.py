@@ -52,7 +52,7 @@ from meshd.engines.protocol import (
     encode,
     runner_command,
 )
-from meshd.engines.threads import runner_env, threads_per_runner
+from meshd.engines.threads import runner_env, runner_spincount, threads_per_runner
 from meshd.logs import configured
 from meshd.models.folder import folder_sha256
 from meshd.models.folder_slicing import folder_slice_dir
@@ -335,6 +335,8 @@ class Supervisor:
         self.restart_window = restart_window
         self.restart_backoff = restart_backoff
         self.runners: dict[tuple[str, int], RunnerProc] = {}
+        #: Stages the plans give this node (its cores are split among them).
+        self.n_runners = 0
         #: Given-up runners whose stage moved away, by instance (see the module doc).
         self.given_up: dict[str, RunnerStatus] = {}
         self._retiring: set[asyncio.Task[None]] = set()
@@ -381,6 +383,7 @@ class Supervisor:
             for iid in list(self.given_up):
                 if iid not in instances:
                     del self.given_up[iid]  # instance deleted: forget the exclusion
+            self.n_runners = len(desired)
             for k in list(self.runners):
                 if k not in desired:
                     r = self.runners.pop(k)
@@ -571,7 +574,7 @@ class Supervisor:
         r.proc = await asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            env=runner_env(minimal=True),
+            env=runner_env(minimal=True, spincount=runner_spincount(cfg.n_stages, self.n_runners)),
             # Its own session: Ctrl-C at the terminal or a SIGTERM to the node's process
             # group reaches the node only, which drains before it stops its runners
             # (a runner also ends when its stdin closes, so a killed node leaves none).

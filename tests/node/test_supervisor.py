@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from meshd.crdt.views import Instance
+from meshd.engines.threads import GOMP_DEFAULT_SPINCOUNT
 from meshd.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 from meshd.models.facts import read_model_facts
 from meshd.models.slicing import slice_path
@@ -82,7 +83,7 @@ async def _ready(sup: Supervisor, generation: int, timeout: float = 90) -> None:
 
 @pytest.mark.timeout(180)
 async def test_a_new_generation_keeps_the_runner_and_a_new_range_replaces_it(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     try:
         path = resolve_model(DEFAULT_MODEL).path
@@ -91,6 +92,7 @@ async def test_a_new_generation_keeps_the_runner_and_a_new_range_replaces_it(
     facts = await asyncio.to_thread(read_model_facts, DEFAULT_MODEL, tmp_path)
     # No room for unused slices: the one a replaced runner used goes at once.
     sup = supervisor(tmp_path, resolve=lambda m: path, slice_cache=0)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)  # the suite's (tests/conftest.py)
 
     def plan(gen: int, end: int) -> dict[str, Instance]:
         i = inst("x", "a", gen=gen, model=DEFAULT_MODEL)
@@ -105,6 +107,11 @@ async def test_a_new_generation_keeps_the_runner_and_a_new_range_replaces_it(
         await _ready(sup, 1)
         first = sup.runners[("x", 0)].proc
         assert first is not None
+        # A whole model alone on the node: its OpenMP threads spin as libgomp's do.
+        environ = Path(f"/proc/{first.pid}/environ")
+        if environ.exists():
+            env = dict(v.split(b"=", 1) for v in environ.read_bytes().split(b"\0") if b"=" in v)
+            assert env[b"GOMP_SPINCOUNT"] == str(GOMP_DEFAULT_SPINCOUNT).encode()
         await sup.reconcile(plan(2, n))  # a repair elsewhere: same stage, same weights
         await _ready(sup, 2)
         assert sup.runners[("x", 0)].proc is first and first.returncode is None
