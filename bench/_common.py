@@ -503,6 +503,13 @@ def scrape(client: httpx.Client, node: Node) -> dict[tuple[str, frozenset], floa
     return out
 
 
+def counted(before: dict, after: dict, name: str, **labels: str) -> float:
+    """How much counter ``name`` grew between two scrapes, over every label set that
+    has ``labels``."""
+    want = set(labels.items())
+    return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == name and want <= k[1])
+
+
 def metric_delta(before: dict, after: dict, name: str, **labels: str) -> tuple[float, float] | None:
     """(sum, count) of histogram ``name`` between two scrapes, for matching labels."""
     want = set(labels.items())

@@ -57,6 +57,7 @@ from _common import (
     WorkerProc,
     add_worker_args,
     chat_payload,
+    counted,
     cpu_busy,
     cpu_model,
     http_client,
@@ -554,8 +555,8 @@ def spec_once(
         p["speculate"] = spec
         rate[spec] = stream_chat(client, node.api, p).decode_tok_s
     after = scrape(client, node)
-    drafted = speculate.counted(before, after, "meshd_draft_tokens_total")
-    accepted = speculate.counted(before, after, "meshd_draft_tokens_accepted_total")
+    drafted = counted(before, after, "meshd_draft_tokens_total")
+    accepted = counted(before, after, "meshd_draft_tokens_accepted_total")
     return {
         "plain_tok_s": rate[False], "spec_tok_s": rate[True],
         "ratio": rate[True] / rate[False], "drafted": drafted, "accepted": accepted,

@@ -64,6 +64,7 @@ from _common import (
     Proc,
     Stream,
     chat_payload,
+    counted,
     cpu_model,
     http_client,
     log,
@@ -292,8 +293,9 @@ class Cell:
     others: list[float] = field(default_factory=list)
     drafted: float = 0.0
     accepted: float = 0.0
-    #: Tokens the draft model's runner proposed (``meshd_draft_model_tokens`` growth).
-    proposed: float = 0.0
+    #: Of those, the draft model's (``proposer="model"``).
+    model_drafted: float = 0.0
+    model_accepted: float = 0.0
 
     def ok(self) -> list[Stream]:
         return [s for s in self.streams if s is not None]
@@ -380,10 +382,6 @@ def place(
     return iid
 
 
-def counted(before: dict, after: dict, name: str) -> float:
-    return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == name)
-
-
 def write_draft(src: Path, dest: Path, n_layers: int) -> Path:
     """The first ``n_layers`` of the llama GGUF ``src``, tensors copied raw (their
     quant type kept), every other key as in ``src``: a draft model with its tokens."""
@@ -427,9 +425,9 @@ def wait_draft(client: httpx.Client, node: Node, target: str, draft: str, timeou
 
 def start_draft_cluster(
     client: httpx.Client, tmp: Path, lan: _delay.DelayLan, model_path: Path, n_layers: int
-) -> tuple[Node, str, str]:
+) -> tuple[Node, str]:
     """Cluster lan2: a2 on a, b2 on b; the draft model (``n_layers`` of the default
-    one) on a2, the target in 2 stages a2 -> b2 naming it. (a2, draft id, note)."""
+    one) on a2, the target in 2 stages a2 -> b2 naming it. (a2, note)."""
     a, b = lan.hosts
     draft_path = write_draft(model_path, tmp / f"draft-{n_layers}l.gguf", n_layers)
     na2 = start_node(tmp, a, "a2", "lan2", [])
@@ -443,7 +441,7 @@ def start_draft_cluster(
         f"draft model: the default model's first {n_layers} layers ({mb:.0f} MiB, raw "
         f"tensors) on a2, drafting for a2 -> b2 (instance {draft})"
     )
-    return na2, draft, note
+    return na2, note
 
 
 def wait_port(ip: str, port: int, proc: Proc, timeout: float) -> None:
@@ -568,13 +566,10 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
                         subjects[key] = meshd_subject(client, na, key == "m2spec", tokens)
             # The api node whose /metrics count each drafting row's drafts.
             counts = {"m2spec": na}
-            draft_id = ""
             if "m2draft" not in skip:
                 log(f"starting meshd nodes a2 and b2, a {args.draft_layers}-layer draft on a2")
                 try:
-                    na2, draft_id, note = start_draft_cluster(
-                        client, tmp, lan, model_path, args.draft_layers
-                    )
+                    na2, note = start_draft_cluster(client, tmp, lan, model_path, args.draft_layers)
                     notes.append(note)
                     counts["m2draft"] = na2
                     subjects["m2draft"] = meshd_subject(client, na2, True, tokens)
@@ -606,21 +601,16 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
                                 before = scrape(client, api) if api else {}
                                 s, share = timed(subjects[key], prompt, args)
                                 if before:
-                                    if key == "m2draft":
-                                        # The runner reports its count at most every 1 s.
-                                        time.sleep(1.2)
                                     after = scrape(client, api)
-                                    cell.drafted += counted(
-                                        before, after, "meshd_draft_tokens_total"
+                                    drafted = "meshd_draft_tokens_total"
+                                    accepted = "meshd_draft_tokens_accepted_total"
+                                    cell.drafted += counted(before, after, drafted)
+                                    cell.accepted += counted(before, after, accepted)
+                                    cell.model_drafted += counted(
+                                        before, after, drafted, proposer="model"
                                     )
-                                    cell.accepted += counted(
-                                        before, after, "meshd_draft_tokens_accepted_total"
-                                    )
-                                    cell.proposed += sum(
-                                        v - before.get(k, 0.0)
-                                        for k, v in after.items()
-                                        if k[0] == "meshd_draft_model_tokens"
-                                        and ("instance", draft_id) in k[1]
+                                    cell.model_accepted += counted(
+                                        before, after, accepted, proposer="model"
                                     )
                                 cell.streams.append(s)
                                 cell.others.append(share)
@@ -808,7 +798,7 @@ def report(
             c = cells.get((key, rtt, "code edit"))
             acc = f"{c.accepted / c.drafted:.0%} of {c.drafted:.0f}" if c and c.drafted else ""
             if key == "m2draft" and c:
-                acc += f" ({c.proposed:.0f} by the model)"
+                acc += f" ({c.model_accepted:.0f} of {c.model_drafted:.0f} by the model)"
             r.append(acc)
             rows.append(r)
     print(table(rows, header))
@@ -819,11 +809,13 @@ def report(
     for rtt in args.rtt:
         c = [cells[k] for k in cells if k[0] == "m2draft" and k[1] == rtt]
         drafted, accepted = sum(x.drafted for x in c), sum(x.accepted for x in c)
+        by_model = sum(x.model_drafted for x in c)
         if drafted:
+            kept = sum(x.model_accepted for x in c) / by_model if by_model else 0.0
             print(
                 f"  draft model row at {rtt:g} ms, every set: {accepted / drafted:.0%} of "
-                f"{drafted:.0f} drafts accepted, {sum(x.proposed for x in c):.0f} drafted by "
-                "the model (the rest by prompt lookup)"
+                f"{drafted:.0f} drafts accepted; {by_model:.0f} drafted by the model "
+                f"({kept:.0%} of them accepted), the rest by prompt lookup"
             )
     print()
     print("ratios of decode tok/s, paired prompt by prompt, median (min-max)")

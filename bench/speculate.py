@@ -22,6 +22,7 @@ from pathlib import Path
 
 from _common import (
     chat_payload,
+    counted,
     http_client,
     log,
     med,
@@ -48,11 +49,6 @@ SETS = {
     f"Answer with the code only.\n\n{CODE}",
     "chat": "Tell me about the history of tea in a few paragraphs.",
 }
-
-
-def counted(before: dict, after: dict, name: str) -> float:
-    """How much counter ``name`` grew between two scrapes (every label set)."""
-    return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == name)
 
 
 def measure(tmp: Path, args: argparse.Namespace) -> int:

@@ -160,8 +160,7 @@ class Run:
             async for c in self.chunks:
                 now = time.perf_counter()
                 if c.usage is not None and c.usage.drafted_tokens:
-                    m.drafted_tokens.labels(model).inc(c.usage.drafted_tokens)
-                    m.accepted_tokens.labels(model).inc(c.usage.accepted_tokens)
+                    m.count_drafts(model, c.usage)
                 if c.tokens:
                     # A chunk may carry several tokens (the runner coalesces tokens that
                     # come fast, see meshd.engines.outbox; a verified draft brings

@@ -171,6 +171,9 @@ class Request:
     #: Last stage: draft tokens verified, and accepted.
     n_drafted: int = 0
     n_accepted: int = 0
+    #: Of those, the draft model's.
+    n_model_drafted: int = 0
+    n_model_accepted: int = 0
     #: time.monotonic() of the last message or compute for this request.
     last_active: float = field(default_factory=time.monotonic)
     # Last stage only:
@@ -256,6 +259,8 @@ class Work:
     #: Draft tokens riding with the step's first token (its rows after the first):
     #: the last stage verifies them (speculative decoding).
     draft: list[int] = field(default_factory=list)
+    #: Who wrote the draft (``wire.DRAFT_BY_LOOKUP`` / ``DRAFT_BY_MODEL``).
+    draft_by: str = ""
 
 
 @dataclass
@@ -822,9 +827,9 @@ class Runner:
             return
         r.last_active = time.monotonic()
         r.spec = r.spec or bool(a.draft)
-        self.work.append(
-            Work(a.req, a.pos, hidden=hidden, start=a.start, compute=a.compute, draft=a.draft)
-        )
+        w = Work(a.req, a.pos, hidden=hidden, start=a.start, compute=a.compute, draft=a.draft,
+                 draft_by=a.draft_by)  # fmt: skip
+        self.work.append(w)
 
     def forward_one(self, w: Work, item):
         """One item alone; on failure end its request with ``bad_input`` and None."""
@@ -955,6 +960,7 @@ class Runner:
                 req=r.req, instance=self.cfg.instance, generation=self.generation,
                 pos=w.pos, rows=rows.shape[0], hidden=rows.shape[1], start=w.start,
                 compute=[*w.compute, spent], dtype=self.cfg.send_dtype, draft=w.draft,
+                draft_by=w.draft_by,
             )  # fmt: skip
             self.send(r.route[self.cfg.stage + 1], act, memoryview(rows))
         elif w.draft:
@@ -972,6 +978,9 @@ class Runner:
         the probability the model gives it, else the draw comes from the rest, so the
         output follows the same distribution as without a draft."""
         r.n_drafted += len(w.draft)
+        by_model = w.draft_by == wire.DRAFT_BY_MODEL
+        if by_model:
+            r.n_model_drafted += len(w.draft)
         for i in range(len(w.draft) + 1):
             # The step's compute goes with its first token only: the node adds up the
             # compute of the tokens a chunk carries.
@@ -984,6 +993,7 @@ class Runner:
                 self.feed_back(r, tok, w.pos + i + 1)
                 return
             r.n_accepted += 1
+            r.n_model_accepted += by_model
 
     def feed_back(self, r: Request, tok: int, pos: int) -> None:
         """Send the token just drawn to stage 0 (or queue it here), to run at ``pos``."""
@@ -1120,7 +1130,10 @@ class Runner:
             text += r.text.finish()
             if r.text.matched is not None:
                 finish = "stop"  # the held-back tail completed a stop string
-            usage = wire.Usage(r.n_prompt, r.n_generated, r.n_cached, r.n_drafted, r.n_accepted)
+            usage = wire.Usage(
+                r.n_prompt, r.n_generated, r.n_cached, r.n_drafted, r.n_accepted,
+                r.n_model_drafted, r.n_model_accepted,
+            )  # fmt: skip
             # The release first: it reaches stage 0 before the client's next turn can
             # (that goes through the API node), so the turn finds this KV kept there.
             self.release(r.req, "done")
@@ -1220,17 +1233,18 @@ class Runner:
                 wait = self.drafts.wait_s(b.plain_s)
                 self.drafts.ask(r.req, r.tokens, k, r.route[0], wait)
                 return  # on_proposal (or run_undrafted) queues the step
-        self.queue_step(r, token, pos, draft)
+        self.queue_step(r, token, pos, draft, wire.DRAFT_BY_LOOKUP)
 
-    def queue_step(self, r: Request, token: int, pos: int, draft: list[int]) -> None:
-        """Queue the step feeding ``token`` at ``pos``, and ``draft`` after it."""
+    def queue_step(self, r: Request, token: int, pos: int, draft: list[int], by: str = "") -> None:
+        """Queue the step feeding ``token`` at ``pos``, and ``draft`` (written by
+        ``by``) after it."""
         if draft:
             assert r.tokens is not None
             r.tokens += draft
             r.last_draft = (pos, len(draft))
             r.spec = True
         tokens = np.array([token, *draft], np.int32)
-        self.work.append(Work(r.req, pos, tokens=tokens, draft=draft))
+        self.work.append(Work(r.req, pos, tokens=tokens, draft=draft, draft_by=by if draft else ""))
 
     def on_proposal(self, p: wire.Proposal) -> None:
         """A draft model's answer: the step that waited for it runs now."""
@@ -1250,7 +1264,7 @@ class Runner:
         self.drafts.truncated(r.req, pend.pos + 1 + len(draft))
         if not draft:
             r.last_draft = (pend.pos, pend.k)  # asked and waited for: a draft that failed
-        self.queue_step(r, pend.token, pend.pos, draft)
+        self.queue_step(r, pend.token, pend.pos, draft, wire.DRAFT_BY_MODEL)
 
     def run_undrafted(self, now: float) -> None:
         """Queue without a draft the steps whose proposal did not come in time."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from meshd.transport import wire
+
 from .speed import Speed
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -35,12 +37,14 @@ class Metrics:
             ["model"], registry=r,
         )  # fmt: skip
         self.drafted_tokens = Counter(
-            "meshd_draft_tokens", "Tokens drafted for speculative decoding", ["model"],
-            registry=r,
+            "meshd_draft_tokens",
+            "Tokens drafted for speculative decoding, by who wrote them (lookup: the "
+            "request's own text; model: a draft model)",
+            ["model", "proposer"], registry=r,
         )  # fmt: skip
         self.accepted_tokens = Counter(
-            "meshd_draft_tokens_accepted", "Drafted tokens the model agreed with", ["model"],
-            registry=r,
+            "meshd_draft_tokens_accepted", "Drafted tokens the model agreed with",
+            ["model", "proposer"], registry=r,
         )  # fmt: skip
         self.proposed = Gauge(
             "meshd_draft_model_tokens",
@@ -77,6 +81,19 @@ class Metrics:
             "meshd_dropped_frames", "Frames dropped by socket and reason",
             ["socket", "reason"], registry=r,
         )  # fmt: skip
+
+    def count_drafts(self, model: str, usage: wire.Usage) -> None:
+        """Add one request's drafted and accepted tokens, by proposer."""
+        by_lookup = (
+            usage.drafted_tokens - usage.model_drafted_tokens,
+            usage.accepted_tokens - usage.model_accepted_tokens,
+        )
+        by_model = (usage.model_drafted_tokens, usage.model_accepted_tokens)
+        for proposer, (drafted, accepted) in ((wire.DRAFT_BY_LOOKUP, by_lookup),
+                                              (wire.DRAFT_BY_MODEL, by_model)):  # fmt: skip
+            if drafted:
+                self.drafted_tokens.labels(model, proposer).inc(drafted)
+                self.accepted_tokens.labels(model, proposer).inc(accepted)
 
     def render(self) -> bytes:
         """The text exposition format."""

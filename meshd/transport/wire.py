@@ -270,6 +270,11 @@ class Start(msgspec.Struct, kw_only=True):
     cold: bool = False
 
 
+#: ``Activation.draft_by``: the request's own text (prompt lookup), or a draft model.
+DRAFT_BY_LOOKUP = "lookup"
+DRAFT_BY_MODEL = "model"
+
+
 class Activation(msgspec.Struct, tag=True, kw_only=True):
     """Stage i -> stage i+1: hidden rows at positions [pos, pos + rows); tensor frame beside."""
 
@@ -286,6 +291,8 @@ class Activation(msgspec.Struct, tag=True, kw_only=True):
     #: Draft tokens after the first row's (the rows after it): the last stage
     #: verifies them (speculative decoding).
     draft: list[int] = []
+    #: Who wrote the draft: ``DRAFT_BY_LOOKUP`` or ``DRAFT_BY_MODEL`` (metrics).
+    draft_by: str = ""
 
 
 class Token(msgspec.Struct, tag=True, kw_only=True):
@@ -351,6 +358,9 @@ class Usage(msgspec.Struct, frozen=True, array_like=True):
     #: Speculative decoding: tokens drafted, and those of them the model agreed with.
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    #: Of those, the draft model's (the rest are prompt lookup's).
+    model_drafted_tokens: int = 0
+    model_accepted_tokens: int = 0
 
 
 class ChunkError(msgspec.Struct, frozen=True, kw_only=True):

@@ -295,3 +295,6 @@ def test_a_request_that_quotes_its_input_is_drafted_and_verified(client, via) ->
 
     assert total("meshd_draft_tokens_total") > 0
     assert 0 <= total("meshd_draft_tokens_accepted_total") <= total("meshd_draft_tokens_total")
+    # With no draft model, the request's own text wrote every draft.
+    lookup = f'meshd_draft_tokens_total{{model="{DEFAULT_MODEL}",proposer="lookup"}}'
+    assert total(lookup) == total("meshd_draft_tokens_total")

@@ -140,6 +140,12 @@ def test_greedy_output_with_a_draft_model_is_the_output_without(
         # Same weights: the model's drafts are the target's own greedy tokens, so
         # (with whatever prompt lookup drafted and got accepted) nearly all hold.
         assert u.accepted_tokens >= 0.9 * sum(m.k for m in asks) > 0, (u, asks)
+        # The usage tells the model's drafts from the lookup's (they crossed the split
+        # named as the model's): at most what was asked, nearly all kept.
+        assert 0 < u.model_drafted_tokens <= sum(m.k for m in asks), (u, asks)
+        assert u.model_accepted_tokens >= 0.9 * u.model_drafted_tokens, u
+        assert u.model_drafted_tokens <= u.drafted_tokens, u
+        assert u.model_accepted_tokens <= u.accepted_tokens, u
         # The request's end freed its sequence on the draft runner.
         deadline = time.monotonic() + 5
         while not any(isinstance(m, wire.Release) for m in tap.seen):

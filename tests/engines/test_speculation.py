@@ -127,6 +127,8 @@ def test_greedy_output_with_speculation_is_the_output_without(
         # The random model loops, and the lookup finds the loop: most drafts hold.
         assert u.accepted_tokens > max_tokens // 3, u
         assert u.drafted_tokens >= u.accepted_tokens
+    # No draft model here: every draft is the lookup's.
+    assert (u.model_drafted_tokens, u.model_accepted_tokens) == (0, 0), u
 
 
 def test_a_seeded_sample_with_speculation_is_the_sample_without(
