@@ -564,7 +564,7 @@ def start_llama_server(
         "--flash_attn", str(FLASH_ATTN), "--host", "127.0.0.1", "--port", "0",
         "--interrupt_requests", "False", "--verbose", "False", *extra,
     ]  # fmt: skip
-    proc = Proc(args, tmp / f"{name}.log", env=env or whole_model_env())
+    proc = Proc(args, tmp / f"{name}.log", env=whole_model_env() if env is None else env)
     _, m = proc.wait_line(UVICORN_READY, 120.0)
     return proc, f"http://{m['host']}:{m['port']}"
 

@@ -84,13 +84,12 @@ class Metrics:
 
     def count_drafts(self, model: str, usage: wire.Usage) -> None:
         """Add one request's drafted and accepted tokens, by proposer."""
-        by_lookup = (
-            usage.drafted_tokens - usage.model_drafted_tokens,
-            usage.accepted_tokens - usage.model_accepted_tokens,
-        )
-        by_model = (usage.model_drafted_tokens, usage.model_accepted_tokens)
-        for proposer, (drafted, accepted) in ((wire.DRAFT_BY_LOOKUP, by_lookup),
-                                              (wire.DRAFT_BY_MODEL, by_model)):  # fmt: skip
+        model_drafted, model_accepted = usage.model_drafted_tokens, usage.model_accepted_tokens
+        for proposer, drafted, accepted in (
+            (wire.DRAFT_BY_MODEL, model_drafted, model_accepted),
+            (wire.DRAFT_BY_LOOKUP, usage.drafted_tokens - model_drafted,
+             usage.accepted_tokens - model_accepted),
+        ):  # fmt: skip
             if drafted:
                 self.drafted_tokens.labels(model, proposer).inc(drafted)
                 self.accepted_tokens.labels(model, proposer).inc(accepted)

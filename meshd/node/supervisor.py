@@ -462,7 +462,7 @@ class Supervisor:
                     n_gpu_layers=gpu_layers(inst, i),
                     kept_prefix_rows=kept_prefix_rows(inst),
                     send_dtype=send_dtype(inst, i),
-                    n_threads=threads_per_runner(len(desired)),
+                    n_threads=threads_per_runner(self.n_runners),
                     request_expiry_s=self.request_expiry,
                     stream_interval_s=self.stream_interval,
                     max_tokens=self.max_tokens,
