@@ -296,6 +296,8 @@ class Cell:
     #: Of those, the draft model's (``proposer="model"``).
     model_drafted: float = 0.0
     model_accepted: float = 0.0
+    #: Drafted steps that held whole with the next one already sent.
+    chained: float = 0.0
 
     def ok(self) -> list[Stream]:
         return [s for s in self.streams if s is not None]
@@ -612,6 +614,9 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
                                     cell.model_accepted += counted(
                                         before, after, accepted, proposer="model"
                                     )
+                                    cell.chained += counted(
+                                        before, after, "meshd_draft_steps_chained_total"
+                                    )
                                 cell.streams.append(s)
                                 cell.others.append(share)
                                 what = (f"{s.decode_tok_s:.1f} tok/s, ttft {1000 * s.ttft:.0f} ms"
@@ -799,6 +804,8 @@ def report(
             acc = f"{c.accepted / c.drafted:.0%} of {c.drafted:.0f}" if c and c.drafted else ""
             if key == "m2draft" and c:
                 acc += f" ({c.model_accepted:.0f} of {c.model_drafted:.0f} by the model)"
+            if c and c.chained:
+                acc += f", {c.chained:.0f} steps chained"
             r.append(acc)
             rows.append(r)
     print(table(rows, header))

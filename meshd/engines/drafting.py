@@ -9,16 +9,24 @@ one pass and keeps the longest agreeing run (see ``meshd.engines.runner``).
 
 :class:`DraftBudget` adapts how many tokens to draft to how many were accepted, and
 stops drafting for a request where it does not pay.
+
+Over a split, a drafted step can be *chained*: its draft names one token more than
+its rows, the first row of the next step, which stage 0 sends right away instead of
+waiting for the step to come back. While the last stage verifies one step, the stages
+before it compute the next, so a split's stages work at once on one stream where the
+text repeats; :class:`InFlight` keeps stage 0's account of them.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["DraftBudget", "prompt_lookup"]
+__all__ = ["DraftBudget", "InFlight", "Step", "prompt_lookup"]
 
 #: Longest and shortest n-gram looked for (longer first: a longer match predicts better).
 MAX_NGRAM = 3
@@ -30,7 +38,18 @@ WINDOW = 8192
 def prompt_lookup(tokens: Sequence[int], k: int, min_ngram: int = MIN_NGRAM) -> list[int]:
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the last
     n-gram of ``tokens`` (n from :data:`MAX_NGRAM` down to ``min_ngram``); none
-    when nothing repeats."""
+    when nothing repeats. A match so recent that fewer than ``k`` tokens follow it
+    goes on from the draft so far (text in a loop: its period, again)."""
+    draft = _lookup(tokens, k, min_ngram)
+    while draft and len(draft) < k:
+        more = _lookup([*tokens[-WINDOW:], *draft], k - len(draft), min_ngram)
+        if not more:
+            break
+        draft += more
+    return draft
+
+
+def _lookup(tokens: Sequence[int], k: int, min_ngram: int) -> list[int]:
     if k <= 0 or len(tokens) < min_ngram + 1:
         return []
     arr = np.asarray(tokens[-WINDOW:], np.int64)
@@ -116,15 +135,19 @@ class DraftBudget:
                 self.drafted = self.accepted = 0
                 self.k = self.k_max
 
-    def record(self, drafted: int, accepted: int, seconds: float = 0.0) -> None:
+    def record(self, drafted: int, accepted: int, seconds: float = 0.0, bonus: bool = True) -> None:
         """A draft of ``drafted`` tokens had its first ``accepted`` taken, in a step
-        of ``seconds`` (0: not timed)."""
+        of ``seconds`` (0: not timed). ``bonus``: the step also gave the token after
+        them (a chained step held whole gives none: its last draft token is the next
+        step's first)."""
         self.drafted += drafted
         self.accepted += accepted
-        self.k = min(self.k_max, self.k + 1) if accepted == drafted else max(1, accepted + 1)
+        # (A chained step drafts one more than k: its next step's first token.)
+        grown = self.k + 1 if accepted == drafted else max(1, accepted + 1)
+        self.k = min(self.k_max, grown)
         if seconds > 0:
             self.spec_seconds += seconds
-            self.spec_tokens += accepted + 1
+            self.spec_tokens += accepted + bonus
             self.n_spec += 1
         if (
             self.n_spec
@@ -136,3 +159,50 @@ class DraftBudget:
 
 def _mean(mean: float, x: float, n: int) -> float:
     return x if n == 0 else (1 - EMA) * mean + EMA * x
+
+
+class Step(NamedTuple):
+    """A step stage 0 sent for a request: fed at ``pos``, with ``k`` tokens drafted
+    (or asked of a draft model that gave none in time). A ``chained`` step runs
+    ``k`` rows, its last draft token being the next step's first, fed at ``pos + k``."""
+
+    pos: int
+    k: int = 0
+    chained: bool = False
+
+
+class InFlight:
+    """Stage 0's steps of one request that have not come back, oldest first.
+
+    The last stage answers them in order: a token that keeps the epoch confirms the
+    oldest (chained, held whole); any other ends them all (the first was cut short,
+    or was not chained), and the steps after it are dropped on every stage. A chained
+    step promises the step after it; when the pipeline is full that one waits in
+    :attr:`successor` until a confirmation makes room."""
+
+    def __init__(self) -> None:
+        self.steps: collections.deque[Step] = collections.deque()
+        #: ``(token, pos)`` of the step the newest chained one promised, not sent yet.
+        self.successor: tuple[int, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def sent(self, step: Step) -> None:
+        """``step`` went out (after every step in flight)."""
+        self.steps.append(step)
+
+    def confirm(self, pos: int) -> Step | None:
+        """The oldest step, if the token for ``pos`` confirms it (chained, its next
+        step fed at ``pos``); None otherwise (nothing changes)."""
+        if self.steps and self.steps[0].chained and sum(self.steps[0][:2]) == pos:
+            return self.steps.popleft()
+        return None
+
+    def restart(self) -> Step | None:
+        """Forget every step in flight; the oldest (the one the restarting token
+        came from), if any."""
+        first = self.steps[0] if self.steps else None
+        self.steps.clear()
+        self.successor = None
+        return first

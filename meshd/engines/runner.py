@@ -63,7 +63,7 @@ from meshd.transport.tensors import TensorError, decode_rows, encode_rows
 from .calibrate import LayerClock, calibrate
 from .detok import TextStream
 from .draft_model import DraftClient, DraftServer
-from .drafting import MAX_NGRAM, MIN_NGRAM, DraftBudget, prompt_lookup
+from .drafting import MAX_NGRAM, MIN_NGRAM, DraftBudget, InFlight, Step, prompt_lookup
 from .grammar import (
     Constraint,
     GrammarVocab,
@@ -159,10 +159,12 @@ class Request:
     #: The key of its last prompt step (see _prefill_key); None once it can share
     #: no more (it started from a cached prefix, or a step ran unkeyed).
     lineage: bytes | None = b""
-    #: Stage 0: how many tokens to draft (None: it does not speculate), and the
-    #: position and size of the draft in flight.
+    #: Stage 0: how many tokens to draft (None: it does not speculate), and its
+    #: steps that have not come back.
     budget: DraftBudget | None = None
-    last_draft: tuple[int, int] | None = None
+    flight: InFlight = field(default_factory=InFlight)
+    #: Stage 0 and last stage: restarts of its steps so far (``wire.Token.epoch``).
+    epoch: int = 0
     #: time.perf_counter() when its last token was fed (0: none yet).
     fed_at: float = 0.0
     #: It has drafted: a step may come back to an earlier position (the rejected
@@ -174,6 +176,8 @@ class Request:
     #: Of those, the draft model's.
     n_model_drafted: int = 0
     n_model_accepted: int = 0
+    #: Chained steps held whole (``wire.Usage.chained_steps``).
+    n_chained: int = 0
     #: time.monotonic() of the last message or compute for this request.
     last_active: float = field(default_factory=time.monotonic)
     # Last stage only:
@@ -261,6 +265,8 @@ class Work:
     draft: list[int] = field(default_factory=list)
     #: Who wrote the draft (``wire.DRAFT_BY_LOOKUP`` / ``DRAFT_BY_MODEL``).
     draft_by: str = ""
+    #: The request's epoch at stage 0 when it was sent (``wire.Token.epoch``).
+    epoch: int = 0
 
 
 @dataclass
@@ -279,6 +285,8 @@ class Counters:
     prefix_tokens: int = 0
     #: Kept prefixes dropped for going unused too long (``age_kept``).
     prefixes_aged: int = 0
+    #: Steps dropped unrun: sent before a restart of their request (``wire.Token``).
+    stale_steps: int = 0
 
     def drop(self, reason: str) -> None:
         """Count one frame dropped for ``reason``."""
@@ -572,7 +580,7 @@ class Runner:
             r = self.reqs.get(msg.req)
             if r is not None:
                 r.last_active = time.monotonic()
-                self.feed(r, msg.token, msg.pos)
+                self.on_token(r, msg)
             else:
                 self.counters.dropped["unknown_request"] += 1
         elif isinstance(msg, wire.Release):
@@ -581,7 +589,7 @@ class Runner:
                 if self.draft_server is not None and self.draft_server.release(msg.req):
                     self.admit_waiting()
                 return
-            self.release(msg.req, msg.reason)
+            self.release(msg.req, msg.reason, msg.n_kv)
         elif isinstance(msg, wire.Propose):
             if self.draft_server is None or msg.instance != self.cfg.instance:
                 self.counters.dropped["wrong_stage"] += 1
@@ -822,13 +830,13 @@ class Runner:
                     self.fail(r.reply_to, r.req, "bad_sampling", str(e))
                     self.release(r.req, "cancel")
                     return
-        if len(a.draft) >= a.rows:
+        if len(a.draft) > a.rows:
             self.counters.dropped["bad_tensor"] += 1
             return
         r.last_active = time.monotonic()
         r.spec = r.spec or bool(a.draft)
         w = Work(a.req, a.pos, hidden=hidden, start=a.start, compute=a.compute, draft=a.draft,
-                 draft_by=a.draft_by)  # fmt: skip
+                 draft_by=a.draft_by, epoch=a.epoch)  # fmt: skip
         self.work.append(w)
 
     def forward_one(self, w: Work, item):
@@ -866,8 +874,12 @@ class Runner:
         rest: collections.deque[Work] = collections.deque()
         while self.work:
             w = self.work.popleft()
-            if w.req not in self.reqs:
+            r = self.reqs.get(w.req)
+            if r is None:
                 continue  # released while queued
+            if w.epoch != r.epoch and (self.first or self.last):
+                self.counters.stale_steps += 1  # sent before its request restarted
+                continue
             if w.req in seen:
                 rest.append(w)
             else:
@@ -960,7 +972,7 @@ class Runner:
                 req=r.req, instance=self.cfg.instance, generation=self.generation,
                 pos=w.pos, rows=rows.shape[0], hidden=rows.shape[1], start=w.start,
                 compute=[*w.compute, spent], dtype=self.cfg.send_dtype, draft=w.draft,
-                draft_by=w.draft_by,
+                draft_by=w.draft_by, epoch=w.epoch,
             )  # fmt: skip
             self.send(r.route[self.cfg.stage + 1], act, memoryview(rows))
         elif w.draft:
@@ -981,7 +993,8 @@ class Runner:
         by_model = w.draft_by == wire.DRAFT_BY_MODEL
         if by_model:
             r.n_model_drafted += len(w.draft)
-        for i in range(len(w.draft) + 1):
+        rows = _rows(w)
+        for i in range(rows):
             # The step's compute goes with its first token only: the node adds up the
             # compute of the tokens a chunk carries.
             tok = self.sample(
@@ -994,16 +1007,26 @@ class Runner:
                 return
             r.n_accepted += 1
             r.n_model_accepted += by_model
+        # A chained step held whole: its last token is the first of the step stage 0
+        # sent after it, which goes on from here. Stage 0 is told, and sends another.
+        r.n_chained += 1
+        self.send(
+            r.route[0],
+            wire.Token(req=r.req, instance=self.cfg.instance, generation=self.generation,
+                       token=w.draft[-1], pos=w.pos + rows, epoch=r.epoch),
+        )  # fmt: skip
 
     def feed_back(self, r: Request, tok: int, pos: int) -> None:
-        """Send the token just drawn to stage 0 (or queue it here), to run at ``pos``."""
+        """Send the token just drawn to stage 0 (or queue it here), to run at ``pos``:
+        a restart, which ends every step sent after the one it came from."""
+        r.epoch += 1
         if self.first:
             self.feed(r, tok, pos)
         else:
             self.send(
                 r.route[0],
                 wire.Token(req=r.req, instance=self.cfg.instance, generation=self.generation,
-                           token=tok, pos=pos),
+                           token=tok, pos=pos, epoch=r.epoch),
             )  # fmt: skip
 
     def _item(self, w: Work) -> StageInput:
@@ -1012,7 +1035,9 @@ class Runner:
         r = self.reqs[w.req]
         if r.spec and self.stage.n_past(r.seq) > w.pos:
             self.stage.truncate(r.seq, w.pos)
-        n_logits = len(w.draft) + 1 if self.last and w.draft else 1
+        # A row's logits for each drafted token, and for the one after them unless
+        # the step is chained (then that is the next step's row).
+        n_logits = min(len(w.draft) + 1, _rows(w)) if self.last and w.draft else 1
         return StageInput(r.seq, w.pos, tokens=w.tokens, hidden=w.hidden, n_logits=n_logits)
 
     def _step_key(self, w: Work) -> bytes | None:
@@ -1132,11 +1157,13 @@ class Runner:
                 finish = "stop"  # the held-back tail completed a stop string
             usage = wire.Usage(
                 r.n_prompt, r.n_generated, r.n_cached, r.n_drafted, r.n_accepted,
-                r.n_model_drafted, r.n_model_accepted,
+                r.n_model_drafted, r.n_model_accepted, r.n_chained,
             )  # fmt: skip
             # The release first: it reaches stage 0 before the client's next turn can
             # (that goes through the API node), so the turn finds this KV kept there.
-            self.release(r.req, "done")
+            # Every position before this token holds the answer's KV; rows after it
+            # (the rest of a draft, a chained step's) are not kept.
+            self.release(r.req, "done", next_pos)
             self.chunk(
                 r, r.reply_to, r.req, text=text, tokens=[tok], finish_reason=finish, usage=usage,
                 logprobs=logprobs, stop_sequence=r.text.matched,
@@ -1147,7 +1174,7 @@ class Runner:
         )
         return tok
 
-    def release(self, req: str, reason: str) -> None:
+    def release(self, req: str, reason: str, n_kv: int = -1) -> None:
         """Free ``req`` here and pass the release down the chain.
 
         A request still queued for a slot (stage 0) is dropped from the queue: it was
@@ -1171,7 +1198,7 @@ class Runner:
                     self.cancelled.popitem(last=False)
             return
         if reason == "done" and not r.embed:
-            self.keep(r)
+            self.keep(r, n_kv)
         else:
             if reason == "prefix_miss" and r.source in self.kept:
                 self.drop_kept(r.source)
@@ -1181,10 +1208,14 @@ class Runner:
         nxt = self.cfg.stage + 1
         if self.last and not self.first and reason == "done":
             # The last stage finished the request: start the release walk at stage 0.
-            self.send(r.route[0], wire.Release(req=req, instance=self.cfg.instance, reason=reason))
+            self.send(
+                r.route[0],
+                wire.Release(req=req, instance=self.cfg.instance, reason=reason, n_kv=n_kv),
+            )
         elif nxt < self.cfg.n_stages and (reason == "cancel" or nxt < self.cfg.n_stages - 1):
             self.send(
-                r.route[nxt], wire.Release(req=req, instance=self.cfg.instance, reason=reason)
+                r.route[nxt],
+                wire.Release(req=req, instance=self.cfg.instance, reason=reason, n_kv=n_kv),
             )
         self.admit_waiting()
 
@@ -1202,49 +1233,102 @@ class Runner:
         drafting for another model)."""
         return bool(self.free_seqs or self.kept or (self.draft_server and self.draft_server.held))
 
+    def on_token(self, r: Request, t: wire.Token) -> None:
+        """Stage 0: the last stage's word on ``r``'s oldest step in flight."""
+        step = r.flight.confirm(t.pos) if t.epoch == r.epoch else None
+        if step is None:
+            r.epoch = t.epoch
+            self.feed(r, t.token, t.pos)
+            return
+        self.timed(r, step, step.k, bonus=False)
+        if r.flight.successor is not None and len(r.flight) < self.chain_depth:
+            token, pos = r.flight.successor
+            r.flight.successor = None
+            self.launch(r, token, pos)
+
+    def timed(self, r: Request, step: Step | None, held: int, bonus: bool = True) -> None:
+        """Tell ``r``'s draft budget how ``step`` fared (None: no step was in
+        flight), timed from the token before: ``held`` of its draft held, and
+        ``bonus``, a token after them came back (a restart)."""
+        b = r.budget
+        if b is None:
+            return
+        now = time.perf_counter()
+        took = now - r.fed_at if r.fed_at else 0.0
+        r.fed_at = now
+        if step is not None and step.k:
+            b.record(step.k, max(0, min(step.k, held)), took, bonus)
+        elif took:
+            b.plain(took)
+
+    @property
+    def chain_depth(self) -> int:
+        """Steps of one request in flight at once: one a stage keeps every stage of a
+        split busy; one stage has nothing to overlap."""
+        return self.cfg.n_stages
+
     def feed(self, r: Request, token: int, pos: int) -> None:
-        """Queue ``token`` at ``pos`` (stage 0), with a draft after it when the
-        request speculates (from its own text, else from the draft model: then the
-        step waits for the proposal); its KV joins what ``r`` holds."""
+        """Queue ``token`` at ``pos`` (stage 0): every step sent before is over (any
+        left queued here is dropped unrun, as the last stage drops any on its way)."""
         if r.tokens is not None:
             del r.tokens[pos:]  # a rejected draft's tokens
             self.drafts.truncated(r.req, pos)
             if len(r.tokens) == pos:
                 r.tokens.append(token)
+        step = r.flight.restart()
+        self.timed(r, step, pos - step.pos - 1 if step is not None else 0)
+        self.launch(r, token, pos)
+
+    def launch(self, r: Request, token: int, pos: int) -> None:
+        """Send the step feeding ``token`` at ``pos`` (its KV joins what ``r``
+        holds), with a draft after it when the request speculates: from its own text,
+        else from the draft model (then the step waits for the proposal). Over a split
+        a step with a whole lookup draft is chained, and the step after it follows
+        while there is room in flight."""
         b = r.budget
-        if b is not None:
-            now = time.perf_counter()
-            took = now - r.fed_at if r.fed_at else 0.0
-            if r.last_draft is not None:
-                at, k = r.last_draft
-                b.record(k, max(0, min(k, pos - at - 1)), took)
-                r.last_draft = None
-            elif took:
-                b.plain(took)
-            r.fed_at = now
         draft: list[int] = []
         k = min(b.k, self.n_ctx - pos - 2) if b is not None else 0
+        chain = int(self.chain_depth > 1 and k > 0)
         if b is not None and b.on and r.tokens is not None and len(r.tokens) == pos + 1:
             # With a draft model to ask, only the surest lookups (the longest n-gram
             # found again: text being quoted) go before it.
             model = self.drafts.usable(r.req)
-            draft = prompt_lookup(r.tokens, k, MAX_NGRAM if model else MIN_NGRAM)
-            if not draft and k > 0 and model:
+            draft = prompt_lookup(r.tokens, k + chain, MAX_NGRAM if model else MIN_NGRAM)
+            if not draft and k > 0 and model and not r.flight:
                 wait = self.drafts.wait_s(b.plain_s)
                 self.drafts.ask(r.req, r.tokens, k, r.route[0], wait)
                 return  # on_proposal (or run_undrafted) queues the step
-        self.queue_step(r, token, pos, draft, wire.DRAFT_BY_LOOKUP)
+        chained = bool(chain) and len(draft) == k + 1
+        self.queue_step(r, token, pos, draft, wire.DRAFT_BY_LOOKUP, chained=chained)
+        if chained:
+            r.flight.successor = (draft[-1], pos + k + 1)
+            if len(r.flight) < self.chain_depth:
+                r.flight.successor = None
+                self.launch(r, draft[-1], pos + k + 1)
 
-    def queue_step(self, r: Request, token: int, pos: int, draft: list[int], by: str = "") -> None:
+    def queue_step(
+        self,
+        r: Request,
+        token: int,
+        pos: int,
+        draft: list[int],
+        by: str = "",
+        chained: bool = False,
+        asked: int = 0,
+    ) -> None:
         """Queue the step feeding ``token`` at ``pos``, and ``draft`` (written by
-        ``by``) after it."""
+        ``by``) after it; ``chained``: the draft's last token is the next step's
+        first, not a row of this one. ``asked``: tokens asked of a draft model that
+        gave none (the budget counts them as a draft that failed)."""
         if draft:
             assert r.tokens is not None
             r.tokens += draft
-            r.last_draft = (pos, len(draft))
             r.spec = True
-        tokens = np.array([token, *draft], np.int32)
-        self.work.append(Work(r.req, pos, tokens=tokens, draft=draft, draft_by=by if draft else ""))
+        rows = draft[:-1] if chained else draft
+        tokens = np.array([token, *rows], np.int32)
+        r.flight.sent(Step(pos, len(draft) or asked, chained))
+        self.work.append(Work(r.req, pos, tokens=tokens, draft=draft,
+                              draft_by=by if draft else "", epoch=r.epoch))  # fmt: skip
 
     def on_proposal(self, p: wire.Proposal) -> None:
         """A draft model's answer: the step that waited for it runs now."""
@@ -1262,9 +1346,8 @@ class Runner:
         cut = next((i for i, t in enumerate(draft) if not 0 <= t < n_vocab), len(draft))
         draft = draft[: min(cut, max(0, self.n_ctx - pend.pos - 2))]
         self.drafts.truncated(r.req, pend.pos + 1 + len(draft))
-        if not draft:
-            r.last_draft = (pend.pos, pend.k)  # asked and waited for: a draft that failed
-        self.queue_step(r, pend.token, pend.pos, draft, wire.DRAFT_BY_MODEL)
+        # Asked and waited for, none given: timed as a draft that failed.
+        self.queue_step(r, pend.token, pend.pos, draft, wire.DRAFT_BY_MODEL, asked=pend.k)
 
     def run_undrafted(self, now: float) -> None:
         """Queue without a draft the steps whose proposal did not come in time."""
@@ -1273,17 +1356,23 @@ class Runner:
             if r is not None:
                 # Timed as a draft none of which held: the budget stops asking a draft
                 # model that does not answer in time, as one whose drafts fail.
-                r.last_draft = (pend.pos, pend.k)
-                self.queue_step(r, pend.token, pend.pos, [])
+                self.queue_step(r, pend.token, pend.pos, [], asked=pend.k)
 
-    def keep(self, r: Request) -> None:
-        """Finish ``r`` here, its KV kept for a later request with the same start."""
+    def keep(self, r: Request, n_kv: int = -1) -> None:
+        """Finish ``r`` here, its KV kept for a later request with the same start: its
+        first ``n_kv`` positions (-1: all it holds)."""
         self.reqs.pop(r.req, None)
         self.drafts.forget(r.req)
+        n = self.stage.n_past(r.seq)
+        if 0 <= n_kv < n:
+            # Rows past the answer's last token: every stage keeps the same positions
+            # (a stage that ran a chained step the last stage dropped holds more).
+            self.stage.truncate(r.seq, n_kv)
+            n = n_kv
         tokens = r.tokens
         if tokens is not None:
             # What the sequence holds: the last token sampled was never fed.
-            tokens = tokens[: self.stage.n_past(r.seq)]
+            tokens = tokens[:n]
         if r.slot in self.kept:  # cannot happen unless stage 0 reused a live slot
             self.drop_kept(r.slot)
         self.kept[r.slot] = Kept(r.seq, tokens, self.rows_run)

@@ -46,6 +46,12 @@ class Metrics:
             "meshd_draft_tokens_accepted", "Drafted tokens the model agreed with",
             ["model", "proposer"], registry=r,
         )  # fmt: skip
+        self.chained_steps = Counter(
+            "meshd_draft_steps_chained",
+            "Drafted steps that held whole while the step after them was already on its "
+            "way (speculation overlapped across a split's stages)",
+            ["model"], registry=r,
+        )  # fmt: skip
         self.proposed = Gauge(
             "meshd_draft_model_tokens",
             "Tokens a draft model's runner on this node drafted for other models' requests "
@@ -83,7 +89,8 @@ class Metrics:
         )  # fmt: skip
 
     def count_drafts(self, model: str, usage: wire.Usage) -> None:
-        """Add one request's drafted and accepted tokens, by proposer."""
+        """Add one request's drafted and accepted tokens, by proposer, and its
+        chained steps."""
         model_drafted, model_accepted = usage.model_drafted_tokens, usage.model_accepted_tokens
         for proposer, drafted, accepted in (
             (wire.DRAFT_BY_MODEL, model_drafted, model_accepted),
@@ -93,6 +100,8 @@ class Metrics:
             if drafted:
                 self.drafted_tokens.labels(model, proposer).inc(drafted)
                 self.accepted_tokens.labels(model, proposer).inc(accepted)
+        if usage.chained_steps:
+            self.chained_steps.labels(model).inc(usage.chained_steps)
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -289,20 +289,31 @@ class Activation(msgspec.Struct, tag=True, kw_only=True):
     #: Compute seconds of each stage so far for this step (metrics).
     compute: list[float] = []
     #: Draft tokens after the first row's (the rows after it): the last stage
-    #: verifies them (speculative decoding).
+    #: verifies them (speculative decoding). One more than the rows after the first
+    #: chains the step: its last draft token is the first row of the step sent next,
+    #: before this one comes back (see ``Token.epoch``).
     draft: list[int] = []
     #: Who wrote the draft: ``DRAFT_BY_LOOKUP`` or ``DRAFT_BY_MODEL`` (metrics).
     draft_by: str = ""
+    #: Stage 0's count of restarts for the request when it sent the step (see
+    #: ``Token.epoch``): the last stage drops a step from before its latest restart.
+    epoch: int = 0
 
 
 class Token(msgspec.Struct, tag=True, kw_only=True):
-    """Last stage -> stage 0: the sampled token, to feed at ``pos`` next."""
+    """Last stage -> stage 0: the sampled token, to feed at ``pos`` next.
+
+    ``epoch`` counts the tokens that restarted the request's steps. A token that
+    bumps it is fed: every step stage 0 sent since is dropped. One that keeps it
+    confirms a chained step: its draft held whole, and the step after it (fed
+    ``token`` at ``pos``) is already on its way, so stage 0 sends the next one."""
 
     req: str
     instance: str
     generation: int
     token: int
     pos: int
+    epoch: int = 0
 
 
 class Release(msgspec.Struct, tag=True, kw_only=True):
@@ -316,6 +327,9 @@ class Release(msgspec.Struct, tag=True, kw_only=True):
     req: str
     instance: str
     reason: str = "done"
+    #: With ``done``: the positions whose KV the answer holds (drafted rows after
+    #: its last token are not), which each stage keeps; -1: all.
+    n_kv: int = -1
 
 
 class Propose(msgspec.Struct, tag=True, kw_only=True):
@@ -361,6 +375,9 @@ class Usage(msgspec.Struct, frozen=True, array_like=True):
     #: Of those, the draft model's (the rest are prompt lookup's).
     model_drafted_tokens: int = 0
     model_accepted_tokens: int = 0
+    #: Drafted steps that held whole while the step after them was already on its
+    #: way (speculation pipelined across the stages).
+    chained_steps: int = 0
 
 
 class ChunkError(msgspec.Struct, frozen=True, kw_only=True):

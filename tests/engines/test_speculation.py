@@ -10,9 +10,10 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from meshd.engines.drafting import RETRY_STEPS, DraftBudget, prompt_lookup
+from meshd.engines.drafting import RETRY_STEPS, DraftBudget, InFlight, Step, prompt_lookup
 from meshd.transport import wire
 from tests.synthetic import N_LAYERS, write_model
 
@@ -30,6 +31,22 @@ def test_prompt_lookup_proposes_what_followed_the_last_ngram() -> None:
     assert prompt_lookup([7, 8, 1, 7, 8, 2, 7, 8], 2) == [2, 7]
     assert prompt_lookup([1, 2, 3, 4], 4) == []  # nothing repeats
     assert prompt_lookup([1, 2, 1, 2], 0) == []
+    # A match too recent for k tokens after it goes on from its own draft: a loop.
+    assert prompt_lookup([5, 1, 2, 3, 1, 2, 3], 5) == [1, 2, 3, 1, 2]
+
+
+def test_stage_0_answers_chained_steps_in_order() -> None:
+    f = InFlight()
+    f.sent(Step(10, 5, chained=True))  # rows 10-14, its draft's last token fed at 15
+    f.sent(Step(15, 5, chained=True))
+    f.successor = (7, 20)
+    assert f.confirm(16) is None and len(f) == 2  # not the oldest's end: no change
+    assert f.confirm(15) == Step(10, 5, True) and len(f) == 1
+    # A restart names the oldest step left and forgets the rest, the promise too.
+    assert f.restart() == Step(15, 5, True)
+    assert len(f) == 0 and f.successor is None and f.restart() is None
+    f.sent(Step(30, 2))  # not chained: a token after it restarts, never confirms
+    assert f.confirm(32) is None and f.confirm(33) is None
 
 
 def test_the_budget_follows_acceptance_and_measured_time() -> None:
@@ -67,6 +84,15 @@ def test_the_budget_follows_acceptance_and_measured_time() -> None:
         spike.record(4, 4, 0.015)
     spike.record(4, 0, 0.040)
     assert spike.on and spike.spec_s == pytest.approx(0.115 / 26)
+    # A chained step drafts one more than k (the next step's first token): held whole
+    # it gives its k + 1 tokens and no other; cut short, k stays within k_max.
+    chained = DraftBudget(k_max=4)
+    for _ in range(3):
+        chained.plain(0.010)
+    chained.record(5, 5, 0.010, bonus=False)
+    assert chained.k == 4 and chained.spec_s == pytest.approx(0.002)
+    chained.record(5, 4, 0.010)
+    assert chained.k == 4
     # A request that stopped drafting tries again after RETRY_STEPS plain steps.
     for _ in range(RETRY_STEPS - 1):
         slow.plain(0.010)
@@ -127,6 +153,8 @@ def test_greedy_output_with_speculation_is_the_output_without(
         # The random model loops, and the lookup finds the loop: most drafts hold.
         assert u.accepted_tokens > max_tokens // 3, u
         assert u.drafted_tokens >= u.accepted_tokens
+        # And steps went out chained, the next before the last came back.
+        assert u.chained_steps > 0, u
     # No draft model here: every draft is the lookup's.
     assert (u.model_drafted_tokens, u.model_accepted_tokens) == (0, 0), u
 
@@ -190,3 +218,31 @@ def test_a_speculating_request_replayed_from_token_k_continues_exactly(
         )  # fmt: skip
         assert tokens_of(replay) == whole[k:]
         assert replay[-1].usage.drafted_tokens > 0
+
+
+def test_a_kept_answer_holds_its_own_positions_only(
+    pipeline: list[RunnerProcess], api: ApiSide
+) -> None:
+    # Stage 0 runs chained steps ahead of the last stage; when the answer ends, the
+    # ones past its last token are dropped on every stage, so a next turn that goes
+    # on exactly as those steps guessed takes from the cache only what every stage
+    # holds (more on stage 0 alone would fail the turn, or feed it wrong KV).
+    prompt = list(range(300, 340)) * 3
+    greedy = wire.Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
+    whole = tokens_of(api.answer(pipeline, "kept-whole", prompt_tokens=prompt,
+                                 sampling=greedy, speculate=False))  # fmt: skip
+    # A greedy request that reuses nothing runs cold: every kept prefix (``whole``'s
+    # too) is dropped first.
+    one = msgspec.structs.replace(greedy, max_tokens=1)
+    api.answer(pipeline, "kept-cold", prompt_tokens=[5] * 10, sampling=one, speculate=False)
+    cut = msgspec.structs.replace(greedy, max_tokens=20)
+    first = api.answer(pipeline, "kept-first", prompt_tokens=prompt, sampling=cut,
+                       speculate=True, cache_prompt=True)  # fmt: skip
+    assert tokens_of(first) == whole[:20]
+    assert first[-1].usage.chained_steps > 0, first[-1].usage
+    turn = msgspec.structs.replace(greedy, max_tokens=4)
+    second = api.answer(pipeline, "kept-second", prompt_tokens=[*prompt, *whole[:36]],
+                        sampling=turn, speculate=False, cache_prompt=True)  # fmt: skip
+    # Every position before the first turn's last token (that one was never fed).
+    assert second[0].n_cached == len(prompt) + 19
+    assert tokens_of(second) == whole[36:40]
