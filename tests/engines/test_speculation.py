@@ -204,6 +204,30 @@ def test_one_stage_speculates_alone(
         runner.stop()
 
 
+def test_three_stages_chain_steps_and_give_the_same_answer(
+    model_path: Path, slice_dir: Path, tmp_path: Path, api: ApiSide
+) -> None:
+    # The stage in the middle runs the chained steps the last stage then drops, and
+    # drops their KV at the step after: greedy output is still the plain one.
+    path = write_model(tmp_path / "synth.gguf", model_path, "llama")
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    bounds = [(0, 1), (1, 2), (2, N_LAYERS)]
+    route = [
+        RunnerProcess(runner_config(path, slice_dir, stage=i, bounds=bounds, exact=True,
+                                    sha256=sha, n_layers=N_LAYERS, n_ctx=512), tmp_path)
+        for i in range(3)
+    ]  # fmt: skip
+    try:
+        s = wire.Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
+        plain = _run(api, route, "three-plain", sampling=s, speculate=False)
+        spec = _run(api, route, "three-spec", sampling=s, speculate=True)
+        assert tokens_of(spec) == tokens_of(plain)
+        assert spec[-1].usage.chained_steps > 0, spec[-1].usage
+    finally:
+        for r in route:
+            r.stop()
+
+
 def test_a_speculating_request_replayed_from_token_k_continues_exactly(
     pipeline: list[RunnerProcess], api: ApiSide
 ) -> None:
