@@ -149,7 +149,21 @@ def test_top_shows_the_speed_of_a_live_stream(cluster: Cluster) -> None:
     # Placement's figures are real: each node timed its stage's decode steps, and
     # alpha its round trip to bravo; the prediction for one request is shown beside
     # what was measured, and on one machine lands within a few times of it.
-    snap = json.loads(_meshctl("--node", node, "top", "--json").stdout)
+    snaps: list = []
+
+    def timed_rtt() -> bool:
+        # The round trip comes from alpha's mesh requests to bravo, which the stream
+        # need not have waited for; it is in alpha's next heartbeat after the first.
+        snaps.append(json.loads(_meshctl("--node", node, "top", "--json").stdout))
+        bravo = next(n["id"] for n in snaps[-1]["nodes"] if n["name"] == "bravo")
+        me = next(n for n in snaps[-1]["nodes"] if n["name"] == "alpha")
+        return bravo in me["rtt_ms"]
+
+    try:
+        wait_for(timed_rtt, 30, 1.0)
+    except TimeoutError:
+        raise AssertionError(f"alpha never timed its round trip to bravo: {snaps[-1:]}") from None
+    snap = snaps[-1]
     bravo = next(n["id"] for n in snap["nodes"] if n["name"] == "bravo")
     for n in snap["nodes"]:
         assert n["decode_bps"] > 1e8, n
