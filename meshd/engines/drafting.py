@@ -195,7 +195,8 @@ class InFlight:
     def confirm(self, pos: int) -> Step | None:
         """The oldest step, if the token for ``pos`` confirms it (chained, its next
         step fed at ``pos``); None otherwise (nothing changes)."""
-        if self.steps and self.steps[0].chained and sum(self.steps[0][:2]) == pos:
+        first = self.steps[0] if self.steps else None
+        if first is not None and first.chained and first.pos + first.k == pos:
             return self.steps.popleft()
         return None
 

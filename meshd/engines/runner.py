@@ -1288,23 +1288,25 @@ class Runner:
         b = r.budget
         draft: list[int] = []
         k = min(b.k, self.n_ctx - pos - 2) if b is not None else 0
-        chain = int(self.chain_depth > 1 and k > 0)
+        # A chained step's draft names one token more: the next step's first.
+        extra = 1 if self.chain_depth > 1 and k > 0 else 0
         if b is not None and b.on and r.tokens is not None and len(r.tokens) == pos + 1:
             # With a draft model to ask, only the surest lookups (the longest n-gram
             # found again: text being quoted) go before it.
             model = self.drafts.usable(r.req)
-            draft = prompt_lookup(r.tokens, k + chain, MAX_NGRAM if model else MIN_NGRAM)
+            draft = prompt_lookup(r.tokens, k + extra, MAX_NGRAM if model else MIN_NGRAM)
             if not draft and k > 0 and model and not r.flight:
                 wait = self.drafts.wait_s(b.plain_s)
                 self.drafts.ask(r.req, r.tokens, k, r.route[0], wait)
                 return  # on_proposal (or run_undrafted) queues the step
-        chained = bool(chain) and len(draft) == k + 1
+        chained = extra == 1 and len(draft) == k + 1
         self.queue_step(r, token, pos, draft, wire.DRAFT_BY_LOOKUP, chained=chained)
-        if chained:
+        if not chained:
+            return
+        if len(r.flight) < self.chain_depth:
+            self.launch(r, draft[-1], pos + k + 1)
+        else:
             r.flight.successor = (draft[-1], pos + k + 1)
-            if len(r.flight) < self.chain_depth:
-                r.flight.successor = None
-                self.launch(r, draft[-1], pos + k + 1)
 
     def queue_step(
         self,
