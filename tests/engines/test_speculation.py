@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 
 from meshd.engines.drafting import RETRY_STEPS, DraftBudget, InFlight, Step, prompt_lookup
@@ -270,3 +271,52 @@ def test_a_kept_answer_holds_its_own_positions_only(
     # Every position before the first turn's last token (that one was never fed).
     assert second[0].n_cached == len(prompt) + 19
     assert tokens_of(second) == whole[36:40]
+
+
+U = np.uint32
+#: Shapes beyond the default model's where drafted rows and dropped KV could go wrong:
+#: sliding-window layers (a window of 4 tokens, shorter than one chained step's reach),
+#: per-head norms of queries and keys, an input scale.
+ARCHITECTURES = {
+    "gemma3-windowed": ("gemma3", {"gemma3.attention.sliding_window": U(4),
+                                   "gemma3.attention.sliding_window_pattern": U(2)}),
+    "gemma2-scaled-and-windowed": ("gemma2", {"gemma2.attention.sliding_window": U(4)}),
+    "qwen3-qk-norms": ("qwen3", {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(ARCHITECTURES))
+def test_other_architectures_speculate_and_reuse_a_prefix_exactly(
+    model_path: Path, slice_dir: Path, tmp_path: Path, api: ApiSide, case: str
+) -> None:
+    arch, meta = ARCHITECTURES[case]
+    path = write_model(tmp_path / f"{case}.gguf", model_path, arch, metadata=meta)
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    half = N_LAYERS // 2
+    bounds = [(0, half), (half, N_LAYERS)]
+    route = [
+        RunnerProcess(runner_config(path, slice_dir, stage=i, bounds=bounds, exact=True,
+                                    sha256=sha, n_layers=N_LAYERS, n_ctx=512), tmp_path)
+        for i in range(2)
+    ]  # fmt: skip
+    try:
+        prompt = list(range(300, 340)) * 3
+        greedy = wire.Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
+        whole = tokens_of(api.answer(route, f"{case}-plain", prompt_tokens=prompt,
+                                     sampling=greedy, speculate=False))  # fmt: skip
+        one = msgspec.structs.replace(greedy, max_tokens=1)
+        api.answer(route, f"{case}-cold", prompt_tokens=[5] * 10, sampling=one, speculate=False)
+        spec = api.answer(route, f"{case}-spec", prompt_tokens=prompt, sampling=greedy,
+                          speculate=True, cache_prompt=True)  # fmt: skip
+        assert tokens_of(spec) == whole
+        u = spec[-1].usage
+        assert u.accepted_tokens > 0 and u.chained_steps > 0, u
+        # The next turn starts from what the speculating turn kept on both stages.
+        turn = msgspec.structs.replace(greedy, max_tokens=6)
+        second = api.answer(route, f"{case}-turn", prompt_tokens=[*prompt, *whole[:30]],
+                            sampling=turn, speculate=False, cache_prompt=True)  # fmt: skip
+        assert second[0].n_cached == len(prompt) + 29
+        assert tokens_of(second) == whole[30:36]
+    finally:
+        for r in route:
+            r.stop()
