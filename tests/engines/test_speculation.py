@@ -320,3 +320,30 @@ def test_other_architectures_speculate_and_reuse_a_prefix_exactly(
     finally:
         for r in route:
             r.stop()
+
+
+def test_mlx_stages_speculate_to_the_plain_greedy_output(
+    model_path: Path, slice_dir: Path, tmp_path: Path, api: ApiSide
+) -> None:
+    # The runner's drafting, chaining and verifying are the engine's callers: an MLX
+    # split (its own KV truncation and rows of logits) gives the same stream too.
+    pytest.importorskip("mlx.core")
+    path = write_model(tmp_path / "synth.gguf", model_path, "llama")
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    half = N_LAYERS // 2
+    bounds = [(0, half), (half, N_LAYERS)]
+    route = [
+        RunnerProcess(runner_config(path, slice_dir, stage=i, bounds=bounds, engine="mlx",
+                                    sha256=sha, n_layers=N_LAYERS, n_ctx=512), tmp_path)
+        for i in range(2)
+    ]  # fmt: skip
+    try:
+        s = wire.Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
+        plain = _run(api, route, "mlx-plain", sampling=s, speculate=False)
+        spec = _run(api, route, "mlx-spec", sampling=s, speculate=True)
+        assert tokens_of(spec) == tokens_of(plain)
+        u = spec[-1].usage
+        assert u.accepted_tokens > 0 and u.chained_steps > 0, u
+    finally:
+        for r in route:
+            r.stop()
