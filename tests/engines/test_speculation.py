@@ -6,6 +6,7 @@ agree to ~1e-6, so greedy output must be the same token for token)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,35 +103,45 @@ def test_the_budget_follows_acceptance_and_measured_time() -> None:
     assert slow.on and slow.k == 4 and slow.spec_s == 0.0
 
 
+@contextlib.contextmanager
+def _split(
+    path: Path, slice_dir: Path, log_dir: Path, bounds: list[tuple[int, int]], **kw: object
+) -> Iterator[list[RunnerProcess]]:
+    """Runner processes for ``path`` cut at ``bounds`` (exact mode unless ``kw`` says)."""
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    opts = {"exact": True, "sha256": sha, "n_layers": N_LAYERS, "n_ctx": 512, **kw}
+    route = [
+        RunnerProcess(runner_config(path, slice_dir, stage=i, bounds=bounds, **opts), log_dir)
+        for i in range(len(bounds))
+    ]
+    try:
+        yield route
+    finally:
+        for r in route:
+            r.stop()
+
+
+def _chains_to_the_plain_output(api: ApiSide, route: list[RunnerProcess], name: str) -> None:
+    """Greedy 60 tokens with speculation are those without, and steps went chained."""
+    s = wire.Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
+    plain = _run(api, route, f"{name}-plain", sampling=s, speculate=False)
+    spec = _run(api, route, f"{name}-spec", sampling=s, speculate=True)
+    assert tokens_of(spec) == tokens_of(plain)
+    u = spec[-1].usage
+    assert u.accepted_tokens > 0 and u.chained_steps > 0, u
+
+
+HALVES = [(0, N_LAYERS // 2), (N_LAYERS // 2, N_LAYERS)]
+
+
 @pytest.fixture(scope="module")
 def pipeline(
     model_path: Path, slice_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[RunnerProcess]]:
     tmp = tmp_path_factory.mktemp("spec")
     path = write_model(tmp / "synth.gguf", model_path, "llama")
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    half = N_LAYERS // 2
-    bounds = [(0, half), (half, N_LAYERS)]
-    runners = [
-        RunnerProcess(
-            runner_config(
-                path,
-                slice_dir,
-                stage=i,
-                bounds=bounds,
-                n_seq_max=4,
-                exact=True,
-                sha256=sha,
-                n_layers=N_LAYERS,
-                n_ctx=512,
-            ),
-            tmp,
-        )
-        for i in range(2)
-    ]
-    yield runners
-    for r in runners:
-        r.stop()
+    with _split(path, slice_dir, tmp, HALVES, n_seq_max=4) as route:
+        yield route
 
 
 def _run(api: ApiSide, route: list[RunnerProcess], req: str, **kw: object) -> list[wire.DataChunk]:
@@ -191,18 +202,12 @@ def test_one_stage_speculates_alone(
     model_path: Path, slice_dir: Path, tmp_path: Path, api: ApiSide
 ) -> None:
     path = write_model(tmp_path / "synth.gguf", model_path, "llama")
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    cfg = runner_config(path, slice_dir, bounds=[(0, N_LAYERS)], exact=True, sha256=sha,
-                        n_layers=N_LAYERS, n_ctx=512)  # fmt: skip
-    runner = RunnerProcess(cfg, tmp_path)
-    try:
+    with _split(path, slice_dir, tmp_path, [(0, N_LAYERS)]) as route:
         s = wire.Sampling(temperature=0.0, max_tokens=50, ignore_eos=True)
-        plain = _run(api, [runner], "one-plain", sampling=s, speculate=False)
-        spec = _run(api, [runner], "one-spec", sampling=s, speculate=True)
+        plain = _run(api, route, "one-plain", sampling=s, speculate=False)
+        spec = _run(api, route, "one-spec", sampling=s, speculate=True)
         assert tokens_of(spec) == tokens_of(plain)
         assert spec[-1].usage.accepted_tokens > 0
-    finally:
-        runner.stop()
 
 
 def test_three_stages_chain_steps_and_give_the_same_answer(
@@ -211,22 +216,8 @@ def test_three_stages_chain_steps_and_give_the_same_answer(
     # The stage in the middle runs the chained steps the last stage then drops, and
     # drops their KV at the step after: greedy output is still the plain one.
     path = write_model(tmp_path / "synth.gguf", model_path, "llama")
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    bounds = [(0, 1), (1, 2), (2, N_LAYERS)]
-    route = [
-        RunnerProcess(runner_config(path, slice_dir, stage=i, bounds=bounds, exact=True,
-                                    sha256=sha, n_layers=N_LAYERS, n_ctx=512), tmp_path)
-        for i in range(3)
-    ]  # fmt: skip
-    try:
-        s = wire.Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
-        plain = _run(api, route, "three-plain", sampling=s, speculate=False)
-        spec = _run(api, route, "three-spec", sampling=s, speculate=True)
-        assert tokens_of(spec) == tokens_of(plain)
-        assert spec[-1].usage.chained_steps > 0, spec[-1].usage
-    finally:
-        for r in route:
-            r.stop()
+    with _split(path, slice_dir, tmp_path, [(0, 1), (1, 2), (2, N_LAYERS)]) as route:
+        _chains_to_the_plain_output(api, route, "three")
 
 
 def test_a_speculating_request_replayed_from_token_k_continues_exactly(
@@ -291,15 +282,7 @@ def test_other_architectures_speculate_and_reuse_a_prefix_exactly(
 ) -> None:
     arch, meta = ARCHITECTURES[case]
     path = write_model(tmp_path / f"{case}.gguf", model_path, arch, metadata=meta)
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    half = N_LAYERS // 2
-    bounds = [(0, half), (half, N_LAYERS)]
-    route = [
-        RunnerProcess(runner_config(path, slice_dir, stage=i, bounds=bounds, exact=True,
-                                    sha256=sha, n_layers=N_LAYERS, n_ctx=512), tmp_path)
-        for i in range(2)
-    ]  # fmt: skip
-    try:
+    with _split(path, slice_dir, tmp_path, HALVES) as route:
         prompt = list(range(300, 340)) * 3
         greedy = wire.Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
         whole = tokens_of(api.answer(route, f"{case}-plain", prompt_tokens=prompt,
@@ -317,9 +300,6 @@ def test_other_architectures_speculate_and_reuse_a_prefix_exactly(
                             sampling=turn, speculate=False, cache_prompt=True)  # fmt: skip
         assert second[0].n_cached == len(prompt) + 29
         assert tokens_of(second) == whole[30:36]
-    finally:
-        for r in route:
-            r.stop()
 
 
 def test_mlx_stages_speculate_to_the_plain_greedy_output(
@@ -329,21 +309,5 @@ def test_mlx_stages_speculate_to_the_plain_greedy_output(
     # split (its own KV truncation and rows of logits) gives the same stream too.
     pytest.importorskip("mlx.core")
     path = write_model(tmp_path / "synth.gguf", model_path, "llama")
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    half = N_LAYERS // 2
-    bounds = [(0, half), (half, N_LAYERS)]
-    route = [
-        RunnerProcess(runner_config(path, slice_dir, stage=i, bounds=bounds, engine="mlx",
-                                    sha256=sha, n_layers=N_LAYERS, n_ctx=512), tmp_path)
-        for i in range(2)
-    ]  # fmt: skip
-    try:
-        s = wire.Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
-        plain = _run(api, route, "mlx-plain", sampling=s, speculate=False)
-        spec = _run(api, route, "mlx-spec", sampling=s, speculate=True)
-        assert tokens_of(spec) == tokens_of(plain)
-        u = spec[-1].usage
-        assert u.accepted_tokens > 0 and u.chained_steps > 0, u
-    finally:
-        for r in route:
-            r.stop()
+    with _split(path, slice_dir, tmp_path, HALVES, engine="mlx", exact=False) as route:
+        _chains_to_the_plain_output(api, route, "mlx")
