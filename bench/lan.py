@@ -4,6 +4,7 @@
     python bench/lan.py --quick              # 1 prompt a set, 64 tokens
     python bench/lan.py --rtt 5 --skip rpc
     python bench/lan.py --draft-layers 30    # the whole model drafting: a ceiling
+    python bench/lan.py --temperature 0.8    # sampled, as chat apps ask (seeded per prompt)
 
 Needs root (network namespaces, a TUN device). Two hosts, a (10.77.1.2) and b
 (10.77.2.2), each in a network namespace of its own, joined by a router namespace whose
@@ -11,8 +12,9 @@ forwarding passes every packet through a user-space relay that holds it RTT/2 in
 direction (``bench/_delay.py``; this kernel has no ``sch_netem``). The links are
 checked with ``ping -c 20`` at 0 ms (the relay's own cost) and at every RTT.
 
-Rows, at every RTT, on the default model, greedy, fixed-length answers (``ignore_eos``
-for meshd; llama.cpp ignores EOS in ``Llama.generate``):
+Rows, at every RTT, on the default model, greedy (``--temperature``: meshd's rows
+sampled, with a seed per prompt, so each row writes the same text), fixed-length
+answers (``ignore_eos`` for meshd; llama.cpp ignores EOS in ``Llama.generate``):
 
 * meshd 1 stage: a one-node cluster of its own on host a (``speculate: false``);
 * meshd 2 stages a -> b, without speculation and with prompt lookup
@@ -48,6 +50,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -458,13 +461,20 @@ def wait_port(ip: str, port: int, proc: Proc, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def meshd_subject(client: httpx.Client, node: Node, speculate: bool, tokens: int):
-    """Streams from ``node``'s API on the default model."""
+def meshd_subject(
+    client: httpx.Client, node: Node, speculate: bool, tokens: int, temperature: float = 0.0
+):
+    """Streams from ``node``'s API on the default model. A ``temperature`` above 0
+    samples with a seed fixed per prompt: every row then writes the same text (a seeded
+    answer is the same with and without drafts), so the rows still pair up."""
 
     def run(prompt: str) -> Stream:
         msgs = [{"role": "user", "content": prompt}]
         p = chat_payload(DEFAULT_MODEL, tokens, meshd=True, messages=msgs)
         p["speculate"] = speculate
+        if temperature > 0:
+            p["temperature"] = temperature
+            p["seed"] = zlib.crc32(prompt.encode())
         return stream_chat(client, node.api, p)
 
     return run
@@ -555,7 +565,7 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
                 log("starting meshd node s on a (a one-node cluster of its own)")
                 ns = start_node(tmp, a, "s", "solo", [])
                 place(client, ns, ["s"])
-                subjects["m1"] = meshd_subject(client, ns, False, tokens)
+                subjects["m1"] = meshd_subject(client, ns, False, tokens, args.temperature)
             na = None
             if not {"m2", "m2spec"} <= skip:
                 log("starting meshd nodes a and b, placing 2 stages a -> b")
@@ -565,7 +575,9 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
                 place(client, na, ["a", "b"])
                 for key in ("m2", "m2spec"):
                     if key not in skip:
-                        subjects[key] = meshd_subject(client, na, key == "m2spec", tokens)
+                        subjects[key] = meshd_subject(
+                            client, na, key == "m2spec", tokens, args.temperature
+                        )
             # The api node whose /metrics count each drafting row's drafts.
             counts = {"m2spec": na}
             if "m2draft" not in skip:
@@ -574,7 +586,7 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
                     na2, note = start_draft_cluster(client, tmp, lan, model_path, args.draft_layers)
                     notes.append(note)
                     counts["m2draft"] = na2
-                    subjects["m2draft"] = meshd_subject(client, na2, True, tokens)
+                    subjects["m2draft"] = meshd_subject(client, na2, True, tokens, args.temperature)
                 except Exception as e:
                     missing["m2draft"] = f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"
                     log(f"m2draft: {missing['m2draft']}")
@@ -765,10 +777,13 @@ def report(
     t_run: float,
 ) -> None:
     n = len(next(iter(sets.values())))
+    how = (
+        f"at temperature {args.temperature:g}, seeded (meshd)" if args.temperature > 0 else "greedy"
+    )
     others = [x for c in cells.values() for x in c.others if x == x]
     print()
     print(
-        f"bench/lan.py: {DEFAULT_MODEL}, {tokens} tokens greedy, {n} prompt(s) a set, "
+        f"bench/lan.py: {DEFAULT_MODEL}, {tokens} tokens {how}, {n} prompt(s) a set, "
         f"{threads} thread(s) a runner, "
         f"{'CPUs ' + PIN[0] + ' for a, ' + PIN[1] + ' for b' if PIN else 'unpinned'}; "
         f"{os.cpu_count()} CPUs ({cpu_model()}), load "
@@ -813,6 +828,14 @@ def report(
         print(f"  {note}")
     for key, why in missing.items():
         print(f"  {ROWS[key]}: skipped: {why}")
+    for rtt in args.rtt:
+        by_set = [
+            f"{name} {c.accepted / c.drafted:.0%} of {c.drafted:.0f} ({c.chained:.0f} chained)"
+            for name in sets
+            if (c := cells.get(("m2spec", rtt, name))) and c.drafted
+        ]
+        if by_set:
+            print(f"  prompt lookup row at {rtt:g} ms, drafts accepted: {'; '.join(by_set)}")
     for rtt in args.rtt:
         c = [cells[k] for k in cells if k[0] == "m2draft" and k[1] == rtt]
         drafted, accepted = sum(x.drafted for x in c), sum(x.accepted for x in c)
@@ -865,6 +888,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=96, help="tokens an answer (default 96)")
     p.add_argument("--prompts", type=int, default=3, help="prompts a set (1-3, default 3)")
     p.add_argument("--quick", action="store_true", help="1 prompt a set, 64 tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample meshd's answers "
+                   "at this temperature, seeded per prompt (default 0: greedy)")  # fmt: skip
     p.add_argument("--skip", default="", help="comma-separated rows to leave out: m1, m2, "
                    "m2spec, m2draft, rpc")  # fmt: skip
     p.add_argument("--draft-layers", type=int, default=6, help="layers of the draft model, "
