@@ -400,6 +400,9 @@ class Runner:
             mon = self.router.get_monitor_socket(HANDSHAKE_EVENTS)
             poller.register(mon, zmq.POLLIN)
             reporter = HandshakeReporter(lambda _s, reason: self.counters.dropped.update([reason]))
+        if not self.control(stdin.buffered()):
+            self.outbox.flush()
+            return
         while True:
             events = dict(poller.poll(self._poll_ms()))
             if self.router in events:
@@ -452,10 +455,11 @@ class Runner:
             self.clock.ms = self.clock.reported = ms
             self.report_load()
 
-    def control(self) -> bool:
-        """Handle the commands waiting on stdin; False when the node closed stdin (it
-        is gone) or said ``stop``."""
-        lines = self.stdin.read()
+    def control(self, lines: list[bytes] | None = None) -> bool:
+        """Handle the commands waiting on stdin (or ``lines``, already read); False when
+        the node closed stdin (it is gone) or said ``stop``."""
+        if lines is None:
+            lines = self.stdin.read()
         if lines is None:
             return False
         for line in lines:
@@ -1516,6 +1520,12 @@ class StdinLines:
         if not data:
             return None
         self._buf += data
+        return self.buffered()
+
+    def buffered(self) -> list[bytes]:
+        """The complete lines already read from the fd. The read that brought the config
+        may have brought the node's next commands too (a new generation sent while this
+        process started): the poller will not report them again."""
         *lines, self._buf = self._buf.split(b"\n")
         return [line for line in lines if line.strip()]
 

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import zmq
@@ -53,7 +53,11 @@ class RunnerProcess:
     """One runner subprocess, in its own session so signals sent to the test's
     process group never reach it."""
 
-    def __init__(self, cfg: RunnerConfig, log_dir: Path, timeout: float = 120.0) -> None:
+    def __init__(
+        self, cfg: RunnerConfig, log_dir: Path, timeout: float = 120.0, then: Sequence[dict] = ()
+    ) -> None:
+        """``then``: control lines written together with the config, in one write (the
+        node may send a command before the runner has read its config)."""
         self.cfg = cfg
         env = {**runner_env(minimal=True), "MESHD_THREADS": "1"}
         self.log = log_dir / f"runner-{cfg.instance}-{cfg.stage}-{time.monotonic_ns()}.log"
@@ -64,7 +68,7 @@ class RunnerProcess:
                 env=env, start_new_session=True,
             )  # fmt: skip
         assert self.proc.stdin is not None
-        self.proc.stdin.write(config_line.decode())
+        self.proc.stdin.write(config_line.decode() + "".join(json.dumps(c) + "\n" for c in then))
         self.proc.stdin.flush()
         self.events: list[dict] = []
         self._cond = threading.Condition()

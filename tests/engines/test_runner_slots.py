@@ -8,7 +8,7 @@ request with ``overloaded`` while it reported ready.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -32,13 +32,16 @@ class Pair:
         self.last = self.start(1, n_seq_max=1, **last)
         self.first = self.start(0)
 
-    def start(self, stage: int, generation: int = 1, **kw: object) -> RunnerProcess:
-        """Start (or restart) the runner of ``stage``."""
+    def start(
+        self, stage: int, generation: int = 1, then: Sequence[dict] = (), **kw: object
+    ) -> RunnerProcess:
+        """Start (or restart) the runner of ``stage``; ``then``: control lines sent in
+        the same write as its config."""
         cfg = runner_config(
             self.model_path, self.slice_dir, stage=stage, bounds=BOUNDS, generation=generation,
             **kw,
         )  # fmt: skip
-        r = RunnerProcess(cfg, self.logs)
+        r = RunnerProcess(cfg, self.logs, then=then)
         self.procs.append(r)
         return r
 
@@ -125,6 +128,15 @@ def test_new_generation_frees_requests_of_the_old_one(pair: Pair, api: ApiSide) 
     api.wait("old", lambda c: c.error is not None, 5)
     assert api.chunks["old"][-1].error.code == "generation_mismatch"  # type: ignore[union-attr]
     assert_serves(pair, first, api, "new")
+
+
+def test_a_generation_sent_with_the_config_is_adopted(pair: Pair, api: ApiSide) -> None:
+    # A repair while stage 1's runner starts: its node sends the new generation before
+    # the runner has read its config, and one read brings both lines.
+    last = pair.start(1, then=[{"cmd": "generation", "value": 2}])
+    last.wait_event(lambda e: e["event"] == "generation" and e["value"] == 2, 10)
+    pair.last = last
+    assert_serves(pair, pair.start(0, generation=2), api, "new")
 
 
 def test_cancel_of_an_unknown_request_is_accepted_and_remembered(pair: Pair, api: ApiSide) -> None:
