@@ -60,7 +60,7 @@ _text = faultlab.text_of
 SAMPLED = {"temperature": 0.9, "seed": 1234, "top_k": 50, "min_p": 0.02,
            "frequency_penalty": 0.5, "presence_penalty": 0.3, "repeat_penalty": 1.1,
            "logit_bias": {"30": 2.0}}  # fmt: skip
-#: Greedy with prompt-lookup drafts (the greedy story loops, so drafts hold): steps in
+#: Greedy with prompt-lookup drafts (counting repeats its digits, so drafts hold): steps in
 #: flight when the stage dies are dropped, and the replay drafts on from the tokens the
 #: client has.
 SPECULATING = {"speculate": True}
