@@ -54,6 +54,9 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     #: The placed model that drafts for this one (speculative decoding): "" any
     #: with the same tokens and at most half the bytes, nearest first; ``none``: none.
     draft: str = ""
+    #: Whether requests that do not say speculate (speculative decoding): null as
+    #: meshd decides (sampled unseeded requests on a split), true all, false none.
+    speculate: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.model.strip():
@@ -100,6 +103,8 @@ def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {
         "kv_cache": inst.spec.kv_cache,
         #: The instance drafting for it now (speculative decoding), if any.
         "draft": _draft_id(view, inst),
+        #: The default of its requests that do not say ``speculate`` (null: meshd's).
+        "speculate": inst.spec.speculate,
         #: Requests the answering node's API runs on this instance now.
         "in_flight": load.get(inst.id, 0),
         #: One request's decode tokens/s: placement's prediction from its nodes'
@@ -136,6 +141,7 @@ async def create_instance(request: Request) -> Response:
         context=body.context,
         kv_cache=body.kv_cache,
         draft=body.draft.strip(),
+        speculate=body.speculate,
     )
     placed = []
     try:

@@ -101,6 +101,8 @@ def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
         body["kv_cache"] = args.kv_cache
     if args.draft:
         body["draft"] = args.draft
+    if args.speculate:
+        body["speculate"] = {"auto": None, "on": True, "off": False}[args.speculate]
     placed = client.place(body)
     insts = placed["data"] if placed.get("object") == "list" else [placed]
     wait = sys.stdout.isatty() if args.wait is None else args.wait
@@ -299,6 +301,12 @@ def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         help="the placed model that drafts tokens for this one to verify (speculative "
         "decoding; default: any placed model with the same tokens and at most half the "
         "size, nearest first; a named one may be any size); 'none' for none",
+    )  # fmt: skip
+    p.add_argument(
+        "--speculate", choices=["auto", "on", "off"],
+        help="speculative decoding for requests that do not say: auto (default) drafts "
+        "for sampled requests without a seed on a split, on for every request, off for "
+        "none (a request's own 'speculate' still decides for it)",
     )  # fmt: skip
     p.add_argument(
         "--replicas", type=positive_int, metavar="N",

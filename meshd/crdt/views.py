@@ -266,13 +266,19 @@ class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     #: Which placed model drafts for it (speculative decoding): "" any that fits
     #: (see ``meshd.placement.drafts``), a model name that one only, ``none`` none.
     draft: str = ""
+    #: Whether its requests that do not say speculate: None as the runner decides
+    #: (sampled unseeded requests on a split), True all of them, False none. A request's
+    #: own ``speculate`` overrides it.
+    speculate: bool | None = None
 
     def relaxed(self) -> InstanceSpec:
-        """What a repair places: the model, its context, KV cache type and draft
-        model, no pins (a repair serves with the nodes left rather than not at all)."""
+        """What a repair places: the model, its context, KV cache type, draft model and
+        speculation default, no pins (a repair serves with the nodes left rather than
+        not at all)."""
         return InstanceSpec(
-            model=self.model, context=self.context, kv_cache=self.kv_cache, draft=self.draft
-        )
+            model=self.model, context=self.context, kv_cache=self.kv_cache, draft=self.draft,
+            speculate=self.speculate,
+        )  # fmt: skip
 
 
 class NodeResources(msgspec.Struct, frozen=True):

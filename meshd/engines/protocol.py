@@ -112,6 +112,9 @@ class RunnerConfig(msgspec.Struct, kw_only=True):
     n_seq_max: int = 8
     #: Most tokens stage 0 drafts per step for a request that speculates (0: never).
     draft_max: int = 4
+    #: Whether a request that does not say speculates (``InstanceSpec.speculate``):
+    #: None as the runner decides, see ``Runner``'s admission.
+    speculate: bool | None = None
     #: KV cache type of a llama.cpp stage (``InstanceSpec.kv_cache``).
     kv_cache: str = "f16"
     #: Layers a llama.cpp stage offloads to its GPUs, its last ones (one more than

@@ -688,7 +688,7 @@ class Runner:
             generation=g.generation, embed=g.embed, slot=seq, n_cached=n_cached, source=source,
             tokens=None if g.embed else [*prompt, *resume],
         )  # fmt: skip
-        speculate = g.speculate
+        speculate = self.cfg.speculate if g.speculate is None else g.speculate
         if speculate is None:
             # Where a trip between nodes sets the pace (a split), for requests whose
             # answer is random anyway (a verified batch of rows sums in another order

@@ -459,6 +459,7 @@ class Supervisor:
                     n_ctx=n_ctx,
                     n_seq_max=self.n_seq_max,
                     kv_cache=inst.spec.kv_cache,
+                    speculate=inst.spec.speculate,
                     n_gpu_layers=gpu_layers(inst, i),
                     kept_prefix_rows=kept_prefix_rows(inst),
                     send_dtype=send_dtype(inst, i),
