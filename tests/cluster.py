@@ -233,3 +233,17 @@ def wait_for(pred: Callable[[], Any], timeout: float, interval: float = 0.05) ->
         if time.monotonic() >= deadline:
             raise TimeoutError(f"condition not met in {timeout}s (last error: {last_exc})")
         time.sleep(interval)
+
+
+def wait_serving(n: NodeProc, instance_id: str, timeout: float = 120.0) -> dict:
+    """Wait until every stage of the instance is ready, as ``n`` sees it; its view."""
+    path = f"/v1/instances/{instance_id}"
+    wait_for(lambda: all(s["state"] == "ready" for s in n.get(path)["stages"]), timeout, 0.1)
+    return n.get(path)
+
+
+def metric_total(n: NodeProc, name: str) -> float:
+    """The sum of every sample of the Prometheus metric ``name`` on ``n``'s /metrics."""
+    text = httpx.get(n.api + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + "{", name + " ")))  # fmt: skip

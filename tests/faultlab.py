@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import httpx
 
 from meshd.models.resolve import DEFAULT_MODEL
-from tests.cluster import Cluster, NodeProc, wait_for
+from tests.cluster import Cluster, NodeProc, wait_for, wait_serving
 
 #: The prompt of every greedy stream a fault test compares with an uninterrupted one.
 #: A replay feeds the tokens the client has one row a step, as a plain answer made
@@ -69,9 +69,7 @@ def place(via: NodeProc, nodes: list[NodeProc]) -> dict:
     )
     r.raise_for_status()
     inst = r.json()
-    wait_for(lambda: all(s["state"] == "ready"
-                         for s in via.get(f"/v1/instances/{inst['id']}")["stages"]),
-             60, interval=0.1)  # fmt: skip
+    wait_serving(via, inst["id"], 60)
     return inst
 
 

@@ -10,15 +10,9 @@ import httpx
 import pytest
 
 from meshd.models.resolve import DEFAULT_MODEL
-from tests.cluster import Cluster, NodeProc, wait_for
+from tests.cluster import Cluster, NodeProc, wait_for, wait_serving
 
 pytestmark = pytest.mark.timeout(400)
-
-
-def _ready(node: NodeProc, iid: str) -> dict:
-    wait_for(lambda: all(s["state"] == "ready" for s in node.get(f"/v1/instances/{iid}")["stages"]),
-             120, 0.2)  # fmt: skip
-    return node.get(f"/v1/instances/{iid}")
 
 
 def _complete(node: NodeProc, words: int) -> httpx.Response:
@@ -34,7 +28,7 @@ def test_an_instance_serves_the_context_it_was_placed_with(cluster: Cluster) -> 
     r = httpx.post(a.api + "/v1/instances", timeout=60,
                    json={"model": DEFAULT_MODEL, "nodes": ["a"], "context": 8192})  # fmt: skip
     assert r.status_code == 201, r.text
-    inst = _ready(a, r.json()["id"])
+    inst = wait_serving(a, r.json()["id"])
     assert inst["context"] == 8192
     r = _complete(a, 7900)
     assert r.status_code == 200, r.text[:300]
@@ -52,7 +46,7 @@ def test_an_instance_serves_the_context_it_was_placed_with(cluster: Cluster) -> 
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     (inst,) = [i for i in a.get("/v1/instances")["data"] if i["context"] == 1024]
-    _ready(a, inst["id"])
+    wait_serving(a, inst["id"])
     r = _complete(a, 1500)
     assert r.status_code == 400, r.text[:300]
     err = r.json()["error"]
@@ -77,7 +71,7 @@ def test_an_instance_placed_without_a_context_gets_the_longest_its_memory_allows
     small = cluster.start("small", extra_args=["--max-memory", "3G"])
     r = httpx.post(small.api + "/v1/instances", timeout=60, json={"model": DEFAULT_MODEL})
     assert r.status_code == 201, r.text
-    inst = _ready(small, r.json()["id"])
+    inst = wait_serving(small, r.json()["id"])
     assert inst["context"] == 4096
     r = _complete(small, 4200)
     assert r.status_code == 400 and "4096" in r.json()["error"]["message"], r.text[:300]
@@ -88,7 +82,7 @@ def test_an_instance_placed_without_a_context_gets_the_longest_its_memory_allows
     r = httpx.post(roomy.api + "/v1/instances", timeout=60,
                    json={"model": DEFAULT_MODEL, "nodes": ["roomy"]})  # fmt: skip
     assert r.status_code == 201, r.text
-    inst = _ready(roomy, r.json()["id"])
+    inst = wait_serving(roomy, r.json()["id"])
     assert inst["context"] == 8192
     r = _complete(roomy, 4200)
     assert r.status_code == 200, r.text[:300]
@@ -108,7 +102,7 @@ def test_an_instance_with_a_quantized_kv_cache_serves(cluster: Cluster) -> None:
     assert out.returncode == 0, out.stderr
     (inst,) = a.get("/v1/instances")["data"]
     assert (inst["kv_cache"], inst["context"]) == ("q8_0", 8192)
-    _ready(a, inst["id"])
+    wait_serving(a, inst["id"])
     r = _complete(a, 50)
     assert r.status_code == 200, r.text[:300]
     assert "with a q8_0 KV cache" in a.log()

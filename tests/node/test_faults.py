@@ -13,7 +13,7 @@ import pytest
 
 from meshd.models.resolve import DEFAULT_MODEL
 from tests import faultlab
-from tests.cluster import Cluster, NodeProc, wait_for
+from tests.cluster import Cluster, NodeProc, metric_total, wait_for
 from tests.node.test_pipeline import place
 
 pytestmark = pytest.mark.timeout(900)
@@ -67,9 +67,7 @@ SPECULATING = {"speculate": True}
 
 
 def _drafted(n: NodeProc) -> float:
-    text = httpx.get(n.api + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("meshd_draft_tokens_total{"))  # fmt: skip
+    return metric_total(n, "meshd_draft_tokens_total")
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from meshd.models.resolve import DEFAULT_MODEL
-from tests.cluster import Cluster, NodeProc, wait_for
+from tests.cluster import Cluster, NodeProc, metric_total, wait_for, wait_serving
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,9 +21,7 @@ ASK = [{"role": "user", "content": f"Repeat this code exactly:\n{CODE}"}]
 
 
 def _drafted(node: NodeProc) -> float:
-    text = httpx.get(node.api + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("meshd_draft_tokens_total{"))  # fmt: skip
+    return metric_total(node, "meshd_draft_tokens_total")
 
 
 def _ask(node: NodeProc, **extra: object) -> None:
@@ -32,14 +30,6 @@ def _ask(node: NodeProc, **extra: object) -> None:
     r = httpx.post(node.api + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 40
-
-
-def _ready(node: NodeProc, iid: str) -> dict:
-    def ready() -> bool:
-        return all(s["state"] == "ready" for s in node.get(f"/v1/instances/{iid}")["stages"])
-
-    wait_for(ready, 90, interval=0.2)
-    return node.get(f"/v1/instances/{iid}")
 
 
 def test_an_instance_speculates_as_placed_unless_a_request_says(cluster: Cluster) -> None:
@@ -61,7 +51,7 @@ def test_an_instance_speculates_as_placed_unless_a_request_says(cluster: Cluster
     assert out.returncode == 0, out.stderr
     (inst,) = a.get("/v1/instances")["data"]
     assert inst["speculate"] is True
-    _ready(a, inst["id"])
+    wait_serving(a, inst["id"])
     before = _drafted(a)
     _ask(a, temperature=0)
     assert _drafted(a) > before
@@ -75,7 +65,7 @@ def test_an_instance_speculates_as_placed_unless_a_request_says(cluster: Cluster
     body = {"model": DEFAULT_MODEL, "nodes": ["a", "b"], "speculate": False}
     r = httpx.post(a.api + "/v1/instances", json=body, timeout=30)
     assert r.status_code == 201, r.text
-    inst = _ready(a, r.json()["id"])
+    inst = wait_serving(a, r.json()["id"])
     assert inst["speculate"] is False and len(inst["stages"]) == 2
     before = _drafted(a)
     _ask(a, temperature=0.2)
