@@ -169,11 +169,15 @@ def test_sigterm_drain_moves_the_stage_and_the_stream_completes(cluster: Cluster
     seen: dict = {}
 
     def watch_drain() -> None:
-        # While b drains: /healthz says so and a new request is turned away, typed.
+        # While b drains: /healthz says so and a new request is turned away, typed. The
+        # drain may last ~100 ms (the repair frees b's stage at once), so each look is
+        # a few ms: the request names no model (404 at once if b were not draining;
+        # the drain's 503 comes before the model is looked up).
         while b.alive() and "post" not in seen:
             try:
                 if httpx.get(b.api + "/healthz", timeout=1).json()["status"] == "draining":
-                    r = _complete(b)
+                    r = httpx.post(b.api + "/v1/completions", timeout=5,
+                                   json={"model": "no-such-model", "prompt": "hi"})  # fmt: skip
                     seen["post"] = (r.status_code, r.json()["error"]["code"],
                                     r.headers.get("retry-after"))  # fmt: skip
             except (httpx.HTTPError, KeyError, ValueError):
