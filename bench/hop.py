@@ -49,6 +49,11 @@ GOAL_US = 100.0
 class IdentityStage:
     """A middle stage with no compute: its output rows are its input rows."""
 
+    n_vocab = 0
+    n_ctx_train = 0
+    kept_rows = None
+    generative = True
+
     def __init__(self, hidden: int) -> None:
         self.hidden_size = hidden
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
-import zmq
 
 from meshd.engines.llama_stage import LlamaStage
-from meshd.engines.runner import Runner
+from meshd.engines.runner.admission import Prompts
+from meshd.engines.stage import Stage
 from meshd.transport import wire
 
 from .runners import ApiSide, RunnerProcess, runner_config, text_of
@@ -69,18 +70,12 @@ def llama_cpp_prompt_tokens(llm, template: str, messages: list[dict]) -> list[in
 
 
 @pytest.fixture(scope="module")
-def stage0(model_path: Path, slice_dir: Path) -> Iterator[Runner]:
-    """A runner object around the whole model (its loop is not started: only its
-    prompt rendering is used)."""
+def stage0(model_path: Path) -> Iterator[Prompts]:
+    """Stage 0's prompt rendering on the whole model, with the model's template."""
     from meshd.models.chat import chat_template_at
 
     stage = LlamaStage(model_path, first=True, last=True, n_ctx=1024, n_seq_max=1)
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    cfg = runner_config(model_path, slice_dir)
-    yield Runner(cfg, stage, ctx, router, chat_template_at(str(model_path)))
-    router.close(linger=0)
-    ctx.term()
+    yield Prompts(stage, chat_template_at(str(model_path)))
     stage.close()
 
 
@@ -98,7 +93,7 @@ def as_dicts(messages: list[tuple[str, str]]) -> list[dict]:
     return [{"role": role, "content": content} for role, content in messages]
 
 
-def test_multi_turn_chat_prompt_tokens_equal_llama_cpp_python(stage0: Runner, llm) -> None:
+def test_multi_turn_chat_prompt_tokens_equal_llama_cpp_python(stage0: Prompts, llm) -> None:
     template = llm.metadata["tokenizer.chat_template"]
     assert stage0.template == template
     expected = llama_cpp_prompt_tokens(llm, template, as_dicts(CONVERSATION))
@@ -106,7 +101,7 @@ def test_multi_turn_chat_prompt_tokens_equal_llama_cpp_python(stage0: Runner, ll
 
 
 def test_templates_get_the_models_bos_and_eos_text_without_a_double_bos(
-    stage0: Runner, llm
+    stage0: Prompts, llm
 ) -> None:
     conversation = CONVERSATION[1:]  # user / assistant / user
     expected = llama_cpp_prompt_tokens(llm, BOS_EOS_TEMPLATE, as_dicts(conversation))
@@ -145,17 +140,11 @@ class _RecordingStage:
     ],
 )
 def test_the_vocabularys_bos_is_added_only_when_the_template_wrote_none(
-    model_path: Path, slice_dir: Path, template: str, adds_bos: bool
+    template: str, adds_bos: bool
 ) -> None:
     stage = _RecordingStage()
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    try:
-        runner = Runner(runner_config(model_path, slice_dir), stage, ctx, router, template)
-        runner.tokenize(generate(CONVERSATION[1:]))
-    finally:
-        router.close(linger=0)
-        ctx.term()
+    # A stand-in with only what Prompts reads of a stage.
+    Prompts(cast(Stage, stage), template).tokenize(generate(CONVERSATION[1:]))
     assert stage.add_special == [adds_bos]
 
 

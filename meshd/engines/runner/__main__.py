@@ -1,0 +1,5 @@
+"""``python -m meshd.engines.runner``: a runner process (see :mod:`.process`)."""
+
+from .process import main
+
+raise SystemExit(main())

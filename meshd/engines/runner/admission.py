@@ -1,0 +1,207 @@
+"""Stage 0's admission: a ``Generate`` checked, its prompt rendered and tokenized, a
+sequence seated, and the request's first work laid out. Nothing is sent from here:
+what to tell the API node and what to run come back to the loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from meshd.engines.grammar import bounded_strings, check_grammar, closed_objects, lark_grammar
+from meshd.engines.protocol import RunnerConfig
+from meshd.engines.stage import Stage
+from meshd.models.chat import CHATML_TEMPLATE, render_chat
+from meshd.models.tools import ToolFormat, forced_call_lark, template_messages, tool_format
+from meshd.transport import wire
+
+from .output import sampling_params
+from .seats import Seats
+from .state import Refused, Request, Work
+
+
+def capped(g: wire.Generate, cap: int | None) -> wire.Generate:
+    """``g`` with ``max_tokens`` within this runner's ``cap`` (a request from any
+    member must not hold a slot for longer than the node allows)."""
+    if cap is None:
+        return g
+    mt = g.sampling.max_tokens
+    if mt is not None and mt <= cap:
+        return g
+    return msgspec.structs.replace(g, sampling=msgspec.structs.replace(g.sampling, max_tokens=cap))
+
+
+def reuses_prefix(g: wire.Generate) -> bool:
+    """Whether ``g`` may start from a kept prefix.
+
+    A reused prefix moves the low bits of the logits (the engine sums a batch of rows
+    in another order than the batches that made the prefix: up to ~0.5 on a quantized
+    model), so only requests whose answer is random anyway use it unless they ask: a
+    greedy or seeded one gives the same answer whatever ran before, and a replay's
+    tokens continue exactly."""
+    reuse = g.cache_prompt
+    if reuse is None:
+        reuse = g.sampling.temperature > 0 and g.sampling.seed is None
+    return reuse and not g.resume_tokens and not g.embed
+
+
+def speculates(g: wire.Generate, cfg: RunnerConfig) -> bool:
+    """Whether ``g`` drafts: as it asks, else as its instance says, else where a trip
+    between nodes sets the pace (a split), for requests whose answer is random anyway
+    (a verified batch of rows sums in another order than one row a step). On one node
+    the draft's extra rows cost about what they save (bench/speculate.py: 0.93-0.96x
+    on the default model)."""
+    speculate = cfg.speculate if g.speculate is None else g.speculate
+    if speculate is None:
+        speculate = cfg.n_stages > 1 and g.sampling.temperature > 0 and g.sampling.seed is None
+    return speculate and not g.embed and cfg.draft_max > 0
+
+
+class Prompts:
+    """A model's prompts: chat messages through its template, tools as it writes them."""
+
+    def __init__(self, stage: Stage, template: str | None) -> None:
+        self.stage = stage
+        self.template = template
+        #: :func:`tool_format` of the template (how this model writes tool calls).
+        self.tool_format: ToolFormat = tool_format(template)
+        # What chat templates get as bos_token / eos_token: the model's own token text,
+        # as llama-cpp-python and transformers pass them.
+        self.bos_text, self.eos_text = stage.special_texts()
+
+    def tokenize(self, g: wire.Generate) -> list[int]:
+        """Prompt token ids of ``g``: its chat messages through the model's template, or
+        its plain prompt."""
+        if g.messages is not None:
+            return self._chat(g, g.messages)
+        n_vocab = self.stage.n_vocab
+        if g.prompt_tokens is not None:
+            bad = [t for t in g.prompt_tokens if not 0 <= t < n_vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside [0, {n_vocab})")
+            return list(g.prompt_tokens)
+        return list(self.stage.tokenize(g.prompt or "", add_special=True, parse_special=False))
+
+    def _chat(self, g: wire.Generate, turns: list[wire.ChatTurn]) -> list[int]:
+        messages = [m.as_dict() for m in turns]
+        tools = None
+        offered = g.tools.tools if g.tools is not None else []
+        if offered or any(m.tool_calls or m.role == "tool" for m in turns):
+            messages, tools = template_messages(
+                messages, [msgspec.to_builtins(t) for t in offered], self.tool_format
+            )
+        text = render_chat(
+            self.template or CHATML_TEMPLATE,
+            messages,
+            add_generation_prompt=True,
+            bos_token=self.bos_text,
+            eos_token=self.eos_text,
+            tools=tools or None,
+        )
+        # A template that writes {{ bos_token }} already starts with the BOS; adding
+        # the vocabulary's own BOS too would double it (llama.cpp warns, and output
+        # quality drops). Otherwise the vocabulary decides, as for a plain prompt.
+        bos = bool(self.bos_text) and text.startswith(self.bos_text)
+        return list(self.stage.tokenize(text, add_special=not bos, parse_special=True))
+
+    def with_tool_grammar(self, g: wire.Generate) -> wire.Generate:
+        """``g``, its output constrained to one call when its ``tool_choice`` forces
+        one (``required`` or a function's name); ValueError for a name not in its tools."""
+        if g.tools is None or g.tools.choice == "auto":
+            return g
+        tools = g.tools.tools
+        name = None if g.tools.choice == "required" else g.tools.choice
+        if name is not None and all(t.name != name for t in tools):
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        # The call's arguments: strings bounded as in structured outputs, and no
+        # argument the function does not declare.
+        shown: list[dict[str, object]] = []
+        for t in tools:
+            d = msgspec.to_builtins(t)
+            if t.parameters is not None:
+                d["parameters"] = bounded_strings(closed_objects(t.parameters))
+            shown.append(d)
+        grammar = lark_grammar(forced_call_lark(shown, self.tool_format, name))
+        check_grammar(grammar)
+        return msgspec.structs.replace(
+            g, sampling=msgspec.structs.replace(g.sampling, grammar=grammar)
+        )
+
+
+@dataclass
+class Admitted:
+    """A request stage 0 took: its state, what its first activation carries to the
+    later stages, and the work to queue (the prompt, then a replay's tokens)."""
+
+    request: Request
+    start: wire.Start
+    work: list[Work]
+    speculate: bool
+
+
+def admit(
+    g: wire.Generate, prompts: Prompts, seats: Seats, cfg: RunnerConfig, n_ctx: int
+) -> Admitted | int:
+    """Take ``g`` at stage 0: an :class:`Admitted`, or the prompt's token count for a
+    request that only counts it (nothing is held then). :class:`Refused` says why not."""
+    stage = prompts.stage
+    if not g.embed and not stage.generative:
+        raise Refused(
+            "not_generative", "this model is an embedding model: it embeds, it does not generate"
+        )
+    try:
+        sampling_params(g.sampling, stage.n_vocab)
+        g = prompts.with_tool_grammar(g)
+    except ValueError as e:
+        raise Refused("bad_sampling", str(e)) from e
+    try:
+        prompt = prompts.tokenize(g)
+    except Exception as e:
+        raise Refused("bad_prompt", f"cannot tokenize the prompt: {e}") from e
+    n = len(prompt)
+    if n == 0:
+        raise Refused("bad_prompt", "the prompt is empty")
+    if g.count_only:
+        return n
+    # A replay re-prefills the prompt plus the tokens the client already has.
+    resume = list(g.resume_tokens)
+    if n + len(resume) >= n_ctx:
+        raise Refused(
+            "context_length_exceeded",
+            f"this model's context is {n_ctx} tokens; the prompt has {n + len(resume)}",
+        )
+    reuse = reuses_prefix(g)
+    # Where a sequence's cells lie in the shared KV buffer moves them too (by ~0.8
+    # when kept sequences push them past a 256-cell boundary): a request that
+    # reuses nothing runs as on a fresh runner, every stage's kept prefixes dropped.
+    cold = not reuse and not g.embed
+    if cold:
+        seats.drop_all_kept()
+    seq, source, n_cached = seats.seat_first(prompt if reuse else None)
+    r = Request(
+        g.req, seq, list(g.route), g.reply_to, g.sampling, n_prompt=n,
+        generation=g.generation, embed=g.embed, slot=seq, n_cached=n_cached, source=source,
+        tokens=None if g.embed else [*prompt, *resume],
+    )  # fmt: skip
+    start = wire.Start(
+        route=r.route, reply_to=r.reply_to, sampling=r.sampling, n_prompt=n, resume=resume,
+        embed=g.embed, slot=seq, prefix_slot=source, prefix_n=n_cached, cold=cold,
+    )  # fmt: skip
+    work = [Work(g.req, n_cached, tokens=np.asarray(prompt[n_cached:], np.int32), start=start)]
+    # The tokens already sent go through one decode step each, as they did the first
+    # time: prefilling them in one batch runs other kernels (other float sums), and
+    # a near-tie could then flip, so the continuation would not be the text the
+    # uninterrupted request gives. One row a step costs a few ms per token.
+    work += [Work(g.req, n + i, tokens=np.array([t], np.int32)) for i, t in enumerate(resume)]
+    return Admitted(r, start, work, speculates(g, cfg))
+
+
+def join(a: wire.Activation, s: wire.Start, seats: Seats) -> Request:
+    """A later stage: the request whose first activation ``a`` is (``s``: what stage 0
+    said of it), seated. :class:`Refused` when this stage cannot seat it."""
+    seq = seats.seat(s)
+    return Request(
+        a.req, seq, list(s.route), s.reply_to, s.sampling, s.n_prompt,
+        generation=a.generation, embed=s.embed, slot=s.slot, n_cached=s.prefix_n,
+    )  # fmt: skip

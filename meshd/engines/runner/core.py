@@ -1,0 +1,367 @@
+"""What a stage does with each data-plane message, each step and each tick.
+
+Each part owns its state and returns what must happen next (:mod:`.admission` an
+admitted request or a refusal, :mod:`.seats` a sequence or a refusal, :mod:`.step`
+each request's output, :mod:`.output` how a request ended); this class asks them
+and acts on their answers, and alone ends a request's hold (:mod:`.requests`).
+Sockets, stdin and the poller are the loop's (:mod:`.loop`)."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+import zmq
+
+from meshd.engines.calibrate import LayerClock
+from meshd.engines.draft_model import DraftClient, DraftServer
+from meshd.engines.protocol import GenerationAdopted, Load, RunnerConfig
+from meshd.engines.stage import Stage
+from meshd.transport import wire
+from meshd.transport.tensors import TensorError, decode_rows, encode_rows
+
+from .admission import Admitted, Prompts, admit, capped, join
+from .links import Links, emit
+from .output import Ended, Output
+from .requests import Requests
+from .seats import Seats
+from .speculation import Speculation
+from .state import Counters, Refused, Request, Work
+from .step import Done, Stepper, take_batch
+
+log = logging.getLogger("meshd.runner")
+
+#: Requests stage 0 queues per KV slot before it refuses more (``overloaded``): the
+#: API nodes' own admission keeps far below this; a flood of Generates does not grow it.
+MAX_WAITING_PER_SEQ = 8
+
+
+class RunnerCore:
+    """One engine stage's requests, from their first message to their release."""
+
+    def __init__(
+        self, cfg: RunnerConfig, stage: Stage, links: Links, template: str | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.stage = stage
+        self.links = links
+        self.counters: Counters = links.counters
+        self.first = cfg.stage == 0
+        self.last = cfg.stage == cfg.n_stages - 1
+        self.generation = cfg.generation
+        #: Milliseconds per layer of the decode steps this stage runs (placement's
+        #: speed figure, sent with every Load report).
+        self.clock = LayerClock(cfg.end - cfg.start)
+        # Later stages count a request's rows a little after stage 0 does, and must
+        # not drop a prefix stage 0 still counts on (a prefix_miss costs a replay).
+        # Where kept KV slows no one (None, 0), only room evicts it.
+        rows = cfg.kept_prefix_rows if cfg.kept_prefix_rows is not None else stage.kept_rows
+        kept_rows = rows * (2 if self.first else 3) // 2 if rows else None
+        self.seats = Seats(stage, cfg.n_seq_max, kept_rows, self.counters)
+        self.stepper = Stepper(stage, self.seats, self.clock, self.counters, self.last)
+        self.work: collections.deque[Work] = collections.deque()
+        #: Tokens one request may span: the runner's KV room per request, but never
+        #: past what the model was trained for (positions beyond it are garbage).
+        self.n_ctx = min(cfg.n_ctx, stage.n_ctx_train or cfg.n_ctx)
+        self.prompts = Prompts(stage, template) if self.first else None
+        self.output = Output(stage, self.n_ctx, cfg.model_path, links) if self.last else None
+        #: Stage 0: drafts from a draft model's runner, when the node names one.
+        self.drafts = DraftClient(cfg.instance, links.send)
+        self.spec = Speculation(cfg, self.n_ctx, stage.n_vocab, self.drafts, self.work.append)
+        self.requests = Requests(self.seats, links, self.drafts)
+        self.reqs = self.requests.held
+        #: A whole-model stage: drafts for other models' requests (it may be a draft
+        #: model; see meshd.engines.draft_model).
+        self.draft_server = (
+            DraftServer(stage, self.n_ctx, self.seats.take, self.seats.free.append, links.send)
+            if self.first and self.last and stage.generative
+            else None
+        )
+        self.seats.drafting = self.draft_server
+
+    def report_load(self) -> None:
+        """Tell the supervisor how many requests hold KV here (it shows in the heartbeat)."""
+        ds = self.draft_server
+        emit(Load(active=len(self.reqs), layer_ms=round(self.clock.ms, 4),
+                  proposed=ds.proposed if ds is not None else 0))  # fmt: skip
+
+    # -- messages ----------------------------------------------------------------------
+    def handle(self, msg: wire.Message, raw: list[zmq.Frame]) -> None:
+        """Act on one data-plane message (``raw``: the frames after its header)."""
+        if isinstance(msg, wire.Generate):
+            self.on_generate(msg)
+        elif isinstance(msg, wire.Activation):
+            self.on_activation(msg, raw)
+        elif isinstance(msg, wire.Token):
+            self.on_token(msg)
+        elif isinstance(msg, wire.Release):
+            self.on_release(msg)
+        elif isinstance(msg, wire.Propose):
+            if self.draft_server is None or msg.instance != self.cfg.instance:
+                self.counters.drop("wrong_stage")
+            else:
+                self.draft_server.ask(msg)
+        elif isinstance(msg, wire.Proposal):
+            if msg.instance != self.cfg.instance:
+                self.counters.drop("wrong_instance")
+            else:
+                self.spec.on_proposal(self.reqs.get(msg.req), msg)
+        else:
+            self.counters.drop("unexpected")
+
+    def on_generate(self, g: wire.Generate) -> None:
+        """Stage 0: a new request, admitted now, queued for a sequence, or refused."""
+        if g.instance != self.cfg.instance or not self.first:
+            self.links.fail(g.reply_to, g.req, "wrong_stage",
+                            "this runner is not stage 0 of the instance")  # fmt: skip
+        elif g.generation != self.generation:
+            self.refuse_generation(g)
+        elif g.req in self.requests.cancelled:
+            self.counters.drop("cancelled")
+        elif self.seats.has_room():
+            self.admit(capped(g, self.cfg.max_tokens))
+        elif len(self.requests.waiting) >= MAX_WAITING_PER_SEQ * self.cfg.n_seq_max:
+            self.links.fail(g.reply_to, g.req, "overloaded", "stage 0 has too many queued")
+        else:
+            self.requests.waiting.append(capped(g, self.cfg.max_tokens))
+
+    def on_activation(self, a: wire.Activation, raw: list[zmq.Frame]) -> None:
+        """A later stage: hidden rows of a request's step (its first brings ``start``)."""
+        if a.instance != self.cfg.instance:
+            self.counters.drop("wrong_instance")
+            return
+        if self.first:  # stage 0 takes tokens, never hidden rows
+            self.counters.drop("wrong_stage")
+            return
+        r = self.reqs.get(a.req)
+        if a.generation != self.generation:
+            self.counters.drop("generation_mismatch")
+            reply_to = r.reply_to if r else (a.start.reply_to if a.start else None)
+            if reply_to is not None:
+                self.links.fail(reply_to, a.req, "generation_mismatch",
+                                "plan changed during the request")  # fmt: skip
+            if r is not None:
+                self.release(r.req, "cancel")  # it cannot go on: free its KV here and on
+            return
+        if len(raw) != 1 or a.hidden != self.stage.hidden_size or len(a.draft) > a.rows:
+            self.counters.drop("bad_tensor")
+            return
+        try:
+            hidden = decode_rows(raw[0].buffer, a.dtype, a.rows, a.hidden)
+        except TensorError:
+            self.counters.drop("bad_tensor")
+            return
+        if r is None:
+            r = self.join(a)
+            if r is None:
+                return
+        r.last_active = time.monotonic()
+        r.spec = r.spec or bool(a.draft)
+        self.work.append(Work(a.req, a.pos, hidden=hidden, start=a.start, compute=a.compute,
+                              draft=a.draft, draft_by=a.draft_by, epoch=a.epoch))  # fmt: skip
+
+    def join(self, a: wire.Activation) -> Request | None:
+        """A later stage: seat the request ``a`` starts (None: it is not taken)."""
+        s = a.start
+        if s is None:
+            self.counters.drop("unknown_request")
+            return None
+        if a.req in self.requests.cancelled:
+            # Its cancel came first (straight from the API node): never admit it.
+            self.counters.drop("cancelled")
+            return None
+        try:
+            r = join(a, s, self.seats)
+        except Refused as e:
+            if e.code == "prefix_miss":
+                # Stage 0 forgets that prefix, so the replay and later requests compute.
+                self.links.fail(s.reply_to, a.req, e.code, f"stage {self.cfg.stage} {e.message}")
+                self.links.release(s.route[0], a.req, "prefix_miss")
+            else:
+                self.links.fail(s.reply_to, a.req, e.code, e.message)
+            return None
+        self.reqs[a.req] = r
+        self.report_load()
+        return r if self.start_output(r, s.resume) else None
+
+    def on_token(self, t: wire.Token) -> None:
+        """Stage 0: the last stage's word on a request's step."""
+        r = self.reqs.get(t.req)
+        if t.generation != self.generation:
+            self.counters.drop("generation_mismatch")
+            if r is not None:
+                self.links.fail(r.reply_to, r.req, "generation_mismatch",
+                                "plan changed during the request")  # fmt: skip
+                self.release(t.req, "cancel")
+        elif r is None:
+            self.counters.drop("unknown_request")
+        else:
+            r.last_active = time.monotonic()
+            self.spec.on_token(r, t)
+
+    def on_release(self, m: wire.Release) -> None:
+        """A request is over (or, from another instance, a draft it asked of this one)."""
+        if m.instance == self.cfg.instance:
+            self.release(m.req, m.reason, m.n_kv)
+        elif self.draft_server is not None and self.draft_server.release(m.req):
+            # A target's stage 0 done with a request this runner drafted for.
+            self.admit_waiting()
+
+    # -- admission ---------------------------------------------------------------------
+    def refuse_generation(self, g: wire.Generate) -> None:
+        """End ``g`` with a typed error: it names another plan generation."""
+        self.links.fail(
+            g.reply_to, g.req, "generation_mismatch",
+            f"plan generation {g.generation} != runner generation {self.generation}",
+        )  # fmt: skip
+
+    def admit(self, g: wire.Generate) -> None:
+        """Stage 0: take ``g`` (see :func:`.admission.admit`) and queue its prompt."""
+        assert self.prompts is not None  # stage 0
+        try:
+            got = admit(g, self.prompts, self.seats, self.cfg, self.n_ctx)
+        except Refused as e:
+            self.links.fail(g.reply_to, g.req, e.code, e.message)
+            return
+        if not isinstance(got, Admitted):
+            # Counted, not run: nothing is allocated, so nothing needs releasing.
+            self.links.chunk(g.reply_to, wire.DataChunk(
+                req=g.req, n_prompt=got, finish_reason="stop", usage=wire.Usage(got, 0)
+            ))  # fmt: skip
+            return
+        r = got.request
+        if got.speculate:
+            self.spec.start(r)
+        self.reqs[g.req] = r
+        self.report_load()
+        fmt = self.prompts.tool_format if g.tools else None
+        self.links.chunk(g.reply_to, wire.DataChunk(
+            req=g.req, n_prompt=r.n_prompt, tool_format=fmt, n_cached=r.n_cached
+        ))  # fmt: skip
+        if self.start_output(r, got.start.resume):
+            self.work.extend(got.work)
+
+    def start_output(self, r: Request, resume: list[int]) -> bool:
+        """The last stage: ``r``'s sampling state; False when ``r`` ended instead."""
+        if self.output is None or r.embed:
+            return True
+        try:
+            self.output.init(r, resume)
+        except ValueError as e:  # stage 0 checks sampling; grammars compile here
+            self.links.fail(r.reply_to, r.req, "bad_sampling", str(e))
+            self.release(r.req, "cancel")
+            return False
+        return True
+
+    def admit_waiting(self) -> None:
+        """Admit queued requests while slots are free."""
+        waiting = self.requests.waiting
+        while waiting and self.seats.has_room():
+            g = waiting.popleft()
+            if g.generation != self.generation:
+                self.refuse_generation(g)  # the plan moved on while it waited
+            else:
+                self.admit(g)
+
+    # -- compute -----------------------------------------------------------------------
+    def step(self) -> None:
+        """One engine call over every request that has work queued (one item each)."""
+        batch = take_batch(self.work, self.reqs, self.first or self.last, self.counters)
+        if self.output is not None:
+            # Embeddings run apart (a context of their own, every row out), together.
+            embeds = [(self.reqs[w.req], w) for w in batch if self.reqs[w.req].embed]
+            if embeds:
+                batch = [w for w in batch if not self.reqs[w.req].embed]
+                for (r, _), ended in zip(embeds, self.output.embed(embeds), strict=True):
+                    self.end(r, ended)
+        if not batch:
+            return
+        ran = self.stepper.run(batch, self.reqs)
+        if ran.news:
+            self.report_load()
+        for d in ran.done:
+            self.finish(d)
+        for d in self.stepper.follow(ran, self.reqs):
+            self.finish(d)
+
+    def finish(self, d: Done) -> None:
+        """Send a step's output on: hidden rows to the next stage, or what the last
+        stage made of them; a step the engine refused ends its request."""
+        w = d.work
+        r = self.reqs[w.req]
+        if d.out is None:
+            self.links.fail(r.reply_to, r.req, "bad_input", f"stage {self.cfg.stage}: {d.error}")
+            self.release(r.req, "cancel")
+            return
+        r.last_active = time.monotonic()
+        compute = [*w.compute, d.spent]
+        if self.output is None:
+            rows = encode_rows(d.out, self.cfg.send_dtype)
+            act = wire.Activation(
+                req=r.req, instance=self.cfg.instance, generation=self.generation,
+                pos=w.pos, rows=rows.shape[0], hidden=rows.shape[1], start=w.start,
+                compute=compute, dtype=self.cfg.send_dtype, draft=w.draft,
+                draft_by=w.draft_by, epoch=w.epoch,
+            )  # fmt: skip
+            self.links.send(r.route[self.cfg.stage + 1], act, memoryview(rows))
+            return
+        nxt = self.output.after(r, w, d.out, compute)
+        if isinstance(nxt, Ended):
+            self.end(r, nxt)
+        elif nxt is not None:
+            self.feed_back(r, *nxt)
+
+    def feed_back(self, r: Request, tok: int, pos: int) -> None:
+        """Send the token just drawn to stage 0 (or queue it here), to run at ``pos``:
+        a restart, which ends every step sent after the one it came from."""
+        r.epoch += 1
+        if self.first:
+            self.spec.feed(r, tok, pos)
+        else:
+            self.links.token(r.route[0], r.req, self.generation, tok, pos, r.epoch)
+
+    # -- ending ------------------------------------------------------------------------
+    def end(self, r: Request, e: Ended) -> None:
+        """End ``r`` as the last stage said: its last chunk (or error), then its
+        release. The release message goes at once and the chunk at the next flush, so
+        stage 0 keeps the answer's KV before the client's next turn can reach it."""
+        if e.error is not None:
+            self.links.fail(r.reply_to, r.req, *e.error)
+        elif e.chunk is not None:
+            self.links.chunk(r.reply_to, e.chunk)
+        self.release(r.req, e.reason, e.n_kv)
+
+    def release(self, req: str, reason: str, n_kv: int = -1) -> None:
+        """Free ``req`` here and pass the release down the chain (see
+        :meth:`Requests.release`); a freed seat goes to the next request waiting."""
+        if self.requests.release(req, reason, n_kv) is not None:
+            self.report_load()
+            self.admit_waiting()
+
+    def set_generation(self, generation: int) -> None:
+        """Adopt a new plan generation and free every request of another one.
+
+        Their pipelines are gone (a repair replaced a stage) or will be refused at the
+        next hop anyway; waiting for them would hold their KV forever when the stage
+        that should cancel them died. Each stage hears the new generation from its
+        own node, so nothing is forwarded.
+        """
+        self.generation = generation
+        emit(GenerationAdopted(value=generation))
+        # A stage of the new plan may be new: it holds none of the kept prefixes.
+        self.seats.drop_all_kept()
+        stale = [r for r in self.reqs.values() if r.generation != generation]
+        for r in stale:
+            self.links.fail(r.reply_to, r.req, "generation_mismatch",
+                            "plan changed during the request")  # fmt: skip
+            self.requests.free(r)
+        if stale:
+            self.report_load()
+            self.counters.superseded += len(stale)
+            log.info("plan generation %d: freed %d older request(s)", generation, len(stale))
+        waiting = self.requests.waiting
+        for g in [g for g in waiting if g.generation != generation]:
+            waiting.remove(g)
+            self.refuse_generation(g)
+        self.admit_waiting()
