@@ -38,6 +38,8 @@ ROUTES = [
     Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
     Route("/v1/instances", instances.list_instances, methods=["GET"]),
     Route("/v1/instances", instances.create_instance, methods=["POST"]),
+    # Before /v1/instances/{instance_id}, which would take "stream" for an id.
+    Route("/v1/instances/stream", instances.stream_instances, methods=["GET"]),
     Route("/v1/instances/{instance_id}", instances.get_instance, methods=["GET"]),
     Route("/v1/instances/{instance_id}", instances.delete_instance, methods=["DELETE"]),
     Route("/v1/members", members.list_members, methods=["GET"]),

@@ -1,35 +1,53 @@
-"""``/v1/instances``: place, list and remove model instances."""
+"""``/v1/instances``: place, list, watch and remove model instances.
+
+Every answer about an instance is an :class:`~.instance_view.InstanceView`: the node's
+own view of it. ``GET /v1/instances/stream`` sends the whole list as Server-Sent
+Events: one at once, then a new one whenever it changed (woken by the node's
+``Changes`` signal, and looking again every ``STREAM_REFRESH_S`` for the figures that
+heartbeats move), at most one every ``STREAM_MIN_INTERVAL_S``, with a keep-alive
+comment after ``STREAM_KEEPALIVE_S`` of quiet.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from meshd.crdt.views import Instance, InstanceSpec
-from meshd.node.cluster import ClusterView, StageState
-from meshd.placement import instance_context
+from meshd.crdt.views import InstanceSpec
 from meshd.placement.place import KV_CACHE_TYPES
 from meshd.transport.tensors import ACTIVATION_DTYPES
 
 from .bodies import parse_body
 from .errors import ApiError, node_error
-from .services import context
+from .instance_view import InstanceList, instance_list, instance_view
+from .services import Services, context
+from .sse import SSE_KEEPALIVE, sse_data, sse_response
 
 __all__ = [
     "PlaceRequest",
     "create_instance",
     "delete_instance",
     "get_instance",
-    "instance_view",
+    "instance_snapshots",
     "list_instances",
+    "stream_instances",
 ]
 
 
 #: Replicas one POST /v1/instances may place.
 MAX_REPLICAS = 8
+#: The stream sends a new list at most this often (a burst of changes is one event).
+STREAM_MIN_INTERVAL_S = 0.5
+#: ... and looks again at least this often: speeds move with every heartbeat, which
+#: does not wake ``Changes`` (only a change of topology or state does).
+STREAM_REFRESH_S = 2.0
+#: A quiet stream sends a comment this often, so proxies keep the connection.
+STREAM_KEEPALIVE_S = 15.0
 
 
 class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -75,59 +93,6 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError("engines must name one engine per entry of nodes")
 
 
-def _fetch_fields(s: StageState) -> dict[str, float]:
-    return {"fetched": s.fetched, "fetch_total": s.fetch_total, "fetch_rate": s.fetch_rate}
-
-
-def _draft_id(view: ClusterView, inst: Instance) -> str | None:
-    got = view.draft_for(inst)
-    return got[0].id if got else None
-
-
-def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {}) -> dict:
-    """The JSON shape of one instance (``load``: requests this node runs on each)."""
-    states = view.stage_states(inst)
-    # Nodes left out of this instance for good, and why (durable: from the nodes'
-    # heartbeats, which keep a given-up runner after the stage moved away).
-    excluded = [
-        {"node": nid, "stage": r.stage, "generation": r.generation, "reason": r.reason}
-        for nid, r in view.gave_up_on(inst).items()
-    ]
-    unrepairable = view.unrepairable(inst)
-    return {
-        "id": inst.id,
-        "model": inst.spec.model,
-        "generation": inst.generation,
-        "activations": inst.spec.activations,
-        "context": instance_context(inst),
-        "kv_cache": inst.spec.kv_cache,
-        #: The instance drafting for it now (speculative decoding), if any.
-        "draft": _draft_id(view, inst),
-        #: The default of its requests that do not say ``speculate`` (null: meshd's).
-        "speculate": inst.spec.speculate,
-        #: Requests the answering node's API runs on this instance now.
-        "in_flight": load.get(inst.id, 0),
-        #: One request's decode tokens/s: placement's prediction from its nodes'
-        #: measured speeds and links, and what the API nodes measured (0: not yet).
-        "predicted_tokens_s": view.predicted_tokens_s(inst),
-        "measured_tokens_s": view.measured_tokens_s(inst),
-        "stages": [
-            {
-                "node": st.node,
-                "start": st.start,
-                "end": st.end,
-                "engine": st.engine,
-                "state": s.state,
-                **({"reason": s.reason} if s.reason else {}),
-                **(_fetch_fields(s) if s.state == "fetching" else {}),
-            }
-            for st, s in zip(inst.stages, states, strict=True)
-        ],
-        **({"excluded": excluded} if excluded else {}),
-        **({"unrepairable": unrepairable} if unrepairable else {}),
-    }
-
-
 async def create_instance(request: Request) -> Response:
     """``POST /v1/instances``: place a model as asked."""
     body = await parse_body(request, PlaceRequest)
@@ -156,17 +121,48 @@ async def create_instance(request: Request) -> Response:
         raise err from None
     view, load = services.view(), services.instance_load()
     if body.replicas == 1:
-        return JSONResponse(instance_view(view, placed[0], load), status_code=201)
+        return _json(instance_view(view, placed[0], load), status_code=201)
     data = [instance_view(view, i, load) for i in placed]
-    return JSONResponse({"object": "list", "data": data}, status_code=201)
+    return _json(InstanceList(data=data), status_code=201)
 
 
 async def list_instances(request: Request) -> Response:
-    """``GET /v1/instances``."""
+    """``GET /v1/instances``: every instance, as this node sees it."""
     services = context(request).services
-    view, load = services.view(), services.instance_load()
-    insts = sorted(view.instances.values(), key=lambda i: i.id)
-    return JSONResponse({"object": "list", "data": [instance_view(view, i, load) for i in insts]})
+    return _json(instance_list(services.view(), services.instance_load()))
+
+
+async def stream_instances(request: Request) -> Response:
+    """``GET /v1/instances/stream``: the list of ``GET /v1/instances`` as Server-Sent
+    Events, at once and then at every change (see the module doc)."""
+    return sse_response(instance_snapshots(context(request).services))
+
+
+async def instance_snapshots(
+    services: Services, clock: Callable[[], float] = time.monotonic
+) -> AsyncIterator[bytes]:
+    """The events of the stream: a ``data:`` event with the list whenever it differs
+    from the one sent last, or a keep-alive comment after a quiet spell; until the
+    client goes or the node drains."""
+    last, sent_at = b"", clock()
+    while True:
+        event = sse_data(instance_list(services.view(), services.instance_load()))
+        now = clock()
+        fresh = event != last
+        if fresh:
+            last, sent_at = event, now
+            yield event
+        elif now - sent_at >= STREAM_KEEPALIVE_S:
+            sent_at = now
+            yield SSE_KEEPALIVE
+        if services.draining:
+            return  # the node is stopping: its watchers go on with another node
+        if fresh:
+            # Bounded rate; the list is read again right after, so a change made
+            # meanwhile is sent then, not lost.
+            await asyncio.sleep(STREAM_MIN_INTERVAL_S)
+        else:
+            await services.changed(STREAM_REFRESH_S)
 
 
 async def get_instance(request: Request) -> Response:
@@ -177,7 +173,7 @@ async def get_instance(request: Request) -> Response:
     inst = view.instances.get(iid)
     if inst is None:
         raise _no_instance(iid)
-    return JSONResponse(instance_view(view, inst, services.instance_load()))
+    return _json(instance_view(view, inst, services.instance_load()))
 
 
 async def delete_instance(request: Request) -> Response:
@@ -186,6 +182,10 @@ async def delete_instance(request: Request) -> Response:
     if not context(request).services.remove(iid):
         raise _no_instance(iid)
     return JSONResponse({"id": iid, "object": "instance", "deleted": True})
+
+
+def _json(body: msgspec.Struct, status_code: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code, media_type="application/json")
 
 
 def _no_instance(iid: str) -> ApiError:

@@ -50,6 +50,10 @@ class Services(Protocol):
         """This node's own vitals (``GET /healthz``)."""
         ...
 
+    async def changed(self, timeout: float) -> bool:
+        """Until the cluster changes (True) or ``timeout`` seconds pass (False)."""
+        ...
+
     def sync_metrics(self) -> None:
         """Bring gauges kept elsewhere into :attr:`metrics` (before a scrape)."""
         ...

@@ -1,10 +1,14 @@
 """``meshctl top``: a live view of the cluster as one node sees it.
 
-``render`` is pure: it turns the JSON of ``GET /v1/cluster`` (and the nodes waiting for
-approval, from ``GET /v1/members``) into a rich renderable and reads no clock and no
-network, so it can be tested with literal dicts. ``run_top`` fetches and draws, once or
-in a ``rich.live.Live`` loop; on a terminal, the keys 1-9 approve the waiting node of
-that number and q quits.
+``render`` is pure: it turns the JSON of ``GET /v1/cluster`` (the nodes: cards,
+heartbeats, liveness), of ``GET /v1/instances`` (each instance as the node itself sees
+it: stage states, exclusions and their reasons, speeds; see
+``meshd.api.instance_view``) and the nodes waiting for approval (``GET /v1/members``)
+into a rich renderable, and reads no clock and no network, so it can be tested with
+literal dicts. It shows what the node says and derives no rule of its own: whether a
+stage is ready, why a node is left out of an instance, how fast it runs are the node's
+answers. ``run_top`` fetches and draws, once or in a ``rich.live.Live`` loop; on a
+terminal, the keys 1-9 approve the waiting node of that number and q quits.
 
 Fields a node omits (msgspec ``omit_defaults``) or a ``null`` health are shown as ``-``;
 a malformed field never raises.
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
 LIVENESS_STYLE = {"alive": "green", "suspect": "yellow", "dead": "red", "left": "dim"}
 RUNNER_STYLE = {
     "ready": "green", "fetching": "cyan", "loading": "yellow", "failed": "red", "stopped": "dim",
+    "pending": "dim", "unavailable": "red",
 }  # fmt: skip
 GIB = 1024**3
 BAR_WIDTH = 10
@@ -90,18 +95,6 @@ def _names(cluster: Mapping[str, Any]) -> dict[str, str]:
 # ---------------------------------------------------------------- speed
 
 
-def _weighted(pairs: list[tuple[float, float]]) -> float | None:
-    """The mean of ``(value, weight)`` pairs weighted by the weight (plain mean when
-    every weight is 0); None for no pairs with a value."""
-    pairs = [(v, w) for v, w in pairs if v]
-    if not pairs:
-        return None
-    total = sum(w for _, w in pairs)
-    if total <= 0:
-        return sum(v for v, _ in pairs) / len(pairs)
-    return sum(v * w for v, w in pairs) / total
-
-
 def node_speed(node: Mapping[str, Any]) -> dict[str, float]:
     """A node's ``tokens_s`` (what its API streams now) and ``in_flight`` requests."""
     health = _dict(node.get("health"))
@@ -110,58 +103,18 @@ def node_speed(node: Mapping[str, Any]) -> dict[str, float]:
     return {"tokens_s": tps, "in_flight": sum(_num(v.get("in_flight")) or 0 for v in serving)}
 
 
-def instance_speed(cluster: Mapping[str, Any], inst: Mapping[str, Any]) -> dict[str, Any]:
-    """One instance's figures over the last minute, added up over every node that sent
-    it requests: tokens/s and requests in flight (sums), queue depth (requests holding
-    KV on stage 0), time to first token, between tokens, per stage and per hop (medians
-    each node measured, weighted by its tokens/s). Pure: reads the cluster JSON only."""
-    model = str(_dict(inst.get("spec")).get("model") or "")
-    iid = str(inst.get("id") or "")
-    per_node = []
-    queue = 0
-    stages = [_dict(s) for s in _list(inst.get("stages"))]
-    first = str(stages[0].get("node")) if stages else ""
-    for node in map(_dict, _list(cluster.get("nodes"))):
-        health = _dict(node.get("health"))
-        m = _dict(_dict(health.get("serving")).get(model))
-        if m:
-            per_node.append(m)
-        if str(node.get("id")) == first:
-            queue = sum(
-                int(_num(r.get("active")) or 0)
-                for r in map(_dict, _list(health.get("runners")))
-                if r.get("instance") == iid and r.get("stage", 0) == 0
-            )
-
-    def med(key: str) -> float | None:
-        return _weighted([(_num(m.get(key)) or 0.0, _num(m.get("tokens_s")) or 0.0)
-                          for m in per_node])  # fmt: skip
-
-    stage_ms = []
-    for i in range(len(stages)):
-        stage_ms.append(_weighted([
-            (float(_list(m.get("stage_ms"))[i]), _num(m.get("tokens_s")) or 0.0)
-            for m in per_node
-            if len(_list(m.get("stage_ms"))) > i and _num(_list(m.get("stage_ms"))[i])
-        ]))  # fmt: skip
-    return {
-        "tokens_s": round(sum(_num(m.get("tokens_s")) or 0.0 for m in per_node), 2),
-        "in_flight": int(sum(_num(m.get("in_flight")) or 0 for m in per_node)),
-        "queue": queue,
-        "ttft_ms": med("ttft_ms"),
-        "itl_ms": med("itl_ms"),
-        "hop_ms": med("hop_ms"),
-        "stage_ms": stage_ms,
-    }
-
-
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f} ms" if v >= 100 else f"{v:.1f} ms"
 
 
-def snapshot(cluster: Mapping[str, Any]) -> dict[str, Any]:
+def _sorted_instances(instances: Any) -> list[Mapping[str, Any]]:
+    return sorted(map(_dict, _list(instances)), key=lambda i: str(i.get("id")))
+
+
+def snapshot(cluster: Mapping[str, Any], instances: Any) -> dict[str, Any]:
     """What ``top`` shows, for machines (``meshctl top --json``): every node's liveness
-    and speed, every instance's speed and stages."""
+    and speed (``GET /v1/cluster``), every instance's state, speed and stages (``data``
+    of ``GET /v1/instances``)."""
     names = _names(cluster)
     nodes = []
     for node in _sorted_nodes(cluster):
@@ -173,23 +126,23 @@ def snapshot(cluster: Mapping[str, Any]) -> dict[str, Any]:
             "decode_bps": health.get("decode_bps", 0.0), "rtt_ms": health.get("rtt_ms", {}),
             **node_speed(node),
         })  # fmt: skip
-    instances = []
-    for inst in sorted(map(_dict, _list(cluster.get("instances"))), key=lambda i: str(i.get("id"))):
-        speed = instance_speed(cluster, inst)
-        stage_ms = speed.pop("stage_ms")
+    out = []
+    for inst in _sorted_instances(instances):
         stages = [
-            {"node": st.get("node"), "name": names.get(str(st.get("node"))),
-             "start": st.get("start"), "end": st.get("end"), "engine": st.get("engine"),
-             "ms_per_token": stage_ms[i] if i < len(stage_ms) else None}
-            for i, st in enumerate(map(_dict, _list(inst.get("stages"))))
+            {k: st.get(k) for k in ("node", "name", "start", "end", "engine", "state",
+                                    "ms_per_token")}
+            for st in map(_dict, _list(inst.get("stages")))
         ]  # fmt: skip
-        instances.append({
-            "id": inst.get("id"), "model": _dict(inst.get("spec")).get("model"),
-            "generation": inst.get("generation"), **speed, "stages": stages,
-            "predicted_tokens_s": _predicted(cluster, inst),
+        out.append({
+            "id": inst.get("id"), "model": inst.get("model"),
+            "generation": inst.get("generation"), "state": inst.get("state"),
+            **_dict(inst.get("speed")), "stages": stages,
+            "predicted_tokens_s": inst.get("predicted_tokens_s"),
+            "measured_tokens_s": inst.get("measured_tokens_s"),
+            "excluded": _list(inst.get("excluded")),
         })  # fmt: skip
     return {"cluster": cluster.get("cluster"), "self": cluster.get("self"), "nodes": nodes,
-            "instances": instances}  # fmt: skip
+            "instances": out}  # fmt: skip
 
 
 # ---------------------------------------------------------------- cell formatters
@@ -238,12 +191,9 @@ def _age(seconds: float | None) -> str:
     return f"{seconds / 86400:.0f}d"
 
 
-def _runner_state(state: Any, generation: Any = None) -> Text:
+def _runner_state(state: Any) -> Text:
     word = str(state) if state else "?"
-    text = Text(word, style=RUNNER_STYLE.get(word, ""))
-    if generation is not None:
-        text.append(f" g{generation}", style="dim")
-    return text
+    return Text(word, style=RUNNER_STYLE.get(word, ""))
 
 
 def _lines(parts: Iterable[Text]) -> Text:
@@ -251,16 +201,10 @@ def _lines(parts: Iterable[Text]) -> Text:
     return Text("\n").join(parts) if parts else Text("-", style="dim")
 
 
-def _predicted(cluster: Mapping[str, Any], inst: Mapping[str, Any]) -> float:
-    """Placement's predicted tokens/s of one request of ``inst`` (0.0: not known)."""
-    return _num(_dict(cluster.get("predicted_tokens_s")).get(str(inst.get("id")))) or 0.0
-
-
-def _stream(pred: float, speed: Mapping[str, Any]) -> str:
-    """One request's tokens/s: placement's prediction, and what was measured (1000 /
-    the time between tokens): ``41/38``, ``-`` for a figure not known yet."""
-    itl = _num(speed.get("itl_ms")) or 0.0
-    real = 1000 / itl if itl > 0 else 0.0
+def _stream(pred: Any, real: Any) -> str:
+    """One request's tokens/s: placement's prediction, and what was measured:
+    ``41/38``, ``-`` for a figure not known yet."""
+    pred, real = _num(pred) or 0.0, _num(real) or 0.0
     return f"{f'{pred:.0f}' if pred else '-'}/{f'{real:.0f}' if real else '-'}"
 
 
@@ -455,76 +399,54 @@ def nodes_table(
     return FitTable("nodes", list(cols.values()), rows)
 
 
-def _fetch_note(r: Mapping[str, Any]) -> str:
+def _fetch_note(st: Mapping[str, Any]) -> str:
     """``37% of 49 MB, 20.5 MB/s``: how far a stage's weights fetch is."""
-    done, total = _num(r.get("fetched")) or 0, _num(r.get("fetch_total")) or 0
-    rate = _num(r.get("fetch_rate")) or 0.0
+    done, total = _num(st.get("fetched")) or 0, _num(st.get("fetch_total")) or 0
+    rate = _num(st.get("fetch_rate")) or 0.0
     if not total:
         return "(asking holders)"
     return f"{100 * done / total:.0f}% of {total / 1e6:.0f} MB, {rate / 1e6:.1f} MB/s"
 
 
-def _stage_state(node: Mapping[str, Any] | None, instance_id: str, generation: Any) -> Text:
-    """State of the runner that a stage's node reports for this instance's generation."""
-    if node is None:
-        return Text("unknown node", style="red")
-    health = _dict(node.get("health"))
-    runners = [_dict(r) for r in _list(health.get("runners"))]
-    mine = [r for r in runners if r.get("instance") == instance_id]
-    current = [r for r in mine if r.get("generation") == generation]
-    if current:
-        r = current[0]
-        text = _runner_state(r.get("state"))
-        if r.get("state") == "fetching":
-            text.append(f" {_fetch_note(r)}", style="cyan")
-        if r.get("reason"):
-            text.append(f" ({r['reason']})", style="dim")
-    elif mine:  # the node still runs another generation of the plan
-        r = max(mine, key=lambda r: _num(r.get("generation")) or 0)
-        text = _runner_state(r.get("state"), r.get("generation"))
-        text.append(" stale", style="dim")
-    else:
-        text = Text("pending", style="dim")
-    liveness = node.get("liveness")
+def stage_line(st: Mapping[str, Any]) -> Text:
+    """``studio[0:48) mlx ready 12.5 ms``: one stage of an instance view, as the node
+    states it (its runner's state and why, its node's liveness when not alive)."""
+    nid = str(st.get("node") or "?")
+    line = Text(str(st.get("name") or short_id(nid)))
+    line.append(f"[{st.get('start', '?')}:{st.get('end', '?')})")
+    if st.get("engine"):
+        line.append(f" {st['engine']}", style="cyan")
+    line.append(" ")
+    state = st.get("state")
+    line.append_text(_runner_state(state))
+    if state == "fetching":
+        line.append(f" {_fetch_note(st)}", style="cyan")
+    # An unavailable stage's reason only says its node is not live: its liveness
+    # below says how.
+    if st.get("reason") and state != "unavailable":
+        line.append(f" ({st['reason']})", style="dim")
+    liveness = st.get("liveness")
     if liveness and liveness != "alive":
-        text.append(f" (node {liveness})", style=LIVENESS_STYLE.get(str(liveness), ""))
-    return text
+        line.append(f" (node {liveness})", style=LIVENESS_STYLE.get(str(liveness), ""))
+    ms = _num(st.get("ms_per_token"))
+    if ms is not None:
+        line.append(f" {_ms(ms)}", style="magenta")
+    return line
 
 
-#: Reasons a node gives for a runner it will not restart (``meshd.node.supervisor``):
-#: placement leaves such a node out of the instance, and top says why.
-GIVEN_UP = ("crash loop", "model not available here")
+def excluded_line(x: Mapping[str, Any]) -> Text:
+    """``excluded tower (fetch failed: ...)``: a node the instance leaves out, and why."""
+    line = Text("excluded ", style="red")
+    line.append(str(x.get("name") or short_id(str(x.get("node") or "?"))), style="bold")
+    line.append(f" ({x.get('reason') or '?'})", style="dim")
+    return line
 
 
-def excluded_nodes(cluster: Mapping[str, Any], instance_id: str) -> list[tuple[str, str]]:
-    """``(node id, reason)`` of every node that gave up a runner of this instance.
-
-    Read from the nodes' heartbeats, which keep a given-up runner after its stage
-    moved away, so the reason stays visible after the repair.
-    """
-    out = []
-    for node in map(_dict, _list(cluster.get("nodes"))):
-        for r in map(_dict, _list(_dict(node.get("health")).get("runners"))):
-            reason = str(r.get("reason") or "")
-            if (
-                r.get("instance") == instance_id
-                and r.get("state") == "failed"
-                and reason.startswith(GIVEN_UP)
-            ):
-                out.append((str(node.get("id") or "?"), reason))
-                break
-    return out
-
-
-def instances_table(cluster: Mapping[str, Any]) -> FitTable:
-    """One row per placed instance: its speed over the last minute (tokens/s, requests
-    in flight, queue, median time to first token and between tokens), one line per
-    stage (``node[start:end) engine state`` and its ms per token) and the per-hop ms."""
-    names = _names(cluster)
-    by_id = {str(_dict(n).get("id")): _dict(n) for n in _list(cluster.get("nodes"))}
-    instances = sorted(
-        (_dict(i) for i in _list(cluster.get("instances"))), key=lambda i: str(i.get("id"))
-    )
+def instances_table(instances: Any) -> FitTable:
+    """One row per placed instance of ``GET /v1/instances``: its speed over the last
+    minute (tokens/s, requests in flight, queue, median time to first token and between
+    tokens), one line per stage (``node[start:end) engine state`` and its ms per
+    token), the per-hop ms, and the nodes it leaves out with their reasons."""
     columns = [
         Column("id", 0, style="bold"),
         Column("model", 0, no_wrap=False),
@@ -538,48 +460,32 @@ def instances_table(cluster: Mapping[str, Any]) -> FitTable:
         Column("stages (ms/token)", 0, no_wrap=False),
     ]
     rows = []
-    for inst in instances:
-        iid = str(inst.get("id") or "?")
-        generation = inst.get("generation", 1)
-        speed = instance_speed(cluster, inst)
-        stages = []
-        for i, st in enumerate(map(_dict, _list(inst.get("stages")))):
-            nid = str(st.get("node") or "?")
-            line = Text(names.get(nid) or short_id(nid))
-            line.append(f"[{st.get('start', '?')}:{st.get('end', '?')})")
-            if st.get("engine"):
-                line.append(f" {st['engine']}", style="cyan")
-            line.append(" ")
-            line.append_text(_stage_state(by_id.get(nid), iid, generation))
-            ms = speed["stage_ms"][i] if i < len(speed["stage_ms"]) else None
-            if ms is not None:
-                line.append(f" {_ms(ms)}", style="magenta")
-            stages.append(line)
-        if speed["hop_ms"] is not None:
-            stages.append(Text(f"hop {_ms(speed['hop_ms'])}", style="dim magenta"))
-        for nid, reason in excluded_nodes(cluster, iid):
-            line = Text("excluded ", style="red")
-            line.append(names.get(nid) or short_id(nid), style="bold")
-            line.append(f" ({reason})", style="dim")
-            stages.append(line)
-        model = str(_dict(inst.get("spec")).get("model") or "?")
+    insts = _sorted_instances(instances)
+    for inst in insts:
+        speed = _dict(inst.get("speed"))
+        lines = [stage_line(st) for st in map(_dict, _list(inst.get("stages")))]
+        hop = _num(speed.get("hop_ms"))
+        if hop is not None:
+            lines.append(Text(f"hop {_ms(hop)}", style="dim magenta"))
+        lines += [excluded_line(x) for x in map(_dict, _list(inst.get("excluded")))]
         rows.append([
-            Text(iid), Text(model), Text(str(generation)),
-            Text(f"{speed['tokens_s']:.1f}"), Text(str(speed["in_flight"])),
-            Text(str(speed["queue"])), Text(_ms(speed["ttft_ms"])),
-            Text(_ms(speed["itl_ms"])), Text(_stream(_predicted(cluster, inst), speed)),
-            _lines(stages),
+            Text(str(inst.get("id") or "?")), Text(str(inst.get("model") or "?")),
+            Text(str(inst.get("generation", "?"))),
+            Text(f"{_num(speed.get('tokens_s')) or 0.0:.1f}"),
+            Text(str(int(_num(speed.get("in_flight")) or 0))),
+            Text(str(int(_num(speed.get("queue")) or 0))),
+            Text(_ms(_num(speed.get("ttft_ms")))), Text(_ms(_num(speed.get("itl_ms")))),
+            Text(_stream(inst.get("predicted_tokens_s"), inst.get("measured_tokens_s"))),
+            _lines(lines),
         ])  # fmt: skip
-    return FitTable(
-        "instances", columns, rows, caption=None if instances else "no instances placed"
-    )
+    return FitTable("instances", columns, rows, caption=None if insts else "no instances placed")
 
 
-def header(cluster: Mapping[str, Any]) -> Text:
+def header(cluster: Mapping[str, Any], instances: Any) -> Text:
     """``cluster home · 2/3 nodes alive · 1 instance · via mini (1a2b3c4d)``."""
     nodes = [_dict(n) for n in _list(cluster.get("nodes"))]
     alive = sum(1 for n in nodes if n.get("liveness") == "alive")
-    n_inst = len(_list(cluster.get("instances")))
+    n_inst = len(_list(instances))
     me = str(cluster.get("self") or "")
     me_name = _names(cluster).get(me)
 
@@ -619,17 +525,20 @@ def pending_table(pending: list[Mapping[str, Any]]) -> Table:
 
 def render(
     cluster: Mapping[str, Any],
+    instances: Any,
     now_ms: int | None = None,
     pending: list[Mapping[str, Any]] | None = None,
 ) -> RenderableType:
-    """The whole ``top`` frame for one ``GET /v1/cluster`` answer, and the nodes waiting
-    for approval (the ``pending`` list of ``GET /v1/members``) when there are any.
+    """The whole ``top`` frame for one ``GET /v1/cluster`` answer and the ``data`` of one
+    ``GET /v1/instances`` answer, and the nodes waiting for approval (the ``pending``
+    list of ``GET /v1/members``) when there are any.
 
     Pure: ``now_ms`` (wall clock, ms) is only used for node uptimes, shown as ``-`` when
     it is None.
     """
     parts: list[RenderableType] = [
-        header(cluster), Text(), nodes_table(cluster, now_ms), Text(), instances_table(cluster)
+        header(cluster, instances), Text(), nodes_table(cluster, now_ms), Text(),
+        instances_table(instances),
     ]  # fmt: skip
     if pending:
         parts += [Text(), pending_table(pending)]
@@ -658,6 +567,13 @@ def error_panel(error: Exception, base_url: str, last_ok: float | None, now: flo
     return Panel(body, title=f"meshd node {base_url}", title_align="left", border_style="red")
 
 
+def fetch_view(client: NodeClient) -> tuple[dict[str, Any], list[Any]]:
+    """What a frame shows: the cluster's nodes (``GET /v1/cluster``) and the node's
+    view of every instance (``GET /v1/instances``)."""
+    cluster = client.cluster()
+    return cluster, _list(client.instances().get("data"))
+
+
 def waiting(client: NodeClient) -> list[Mapping[str, Any]]:
     """The nodes waiting for approval at ``client``'s node; none in an open cluster or
     when the node does not say (the cluster view must not fail for it)."""
@@ -671,7 +587,7 @@ def _frame(
     client: NodeClient, interval: float, pending: list[Mapping[str, Any]], status: str
 ) -> RenderableType:
     now = time.time()
-    cluster = client.cluster()
+    cluster, instances = fetch_view(client)
     pending[:] = waiting(client)
     keys = "1-9 approve · q or Ctrl-C to quit" if _keys_available() else "Ctrl-C to quit"
     footer = Text(
@@ -679,7 +595,7 @@ def _frame(
         f" · every {interval:g}s · {keys}",
         style="dim",
     )
-    parts: list[RenderableType] = [render(cluster, int(now * 1000), pending), footer]
+    parts: list[RenderableType] = [render(cluster, instances, int(now * 1000), pending), footer]
     if status:
         parts.append(Text(status, style="bold"))
     return Group(*parts)
@@ -749,11 +665,11 @@ def run_top(
     console = console or stdout_console()
     if as_json:
         # One JSON document, no markup: for scripts and monitors.
-        print(json.dumps(snapshot(client.cluster())), flush=True)
+        print(json.dumps(snapshot(*fetch_view(client))), flush=True)
         return 0
     if once:
-        cluster = client.cluster()
-        console.print(render(cluster, int(time.time() * 1000), waiting(client)))
+        cluster, instances = fetch_view(client)
+        console.print(render(cluster, instances, int(time.time() * 1000), waiting(client)))
         return 0
 
     last_ok: float | None = None

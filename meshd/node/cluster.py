@@ -50,15 +50,27 @@ from meshd.placement.resources import less_gpu
 from meshd.transport import wire
 from meshd.transport.identity import curve_public_of
 
+from .instance_status import (
+    INSTANCE_STATES,
+    InstanceSpeed,
+    StageState,
+    fetch_progress,
+    instance_state,
+    speed_of,
+)
+
 __all__ = [
     "CRASH_LOOP",
     "FETCH_FAILED",
+    "INSTANCE_STATES",
     "MODEL_MISSING",
     "REFUSED",
     "ClusterView",
+    "InstanceSpeed",
     "StageState",
     "fetch_progress",
     "gave_up",
+    "instance_state",
 ]
 
 #: Reason prefixes of a runner its node gave up on (it will not come back by itself).
@@ -75,38 +87,6 @@ def gave_up(status: RunnerStatus) -> bool:
     return status.state == "failed" and status.reason.startswith(
         (CRASH_LOOP, MODEL_MISSING, FETCH_FAILED, REFUSED)
     )
-
-
-@dataclass(frozen=True, slots=True)
-class StageState:
-    """What the cluster says about one stage of an instance."""
-
-    node: str
-    state: str
-    reason: str
-    addr: wire.Addr | None
-    #: While ``fetching``: bytes of the slice verified, of the total, bytes per second.
-    fetched: int = 0
-    fetch_total: int = 0
-    fetch_rate: float = 0.0
-
-
-def fetch_progress(states: list[StageState]) -> tuple[str, float]:
-    """How far the stages that fetch their slice are, in words, and the seconds the
-    slowest still needs at its rate (("", 0.0) when none fetches)."""
-    fetching = [s for s in states if s.state == "fetching"]
-    if not fetching:
-        return "", 0.0
-    done = sum(s.fetched for s in fetching)
-    total = sum(s.fetch_total for s in fetching)
-    rate = sum(s.fetch_rate for s in fetching)
-    eta = max(
-        ((s.fetch_total - s.fetched) / s.fetch_rate for s in fetching if s.fetch_rate > 0),
-        default=0.0,
-    )
-    if total <= 0:
-        return "asking the nodes that hold it", 0.0
-    return f"{done / 1e6:.1f} of {total / 1e6:.1f} MB at {rate / 1e6:.1f} MB/s", eta
 
 
 @dataclass(frozen=True)
@@ -270,8 +250,9 @@ class ClusterView:
         return all(s.state == "ready" and s.addr is not None for s in self.stage_states(inst))
 
     def gave_up_on(self, inst: Instance) -> dict[str, RunnerStatus]:
-        """Nodes whose runner for ``inst`` was given up (crash loop, model missing), with
-        that runner's status: its ``reason`` says why and when.
+        """Nodes whose runner for ``inst`` was given up (see :func:`gave_up`: crash loop,
+        model missing, fetch failed, refused), with that runner's status: its ``reason``
+        says why and when.
 
         The node keeps reporting a given-up runner in its heartbeat after the instance
         moved away (see ``Supervisor``), so the exclusion and its reason outlive the
@@ -377,6 +358,11 @@ class ClusterView:
             if (m := h.serving.get(inst.spec.model)) is not None and m.itl_ms > 0
         )
         return round(1000 / statistics.median(itls), 2) if itls else 0.0
+
+    def instance_speed(self, inst: Instance) -> InstanceSpeed:
+        """What every node whose API sent ``inst``'s model requests measured over the
+        last minute, added up (see :class:`InstanceSpeed`)."""
+        return speed_of(self.healths, inst)
 
     def _gpu_left(self, nodes: dict[str, NodeResources], skip: str) -> dict[str, NodeResources]:
         """``nodes`` with their GPUs' free memory less what the stages of every other

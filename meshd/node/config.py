@@ -173,6 +173,11 @@ class NodeConfig:
     #: Gossip messages and mesh requests a second one peer may send.
     peer_rate: float = gossip.PEER_RATE
 
+    @property
+    def cache_dir(self) -> Path:
+        """Where slices of models (cut here or fetched) and hashes are cached."""
+        return self.data_dir / "cache"
+
     def api_listen_host(self) -> str:
         """Where the API binds: as told, else all interfaces when a key guards it, else
         loopback (an unguarded API is never exposed by default)."""

@@ -56,6 +56,7 @@ from .roots import ModelRoots
 from .services import NodeServices
 from .state import ClusterState
 from .supervisor import Supervisor, decode_bps, tell_drafts
+from .supervisor_settings import SupervisorSettings
 from .tasks import Tasks
 from .twins import EXIT_ID_CLASH, Twins
 from .weights import Weights
@@ -458,7 +459,7 @@ async def _assemble(
     join_port = access.open_desk(
         ctx, state, cfg.name, cfg.mesh_host, join_port_of(gossip.mesh_port)
     )
-    cache_dir = cfg.data_dir / "cache"
+    cache_dir = cfg.cache_dir
     roots = ModelRoots(cfg.model_dirs, allowed=[cfg.model] if cfg.model else [])
     weights = Weights(
         ctx, state, roots, cache_dir=cache_dir, own_addresses=own,
@@ -466,23 +467,10 @@ async def _assemble(
     )  # fmt: skip
     supervisor = Supervisor(
         identity.node_id,
+        SupervisorSettings.from_config(cfg, memory=cap_memory(sysinfo.mem_total(), cfg.max_memory)),
         resolve_path=lambda m: roots.resolve(m).path,
-        cache_dir=cache_dir,
-        bind_host=cfg.mesh_host,
         on_status=lambda: node.presence.beat_soon(),
-        n_ctx=cfg.n_ctx,
-        n_seq_max=cfg.n_seq_max,
         keys=keys,
-        max_tokens=cfg.max_tokens,
-        max_runners=cfg.max_runners,
-        slice_cache=cfg.slice_cache,
-        memory=cap_memory(sysinfo.mem_total(), cfg.max_memory),
-        request_expiry=cfg.request_expiry,
-        stream_interval=cfg.stream_interval,
-        stop_grace=cfg.stop_grace,
-        max_restarts=cfg.max_restarts,
-        restart_window=cfg.restart_window,
-        restart_backoff=cfg.restart_backoff,
         fetch=weights.fetch,
         fetchable=weights.can_fetch,
     )

@@ -142,6 +142,11 @@ class NodeServices:
         """The cluster as of now."""
         return self._state.view()
 
+    async def changed(self, timeout: float) -> bool:
+        """Until the cluster changes (True: a card, an instance, a runner's state, a
+        liveness; see ``Changes``) or ``timeout`` seconds pass (False)."""
+        return await self._state.changes.wait(timeout)
+
     def vitals(self) -> Vitals:
         """This node's own vitals."""
         return Vitals(
@@ -169,9 +174,9 @@ class NodeServices:
             by_state[r.state] = by_state.get(r.state, 0) + 1
         for st in ("fetching", "loading", "ready", "failed"):
             self.metrics.runners.labels(st).set(by_state.get(st, 0))
-        for (iid, _), r in self._supervisor.runners.items():
-            if r.proposed:
-                self.metrics.proposed.labels(iid).set(r.proposed)
+        for (iid, _), runner in self._supervisor.runners.items():
+            if runner.proposed:
+                self.metrics.proposed.labels(iid).set(runner.proposed)
 
     async def instance_for(self, model: str, context: int = 0) -> Instance:
         """The ready instance serving ``model``, placing one if needed (with ``context``
@@ -286,7 +291,7 @@ class NodeServices:
             for sock, by in counts.items()
         }
         twins = [] if self._twins is None else list(self._twins.seen.values())
-        cache = cfg.data_dir / "cache"
+        cache = cfg.cache_dir
         disk = cache if cache.exists() else cfg.data_dir
         try:
             free: int | None = shutil.disk_usage(disk).free

@@ -12,14 +12,18 @@ by their stop grace. (A retired runner cannot serve the old plan's requests any
 longer anyway: its neighbours moved to the new generation and refuse the old one; the
 API node replays those requests on the new plan.)
 
-A runner that is given up (crash loop, model missing) is remembered after its stage
-moved away: the node keeps reporting it, ``failed`` with its reason, in its heartbeat
-until the instance is deleted or the node restarts. That is what keeps the node out
-of the instance's plans (``ClusterView.repairs``) and what the API and ``meshctl top``
-show as the reason.
+A runner that is given up (crash loop, model missing, fetch failed, refused) is
+remembered after its stage moved away: the node keeps reporting it, ``failed`` with
+its reason, in its heartbeat until the instance is deleted or the node restarts. That
+is what keeps the node out of the instance's plans (``ClusterView.repairs``) and what
+the API and ``meshctl top`` show as the reason.
 
 Slices of GGUF files cut for llama.cpp stages are cached in ``cache_dir``; after each
 reconcile the slices no desired stage uses are trimmed to ``slice_cache`` bytes.
+
+What the plans ask of this node (which stages, which it takes, the runner each needs)
+is decided by the pure functions of :mod:`.stage_runners`; the supervisor is
+configured by one :class:`~.supervisor_settings.SupervisorSettings`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
@@ -37,7 +41,6 @@ from statistics import fmean
 import msgspec
 
 from meshd.crdt.views import Instance, ModelFacts, RunnerStatus
-from meshd.engines.attention import pipeline_kept_rows
 from meshd.engines.protocol import (
     Failed,
     Listening,
@@ -52,28 +55,45 @@ from meshd.engines.protocol import (
     encode,
     runner_command,
 )
-from meshd.engines.threads import runner_env, runner_spincount, threads_per_runner
-from meshd.logs import configured
+from meshd.engines.threads import runner_env, runner_spincount
 from meshd.models.folder import folder_sha256
-from meshd.models.folder_slicing import folder_slice_dir
 from meshd.models.hashing import file_sha256
-from meshd.models.slicing import slice_path, trim_slices
-from meshd.placement import instance_context, node_vram, stage_offload
-from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
+from meshd.models.slicing import trim_slices
 from meshd.transport import wire
 from meshd.transport.security import ClusterKeys
 
 from .cluster import CRASH_LOOP, FETCH_FAILED, MODEL_MISSING, REFUSED, gave_up
-from .config import (
-    MAX_RESTARTS,
-    MAX_RUNNERS,
-    REQUEST_EXPIRY_S,
-    RESTART_BACKOFF_S,
-    RESTART_WINDOW_S,
-    SLICE_CACHE_BYTES,
-    STOP_GRACE_S,
-    STREAM_INTERVAL_S,
+from .stage_runners import (
+    Desired,
+    StageId,
+    StageKey,
+    admit,
+    desired_stages,
+    gpu_layers,
+    kept_prefix_rows,
+    runner_config,
+    send_dtype,
+    slice_to_fetch,
+    stage_key,
+    stage_slice,
+    undesired,
 )
+from .supervisor_settings import SupervisorSettings
+
+__all__ = [
+    "Fetch",
+    "RunnerProc",
+    "StageKey",
+    "Supervisor",
+    "SupervisorSettings",
+    "decode_bps",
+    "gpu_layers",
+    "is_placed_file",
+    "kept_prefix_rows",
+    "public_reason",
+    "send_dtype",
+    "tell_drafts",
+]
 
 log = logging.getLogger("meshd.supervisor")
 
@@ -82,24 +102,6 @@ log = logging.getLogger("meshd.supervisor")
 Fetch = Callable[[Instance, int, Path, Callable[[int, int, float], None]], Awaitable[object]]
 #: Fetch progress is pushed into the heartbeat at most this often.
 FETCH_BEAT_S = 1.0
-
-
-@dataclass(frozen=True)
-class StageKey:
-    """What makes two runners interchangeable (same weights, same place in the chain)."""
-
-    instance: str
-    stage: int
-    n_stages: int
-    start: int
-    end: int
-    model_path: str
-    engine: str = "llama_cpp"
-    #: Wire type of the activations sent on: it depends on the next stage's engine.
-    send_dtype: str = "f32"
-    #: Context per request the runner allocates (a repair may change it: see
-    #: ``placement.default_context``); 0 where it is not known yet.
-    n_ctx: int = 0
 
 
 @dataclass
@@ -153,14 +155,6 @@ def public_reason(reason: str) -> str:
     return _PATH.sub("<path>", reason)[:300]
 
 
-def stage_slice(cache_dir: Path, facts: ModelFacts, start: int, end: int) -> Path:
-    """Where this node keeps the slice of ``[start, end)`` a stage loads: a sub-GGUF
-    (cut here or fetched) or the folder of an MLX model's range (fetched)."""
-    if facts.format == "mlx":
-        return folder_slice_dir(cache_dir, facts.sha256, start, end)
-    return slice_path(cache_dir, facts.sha256, start, end)
-
-
 async def is_placed_file(
     path: str, facts: ModelFacts | None, cache_dir: Path, running: RunnerProc | None = None
 ) -> bool:
@@ -180,25 +174,6 @@ async def is_placed_file(
     return local == facts.sha256
 
 
-def slice_to_fetch(cache_dir: Path, inst: Instance, i: int) -> Path | None:
-    """Where stage ``i``'s slice goes when this node lacks the model and fetches it (a
-    sub-GGUF, or an MLX folder's range), else None (nothing to fetch it by)."""
-    facts = inst.facts
-    if facts is None or not facts.sha256:
-        return None
-    st = inst.stages[i]
-    return stage_slice(cache_dir, facts, st.start, st.end)
-
-
-def send_dtype(inst: Instance, i: int) -> str:
-    """Wire type of the activations stage ``i`` sends: the spec's choice on a hop
-    between two MLX stages, float32 on every other hop."""
-    stages = inst.stages
-    if i + 1 < len(stages) and stages[i].engine == "mlx" and stages[i + 1].engine == "mlx":
-        return inst.spec.activations
-    return "f32"
-
-
 def decode_bps(runners: Iterable[RunnerProc]) -> float:
     """Bytes of weights a decode step reads per second here, as this node's ready
     runners measured it (their mean, by layer bytes); 0.0 before any measured.
@@ -210,34 +185,6 @@ def decode_bps(runners: Iterable[RunnerProc]) -> float:
         return 0.0
     rate = fmean(r.layer_bytes / (r.layer_ms / 1000) for r in timed)
     return float(f"{rate:.3g}")
-
-
-def _vram(inst: Instance, i: int) -> int:
-    """GPU bytes placement counted for stage ``i`` on its node, from the node as the
-    plan saw it (``PlanBasis``); 0 without one."""
-    st = inst.stages[i]
-    node = next((n for n in inst.basis.nodes if n.id == st.node), None) if inst.basis else None
-    return 0 if node is None else node_vram(node, st.engine)
-
-
-def gpu_layers(inst: Instance, i: int) -> int:
-    """``n_gpu_layers`` of stage ``i``'s runner: what placement counted on its node's
-    GPUs (0, the CPU, without one)."""
-    st = inst.stages[i]
-    if inst.facts is None:
-        return 0
-    return stage_offload(
-        inst.facts, st.start, st.end, st.engine, _vram(inst, i),
-        context=instance_context(inst), kv_cache=inst.spec.kv_cache,
-    ).layers  # fmt: skip
-
-
-def kept_prefix_rows(inst: Instance) -> int:
-    """Rows after which every stage of ``inst`` drops a prefix kept unused: one figure
-    for all, from the plan, so none drops a prefix that stage 0 still names."""
-    return pipeline_kept_rows(
-        (st.engine, inst.spec.kv_cache, gpu_layers(inst, i)) for i, st in enumerate(inst.stages)
-    )
 
 
 def tell_drafts(
@@ -256,85 +203,38 @@ def tell_drafts(
             p.stdin.write(encode(SetDraft(instance=iid, addr=addr)) + b"\n")
 
 
-def admit(
-    desired: Mapping[tuple[str, int], tuple[Instance, int]],
-    running: set[tuple[str, int]],
-    max_runners: int,
-    memory: int,
-) -> set[tuple[str, int]]:
-    """The stages a node takes: at most ``max_runners``, and no more host memory than
-    ``memory`` (0: no bound), whatever a plan says (running stages first, then by id)."""
-    admitted: set[tuple[str, int]] = set()
-    total = 0
-    for k in sorted(desired, key=lambda k: (k not in running, k)):
-        inst, i = desired[k]
-        st = inst.stages[i]
-        need = 0
-        if inst.facts is not None:
-            need = stage_offload(
-                inst.facts, st.start, st.end, st.engine, _vram(inst, i),
-                context=instance_context(inst), kv_cache=inst.spec.kv_cache,
-            ).host_need  # fmt: skip
-        if len(admitted) >= max_runners or (memory and total + need > memory):
-            continue
-        total += need
-        admitted.add(k)
-    return admitted
-
-
 class Supervisor:
-    """Starts, retunes and stops this node's runner subprocesses."""
+    """Starts, retunes and stops this node's runner subprocesses.
+
+    Configured by one :class:`SupervisorSettings`; the rest are its collaborators:
+    ``resolve_path`` (a model name -> this node's file, raising when there is none),
+    ``on_status`` (called at every runner state change: the node beats soon), ``keys``
+    (the cluster's, None in an open one), and ``fetch`` (a stage's slice from the nodes
+    that hold the model; None: never), tried when ``fetchable(instance)`` says some
+    live node serves it.
+    """
 
     def __init__(
         self,
         node_id: str,
+        settings: SupervisorSettings,
         *,
         resolve_path: Callable[[str], str],
-        cache_dir: Path,
-        bind_host: str,
         on_status: Callable[[], None],
-        n_ctx: int = KV_TOKENS,
-        n_seq_max: int = KV_SEQUENCES,
         keys: ClusterKeys | None = None,
-        max_tokens: int | None = None,
-        max_runners: int = MAX_RUNNERS,
-        memory: int = 0,
-        slice_cache: int = SLICE_CACHE_BYTES,
-        request_expiry: float = REQUEST_EXPIRY_S,
-        stream_interval: float = STREAM_INTERVAL_S,
-        stop_grace: float = STOP_GRACE_S,
-        max_restarts: int = MAX_RESTARTS,
-        restart_window: float = RESTART_WINDOW_S,
-        restart_backoff: float = RESTART_BACKOFF_S,
         fetch: Fetch | None = None,
         fetchable: Callable[[Instance], bool] = lambda inst: True,
     ) -> None:
         self.node_id = node_id
-        #: Fetches a stage's slice from the nodes that hold the model (None: never),
-        #: when ``fetchable(instance)`` says some live node serves it.
+        self.settings = settings
+        self.resolve_path = resolve_path
+        self.on_status = on_status
+        self.keys = keys
         self.fetch = fetch
         self.fetchable = fetchable
-        self.keys = keys
-        self.max_tokens = max_tokens
-        #: At most this many stages here, needing at most ``memory`` bytes (0: no cap).
-        self.max_runners = max_runners
-        self.memory = memory
-        self.slice_cache = slice_cache
         #: The members' client keys (Z85): what runners admit.
         self.members: list[bytes] = []
-        self.resolve_path = resolve_path
-        self.cache_dir = cache_dir
-        self.bind_host = bind_host
-        self.on_status = on_status
-        self.n_ctx = n_ctx
-        self.n_seq_max = n_seq_max
-        self.request_expiry = request_expiry
-        self.stream_interval = stream_interval
-        self.stop_grace = stop_grace
-        self.max_restarts = max_restarts
-        self.restart_window = restart_window
-        self.restart_backoff = restart_backoff
-        self.runners: dict[tuple[str, int], RunnerProc] = {}
+        self.runners: dict[StageId, RunnerProc] = {}
         #: Stages the plans give this node (its cores are split among them).
         self.n_runners = 0
         #: Given-up runners whose stage moved away, by instance (see the module doc).
@@ -371,129 +271,137 @@ class Supervisor:
         return live + [self.given_up[i] for i in sorted(self.given_up)]
 
     async def reconcile(self, instances: dict[str, Instance]) -> None:
-        """Make the running set match the plans (idempotent; serialized)."""
+        """Make the running set match the plans (idempotent; serialized): retire the
+        stages no plan gives this node, bring each one it gives to its plan (in the
+        plans' order, one at a time), then trim the slice cache."""
         async with self._lock:
             if self._closed:
                 return
-            desired: dict[tuple[str, int], tuple[Instance, int]] = {}
-            for inst in instances.values():
-                for i, st in enumerate(inst.stages):
-                    if st.node == self.node_id:
-                        desired[(inst.id, i)] = (inst, i)
-            for iid in list(self.given_up):
-                if iid not in instances:
-                    del self.given_up[iid]  # instance deleted: forget the exclusion
+            desired = desired_stages(instances, self.node_id)
+            # An instance deleted: its exclusions go with it.
+            self.given_up = {k: v for k, v in self.given_up.items() if k in instances}
             self.n_runners = len(desired)
-            for k in list(self.runners):
-                if k not in desired:
-                    r = self.runners.pop(k)
-                    if gave_up(r.status()):
-                        self.given_up.setdefault(k[0], r.status())
-                    self._retire(r)
-            admitted = self._admit(desired)
+            self._retire_undesired(desired)
+            s = self.settings
+            admitted = admit(desired, set(self.runners), s.max_runners, s.memory)
             for k, (inst, i) in desired.items():
-                st = inst.stages[i]
-                facts = inst.facts
-                if k not in admitted:
-                    r = self.runners.get(k)
-                    if r is None or not r.reason.startswith(REFUSED):
-                        if r is not None:
-                            await self._stop(r)
-                        why = f"{REFUSED}: more stages than this node takes"
-                        log.warning("stage %s/%d: %s", inst.id, i, why)
-                        self.runners[k] = _failed(inst, i, why)
-                        self.on_status()
-                    continue
-                sliced = False
-                try:
-                    path = self.resolve_path(inst.spec.model)
-                    known = self.runners.get(k)
-                    if self.fetch and not await is_placed_file(path, facts, self.cache_dir, known):
-                        raise LookupError(f"{path} here is another file than the placed one")
-                except Exception as e:
-                    fetchable = self.fetch is not None and self.fetchable(inst)
-                    fetched = slice_to_fetch(self.cache_dir, inst, i) if fetchable else None
-                    if fetched is None:
-                        # What was looked at stays in this node's log: a reason travels
-                        # in the heartbeat; the disk's contents are nobody else's business.
-                        log.info("stage %s/%d: %s", inst.id, i, e)
-                        r = self.runners.get(k)
-                        if r is None or r.state != "failed":
-                            self.runners[k] = _failed(inst, i, MODEL_MISSING)
-                            self.on_status()
-                        continue
-                    if k not in self.runners:  # said once, not at every reconcile
-                        log.info("stage %s/%d: %s: its slice comes from the holders",
-                                 inst.id, i, e)  # fmt: skip
-                    path, sliced = str(fetched), True
-                n_ctx = inst.context or inst.spec.context or self.n_ctx
-                key = StageKey(
-                    inst.id, i, len(inst.stages), st.start, st.end, path,
-                    st.engine, send_dtype(inst, i), n_ctx,
-                )  # fmt: skip
-                r = self.runners.get(k)
-                if r is not None and r.key == key:
-                    if r.generation != inst.generation:
-                        self._retune(r, inst.generation)
-                    continue
-                if r is not None:
-                    # Same slot, other weights: stop first (both at once might not fit
-                    # in memory; placement counted the new one in place of the old).
-                    if gave_up(r.status()):
-                        self.given_up.setdefault(inst.id, r.status())
-                    await self._stop(r)
-                cfg = RunnerConfig(
-                    instance=inst.id,
-                    generation=inst.generation,
-                    stage=i,
-                    n_stages=len(inst.stages),
-                    model_path=path,
-                    sha256=facts.sha256 if facts else "",
-                    start=st.start,
-                    end=st.end,
-                    n_layers=facts.n_layers if facts else st.end,
-                    engine=st.engine,
-                    cache_dir=str(self.cache_dir),
-                    bind_host=self.bind_host,
-                    # The context placement chose for the instance.
-                    n_ctx=n_ctx,
-                    n_seq_max=self.n_seq_max,
-                    kv_cache=inst.spec.kv_cache,
-                    speculate=inst.spec.speculate,
-                    n_gpu_layers=gpu_layers(inst, i),
-                    kept_prefix_rows=kept_prefix_rows(inst),
-                    send_dtype=send_dtype(inst, i),
-                    n_threads=threads_per_runner(self.n_runners),
-                    request_expiry_s=self.request_expiry,
-                    stream_interval_s=self.stream_interval,
-                    max_tokens=self.max_tokens,
-                    keys=self._socket_keys(),
-                    # As this process logs (`meshd up --log-level/--log-format`): the
-                    # runners write to its stderr, and its log must read as one.
-                    log_level=configured()[0],
-                    log_format=configured()[1],
-                    sliced=sliced,
-                )
-                if sliced and not Path(path).exists():
-                    self.runners[k] = self._fetching(key, cfg, inst, i)
+                if k in admitted:
+                    await self._follow_plan(k, inst, i)
                 else:
-                    self.runners[k] = await self._start(key, cfg)
-                if facts is not None and facts.layer_bytes[st.start : st.end]:
-                    self.runners[k].layer_bytes = fmean(facts.layer_bytes[st.start : st.end])
+                    await self._refuse(k, inst, i)
             await self._trim_slices(desired)
 
-    def _admit(self, desired: dict[tuple[str, int], tuple[Instance, int]]) -> set[tuple[str, int]]:
-        return admit(desired, set(self.runners), self.max_runners, self.memory)
+    def _retire_undesired(self, desired: Desired) -> None:
+        """Stop (in the background) the runners of stages no plan gives this node any
+        more; a given-up one is remembered, so its exclusion outlives the move."""
+        for k in undesired(self.runners, desired):
+            r = self.runners.pop(k)
+            self._remember_given_up(r)
+            self._retire(r)
 
-    async def _trim_slices(self, desired: dict[tuple[str, int], tuple[Instance, int]]) -> None:
+    def _remember_given_up(self, r: RunnerProc) -> None:
+        if gave_up(r.status()):
+            self.given_up.setdefault(r.key.instance, r.status())
+
+    async def _refuse(self, k: StageId, inst: Instance, i: int) -> None:
+        """Report a stage this node does not take (over its runner count or memory)
+        ``failed`` as refused, stopping what ran for it (said once, not every time)."""
+        r = self.runners.get(k)
+        if r is not None and r.reason.startswith(REFUSED):
+            return
+        if r is not None:
+            await self._stop(r)
+        why = f"{REFUSED}: more stages than this node takes"
+        log.warning("stage %s/%d: %s", inst.id, i, why)
+        self.runners[k] = _failed(inst, i, why)
+        self.on_status()
+
+    async def _follow_plan(self, k: StageId, inst: Instance, i: int) -> None:
+        """Bring stage ``i`` of ``inst`` to its plan: keep its runner (told a new
+        generation), or replace it, or start one (its slice fetched first if need be)."""
+        weights = await self._weights(k, inst, i)
+        if weights is None:
+            return  # reported failed: the model is neither here nor to be fetched
+        path, sliced = weights
+        key = stage_key(inst, i, path, self.settings.n_ctx)
+        r = self.runners.get(k)
+        if r is not None and r.key == key:
+            if r.generation != inst.generation:
+                self._retune(r, inst.generation)
+            return
+        if r is not None:
+            # Same slot, other weights: stop first (both at once might not fit in
+            # memory; placement counted the new one in place of the old).
+            self._remember_given_up(r)
+            await self._stop(r)
+        await self._launch(k, key, inst, sliced)
+
+    async def _weights(self, k: StageId, inst: Instance, i: int) -> tuple[str, bool] | None:
+        """What stage ``i`` loads: ``(path, False)``, the placed file here; ``(path,
+        True)``, its slice fetched from the holders; None when neither (then the stage
+        is reported ``failed``, the model missing)."""
+        try:
+            return await self._placed_file(k, inst), False
+        except Exception as e:
+            fetched = self._slice_to_fetch(inst, i)
+            if fetched is None:
+                # What was looked at stays in this node's log: a reason travels in
+                # the heartbeat; the disk's contents are nobody else's business.
+                log.info("stage %s/%d: %s", inst.id, i, e)
+                self._report_missing(k, inst, i)
+                return None
+            if k not in self.runners:  # said once, not at every reconcile
+                log.info("stage %s/%d: %s: its slice comes from the holders", inst.id, i, e)
+            return str(fetched), True
+
+    async def _placed_file(self, k: StageId, inst: Instance) -> str:
+        """This node's file of ``inst``'s model; raises when there is none or, with a
+        fetch to fall back on, when it is another file than the placed one."""
+        path = self.resolve_path(inst.spec.model)
+        known = self.runners.get(k)
+        if self.fetch and not await is_placed_file(
+            path, inst.facts, self.settings.cache_dir, known
+        ):
+            raise LookupError(f"{path} here is another file than the placed one")
+        return path
+
+    def _slice_to_fetch(self, inst: Instance, i: int) -> Path | None:
+        """Where stage ``i``'s slice goes when fetched, or None when it cannot be."""
+        if self.fetch is None or not self.fetchable(inst):
+            return None
+        return slice_to_fetch(self.settings.cache_dir, inst, i)
+
+    def _report_missing(self, k: StageId, inst: Instance, i: int) -> None:
+        r = self.runners.get(k)
+        if r is None or r.state != "failed":
+            self.runners[k] = _failed(inst, i, MODEL_MISSING)
+            self.on_status()
+
+    async def _launch(self, k: StageId, key: StageKey, inst: Instance, sliced: bool) -> None:
+        """Start a runner of ``key``, or fetch its slice first where it is not here."""
+        cfg = runner_config(
+            key, inst, self.settings,
+            n_runners=self.n_runners, keys=self._socket_keys(), sliced=sliced,
+        )  # fmt: skip
+        if sliced and not Path(key.model_path).exists():
+            self.runners[k] = self._fetching(key, cfg, inst, key.stage)
+        else:
+            self.runners[k] = await self._start(key, cfg)
+        layer_bytes = inst.facts.layer_bytes[key.start : key.end] if inst.facts else []
+        if layer_bytes:
+            self.runners[k].layer_bytes = fmean(layer_bytes)
+
+    async def _trim_slices(self, desired: Desired) -> None:
         keep = [
-            stage_slice(self.cache_dir, inst.facts, st.start, st.end)
+            stage_slice(self.settings.cache_dir, inst.facts, st.start, st.end)
             for inst, i in desired.values()
             if inst.facts is not None
             for st in [inst.stages[i]]
         ]
         try:
-            gone = await asyncio.to_thread(trim_slices, self.cache_dir, keep, self.slice_cache)
+            gone = await asyncio.to_thread(
+                trim_slices, self.settings.cache_dir, keep, self.settings.slice_cache
+            )
         except OSError as e:
             log.warning("slice cache: %s", e)
             return
@@ -613,20 +521,20 @@ class Supervisor:
             return
         reason = r.reason if r.state == "failed" and r.reason else f"exited with code {code}"
         now = asyncio.get_running_loop().time()
-        r.crashes = [t for t in r.crashes if now - t < self.restart_window] + [now]
-        if len(r.crashes) > self.max_restarts:
+        r.crashes = [t for t in r.crashes if now - t < self.settings.restart_window] + [now]
+        if len(r.crashes) > self.settings.max_restarts:
             r.state = "failed"
             # When, in the reason itself: it travels in the heartbeat and is shown by
             # the API and `meshctl top` long after the stage moved away.
             at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             r.reason = (
-                f"{CRASH_LOOP}: {len(r.crashes)} exits in {self.restart_window:.0f} s "
+                f"{CRASH_LOOP}: {len(r.crashes)} exits in {self.settings.restart_window:.0f} s "
                 f"({reason}); given up at {at}"
             )
             log.error("runner %s stage %d given up: %s", r.key.instance, r.key.stage, r.reason)
             self.on_status()
             return
-        delay = self.restart_backoff * 2 ** (len(r.crashes) - 1)
+        delay = self.settings.restart_backoff * 2 ** (len(r.crashes) - 1)
         log.warning(
             "runner %s stage %d %s; restarting in %.1f s",
             r.key.instance, r.key.stage, reason, delay,
@@ -650,7 +558,7 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 p.terminate()
             try:
-                await asyncio.wait_for(p.wait(), self.stop_grace)
+                await asyncio.wait_for(p.wait(), self.settings.stop_grace)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()

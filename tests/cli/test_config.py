@@ -20,6 +20,7 @@ import pytest
 
 from meshd import logs
 from meshd.node.supervisor import Supervisor
+from meshd.node.supervisor_settings import SupervisorSettings
 from tests.node.test_cluster_view import inst
 
 pytestmark = pytest.mark.timeout(60)
@@ -239,10 +240,12 @@ async def test_runners_log_as_their_node_does(
     writing to the node's stderr) writes its lines in it. Its model is missing here: it
     logs why it could not load, in JSON."""
     monkeypatch.setattr(logs, "_CONFIGURED", ("info", "json"))
+    settings = SupervisorSettings(
+        cache_dir=tmp_path, bind_host="127.0.0.1", n_ctx=512, n_seq_max=2, stop_grace=2.0
+    )
     sup = Supervisor(
-        "a", resolve_path=lambda m: str(tmp_path / "missing.gguf"), cache_dir=tmp_path,
-        bind_host="127.0.0.1", on_status=lambda: None, n_ctx=512, n_seq_max=2,
-        stop_grace=2.0,
+        "a", settings, resolve_path=lambda m: str(tmp_path / "missing.gguf"),
+        on_status=lambda: None,
     )  # fmt: skip
     try:
         await sup.reconcile({"x": inst("x", "a")})

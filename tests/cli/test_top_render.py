@@ -1,4 +1,9 @@
-"""``meshctl top``'s pure renderer, ``--node`` parsing, and how meshctl fails."""
+"""``meshctl top``'s pure renderer, ``--node`` parsing, and how meshctl fails.
+
+The renderer draws a ``GET /v1/cluster`` answer and a ``GET /v1/instances`` answer;
+here the second is made by the node's own code (``meshd.api.instance_view``) from a
+:class:`ClusterView` holding what the first one says, as a node holding that state
+would answer."""
 
 from __future__ import annotations
 
@@ -10,12 +15,16 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import msgspec
 import pytest
 from rich.console import Console
 
+from meshd.api.instance_view import instance_list
 from meshd.cli.client import NodeClient, NodeError, NodeUnreachable, parse_node
 from meshd.cli.meshctl import main
 from meshd.cli.top import mem_bar, render, run_top
+from meshd.crdt.views import Health, Instance, NodeCard
+from meshd.node.cluster import CRASH_LOOP, FETCH_FAILED, MODEL_MISSING, REFUSED, ClusterView
 
 GIB = 1024**3
 NOW_MS = 1_700_000_100_000
@@ -82,7 +91,9 @@ CLUSTER = {
             "health": {
                 "seq": 17,
                 "load": 0.5,
-                "runners": [{"instance": "llama-70b", "generation": 2, "state": "loading"}],
+                "runners": [
+                    {"instance": "llama-70b", "generation": 2, "stage": 1, "state": "loading"}
+                ],
             },
         },
         {
@@ -97,6 +108,7 @@ CLUSTER = {
                     {
                         "instance": "llama-70b",
                         "generation": 1,
+                        "stage": 2,
                         "state": "failed",
                         "reason": "out of memory",
                     }
@@ -120,6 +132,33 @@ CLUSTER = {
 }
 
 
+def cluster_view(cluster: dict) -> ClusterView:
+    """The view of a node whose ``GET /v1/cluster`` answer is ``cluster``."""
+    nodes = cluster["nodes"]
+    return ClusterView(
+        self_id=cluster["self"],
+        cards={n["id"]: msgspec.convert(n["card"], NodeCard) for n in nodes if n.get("card")},
+        healths={n["id"]: msgspec.convert(n["health"], Health) for n in nodes if n.get("health")},
+        instances={i["id"]: msgspec.convert(i, Instance) for i in cluster["instances"]},
+        liveness={n["id"]: n["liveness"] for n in nodes if n.get("liveness")},
+        ages={n["id"]: n["heartbeat_age_s"] for n in nodes if n.get("heartbeat_age_s")},
+    )
+
+
+def instances_of(cluster: dict) -> list[dict]:
+    """The ``data`` of that node's ``GET /v1/instances``, as JSON carries it."""
+    body = msgspec.json.encode(instance_list(cluster_view(cluster)))
+    data = json.loads(body)["data"]
+    # The node's prediction for one request (its inputs, measured speeds, are not in
+    # these literals).
+    for inst in data:
+        inst["predicted_tokens_s"] = cluster.get("predicted_tokens_s", {}).get(inst["id"], 0.0)
+    return data
+
+
+INSTANCES = instances_of(CLUSTER)
+
+
 def text_of(renderable: object, width: int = 140) -> str:
     console = Console(record=True, width=width, file=io.StringIO())
     console.print(renderable)
@@ -130,7 +169,7 @@ def text_of(renderable: object, width: int = 140) -> str:
 
 
 def test_render_shows_every_node_with_its_liveness() -> None:
-    out = text_of(render(CLUSTER, now_ms=NOW_MS))
+    out = text_of(render(CLUSTER, INSTANCES, now_ms=NOW_MS))
     for name, nid, word in (("studio", A, "alive"), ("tower", B, "suspect"),
                             ("laptop", C, "dead")):  # fmt: skip
         # The node's own row (the header says "nodes alive" whatever the nodes are).
@@ -139,14 +178,15 @@ def test_render_shows_every_node_with_its_liveness() -> None:
 
 
 def test_render_header_names_cluster_alive_count_and_queried_node() -> None:
-    first_line = text_of(render(CLUSTER)).splitlines()[0]
+    first_line = text_of(render(CLUSTER, INSTANCES)).splitlines()[0]
     assert "home" in first_line
     assert "1/3" in first_line
+    assert "1 instance " in first_line
     assert "studio" in first_line
 
 
 def test_render_shows_memory_backends_heartbeat_load_and_runners() -> None:
-    out = text_of(render(CLUSTER, now_ms=NOW_MS))
+    out = text_of(render(CLUSTER, INSTANCES, now_ms=NOW_MS))
     assert "12.0/16.0 GiB" in out  # health's mem_available beats the card's
     assert "6.0/16.0 GiB" in out  # no health figure: the card's
     assert "█" in out
@@ -161,13 +201,14 @@ def test_render_shows_memory_backends_heartbeat_load_and_runners() -> None:
 
 
 def test_render_shows_instance_model_generation_and_stage_ranges_with_state() -> None:
-    out = text_of(render(CLUSTER, now_ms=NOW_MS), width=200)
+    out = text_of(render(CLUSTER, INSTANCES, now_ms=NOW_MS), width=200)
     assert "12/-" in out  # one request: placement's prediction, nothing measured yet
     assert "meta-llama/Llama-3.1-70B" in out
     assert "studio[0:48) mlx ready" in out
     assert "tower[48:72) llama_cpp loading (node suspect)" in out
-    # laptop only runs generation 1 of the plan: its state is stale, and it is dead.
-    assert "laptop[72:80) llama_cpp failed g1 stale (node dead)" in out
+    # laptop is dead: the node counts its stage unavailable (whatever runner of an
+    # older plan laptop last reported).
+    assert "laptop[72:80) llama_cpp unavailable (node dead)" in out
 
 
 def test_stage_with_no_runner_yet_is_pending_and_unknown_node_is_flagged() -> None:
@@ -176,9 +217,9 @@ def test_stage_with_no_runner_yet_is_pending_and_unknown_node_is_flagged() -> No
     cluster["instances"][0]["stages"].append(
         {"node": "ffffffffffff", "start": 80, "end": 81, "engine": "mlx"}
     )
-    out = text_of(render(cluster))
+    out = text_of(render(cluster, instances_of(cluster)))
     assert "studio[0:48) mlx pending" in out
-    assert "ffffffff[80:81) mlx unknown node" in out
+    assert "ffffffff[80:81) mlx unavailable (node unknown)" in out
 
 
 def test_left_node_and_node_with_null_health_render() -> None:
@@ -186,9 +227,32 @@ def test_left_node_and_node_with_null_health_render() -> None:
     cluster["nodes"][2]["liveness"] = "left"
     cluster["nodes"][2]["health"] = None
     cluster["nodes"][2]["heartbeat_age_s"] = None
-    out = text_of(render(cluster, now_ms=NOW_MS))
+    out = text_of(render(cluster, instances_of(cluster), now_ms=NOW_MS))
     assert "laptop" in out and "left" in out
-    assert "laptop[72:80) llama_cpp pending (node left)" in out
+    assert "laptop[72:80) llama_cpp unavailable (node left)" in out
+
+
+@pytest.mark.parametrize("why", [CRASH_LOOP, MODEL_MISSING, FETCH_FAILED, REFUSED])
+def test_a_node_that_gave_up_is_excluded_with_its_reason_in_the_view_and_in_top(
+    why: str,
+) -> None:
+    """Whatever made the node give its runner up, the node's view names it excluded
+    (and top shows it), after the repair moved the stage away."""
+    cluster = copy.deepcopy(CLUSTER)
+    cluster["nodes"][2]["liveness"] = "alive"
+    reason = f"{why}: no holder answered" if why == FETCH_FAILED else why
+    cluster["nodes"][2]["health"]["runners"] = [
+        {"instance": "llama-70b", "generation": 1, "stage": 2, "state": "failed",
+         "reason": reason}
+    ]  # fmt: skip
+    inst = cluster["instances"][0]
+    inst["stages"] = inst["stages"][:2]  # the repair moved stage 2 away from laptop
+    (view,) = instances_of(cluster)
+    assert view["excluded"] == [
+        {"node": C, "name": "laptop", "stage": 2, "generation": 1, "reason": reason}
+    ]
+    out = text_of(render(cluster, [view]), width=200)
+    assert f"excluded laptop ({reason})" in out
 
 
 def test_missing_optional_fields_render() -> None:
@@ -205,25 +269,33 @@ def test_missing_optional_fields_render() -> None:
                 "health": {"seq": 1},
             },
         ],
-        "instances": [{"id": "i1", "spec": {"model": "tiny"}, "stages": [{"node": "n2"}]}],
     }
-    out = text_of(render(cluster))
+    # An instance view with only some of its fields.
+    instances = [{"id": "i1", "model": "tiny", "stages": [{"node": "n2", "name": "minimal"}]}]
+    out = text_of(render(cluster, instances))
     assert "bare" in out and "minimal" in out and "unknown" in out
     assert "tiny" in out
-    assert "minimal[?:?) pending" in out
+    assert "minimal[?:?) ?" in out
 
 
 def test_empty_and_malformed_answers_render() -> None:
-    assert "0/0" in text_of(render({}))
-    assert "no instances placed" in text_of(render({"nodes": [], "instances": []}))
+    assert "0/0" in text_of(render({}, []))
+    assert "no instances placed" in text_of(render({"nodes": []}, []))
     garbage = {"nodes": [None, 3, {"id": "x", "card": "?", "health": [1]}], "instances": "?"}
-    assert "x" in text_of(render(garbage))
+    bad_views = [None, 3, {"id": "i", "stages": "?", "speed": [1], "excluded": [None, 2]},
+                 {"stages": [None, {"node": 5, "state": 7, "ms_per_token": "x"}]}]  # fmt: skip
+    out = text_of(render(garbage, bad_views))
+    assert "x" in out and "excluded ?" in out
+    assert "x" in text_of(render(garbage, "?"))
 
 
 def test_markup_in_names_is_shown_literally() -> None:
     cluster = copy.deepcopy(CLUSTER)
     cluster["nodes"][0]["name"] = "[bold]studio"
-    assert "[bold]studio" in text_of(render(cluster))
+    cluster["nodes"][0]["card"]["name"] = "[bold]studio"
+    out = text_of(render(cluster, instances_of(cluster)), width=200)
+    assert "[bold]studio" in out
+    assert "[bold]studio[0:48) mlx ready" in out
 
 
 def test_mem_bar_fills_in_proportion() -> None:
@@ -241,6 +313,9 @@ def test_run_top_once_prints_one_frame() -> None:
         def cluster(self) -> dict:
             return CLUSTER
 
+        def instances(self) -> dict:
+            return {"object": "list", "data": INSTANCES}
+
         def members(self) -> dict:
             return {"data": [], "pending": [{"id": "f00d" * 4, "name": "kitchen",
                                              "waiting_s": 12.0}]}  # fmt: skip
@@ -254,8 +329,8 @@ def test_run_top_once_prints_one_frame() -> None:
 
 
 def test_render_lists_no_waiting_nodes_when_none_wait() -> None:
-    assert "waiting to join" not in text_of(render(CLUSTER, NOW_MS, pending=[]))
-    out = text_of(render(CLUSTER, NOW_MS, pending=[{"name": "[b]x[/b]", "id": "1"}]))
+    assert "waiting to join" not in text_of(render(CLUSTER, INSTANCES, NOW_MS, pending=[]))
+    out = text_of(render(CLUSTER, INSTANCES, NOW_MS, pending=[{"name": "[b]x[/b]", "id": "1"}]))
     assert "waiting to join" in out and "[b]x[/b]" in out  # names shown literally
 
 
@@ -276,6 +351,9 @@ class FlakyNode:
         if self.calls >= 5:
             raise KeyboardInterrupt
         return CLUSTER
+
+    def instances(self) -> dict:
+        return {"object": "list", "data": INSTANCES}
 
     def members(self) -> dict:
         # An open cluster's node says it has no members to list.
@@ -369,12 +447,15 @@ def test_meshctl_bad_node_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
 
 @pytest.fixture
 def fake_node() -> Iterator[str]:
-    """A stdlib HTTP server answering /v1/cluster with CLUSTER (a stand-in for a node)."""
+    """A stdlib HTTP server answering /v1/cluster with CLUSTER and /v1/instances with
+    INSTANCES (a stand-in for a node)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path == "/v1/cluster":
                 body, code = json.dumps(CLUSTER).encode(), 200
+            elif self.path == "/v1/instances":
+                body, code = json.dumps({"object": "list", "data": INSTANCES}).encode(), 200
             else:
                 body, code = b'{"detail": "not found"}', 404
             self.send_response(code)

@@ -1,5 +1,6 @@
 """``meshctl top`` shows speed: the node's window of its requests (``meshd.node.speed``),
-the figures top adds up from the heartbeats, and a live cluster streaming."""
+the figures the node adds up from the heartbeats for its instance view (and top shows),
+and a live cluster streaming."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ import httpx
 import pytest
 from rich.console import Console
 
-from meshd.cli.top import instance_speed, render, snapshot
+from meshd.cli.top import render, snapshot
 from meshd.models.resolve import DEFAULT_MODEL
 from meshd.node.speed import RATE_WINDOW_S, WINDOW_S, Speed
-from tests.cli.test_top_render import CLUSTER, NOW_MS, A, B
+from tests.cli.test_top_render import CLUSTER, NOW_MS, A, B, instances_of
 from tests.cluster import Cluster, wait_for
 
 
@@ -69,13 +70,16 @@ def _serving() -> dict:
 
 def test_an_instance_adds_up_what_every_node_measured() -> None:
     cluster = _serving()
-    s = instance_speed(cluster, cluster["instances"][0])
+    (view,) = instances_of(cluster)
+    s = view["speed"]
     assert s["tokens_s"] == 40.0 and s["in_flight"] == 3 and s["queue"] == 3
     # medians weighted by each node's tokens/s
     assert s["ttft_ms"] == pytest.approx((120 * 30 + 200 * 10) / 40)
-    assert s["stage_ms"][0] == pytest.approx((12.5 * 30 + 14.5 * 10) / 40)
+    assert view["stages"][0]["ms_per_token"] == pytest.approx((12.5 * 30 + 14.5 * 10) / 40)
     assert s["hop_ms"] == pytest.approx(1.75)
-    snap = snapshot(cluster)
+    # One request's speed as measured: 1000 / the median time between tokens.
+    assert view["measured_tokens_s"] == round(1000 / 37, 2)
+    snap = snapshot(cluster, [view])
     assert json.loads(json.dumps(snap)) == snap
     (inst,) = snap["instances"]
     assert inst["tokens_s"] == 40.0 and inst["stages"][1]["ms_per_token"] == 9.0
@@ -86,7 +90,8 @@ def test_an_instance_adds_up_what_every_node_measured() -> None:
 @pytest.mark.parametrize("width", [80, 160])
 def test_the_speed_columns_fit_the_terminal(width: int) -> None:
     console = Console(record=True, width=width, file=io.StringIO())
-    console.print(render(_serving(), NOW_MS))
+    cluster = _serving()
+    console.print(render(cluster, instances_of(cluster), NOW_MS))
     text = console.export_text()
     assert all(len(line) <= width for line in text.splitlines())
     assert "40.0" in text  # the instance's tokens/s

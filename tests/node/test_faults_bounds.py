@@ -189,9 +189,10 @@ def test_crash_looping_runner_is_given_up_and_the_model_moves_with_the_reason_sh
     assert r.status_code == 200, r.text
     time.sleep(1.5)  # a few repair rounds: the exclusion must hold, not flap
     assert b.node_id not in {s["node"] for s in a.get(f"/v1/instances/{iid}")["stages"]}
-    # `meshctl top` shows the reason too (render is pure over GET /v1/cluster).
+    # `meshctl top` shows the reason too (render is pure over GET /v1/cluster and the
+    # node's instance view, GET /v1/instances).
     out = io.StringIO()
-    Console(file=out, width=200).print(render(a.cluster()))
+    Console(file=out, width=200).print(render(a.cluster(), a.get("/v1/instances")["data"]))
     assert "excluded" in out.getvalue() and "crash loop" in out.getvalue(), out.getvalue()
 
 

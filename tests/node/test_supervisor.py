@@ -1,15 +1,17 @@
 """Reconcile: the runners a node runs follow the plans that name it.
 
-In this process, against the supervisor itself: a stage whose model is not here fails
-without a process and the node keeps saying so after the stage moves; a burst of plan
-changes is one reconcile; a real runner keeps its process when only the plan's
-generation moves, and is replaced when its range does, and the slice it no longer
-uses leaves the cache when the cache is over its quota.
+In this process, against the supervisor itself: its settings are the node's; a stage
+whose model is not here, or one over the node's cap, fails without a process and the
+node keeps saying so after the stage moves; a burst of plan changes is one reconcile;
+a real runner keeps its process when only the plan's generation moves, and is replaced
+when its range does, and the slice it no longer uses leaves the cache when the cache is
+over its quota.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -19,8 +21,11 @@ from meshd.engines.threads import GOMP_DEFAULT_SPINCOUNT
 from meshd.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 from meshd.models.facts import read_model_facts
 from meshd.models.slicing import slice_path
-from meshd.node.cluster import MODEL_MISSING, gave_up
+from meshd.node.cluster import MODEL_MISSING, REFUSED, gave_up
+from meshd.node.config import NodeConfig
+from meshd.node.stage_runners import desired_stages, undesired
 from meshd.node.supervisor import Supervisor
+from meshd.node.supervisor_settings import SupervisorSettings
 
 from .test_cluster_view import inst
 
@@ -29,11 +34,11 @@ def supervisor(tmp_path: Path, resolve=None, slice_cache: int = 1 << 40) -> Supe
     def missing(model: str) -> str:
         raise ModelNotFoundError(model, ["nowhere"])
 
-    return Supervisor(
-        "a", resolve_path=resolve or missing, cache_dir=tmp_path, bind_host="127.0.0.1",
-        on_status=lambda: None, n_ctx=512, n_seq_max=2, stop_grace=2.0,
+    settings = SupervisorSettings(
+        cache_dir=tmp_path, bind_host="127.0.0.1", n_ctx=512, n_seq_max=2, stop_grace=2.0,
         slice_cache=slice_cache,
     )  # fmt: skip
+    return Supervisor("a", settings, resolve_path=resolve or missing, on_status=lambda: None)
 
 
 async def test_a_stage_whose_model_is_not_here_fails_and_stays_reported_after_it_moves(
@@ -50,6 +55,43 @@ async def test_a_stage_whose_model_is_not_here_fails_and_stays_reported_after_it
     # The instance is deleted: nothing left to say.
     await sup.reconcile({})
     assert sup.statuses() == []
+    await sup.stop_all()
+
+
+def test_the_settings_are_the_node_configs() -> None:
+    cfg = NodeConfig(data_dir=Path("/data"), mesh_host="10.0.0.1", n_ctx=777, max_runners=3,
+                     stop_grace=1.5, restart_backoff=0.25, max_tokens=99)  # fmt: skip
+    s = SupervisorSettings.from_config(cfg, memory=123)
+    assert s.cache_dir == Path("/data/cache") and s.bind_host == "10.0.0.1" and s.memory == 123
+    for f in fields(SupervisorSettings):
+        if hasattr(cfg, f.name):
+            assert getattr(s, f.name) == getattr(cfg, f.name), f.name
+
+
+def test_this_nodes_stages_in_plan_order_and_those_no_plan_gives_it_any_more() -> None:
+    plans = {"x": inst("x", "a", "b"), "y": inst("y", "b", "a", "a")}
+    desired = desired_stages(plans, "a")
+    assert list(desired) == [("x", 0), ("y", 1), ("y", 2)]
+    assert desired[("y", 2)] == (plans["y"], 2)
+    assert undesired([("x", 0), ("x", 1), ("z", 0)], desired) == [("x", 1), ("z", 0)]
+
+
+async def test_a_stage_over_the_nodes_cap_is_refused_once_and_taken_when_room_is_made(
+    tmp_path: Path,
+) -> None:
+    sup = Supervisor(
+        "a", SupervisorSettings(cache_dir=tmp_path, bind_host="127.0.0.1", max_runners=0),
+        resolve_path=lambda m: str(tmp_path / "never-asked.gguf"), on_status=lambda: None,
+    )  # fmt: skip
+    await sup.reconcile({"x": inst("x", "a")})
+    refused = sup.runners[("x", 0)]
+    assert refused.state == "failed" and refused.reason.startswith(REFUSED)
+    assert refused.proc is None and gave_up(refused.status())
+    await sup.reconcile({"x": inst("x", "a", gen=2)})
+    assert sup.runners[("x", 0)] is refused  # said once, not at every reconcile
+    # The plan moves the stage away: the refusal is remembered as the reason.
+    await sup.reconcile({"x": inst("x", "b", gen=3)})
+    assert [s.reason for s in sup.statuses()] == [refused.reason]
     await sup.stop_all()
 
 
