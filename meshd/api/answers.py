@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
@@ -158,14 +158,14 @@ async def _merged(runs: list[Run]) -> AsyncIterator[tuple[int, wire.DataChunk]]:
     try:
         left = len(runs)
         while left:
-            i, c = await queue.get()
-            if c is done:
+            i, item = await queue.get()
+            if item is done:
                 left -= 1
-            elif isinstance(c, RequestFailed):
-                raise c
+            elif isinstance(item, RequestFailed):
+                raise item
             else:
-                assert isinstance(c, wire.DataChunk)
-                yield i, c
+                assert isinstance(item, wire.DataChunk)
+                yield i, item
     finally:
         for t in tasks:
             t.cancel()
@@ -186,7 +186,8 @@ async def events(
             yield KeepAlive()
             continue
         reader = readers[i]
-        text, new = c.text, []
+        text = c.text
+        new: list[Call] = []
         if reader is not None:
             text, new = reader.feed(c.text)
             if c.finish_reason:
@@ -204,7 +205,7 @@ async def events(
 
 def streamed(
     runs: list[Run],
-    body: AsyncIterator[bytes],
+    body: AsyncGenerator[bytes, None],
     on_error: Callable[[ApiError], bytes],
     *,
     media_type: str,
@@ -225,7 +226,7 @@ def streamed(
             outcome = str(e.status)
             yield on_error(request_failed(e))
         finally:
-            await body.aclose()  # type: ignore[attr-defined]
+            await body.aclose()
             for run in runs:
                 await run.close()
             _count(runs, outcome)

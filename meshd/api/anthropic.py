@@ -16,7 +16,7 @@ turn starts alike (a prefix cache can reuse it) and no nonce reaches the model.
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import msgspec
 from starlette.requests import Request
@@ -187,7 +187,7 @@ def _usage(u: wire.Usage) -> a.Usage:
     )
 
 
-async def _stream(run: Run, body: a.MessagesRequest) -> AsyncIterator[bytes]:
+async def _stream(run: Run, body: a.MessagesRequest) -> AsyncGenerator[bytes, None]:
     start = a.Message(
         id=_message_id(), model=body.model, content=[], stop_reason=None, stop_sequence=None,
         usage=_usage(wire.Usage(run.n_prompt, 0, run.n_cached)),

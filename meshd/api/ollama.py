@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -197,6 +198,7 @@ async def _load_only(
     model = _model(ctx, body.model)
     await instance_of(ctx, model, body.opts.num_ctx or 0)
     took = int((time.perf_counter() - t0) * 1e9)
+    common: dict[str, Any]  # each field's own type: the response Struct checks them
     common = {"model": body.model, "created_at": _now(), "done": True, "done_reason": "load",
               "total_duration": took, "load_duration": took}  # fmt: skip
     resp: msgspec.Struct
@@ -251,13 +253,14 @@ def _piece(
     **done: object,
 ) -> msgspec.Struct:
     lp = chat_logprobs(logprobs).content if logprobs else None
+    common: dict[str, Any]  # each field's own type: the response Struct checks them
     common = {"model": body.model, "created_at": _now(), "done": False, "logprobs": lp, **done}
     if chat:
         msg = o.AssistantMessage(
             role="assistant", content=text, tool_calls=_tool_calls(calls or [])
         )
-        return o.ChatResponse(message=msg, **common)  # type: ignore[arg-type]
-    return o.GenerateResponse(response=text, **common)  # type: ignore[arg-type]
+        return o.ChatResponse(message=msg, **common)
+    return o.GenerateResponse(response=text, **common)
 
 
 def _calls(body: o.ChatRequest | o.GenerateRequest, run: Run) -> ChoiceCalls | None:
@@ -295,7 +298,7 @@ def _error_line(err: ApiError) -> bytes:
 
 async def _stream(
     run: Run, body: o.ChatRequest | o.GenerateRequest, *, chat: bool
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     enc = msgspec.json.Encoder()
     async for e in events([run], [_calls(body, run)]):
         if isinstance(e, KeepAlive):

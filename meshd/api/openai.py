@@ -8,7 +8,8 @@ shape; errors after it are an SSE error event followed by ``[DONE]``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from typing import cast
 
 import msgspec
 from starlette.requests import Request
@@ -145,7 +146,7 @@ async def _serve(request: Request, body: _Body, req: GenerateRequest, route: str
             model=body.model, usage=u,
             choices=[
                 schemas.ChatCompletionChoice(
-                    index=i, message=_message(a), finish_reason=a.finish_reason,  # type: ignore[arg-type]
+                    index=i, message=_message(a), finish_reason=_reason(a.finish_reason),
                     logprobs=None if n_top is None else chat_logprobs(a.logprobs),
                 )
                 for i, (c, run) in enumerate(zip(answers, runs, strict=True))
@@ -153,12 +154,12 @@ async def _serve(request: Request, body: _Body, req: GenerateRequest, route: str
             ],
         )  # fmt: skip
     else:
-        offset = len(body.prompt_text)  # type: ignore[union-attr]
+        offset = len(body.prompt_text)  # type: ignore[union-attr]  # a CompletionRequest
         resp = schemas.Completion(
             model=body.model, usage=u,
             choices=[
                 schemas.CompletionChoice(
-                    index=i, text=a.text, finish_reason=a.finish_reason,  # type: ignore[arg-type]
+                    index=i, text=a.text, finish_reason=_reason(a.finish_reason),
                     logprobs=None if n_top is None
                     else completion_logprobs(a.logprobs, offset, n_top),
                 )
@@ -166,6 +167,12 @@ async def _serve(request: Request, body: _Body, req: GenerateRequest, route: str
             ],
         )  # fmt: skip
     return Response(msgspec.json.encode(resp), media_type="application/json")
+
+
+def _reason(finish_reason: str) -> schemas.FinishReason:
+    """A choice's finish reason as OpenAI names it: the runner ends one with ``stop``
+    or ``length``, and ``answers`` makes ``tool_calls`` of a stop after calls."""
+    return cast(schemas.FinishReason, finish_reason)
 
 
 def _tool_call(call: Call) -> schemas.ToolCall:
@@ -183,12 +190,14 @@ def _message(a: Answer) -> schemas.AssistantMessage:
     )
 
 
-async def _stream(runs: list[Run], body: _Body, *, chat: bool) -> AsyncIterator[bytes]:
+async def _stream(runs: list[Run], body: _Body, *, chat: bool) -> AsyncGenerator[bytes, None]:
     s = schemas.ChatStream(body.model) if chat else schemas.CompletionStream(body.model)
     n_top = body.n_logprobs
     # Completions: where each choice's next token starts in prompt + answer.
-    offset = [0 if chat else len(body.prompt_text)] * len(runs)  # type: ignore[union-attr]
+    prompt = 0 if chat else len(body.prompt_text)  # type: ignore[union-attr]  # CompletionRequest
+    offset = [prompt] * len(runs)
     if chat:
+        assert isinstance(s, schemas.ChatStream)
         for i in range(len(runs)):
             yield sse_data(s.start(i))
     usages: dict[int, wire.Usage] = {}
@@ -200,8 +209,10 @@ async def _stream(runs: list[Run], body: _Body, *, chat: bool) -> AsyncIterator[
             if n_top is None or not e.logprobs:
                 yield sse_data(s.content(e.text, index=e.choice))
             elif chat:
+                assert isinstance(s, schemas.ChatStream)
                 yield sse_data(s.content(e.text, chat_logprobs(e.logprobs), index=e.choice))
             else:
+                assert isinstance(s, schemas.CompletionStream)
                 lp = completion_logprobs(e.logprobs, offset[e.choice], n_top)
                 offset[e.choice] += sum(len(t) for t in lp.tokens)
                 yield sse_data(s.content(e.text, lp, index=e.choice))
@@ -211,7 +222,7 @@ async def _stream(runs: list[Run], body: _Body, *, chat: bool) -> AsyncIterator[
                 yield sse_data(chunk)
         elif isinstance(e, Finished):
             usages[e.choice] = e.usage
-            yield sse_data(s.finish(e.reason, index=e.choice))  # type: ignore[arg-type]
+            yield sse_data(s.finish(_reason(e.reason), index=e.choice))
     if body.include_usage and usages:
         first = next(iter(usages.values()))
         total = sum(u.completion_tokens for u in usages.values())

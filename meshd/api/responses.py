@@ -14,7 +14,7 @@ conversation in ``input``, as it does for chat completions.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import msgspec
 from starlette.requests import Request
@@ -247,7 +247,9 @@ class _Stream:
             )
         )  # fmt: skip
 
-    async def render(self, runs: list[Run], reader: ChoiceCalls | None) -> AsyncIterator[bytes]:
+    async def render(
+        self, runs: list[Run], reader: ChoiceCalls | None
+    ) -> AsyncGenerator[bytes, None]:
         """Every event of the response, from ``response.created`` to its end."""
         started = self.draft.response("in_progress", [])
         yield self._sse(rs.ResponseCreated(sequence_number=self._n(), response=started))

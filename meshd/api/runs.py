@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -150,7 +150,7 @@ class Run:
         metrics.in_flight.inc()
         metrics.speed.began(model)
 
-    async def pieces(self) -> AsyncIterator[wire.DataChunk]:
+    async def pieces(self) -> AsyncGenerator[wire.DataChunk, None]:
         """Every chunk after the acknowledgement, recording time to first token,
         inter-token time, per-stage compute and the per-hop overhead."""
         m, model = self.metrics, self.model
@@ -225,7 +225,7 @@ class Run:
             return
         self._closed = True
         self.ticket.release()
-        await self.chunks.aclose()
+        await self.chunks.aclose()  # type: ignore[attr-defined]  # a generator: see _first
         self.metrics.in_flight.dec()
         self.metrics.speed.ended(self.model)
 
@@ -312,7 +312,8 @@ async def _first(chunks: AsyncIterator[wire.DataChunk]) -> wire.DataChunk:
     try:
         return await anext(chunks)
     except RequestFailed as e:
-        await chunks.aclose()  # type: ignore[attr-defined]
+        # Services.generate returns an async generator; its Protocol says AsyncIterator.
+        await chunks.aclose()  # type: ignore[attr-defined]  # an async generator
         raise request_failed(e) from None
     except StopAsyncIteration:
         raise ApiError(502, "the pipeline ended without output", type="server_error") from None

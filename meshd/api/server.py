@@ -55,7 +55,10 @@ class _Guarded(H11Protocol):
         self._ip = ""
         self._deadline: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(
+        self,
+        transport: asyncio.Transport,  # type: ignore[override]  # uvicorn's own type
+    ) -> None:
         super().connection_made(transport)
         self._ip = self.client[0] if self.client else ""
         self._per_ip[self._ip] += 1
@@ -132,9 +135,10 @@ class ApiServer:
         # h11 always: uvicorn would pick httptools when it happens to be installed, and
         # the two parsers answer malformed requests differently (httptools refuses any
         # method it does not know with a bare text 400, before the app can say why).
+        guarded = functools.partial(_Guarded, per_ip=Counter())
         config = uvicorn.Config(
             app,
-            http=functools.partial(_Guarded, per_ip=Counter()),  # type: ignore[arg-type]
+            http=guarded,  # type: ignore[arg-type]  # a partial: uvicorn calls it like the class
             log_level="warning",
             # No handlers of uvicorn's own: its lines go through the process's logging
             # (meshd.logs), JSON included, like every other line of a node's log.

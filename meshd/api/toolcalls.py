@@ -7,7 +7,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast, get_args
 
 import msgspec
 
@@ -57,7 +57,7 @@ class ChoiceCalls:
     ) -> None:
         """``fmt``: the model's tool format (stage 0 says which); ``parallel`` False
         keeps only the first call; ``new_id`` names each call (the dialect's style)."""
-        self._parser = ToolCallParser(fmt if fmt in _FORMATS else "generic")  # type: ignore[arg-type]
+        self._parser = ToolCallParser(cast(ToolFormat, fmt) if fmt in _FORMATS else "generic")
         self._parallel = parallel
         self._new_id = new_id
         #: Every call so far, in order.
@@ -86,4 +86,4 @@ class ChoiceCalls:
         return "".join(text), new
 
 
-_FORMATS = frozenset(ToolFormat.__args__)  # type: ignore[attr-defined]
+_FORMATS = frozenset(get_args(ToolFormat))

@@ -148,18 +148,18 @@ def _setting(action: argparse.Action) -> Setting | None:
     option = longs[0]
     key = option[2:].replace("-", "_")
     secret = bool(getattr(action, _SECRET_ATTR, False))
-    common = {"key": key, "option": option, "dest": action.dest, "secret": secret}
+    common: dict[str, Any] = {"key": key, "option": option, "dest": action.dest, "secret": secret}
     if action.nargs == 0:  # store_true, store_false, store_const
         return Setting(kind="switch", default=action.default, const=action.const, **common)
     # A string default is a flag's text that argparse converts; so does this.
     default = action.default
     if isinstance(default, str) and action.type is not None:
-        default = action.type(default)  # type: ignore[operator]
+        default = action.type(default)  # type: ignore[operator]  # a callable, never a str here
     many = isinstance(action, argparse._AppendAction) or action.nargs not in (None, "?")
     return Setting(
         kind="list" if many else "value",
         default=default,
-        convert=action.type,  # type: ignore[arg-type]
+        convert=action.type,  # type: ignore[arg-type]  # our flags' types are callables
         choices=list(action.choices) if action.choices is not None else None,
         **common,
     )

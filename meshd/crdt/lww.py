@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
+from typing import cast
 
 import msgspec
 
@@ -107,7 +108,7 @@ class LWWMap:
         return len(self._entries)
 
     def __contains__(self, key: object) -> bool:
-        e = self._entries.get(key)  # type: ignore[arg-type]
+        e = self._entries.get(cast(str, key))  # a key of any other type is absent
         return e is not None and e.value is not None
 
     def get(self, key: str) -> Entry | None:

@@ -14,7 +14,7 @@ views (and never crashes a reader), so an old node cannot break a new one.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -332,7 +332,7 @@ class Instance(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 _encoder = msgspec.msgpack.Encoder()
 T = TypeVar("T", bound=msgspec.Struct)
-_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 
 
 def encode(value: msgspec.Struct) -> bytes:
@@ -342,7 +342,7 @@ def encode(value: msgspec.Struct) -> bytes:
 
 def decode(value: bytes, typ: type[T]) -> T | None:
     """Decode an LWW value into a view Struct; None if it does not fit the schema."""
-    dec = _decoders.get(typ)
+    dec: msgspec.msgpack.Decoder[T] | None = _decoders.get(typ)
     if dec is None:
         dec = _decoders[typ] = msgspec.msgpack.Decoder(typ)
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -19,6 +19,10 @@ from .errors import ModelFormatError, UnsupportedModelError
 from .mlx_layout import inspect_gguf, mlx_name
 
 __all__ = ["gguf_to_mlx_folder"]
+
+#: What ``mx.load(path, return_metadata=True)`` returns (its stub types every form of
+#: its result as one union): the tensors by name, and the file's metadata.
+_TensorsAndMetadata = tuple[dict[str, Any], dict[str, Any]]
 
 
 def _unpermute(w: Any, n_head: int) -> Any:
@@ -194,7 +198,7 @@ def gguf_to_mlx_folder(gguf_path: Path | str, out_dir: Path | str) -> Path:
             f"{gguf_path}: only GGUFs mx.load reads whole (F32/F16/BF16, Q4_0, Q4_1, "
             "Q8_0, Q6_K) are converted"
         )
-    weights, md = mx.load(str(gguf_path), return_metadata=True)
+    weights, md = cast(_TensorsAndMetadata, mx.load(str(gguf_path), return_metadata=True))
     tok, tok_cfg = _gguf_tokenizer(md, gguf_path)
 
     tensors: dict[str, Any] = {}

@@ -455,7 +455,7 @@ def _inspect_loosely(path: Path) -> FolderModel:
         for tname, info in read_safetensors_header(file).items():
             a, b = info.get("data_offsets", (0, 0))
             tensors[tname] = (file, str(info.get("dtype")), tuple(info.get("shape", ())), b - a)
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    text = tc if isinstance(tc := config.get("text_config"), dict) else {}
     get = lambda k: config.get(k) or text.get(k)  # noqa: E731
     n_layers = int(get("num_hidden_layers") or 0)
     hidden = int(get("hidden_size") or 0)

@@ -179,7 +179,7 @@ def inspect_gguf(path: Path) -> GgufLayout:
     rope_scale = 1.0
     if scaling in (None, "none") or (scaling == "linear" and factor in (None, 1.0)):
         pass
-    elif scaling == "linear":
+    elif scaling == "linear" and factor is not None:  # (None took the branch above)
         rope_scale = float(factor)
     else:
         raise UnsupportedModelError(f"{path}: rope scaling {scaling!r} is not supported")

@@ -214,8 +214,9 @@ class HfVocab:
 
         eos: set[int] = set()
         text = _token_text(tok_cfg.get("eos_token"))
-        if text is not None and tok.token_to_id(text) is not None:
-            eos.add(int(tok.token_to_id(text)))
+        eos_id = None if text is None else tok.token_to_id(text)
+        if eos_id is not None:
+            eos.add(int(eos_id))
         for name in ("config.json", "generation_config.json"):
             eos.update(_ids(_read_json(path / name).get("eos_token_id")))
         for text in EOG_TEXTS:
@@ -316,7 +317,9 @@ def _apply_special_flags(tok: Any, cfg: dict[str, Any]) -> None:
         if not cfg.get(f"add_{key}_token"):
             return None
         text = _token_text(cfg.get(f"{key}_token"))
-        tid = None if text is None else tok.token_to_id(text)
+        if text is None:
+            return None
+        tid = tok.token_to_id(text)
         if tid is None:
             return None
         if (text, tid) not in specials:

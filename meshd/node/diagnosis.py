@@ -484,8 +484,8 @@ def _liveness_and_ports(s: Snapshot, out: _Out) -> None:
     peers = _peers(v)
     states: dict[str, int] = {}
     for n in peers:
-        st = v.liveness.get(n, "unknown")
-        states[st] = states.get(st, 0) + 1
+        state = v.liveness.get(n, "unknown")
+        states[state] = states.get(state, 0) + 1
     out.check(
         "liveness",
         f"{_plural(len(peers), 'peer')}"

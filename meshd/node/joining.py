@@ -99,7 +99,8 @@ def new_code() -> str:
 
 def _normal(code: str) -> str:
     c = code.upper().replace("-", "").replace(" ", "")
-    return c.translate(str.maketrans({"I": "1", "L": "1", "O": "0", "U": "V"}))
+    swaps: dict[str, str | int | None] = {"I": "1", "L": "1", "O": "0", "U": "V"}
+    return c.translate(str.maketrans(swaps))
 
 
 def _confirm(session: bytes, who: bytes, transcript: bytes) -> bytes:

@@ -117,7 +117,7 @@ class Presence:
 
     def update_card(self, **changes: object) -> None:
         """Change fields of the card and publish it."""
-        self.card = msgspec.structs.replace(self.card, **changes)  # type: ignore[arg-type]
+        self.card = msgspec.structs.replace(self.card, **changes)
         self.state.write(node_key(self.card.id), self.card)
 
     async def beat(self, state: HealthState = "up") -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshd.crdt.views import ModelSpeed
@@ -52,7 +53,7 @@ def _p50_ms(d: deque[tuple[float, float]]) -> float:
 class Speed:
     """The last minute of this node's requests, per model."""
 
-    def __init__(self, clock: object = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._models: dict[str, _Model] = {}
 
@@ -64,7 +65,7 @@ class Speed:
 
     def now(self) -> float:
         """The clock the samples are on."""
-        return self._clock()  # type: ignore[operator]
+        return self._clock()
 
     def began(self, model: str) -> None:
         """A request for ``model`` started."""

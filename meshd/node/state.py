@@ -9,7 +9,8 @@ liveness read on this node's clock.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import msgspec
 
@@ -32,7 +33,7 @@ class ClusterState:
         replica: Replica,
         liveness: Liveness,
         *,
-        publish: Callable[[list[Entry]], Awaitable[None]],
+        publish: Callable[[list[Entry]], Coroutine[Any, Any, None]],
         changes: Changes,
         tasks: Tasks,
         on_write: Callable[[Entry], None],

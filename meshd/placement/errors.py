@@ -34,7 +34,9 @@ class PlacementError(Exception):
         self.message = message
         self.shortfalls: dict[str, int] = dict(shortfalls or {})
 
-    def __reduce__(self):  # keep reason and shortfalls through pickling
+    def __reduce__(  # keep reason and shortfalls through pickling
+        self,
+    ) -> tuple[type[PlacementError], tuple[Reason, str, dict[str, int]]]:
         return (type(self), (self.reason, self.message, self.shortfalls))
 
     def __repr__(self) -> str:

@@ -1106,15 +1106,15 @@ def _repair(
             return None
         _, _, _, choice, payload = min(options, key=lambda o: o[:3])
         if choice == "new":
-            fills[j] = payload  # type: ignore[assignment]
+            fills[j] = payload  # type: ignore[assignment]  # "new": its stages
             used.update(s.node for s in fills[j])
         if choice in ("left", "both") and left is not None:
             end = b if choice == "left" else payload
-            rng[left] = (rng[left][0], end)  # type: ignore[assignment]
+            rng[left] = (rng[left][0], end)  # type: ignore[assignment]  # "both": an int
             moved.add(left)
         if choice in ("right", "both") and right is not None:
             start = a if choice == "right" else payload
-            rng[right] = (start, rng[right][1])  # type: ignore[assignment]
+            rng[right] = (start, rng[right][1])  # type: ignore[assignment]  # "both": an int
             moved.add(right)
 
     out: list[Stage] = []

@@ -29,6 +29,7 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import re
@@ -294,7 +295,7 @@ class Discovery:
             return
         task = asyncio.get_running_loop().create_task(self._resolve(name))
         self._resolving[name] = task
-        task.add_done_callback(lambda t, n=name: self._resolved(n, t))
+        task.add_done_callback(functools.partial(self._resolved, name))
 
     def _resolved(self, name: str, task: asyncio.Task[None]) -> None:
         if self._resolving.get(name) is task:

@@ -28,13 +28,18 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
+
+if TYPE_CHECKING:
+    import zmq.asyncio
+    from zmq.auth.base import Authenticator
 
 __all__ = [
     "HANDSHAKE_EVENTS",
@@ -74,7 +79,7 @@ HANDSHAKE_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-_REASONS = {
+_REASONS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_protocol",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_auth",
@@ -266,7 +271,7 @@ def start_zap(
     on_denied: Callable[[], None],
     *,
     on_denied_at: Callable[[str], None] | None = None,
-):
+) -> Authenticator:
     """Start the ZAP handler of ``ctx`` (asyncio or threaded, matching the context):
     a CURVE client whose public key (Z85) ``admits`` refuses is turned away, and
     ``on_denied`` called (``on_denied_at`` too, with the client's IP address).
@@ -275,6 +280,7 @@ def start_zap(
     """
     import zmq.asyncio
 
+    auth: Authenticator
     if isinstance(ctx, zmq.asyncio.Context):
         from zmq.auth.asyncio import AsyncioAuthenticator
 
@@ -287,18 +293,18 @@ def start_zap(
     check = _ClientKeyCheck(admits, on_denied, on_denied_at)
     handle = auth.handle_zap_message
 
-    def handle_noting_address(msg: list[bytes]):  # type: ignore[no-untyped-def]
+    def handle_noting_address(msg: list[bytes]) -> Coroutine[Any, Any, None]:
         # pyzmq tells the credentials callback no address; frame 3 of a ZAP request is
         # the client's. Requests are answered in turn, so the note holds for this one.
         check.address = msg[3].decode(errors="replace") if len(msg) > 3 else ""
         return handle(msg)
 
-    auth.handle_zap_message = handle_noting_address  # type: ignore[method-assign]
+    auth.handle_zap_message = handle_noting_address  # type: ignore[method-assign]  # a wrapper
     auth.configure_curve_callback(ZAP_DOMAIN, check)
     return auth
 
 
-_PROTOCOL_ERRORS = {
+_PROTOCOL_ERRORS: dict[int, str] = {
     getattr(zmq, n): n.removeprefix("PROTOCOL_ERROR_").lower()
     for n in dir(zmq)
     if n.startswith("PROTOCOL_ERROR_")
@@ -361,7 +367,7 @@ class HandshakeReporter:
 
 
 async def watch_handshakes(
-    sock: zmq.Socket, name: str, reporter: HandshakeReporter, *, bound: bool = True
+    sock: zmq.asyncio.Socket, name: str, reporter: HandshakeReporter, *, bound: bool = True
 ) -> None:
     """Report the failed handshakes of an asyncio socket until cancelled."""
     mon = sock.get_monitor_socket(HANDSHAKE_EVENTS)
