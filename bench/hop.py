@@ -205,7 +205,7 @@ class MeshdSender:
         )  # fmt: skip
         self.side.dealer.send_multipart([wire.encode(act), memoryview(rows)], copy=False)
         frames = self.side.router.recv_multipart(copy=False)
-        msg = wire.decode(frames[1].buffer, wire.MAX_DATA_FRAME)
+        msg = wire.decode_stage(frames[1].buffer)
         out = tensors.decode_rows(frames[2].buffer, msg.dtype, msg.rows, msg.hidden)
         t1 = time.perf_counter()
         assert isinstance(msg, wire.Activation) and out.shape == self.rows.shape
@@ -225,7 +225,7 @@ class MeshdSender:
                 hidden=rows.shape[1], compute=[0.0],
             )  # fmt: skip
             head, body = wire.encode(act), memoryview(rows).cast("B")
-            msg = wire.decode(head, wire.MAX_DATA_FRAME)
+            msg = wire.decode_stage(head)
             tensors.decode_rows(body, msg.dtype, msg.rows, msg.hidden)
         return (time.perf_counter() - t0) / n
 

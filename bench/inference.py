@@ -88,9 +88,10 @@ def worker_main(args: argparse.Namespace) -> int:
     token to the last, "agg": tokens / time from before the prefill}."""
     import numpy as np
 
+    from meshd.domain.sampling import Sampling
     from meshd.engines.detok import IncrementalDetokenizer
     from meshd.engines.llama_stage import LlamaStage
-    from meshd.engines.sampling import Sampler, SamplingParams
+    from meshd.engines.sampling import Sampler
     from meshd.engines.stage import StageInput
     from meshd.models.chat import CHATML_TEMPLATE, chat_template_at, render_chat
 
@@ -126,7 +127,7 @@ def worker_main(args: argparse.Namespace) -> int:
 
     def run_stage(k: int) -> dict[str, float]:
         """``k`` sequences of the same prompt, every step one batched forward."""
-        samplers = [Sampler(SamplingParams(temperature=0.0)) for _ in range(k)]
+        samplers = [Sampler(Sampling(temperature=0.0)) for _ in range(k)]
         detoks = [IncrementalDetokenizer(stage.token_to_piece) for _ in range(k)]
         t0 = time.perf_counter()
         first = np.asarray(prompt, np.int32)
@@ -221,8 +222,10 @@ class BareRunner:
             req=req, instance="bench", generation=1,
             route=[wire.Addr(node="runner", addresses=["127.0.0.1"], port=self.port)],
             reply_to=wire.Addr(node="bench", addresses=["127.0.0.1"], port=self.reply_port),
-            messages=[wire.ChatTurn("user", PROMPT)],
-            sampling=wire.Sampling(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+            job=wire.Job(
+                messages=[wire.ChatTurn("user", PROMPT)],
+                sampling=wire.Sampling(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+            ),
         )  # fmt: skip
         self.dealer.send(wire.encode(g))
         ts: list[float] = []
@@ -231,7 +234,7 @@ class BareRunner:
                 raise TimeoutError("the bare runner sent nothing for 60 s")
             frames = self.router.recv_multipart()
             now = time.perf_counter()
-            mine = [c for c in wire.chunks_in(wire.decode(frames[-1])) or [] if c.req == req]
+            mine = [c for c in wire.chunks_in(wire.decode_output(frames[-1])) if c.req == req]
             for msg in mine:
                 if msg.error is not None:
                     raise RuntimeError(f"runner: {msg.error.code}: {msg.error.message}")

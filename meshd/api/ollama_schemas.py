@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from meshd.engines.sampling import MAX_PENALTY, MAX_REPEAT_PENALTY, MAX_TOP_LOGPROBS
+from meshd.domain.sampling import MAX_PENALTY, MAX_REPEAT_PENALTY, MAX_TOP_LOGPROBS
 
 from .rules import (
     MAX_TOOLS,

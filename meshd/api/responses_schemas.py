@@ -31,8 +31,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from meshd.domain.sampling import MAX_REPEAT_PENALTY
 from meshd.engines.grammar import json_schema_grammar
-from meshd.engines.sampling import MAX_REPEAT_PENALTY
 
 from .rules import (
     MAX_TOOLS,

@@ -48,14 +48,14 @@ from typing import Any, Literal
 
 import msgspec
 
-from meshd.engines.grammar import GrammarError, check_grammar, json_schema_grammar
-from meshd.engines.sampling import (
+from meshd.domain.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_PENALTY,
     MAX_REPEAT_PENALTY,
     MAX_TOP_LOGPROBS,
 )
+from meshd.engines.grammar import GrammarError, check_grammar, json_schema_grammar
 
 from .rules import INT64_MAX as _INT64_MAX
 from .rules import MAX_TOOLS, FieldError, check_function, check_stops

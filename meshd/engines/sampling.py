@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import numbers
 import secrets
 import struct
 from collections import Counter, deque
@@ -42,30 +41,15 @@ from collections.abc import Iterable
 import msgspec
 import numpy as np
 
+from meshd.domain.sampling import MAX_TOP_LOGPROBS, Sampling
+
 __all__ = [
-    "MAX_LOGIT_BIAS",
-    "MAX_LOGIT_BIAS_ENTRIES",
-    "MAX_PENALTY",
-    "MAX_REPEAT_PENALTY",
-    "MAX_TEMPERATURE",
     "MAX_TOP_LOGPROBS",
     "Draw",
     "Sampler",
-    "SamplingParams",
     "log_probs",
     "uniform",
 ]
-
-MAX_TEMPERATURE = 2.0
-"""OpenAI's upper bound for ``temperature``."""
-MAX_PENALTY = 2.0
-"""OpenAI's bound (either sign) for ``presence_penalty`` and ``frequency_penalty``."""
-MAX_REPEAT_PENALTY = 10.0
-"""Upper bound for ``repeat_penalty`` (llama.cpp's is unbounded; past this it only bans)."""
-MAX_LOGIT_BIAS = 100.0
-"""OpenAI's bound (either sign) for a ``logit_bias`` value."""
-MAX_LOGIT_BIAS_ENTRIES = 1024
-"""Most tokens one request may bias."""
 
 # The draw hashes the seed as an unsigned 64-bit word; folding a signed seed into this
 # range keeps every int64 a client may send valid and distinct.
@@ -83,101 +67,8 @@ _BINS = 2048
 _BLOCK = 512
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """How to pick the next token; the defaults are plain sampling at T=1 with every
-    filter and penalty off (what the request model fills in is decided by the API).
-
-    ``temperature`` 0 means greedy (argmax). ``top_k`` 0, ``top_p`` 1, ``min_p`` 0,
-    penalties 0 and ``repeat_penalty`` 1 are off. ``repeat_last_n`` -1 counts every token
-    generated so far. ``seed`` None draws from fresh OS entropy; an int makes the
-    sequence of draws reproducible. Invalid values raise ``ValueError`` at construction
-    (and a ``msgspec.ValidationError`` when decoded from the wire).
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    logit_bias: dict[int, float] = {}
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        # `not (a <= x <= b)` rather than `x < a or x > b` so that NaN is rejected too.
-        if not _is_real(self.temperature) or not (0.0 <= self.temperature <= MAX_TEMPERATURE):
-            raise ValueError(
-                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), "
-                f"got {self.temperature!r}"
-            )
-        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _is_real(v) or not (-MAX_PENALTY <= v <= MAX_PENALTY):
-                raise ValueError(
-                    f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] "
-                    f"(0 = off), got {v!r}"
-                )
-        rp = self.repeat_penalty
-        if not _is_real(rp) or not (0.0 < rp <= MAX_REPEAT_PENALTY):
-            raise ValueError(
-                f"repeat_penalty must be a number in (0, {MAX_REPEAT_PENALTY:g}] (1 = off), "
-                f"got {rp!r}"
-            )
-        if not _is_int(self.repeat_last_n) or self.repeat_last_n < -1:
-            raise ValueError(
-                "repeat_last_n must be an integer >= -1 (-1 = every generated token, 0 = off), "
-                f"got {self.repeat_last_n!r}"
-            )
-        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(
-                f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, "
-                f"got {len(self.logit_bias)}"
-            )
-        for tok, bias in self.logit_bias.items():
-            if not _is_int(tok) or tok < 0:
-                raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok!r}")
-            if not _is_real(bias) or not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-                raise ValueError(
-                    f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
-                    f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {tok}"
-                )
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        """True when sampling reduces to argmax (no randomness is consumed)."""
-        return self.temperature == 0.0
-
-    @property
-    def penalised(self) -> bool:
-        """True when the tokens generated so far change the logits."""
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or (self.repeat_penalty != 1.0 and self.repeat_last_n != 0)
-        )
-
-
-def _is_real(value: object) -> bool:
-    # bool is an int subclass; `temperature=True` is a client bug, not a number.
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 class Sampler:
-    """Picks token ids from logits under fixed :class:`SamplingParams`.
+    """Picks token ids from logits under a fixed :class:`~meshd.domain.sampling.Sampling`.
 
     One sampler per request. The token at position ``i`` (0 = the first generated
     token) uses the uniform draw :func:`uniform` ``(seed, i)``: the same seed and the
@@ -189,11 +80,13 @@ class Sampler:
     """
 
     def __init__(
-        self, params: SamplingParams | None = None, position: int = 0, history: Iterable[int] = ()
+        self, params: Sampling | None = None, position: int = 0, history: Iterable[int] = ()
     ) -> None:
         """``position``: index of the next token to sample (the tokens already sent);
-        ``history``: those tokens, in order (what the penalties count)."""
-        self.params = params if params is not None else SamplingParams()
+        ``history``: those tokens, in order (what the penalties count). A value of
+        ``params`` that breaks its rule raises :class:`SamplingError` (a ValueError)."""
+        self.params = params if params is not None else Sampling()
+        self.params.check()
         seed = self.params.seed
         # No seed: a fresh random one, so an unseeded request still draws independently
         # per position (and a replay of it continues with the same draws).
@@ -323,10 +216,6 @@ class Draw(msgspec.Struct, frozen=True):
     logprob: float = 0.0
     #: (token, log-probability), most likely first (ties: lower id first).
     top: list[tuple[int, float]] = []
-
-
-#: Most alternatives a token's log-probabilities may list (OpenAI's ``top_logprobs``).
-MAX_TOP_LOGPROBS = 20
 
 
 def log_probs(logits: np.ndarray, temperature: float, token: int, n_top: int) -> Draw:

@@ -93,10 +93,13 @@ class Stage(Protocol):
     n_ctx_train: int
     #: False for an encoder (embeddings only): :meth:`forward` is not for it.
     generative: bool
-    #: Rows of other work after which KV kept for no request (a cached prefix) has
-    #: cost what computing it again would; None where keeping it costs no time (each
-    #: sequence has caches of its own).
-    kept_rows: int | None
+
+    @property
+    def kept_rows(self) -> int | None:
+        """Rows of other work after which KV kept for no request (a cached prefix) has
+        cost what computing it again would; None where keeping it costs no time (each
+        sequence has caches of its own)."""
+        ...
 
     def n_past(self, seq: int) -> int:
         """Positions the stage holds for ``seq``."""

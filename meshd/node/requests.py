@@ -16,7 +16,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import msgspec
 
@@ -116,7 +116,7 @@ class Requests:
         job: wire.Job,
         *,
         replay: bool = True,
-    ) -> AsyncIterator[wire.DataChunk]:
+    ) -> AsyncGenerator[wire.DataChunk, None]:
         """Run one request on ``inst``; yield its chunks until the final one.
 
         The first chunk carries ``n_prompt``; the last one ``finish_reason``. Raises
@@ -200,11 +200,12 @@ class Requests:
         inst: Instance,
         job: wire.Job,
         resume: list[int],
-    ) -> AsyncIterator[wire.DataChunk]:
+    ) -> AsyncGenerator[wire.DataChunk, None]:
         """One try of a request on one plan."""
         view = self.state.view()
-        route = [s.addr for s in view.stage_states(inst)]
-        if any(a is None for a in route):
+        addrs = [s.addr for s in view.stage_states(inst)]
+        route = [a for a in addrs if a is not None]
+        if len(route) < len(addrs):
             raise RequestFailed("not_ready", f"instance {inst.id} is not ready", 503)
         # The API request's id, when one is being served, prefixes the pipeline's own
         # (each attempt and each choice its own): grep finds the whole path by it.
@@ -215,11 +216,11 @@ class Requests:
         done = False
         try:
             await self.dataplane.send(
-                route[0],  # type: ignore[arg-type]
+                route[0],
                 wire.Generate(
                     req=req, instance=inst.id, generation=inst.generation,
-                    route=route, reply_to=self.dataplane.reply_addr(),  # type: ignore[arg-type]
-                    resume_tokens=list(resume), **msgspec.structs.asdict(job),
+                    route=route, reply_to=self.dataplane.reply_addr(),
+                    job=job, resume_tokens=list(resume),
                 ),
             )  # fmt: skip
             timeout = self.config.first_chunk_timeout
@@ -254,7 +255,7 @@ class Requests:
             # The drain waits for this node's requests to end.
             self.state.changes.notify()
             if not done:
-                await self._release_everywhere(req, inst, route)  # type: ignore[arg-type]
+                await self._release_everywhere(req, inst, route)
 
     async def _release_everywhere(self, req: str, inst: Instance, route: list[wire.Addr]) -> None:
         """Free ``req``'s KV cache on every stage of ``route``, each told directly.

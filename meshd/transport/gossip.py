@@ -241,7 +241,9 @@ class Gossip:
         await self.pub.send_multipart([self.cluster, wire.encode(msg)])
 
     # -- requests ------------------------------------------------------------------
-    async def request(self, endpoint: Endpoint, msg: wire.Message, peer: str | None = None):
+    async def request(
+        self, endpoint: Endpoint, msg: wire.GossipMessage, peer: str | None = None
+    ) -> wire.GossipMessage | None:
         """Send one request to a peer's ROUTER and await its reply (bounded).
 
         Returns the decoded reply, or None on timeout or an undecodable reply.
@@ -282,7 +284,7 @@ class Gossip:
         if len(frames) != 1:
             self.counters.add("request", "shape")
             return None
-        return decode_frame(frames[0], self._drop_request)
+        return decode_frame(frames[0], self._drop_request, wire.decode_gossip)
 
     def _drop_anonymous(self, key: str) -> None:
         p = self._peers.pop(key, None)
@@ -368,11 +370,11 @@ class Gossip:
             if reply is not None:
                 await self.router.send_multipart([frames[0], wire.encode(reply)])
 
-    def _answer(self, frames: list[bytes]) -> wire.Message | None:
+    def _answer(self, frames: list[bytes]) -> wire.GossipMessage | None:
         if len(frames) < 2:
             self.counters.add("mesh", "shape")
             return None
-        msg = decode_frame(frames[1], self._drop_mesh)
+        msg = decode_frame(frames[1], self._drop_mesh, wire.decode_gossip)
         if msg is None:
             return None
         if not self.limiter.allow(getattr(msg, "sender", "")):
@@ -421,7 +423,7 @@ class Gossip:
         if len(frames) != 2 or frames[0] != self.cluster:
             self.counters.add("gossip", "shape")
             return
-        msg = decode_frame(frames[1], self._drop_gossip)
+        msg = decode_frame(frames[1], self._drop_gossip, wire.decode_gossip)
         if msg is None:
             return
         if not self.limiter.allow(getattr(msg, "sender", "")):

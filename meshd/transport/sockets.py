@@ -22,12 +22,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import zmq
 
 from . import wire
 from .addresses import choose_address
 from .security import ClusterKeys, secure
+
+#: The socket class of a context: ``zmq.asyncio.Socket`` for an asyncio one.
+S = TypeVar("S", bound="zmq.Socket[Any]")
 
 __all__ = [
     "CONTROL",
@@ -92,13 +96,13 @@ def configure(sock: zmq.Socket, options: SocketOptions = CONTROL) -> None:
 
 
 def open_socket(
-    ctx: zmq.Context,
+    ctx: zmq.Context[S],
     kind: int,
     options: SocketOptions,
     keys: ClusterKeys | None,
     *,
     server: bool,
-) -> zmq.Socket:
+) -> S:
     """A socket of ``kind`` (``zmq.ROUTER``...), configured and secured: ``server`` for
     one that binds, else it connects. Works for asyncio and plain contexts alike."""
     sock = ctx.socket(kind)
@@ -148,13 +152,13 @@ def endpoint(addr: wire.Addr, own_addresses: list[str]) -> str:
     return f"tcp://[{host}]:{addr.port}" if ":" in host else f"tcp://{host}:{addr.port}"
 
 
-class DealerCache:
+class DealerCache(Generic[S]):
     """Connected DEALERs, one per peer endpoint, at most :data:`MAX_DEALERS` of them
     (the least recently used is closed first). Used from one thread or loop."""
 
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.Context[S],
         *,
         keys: ClusterKeys | None,
         own_addresses: list[str],
@@ -166,14 +170,14 @@ class DealerCache:
         self._own = own_addresses
         self._options = options
         self._limit = limit
-        self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self._socks: OrderedDict[str, S] = OrderedDict()
         #: Addr -> endpoint, resolved once per address rather than once per message.
         self._resolved: OrderedDict[tuple[int, ...] | tuple, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._socks)
 
-    def to(self, addr: wire.Addr) -> zmq.Socket:
+    def to(self, addr: wire.Addr) -> S:
         """The DEALER connected to ``addr`` (connecting one when there is none).
 
         Raises ``zmq.ZMQError`` for an address ZeroMQ cannot connect to (it came from
@@ -208,15 +212,19 @@ class DealerCache:
         self._socks.clear()
 
 
+M = TypeVar("M")
+
+
 def decode_frame(
     frame: bytes | memoryview,
     on_drop: Callable[[str], None],
-    limit: int = wire.MAX_CONTROL_FRAME,
-) -> wire.Message | None:
-    """The message in one header frame, or None after counting why it was dropped
-    (``on_drop(reason)``: ``oversized``, ``malformed``...)."""
+    decode: Callable[[bytes | memoryview], M],
+) -> M | None:
+    """The message in one header frame as this socket's plane reads it (``decode``:
+    ``wire.decode_gossip``, ``decode_stage``, ``decode_output``), or None after
+    counting why it was dropped (``on_drop(reason)``: ``oversized``, ``malformed``...)."""
     try:
-        return wire.decode(frame, limit)
+        return decode(frame)
     except wire.FrameError as e:
         on_drop(e.reason)
         return None

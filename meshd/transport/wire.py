@@ -13,11 +13,14 @@ schema, or is larger than the socket's limit, is dropped and counted by the call
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TypeVar
 
 import msgspec
 
 from meshd.crdt.lww import Entry
+from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse  # noqa: F401  # TEMP
+from meshd.domain.job import Job
+from meshd.domain.sampling import Sampling
 
 #: Largest control-plane frame a node accepts (gossip, hello, pulls).
 MAX_CONTROL_FRAME = 4 * 1024 * 1024
@@ -111,120 +114,8 @@ class Addr(msgspec.Struct, frozen=True, array_like=True):
     port: int
 
 
-class ToolCallTurn(msgspec.Struct, frozen=True, array_like=True):
-    """A function call an assistant turn made (OpenAI's ``tool_calls`` entry)."""
-
-    id: str
-    name: str
-    #: The arguments as a JSON text.
-    arguments: str
-
-
-class ChatTurn(msgspec.Struct, frozen=True, array_like=True):
-    """One chat message, already flattened to text."""
-
-    role: str
-    content: str
-    #: An assistant turn's function calls.
-    tool_calls: list[ToolCallTurn] = []
-    #: A ``tool`` turn: the call it answers, and the function's name.
-    tool_call_id: str | None = None
-    name: str | None = None
-
-    def as_dict(self) -> dict[str, object]:
-        """The turn as an OpenAI message (what chat templates are given)."""
-        out: dict[str, object] = {"role": self.role, "content": self.content}
-        if self.tool_calls:
-            out["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.name, "arguments": c.arguments}}
-                for c in self.tool_calls
-            ]  # fmt: skip
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            out["name"] = self.name
-        return out
-
-
-class ToolSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """A function the model may call (OpenAI's ``tools[].function``)."""
-
-    name: str
-    description: str | None = None
-    #: JSON Schema of its arguments.
-    parameters: dict[str, Any] | None = None
-
-
-class ToolUse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """The functions a request offers, and whether the model must call one."""
-
-    tools: list[ToolSpec]
-    #: ``auto``, ``required`` (a call of any of ``tools``), or the name of the one
-    #: function to call: stage 0 then constrains the output to one call.
-    choice: str = "auto"
-
-
-class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """How the last stage picks tokens and when it stops (the API node resolves the
-    request's defaults: these are the values used, each filter off by default here).
-    The last stage checks them (``meshd.engines.sampling.SamplingParams``)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    #: Token id -> value added to its logit.
-    logit_bias: dict[int, float] = {}
-    seed: int | None = None
-    #: None: until end of sequence or the context is full.
-    max_tokens: int | None = None
-    stop: list[str] = []
-    #: Keep going past end-of-sequence tokens (until max_tokens or the context ends).
-    ignore_eos: bool = False
-    #: Send each token's log-probability and this many alternatives' (None: none).
-    logprobs: int | None = None
-    #: Constrain the output to this grammar (llguidance's JSON definition, see
-    #: ``meshd.engines.grammar``); None: free text.
-    grammar: str | None = None
-
-
-class Job(msgspec.Struct, frozen=True, kw_only=True):
-    """What a request asks of a model, whatever the plan that runs it: the fields of
-    :class:`Generate` that the API node decides (exactly one of ``messages``,
-    ``prompt`` and ``prompt_tokens`` is set)."""
-
-    messages: list[ChatTurn] | None = None
-    prompt: str | None = None
-    #: A prompt already tokenized (an embeddings input given as token ids).
-    prompt_tokens: list[int] | None = None
-    sampling: Sampling = Sampling()
-    tools: ToolUse | None = None
-    #: The input's embedding, not a continuation: the last stage pools its final
-    #: hidden states into one vector.
-    embed: bool = False
-    #: Only count the prompt's tokens: stage 0 answers with ``n_prompt`` and a finish,
-    #: and runs nothing (Anthropic's ``count_tokens``).
-    count_only: bool = False
-    #: Whether stage 0 may start from the KV of an earlier request whose tokens begin
-    #: the same way (the prefix cache). None: a sampled request without a seed may; a
-    #: greedy or seeded one computes its whole prompt, so that the same request gives
-    #: the same answer whatever ran before (a reused prefix moves the low bits).
-    cache_prompt: bool | None = None
-    #: Whether stage 0 drafts tokens by prompt lookup for the last stage to verify in
-    #: one pass (speculative decoding). None: a sampled request without a seed on a
-    #: split instance does (a verified batch of rows sums in another order than one
-    #: row a step, and on one node the extra rows cost about what they save).
-    speculate: bool | None = None
-
-
 class Generate(msgspec.Struct, tag=True, kw_only=True):
-    """API node -> stage 0: start a request. Exactly one of messages / prompt /
-    prompt_tokens is set (see :class:`Job`)."""
+    """API node -> stage 0: start ``job`` on this plan."""
 
     req: str
     instance: str
@@ -233,18 +124,9 @@ class Generate(msgspec.Struct, tag=True, kw_only=True):
     route: list[Addr]
     #: The API node's data ROUTER, where DataChunks go.
     reply_to: Addr
-    messages: list[ChatTurn] | None = None
-    prompt: str | None = None
-    sampling: Sampling = Sampling()
+    job: Job
     #: Tokens already streamed to the client (a replay continues after them).
     resume_tokens: list[int] = []
-    #: Functions the model may call, shown through its chat template.
-    tools: ToolUse | None = None
-    prompt_tokens: list[int] | None = None
-    embed: bool = False
-    count_only: bool = False
-    cache_prompt: bool | None = None
-    speculate: bool | None = None
 
 
 class Start(msgspec.Struct, kw_only=True):
@@ -444,14 +326,9 @@ class DataChunks(msgspec.Struct, tag=True, kw_only=True):
     chunks: list[DataChunk]
 
 
-def chunks_in(msg: Message) -> list[DataChunk] | None:
-    """The DataChunks ``msg`` carries (one, or a :class:`DataChunks` batch); None for
-    any other message."""
-    if isinstance(msg, DataChunk):
-        return [msg]
-    if isinstance(msg, DataChunks):
-        return msg.chunks
-    return None
+def chunks_in(msg: OutputMessage) -> list[DataChunk]:
+    """The DataChunks ``msg`` carries (one, or a :class:`DataChunks` batch)."""
+    return [msg] if isinstance(msg, DataChunk) else msg.chunks
 
 
 # -- weights: a node fetches a stage's slice from the nodes that hold the model ------
@@ -573,26 +450,21 @@ class JoinRefused(msgspec.Struct, tag=True, kw_only=True):
 
 JoinMessage = JoinHello | JoinChallenge | JoinConfirm | JoinPending | JoinAccepted | JoinRefused
 
-Message = (
-    Hello
-    | Welcome
-    | Delta
-    | Digest
-    | Pull
-    | PullReply
-    | Refused
-    | Generate
-    | Activation
-    | Token
-    | Release
-    | DataChunk
-    | DataChunks
-    | Propose
-    | Proposal
-)
+#: The gossip plane: greetings, deltas and digests on PUB/SUB, anti-entropy on the
+#: mesh ROUTER.
+GossipMessage = Hello | Welcome | Delta | Digest | Pull | PullReply | Refused
+#: What a runner's ROUTER takes: a request's start, steps, tokens, releases, drafts.
+StageMessage = Generate | Activation | Token | Release | Propose | Proposal
+#: What an API node's data ROUTER takes: a request's output.
+OutputMessage = DataChunk | DataChunks
+#: Any message of the gossip and data planes (what a sender may encode).
+Message = GossipMessage | StageMessage | OutputMessage
 
+T = TypeVar("T")
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
+_gossip_decoder = msgspec.msgpack.Decoder(GossipMessage)
+_stage_decoder = msgspec.msgpack.Decoder(StageMessage)
+_output_decoder = msgspec.msgpack.Decoder(OutputMessage)
 _join_decoder = msgspec.msgpack.Decoder(JoinMessage)
 _transfer_decoder = msgspec.msgpack.Decoder(TransferMessage)
 
@@ -610,32 +482,39 @@ class FrameError(ValueError):
         self.reason = reason
 
 
+def _decode(decoder: msgspec.msgpack.Decoder[T], frame: bytes | memoryview, limit: int) -> T:
+    if len(frame) > limit:
+        raise FrameError("oversized", f"{len(frame)} bytes > {limit}")
+    try:
+        return decoder.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        # ValueError covers UnicodeDecodeError: invalid UTF-8 inside a msgpack string.
+        # A message of another plane is malformed here too: its tag is not this union's.
+        raise FrameError("malformed", str(e)) from None
+
+
 def decode_join(frame: bytes | memoryview) -> JoinMessage:
     """Decode one join-port frame, or raise :class:`FrameError`."""
-    if len(frame) > MAX_JOIN_FRAME:
-        raise FrameError("oversized", f"{len(frame)} bytes > {MAX_JOIN_FRAME}")
-    try:
-        return _join_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-        raise FrameError("malformed", str(e)) from None
+    return _decode(_join_decoder, frame, MAX_JOIN_FRAME)
 
 
 def decode_transfer(frame: bytes | memoryview) -> TransferMessage:
     """Decode one weights-ROUTER header frame, or raise :class:`FrameError`."""
-    if len(frame) > MAX_TRANSFER_HEADER:
-        raise FrameError("oversized", f"{len(frame)} bytes > {MAX_TRANSFER_HEADER}")
-    try:
-        return _transfer_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-        raise FrameError("malformed", str(e)) from None
+    return _decode(_transfer_decoder, frame, MAX_TRANSFER_HEADER)
 
 
-def decode(frame: bytes | memoryview, limit: int = MAX_CONTROL_FRAME) -> Message:
-    """Decode one header frame, or raise :class:`FrameError` (``oversized``/``malformed``)."""
-    if len(frame) > limit:
-        raise FrameError("oversized", f"{len(frame)} bytes > {limit}")
-    try:
-        return _decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-        # ValueError covers UnicodeDecodeError: invalid UTF-8 inside a msgpack string.
-        raise FrameError("malformed", str(e)) from None
+def decode_gossip(frame: bytes | memoryview, limit: int = MAX_CONTROL_FRAME) -> GossipMessage:
+    """Decode one gossip-plane header frame, or raise :class:`FrameError`
+    (``oversized``/``malformed``)."""
+    return _decode(_gossip_decoder, frame, limit)
+
+
+def decode_stage(frame: bytes | memoryview, limit: int = MAX_DATA_FRAME) -> StageMessage:
+    """Decode one header frame sent to a runner, or raise :class:`FrameError`."""
+    return _decode(_stage_decoder, frame, limit)
+
+
+def decode_output(frame: bytes | memoryview, limit: int = MAX_CONTROL_FRAME) -> OutputMessage:
+    """Decode one header frame sent to an API node's data ROUTER, or raise
+    :class:`FrameError`."""
+    return _decode(_output_decoder, frame, limit)

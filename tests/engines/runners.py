@@ -193,7 +193,8 @@ class ApiSide:
             route[0],
             wire.Generate(
                 req=req, instance=route[0].cfg.instance, generation=route[0].cfg.generation,
-                route=[r.addr for r in route], reply_to=self.reply_to, **kw,  # type: ignore[arg-type]
+                route=[r.addr for r in route], reply_to=self.reply_to,
+                resume_tokens=kw.pop("resume_tokens", []), job=wire.Job(**kw),
             ),
         )  # fmt: skip
 
@@ -206,7 +207,7 @@ class ApiSide:
         if self.router.poll(int(timeout * 1000)):
             while self.router.poll(0):
                 frames = self.router.recv_multipart()
-                chunks = wire.chunks_in(wire.decode(frames[1], wire.MAX_DATA_FRAME))
+                chunks = wire.chunks_in(wire.decode_output(frames[1], wire.MAX_DATA_FRAME))
                 assert chunks is not None
                 self.received += 1
                 for c in chunks:

@@ -44,7 +44,7 @@ class Tap:
             self.out = self.ctx.socket(zmq.DEALER)
             self.out.setsockopt(zmq.LINGER, 0)
             self.out.connect(f"tcp://127.0.0.1:{to.port}")
-        self.seen: list[wire.Message] = []
+        self.seen: list[wire.StageMessage] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -58,7 +58,7 @@ class Tap:
             if not self.router.poll(50):
                 continue
             frames = self.router.recv_multipart()
-            self.seen.append(wire.decode(frames[1]))
+            self.seen.append(wire.decode_stage(frames[1]))
             if self.out is not None:
                 self.out.send_multipart(frames[1:])
 

@@ -45,7 +45,7 @@ class Box:
 
     @property
     def sent(self) -> list[wire.DataChunk]:
-        return [c for m in self.messages for c in wire.chunks_in(m) or []]
+        return [c for m in self.messages for c in wire.chunks_in(m)]
 
     def put(self, *chunks: wire.DataChunk) -> None:
         """One pass of a runner's loop: the chunks it made, then the flush."""

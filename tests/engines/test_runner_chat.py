@@ -79,13 +79,9 @@ def stage0(model_path: Path) -> Iterator[Prompts]:
     stage.close()
 
 
-def generate(messages: list[tuple[str, str]]) -> wire.Generate:
-    """A chat Generate (only its messages matter to tokenization)."""
-    addr = wire.Addr(node="x", addresses=["127.0.0.1"], port=1)
-    return wire.Generate(
-        req="r", instance="test", generation=1, route=[addr], reply_to=addr,
-        messages=[wire.ChatTurn(role, content) for role, content in messages],
-    )  # fmt: skip
+def generate(messages: list[tuple[str, str]]) -> wire.Job:
+    """A chat job (only its messages matter to tokenization)."""
+    return wire.Job(messages=[wire.ChatTurn(role, content) for role, content in messages])
 
 
 def as_dicts(messages: list[tuple[str, str]]) -> list[dict]:

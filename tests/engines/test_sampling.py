@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from meshd.engines.sampling import Sampler, SamplingParams, _best_prefix, _Work, uniform
+from meshd.domain.sampling import Sampling, SamplingError
+from meshd.engines.sampling import Sampler, _best_prefix, _Work, uniform
 
 VOCAB = 49_152  # SmolLM2's vocabulary
 
@@ -55,10 +56,10 @@ def reference_prefix(values: np.ndarray, weights: np.ndarray | None, budget: flo
 
 
 def test_defaults_are_openai_defaults() -> None:
-    p = SamplingParams()
+    p = Sampling()
     assert (p.temperature, p.top_p, p.top_k, p.seed) == (1.0, 1.0, 0, None)
     assert not p.greedy
-    assert SamplingParams(temperature=0).greedy
+    assert Sampling(temperature=0).greedy
 
 
 @pytest.mark.parametrize(
@@ -76,15 +77,22 @@ def test_defaults_are_openai_defaults() -> None:
     ],
 )
 def test_invalid_params_are_rejected_naming_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(SamplingError, match=message):
+        Sampling(**kwargs).check()
     with pytest.raises(ValueError, match=message):
-        SamplingParams(**kwargs)
+        Sampler(Sampling(**kwargs))  # a sampler takes no value that breaks its rule
 
 
-def test_invalid_params_from_the_wire_fail_validation() -> None:
-    with pytest.raises(msgspec.ValidationError, match="top_p"):
-        msgspec.json.decode(b'{"top_p": 0}', type=SamplingParams)
-    ok = msgspec.json.decode(b'{"temperature": 0.7, "seed": -5}', type=SamplingParams)
-    assert ok == SamplingParams(temperature=0.7, seed=-5)
+def test_invalid_params_from_the_wire_decode_and_fail_the_check_naming_the_field() -> None:
+    # Decoded as sent, so that stage 0 can answer a member's bad Generate in kind
+    # (bad_sampling) rather than drop it as malformed.
+    bad = msgspec.json.decode(b'{"top_p": 0}', type=Sampling)
+    with pytest.raises(SamplingError, match="top_p") as e:
+        bad.check()
+    assert e.value.field == "top_p"
+    ok = msgspec.json.decode(b'{"temperature": 0.7, "seed": -5}', type=Sampling)
+    ok.check()
+    assert ok == Sampling(temperature=0.7, seed=-5)
 
 
 @pytest.mark.parametrize(
@@ -93,7 +101,7 @@ def test_invalid_params_from_the_wire_fail_validation() -> None:
 )
 def test_unusable_logits_raise(logits: np.ndarray) -> None:
     with pytest.raises(ValueError, match="logits"):
-        Sampler(SamplingParams(seed=0)).sample(logits)
+        Sampler(Sampling(seed=0)).sample(logits)
 
 
 def test_all_masked_logits_raise() -> None:
@@ -108,26 +116,26 @@ def test_all_masked_logits_raise() -> None:
 def test_temperature_zero_is_argmax_with_ties_to_lowest_id(logits: np.ndarray) -> None:
     best = float(np.max(logits))
     expected = int(np.flatnonzero(logits == best)[0])
-    assert Sampler(SamplingParams(temperature=0.0)).sample(logits) == expected
+    assert Sampler(Sampling(temperature=0.0)).sample(logits) == expected
 
 
 @given(some_logits, st.integers(0, 2**32), st.floats(0.05, 2.0))
 def test_top_k_one_is_greedy(logits: np.ndarray, seed: int, temperature: float) -> None:
-    greedy = Sampler(SamplingParams(temperature=0.0)).sample(logits)
-    params = SamplingParams(temperature=temperature, top_k=1, seed=seed)
+    greedy = Sampler(Sampling(temperature=0.0)).sample(logits)
+    params = Sampling(temperature=temperature, top_k=1, seed=seed)
     assert Sampler(params).sample(logits) == greedy
 
 
 @given(some_logits, st.integers(0, 2**32), st.floats(0.05, 2.0))
 def test_tiny_top_p_is_greedy(logits: np.ndarray, seed: int, temperature: float) -> None:
-    greedy = Sampler(SamplingParams(temperature=0.0)).sample(logits)
-    params = SamplingParams(temperature=temperature, top_p=1e-9, seed=seed)
+    greedy = Sampler(Sampling(temperature=0.0)).sample(logits)
+    params = Sampling(temperature=temperature, top_p=1e-9, seed=seed)
     assert Sampler(params).sample(logits) == greedy
 
 
 def test_greedy_on_real_vocab_size_picks_the_strongest_token() -> None:
     logits = llm_like_logits(0)
-    assert Sampler(SamplingParams(temperature=0)).sample(logits) == int(np.argmax(logits))
+    assert Sampler(Sampling(temperature=0)).sample(logits) == int(np.argmax(logits))
 
 
 # ---------------------------------------------------------------------- determinism
@@ -135,7 +143,7 @@ def test_greedy_on_real_vocab_size_picks_the_strongest_token() -> None:
 
 def test_same_seed_and_logits_give_the_same_tokens() -> None:
     steps = [llm_like_logits(i) for i in range(20)]
-    params = SamplingParams(temperature=1.3, top_p=0.95, top_k=200, seed=1234)
+    params = Sampling(temperature=1.3, top_p=0.95, top_k=200, seed=1234)
     first = [Sampler(params).sample(x) for x in steps]  # fresh sampler per step
     a, b = Sampler(params), Sampler(params)
     run_a = [a.sample(x) for x in steps]
@@ -147,8 +155,7 @@ def test_same_seed_and_logits_give_the_same_tokens() -> None:
 def test_different_seeds_give_different_sequences() -> None:
     flat = np.zeros(1000, np.float32)
     runs = {
-        tuple(Sampler(SamplingParams(seed=seed)).sample(flat) for _ in range(10))
-        for seed in range(5)
+        tuple(Sampler(Sampling(seed=seed)).sample(flat) for _ in range(10)) for seed in range(5)
     }
     assert len(runs) == 5
 
@@ -162,7 +169,7 @@ def test_no_seed_draws_fresh_randomness() -> None:
 def test_a_sampler_started_at_position_k_continues_the_uninterrupted_stream() -> None:
     # What a replay does: the first k tokens are re-prefilled, a new sampler picks on.
     steps = [llm_like_logits(i) for i in range(16)]
-    params = SamplingParams(temperature=1.1, top_p=0.97, seed=99)
+    params = Sampling(temperature=1.1, top_p=0.97, seed=99)
     sampler = Sampler(params)
     whole = [sampler.sample(x) for x in steps]
     for k in (1, 7, 15):
@@ -172,8 +179,8 @@ def test_a_sampler_started_at_position_k_continues_the_uninterrupted_stream() ->
 
 def test_the_draw_depends_only_on_seed_and_position() -> None:
     flat = np.zeros(1000, np.float32)
-    a = Sampler(SamplingParams(seed=5))
-    b = Sampler(SamplingParams(seed=5))
+    a = Sampler(Sampling(seed=5))
+    b = Sampler(Sampling(seed=5))
     picks_a = [a.sample(flat, position=p) for p in (3, 0, 2)]
     picks_b = [b.sample(flat, position=p) for p in (0, 2, 3)]
     assert picks_a == [picks_b[2], picks_b[0], picks_b[1]]
@@ -185,20 +192,20 @@ def test_the_draw_depends_only_on_seed_and_position() -> None:
 
 def test_negative_seeds_are_valid_and_distinct() -> None:
     flat = np.zeros(1000, np.float32)
-    draws = {s: tuple(Sampler(SamplingParams(seed=s)).sample(flat, p) for p in range(8))
+    draws = {s: tuple(Sampler(Sampling(seed=s)).sample(flat, p) for p in range(8))
              for s in (-1, (1 << 63) - 1, -(1 << 63), 0)}  # fmt: skip
     assert len(set(draws.values())) == len(draws)
 
 
 def test_greedy_does_not_depend_on_position() -> None:
     logits = llm_like_logits(8)
-    sampler = Sampler(SamplingParams(temperature=0.0, seed=1))
+    sampler = Sampler(Sampling(temperature=0.0, seed=1))
     assert {sampler.sample(logits, position=p) for p in (0, 5, 10_000)} == {int(np.argmax(logits))}
 
 
 def test_input_dtype_does_not_change_the_draw() -> None:
     logits = llm_like_logits(3)
-    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    params = Sampling(temperature=0.8, top_p=0.9, seed=7)
     as32 = [Sampler(params).sample(logits) for _ in range(3)]
     as64 = [Sampler(params).sample(logits.astype(np.float64)) for _ in range(3)]
     assert as32 == as64
@@ -233,7 +240,7 @@ def test_top_p_boundary_keeps_the_token_that_crosses_p() -> None:
     # softmax of these logits is (0.5, 0.3, 0.15, 0.05).
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
     for top_p, allowed in [(0.5, {0}), (0.8, {0, 1}), (0.81, {0, 1, 2}), (0.96, {0, 1, 2, 3})]:
-        sampler = Sampler(SamplingParams(top_p=top_p, seed=0))
+        sampler = Sampler(Sampling(top_p=top_p, seed=0))
         seen = {sampler.sample(logits) for _ in range(400)}
         assert seen == allowed, top_p
 
@@ -243,9 +250,9 @@ def test_masked_tokens_are_never_sampled() -> None:
     allowed = np.array([5, 777, 40_000])
     logits[allowed] = [0.0, 1.0, 0.5]
     for params in [
-        SamplingParams(seed=1, temperature=2.0),
-        SamplingParams(seed=2, top_k=50),
-        SamplingParams(seed=3, top_p=0.99),
+        Sampling(seed=1, temperature=2.0),
+        Sampling(seed=2, top_k=50),
+        Sampling(seed=3, top_p=0.99),
     ]:
         sampler = Sampler(params)
         assert {sampler.sample(logits) for _ in range(200)} <= set(allowed.tolist())
@@ -259,7 +266,7 @@ def test_draws_follow_the_tempered_softmax() -> None:
     temperature = 0.7
     expected = np.exp(logits[ids] / temperature)
     expected /= expected.sum()
-    sampler = Sampler(SamplingParams(temperature=temperature, seed=11))
+    sampler = Sampler(Sampling(temperature=temperature, seed=11))
     draws = np.array([sampler.sample(logits) for _ in range(6000)])
     freq = np.array([(draws == i).mean() for i in ids])
     assert np.abs(freq - expected).max() < 0.025
@@ -267,7 +274,7 @@ def test_draws_follow_the_tempered_softmax() -> None:
 
 def test_top_k_draws_renormalise_over_the_kept_tokens() -> None:
     logits = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
-    sampler = Sampler(SamplingParams(top_k=2, seed=5))
+    sampler = Sampler(Sampling(top_k=2, seed=5))
     draws = np.array([sampler.sample(logits) for _ in range(4000)])
     assert set(draws.tolist()) == {0, 1}
     assert abs((draws == 0).mean() - 4 / 7) < 0.03
@@ -279,14 +286,14 @@ def test_top_k_draws_renormalise_over_the_kept_tokens() -> None:
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(seed=0),
-        SamplingParams(seed=0, temperature=0.7, top_p=0.9),
-        SamplingParams(seed=0, temperature=2.0, top_p=0.95),
-        SamplingParams(seed=0, temperature=0.8, top_k=40, top_p=0.95),
+        Sampling(seed=0),
+        Sampling(seed=0, temperature=0.7, top_p=0.9),
+        Sampling(seed=0, temperature=2.0, top_p=0.95),
+        Sampling(seed=0, temperature=0.8, top_k=40, top_p=0.95),
     ],
     ids=["plain", "top_p", "flat_top_p", "top_k_top_p"],
 )
-def test_sampling_a_49k_vocab_takes_well_under_a_few_ms(params: SamplingParams) -> None:
+def test_sampling_a_49k_vocab_takes_well_under_a_few_ms(params: Sampling) -> None:
     logits = llm_like_logits(42)
     sampler = Sampler(params)
     sampler.sample(logits)
@@ -307,10 +314,10 @@ def test_min_p_never_picks_a_token_below_its_cut(temperature: float) -> None:
     x = llm_like_logits(3, 2000)
     p = np.exp((x - x.max()) / temperature)  # relative to the most likely token
     for seed in range(300):
-        tok = Sampler(SamplingParams(temperature=temperature, min_p=0.05, seed=seed)).sample(x)
+        tok = Sampler(Sampling(temperature=temperature, min_p=0.05, seed=seed)).sample(x)
         assert p[tok] >= 0.05
     # The cut is what decides: without it, some draws land below it.
-    below = [Sampler(SamplingParams(temperature=temperature, seed=s)).sample(x) for s in range(300)]
+    below = [Sampler(Sampling(temperature=temperature, seed=s)).sample(x) for s in range(300)]
     assert any(p[t] < 0.05 for t in below)
 
 
@@ -318,44 +325,44 @@ def test_presence_and_frequency_penalties_follow_openai() -> None:
     x = np.array([3.0, 2.6, 2.0, -1.0], np.float32)
     greedy = {"temperature": 0.0}
     # Token 0 generated twice: frequency 0.25 takes 0.5 off, presence 0.3 takes 0.3 off.
-    assert Sampler(SamplingParams(**greedy), history=[0, 0]).sample(x) == 0
-    assert Sampler(SamplingParams(frequency_penalty=0.25, **greedy), history=[0, 0]).sample(x) == 1
-    assert Sampler(SamplingParams(frequency_penalty=0.25, **greedy), history=[0]).sample(x) == 0
-    assert Sampler(SamplingParams(presence_penalty=0.5, **greedy), history=[0]).sample(x) == 1
+    assert Sampler(Sampling(**greedy), history=[0, 0]).sample(x) == 0
+    assert Sampler(Sampling(frequency_penalty=0.25, **greedy), history=[0, 0]).sample(x) == 1
+    assert Sampler(Sampling(frequency_penalty=0.25, **greedy), history=[0]).sample(x) == 0
+    assert Sampler(Sampling(presence_penalty=0.5, **greedy), history=[0]).sample(x) == 1
     # A negative penalty favours what was said: token 1 said once overtakes token 0.
-    assert Sampler(SamplingParams(presence_penalty=-0.5, **greedy), history=[1]).sample(x) == 1
+    assert Sampler(Sampling(presence_penalty=-0.5, **greedy), history=[1]).sample(x) == 1
 
 
 def test_repeat_penalty_divides_positive_and_multiplies_negative_logits_in_its_window() -> None:
     x = np.array([2.0, 1.5, -1.0, -1.2], np.float32)
     greedy = {"temperature": 0.0}
     # 2.0 / 1.5 = 1.33 < 1.5: token 0 recently said loses to token 1.
-    assert Sampler(SamplingParams(repeat_penalty=1.5, **greedy), history=[0]).sample(x) == 1
+    assert Sampler(Sampling(repeat_penalty=1.5, **greedy), history=[0]).sample(x) == 1
     # Out of the window (the last 2 tokens are 1, 1): token 0 is not penalised, 1 is.
-    s = Sampler(SamplingParams(repeat_penalty=1.5, repeat_last_n=2, **greedy), history=[0, 1, 1])
+    s = Sampler(Sampling(repeat_penalty=1.5, repeat_last_n=2, **greedy), history=[0, 1, 1])
     assert s.sample(x) == 0
     # Negative logits get more negative: -1.0 * 1.5 = -1.5 < -1.2.
     y = np.array([-1.0, -1.2], np.float32)
-    assert Sampler(SamplingParams(repeat_penalty=1.5, **greedy), history=[0]).sample(y) == 1
+    assert Sampler(Sampling(repeat_penalty=1.5, **greedy), history=[0]).sample(y) == 1
 
 
 def test_logit_bias_bans_and_forces_tokens_and_leaves_the_callers_logits_alone() -> None:
     x = llm_like_logits(4, 5000)
     before = x.copy()
     best = int(np.argmax(x))
-    banned = Sampler(SamplingParams(temperature=0.0, logit_bias={best: -100.0}))
+    banned = Sampler(Sampling(temperature=0.0, logit_bias={best: -100.0}))
     assert banned.sample(x) != best
     for seed in range(20):
-        forced = Sampler(SamplingParams(seed=seed, logit_bias={17: 100.0}))
+        forced = Sampler(Sampling(seed=seed, logit_bias={17: 100.0}))
         assert forced.sample(x) == 17
     assert np.array_equal(x, before)
     with pytest.raises(ValueError, match="past the vocabulary"):
-        Sampler(SamplingParams(logit_bias={5000: 1.0})).sample(x)
+        Sampler(Sampling(logit_bias={5000: 1.0})).sample(x)
 
 
 def test_a_penalised_stream_resumed_from_its_history_continues_exactly() -> None:
     steps = [llm_like_logits(i, 3000) for i in range(24)]
-    params = SamplingParams(
+    params = Sampling(
         temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, presence_penalty=0.4,
         frequency_penalty=0.3, repeat_penalty=1.2, repeat_last_n=8, logit_bias={3: 2.0}, seed=7,
     )  # fmt: skip
@@ -379,20 +386,22 @@ def test_a_penalised_stream_resumed_from_its_history_continues_exactly() -> None
     ],
 )
 def test_new_invalid_params_are_rejected_naming_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(SamplingError, match=message):
+        Sampling(**kwargs).check()
     with pytest.raises(ValueError, match=message):
-        SamplingParams(**kwargs)
+        Sampler(Sampling(**kwargs))  # a sampler takes no value that breaks its rule
 
 
 def test_penalties_cost_little_on_a_49k_vocab() -> None:
     x = llm_like_logits(5)
     history = list(range(0, 4000, 7))
-    plain = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1)
+    plain = Sampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1)
     full = msgspec.structs.replace(
         plain, presence_penalty=0.5, frequency_penalty=0.5, repeat_penalty=1.1,
         logit_bias={i: 1.0 for i in range(50)},
     )  # fmt: skip
 
-    def per_call(params: SamplingParams) -> float:
+    def per_call(params: Sampling) -> float:
         s = Sampler(params, history=history)
         t0 = time.perf_counter()
         for i in range(200):
@@ -414,7 +423,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
 def test_logprobs_are_the_tempered_softmax_before_the_cuts(temperature: float) -> None:
     x = llm_like_logits(8, 3000)
-    params = SamplingParams(temperature=temperature, top_k=5, min_p=0.2, seed=2)
+    params = Sampling(temperature=temperature, top_k=5, min_p=0.2, seed=2)
     d = Sampler(params).draw(x, logprobs=6)
     ref = _log_softmax(x.astype(np.float64) / (temperature or 1.0))
     assert d.logprob == pytest.approx(ref[d.token], abs=1e-9)
@@ -425,18 +434,18 @@ def test_logprobs_are_the_tempered_softmax_before_the_cuts(temperature: float) -
 
 def test_logprobs_see_the_bias_and_penalties_and_break_ties_to_the_lower_id() -> None:
     x = np.array([1.0, 3.0, 3.0, 3.0, -np.inf], np.float32)
-    d = Sampler(SamplingParams(temperature=0.0)).draw(x, logprobs=2)
+    d = Sampler(Sampling(temperature=0.0)).draw(x, logprobs=2)
     assert d.token == 1 and [t for t, _ in d.top] == [1, 2]
-    biased = Sampler(SamplingParams(temperature=0.0, logit_bias={0: 5.0})).draw(x, logprobs=1)
+    biased = Sampler(Sampling(temperature=0.0, logit_bias={0: 5.0})).draw(x, logprobs=1)
     assert biased.token == 0 and biased.top[0][0] == 0
     assert biased.logprob == pytest.approx(_log_softmax(np.array([6.0, 3, 3, 3]))[0])
-    everything = Sampler(SamplingParams()).draw(x, logprobs=20)
+    everything = Sampler(Sampling()).draw(x, logprobs=20)
     # A masked token (-inf) is no alternative: it cannot be drawn.
     assert [t for t, _ in everything.top] == [1, 2, 3, 0]
 
 
 def test_a_default_draw_is_never_below_its_min_p_cut() -> None:
-    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+    params = Sampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
     cut = np.log(0.05)
     for seed in range(200):
         d = Sampler(msgspec.structs.replace(params, seed=seed)).draw(

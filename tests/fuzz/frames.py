@@ -18,6 +18,7 @@ change seen afterwards is a bug, not a fuzzer's accident.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -162,9 +163,12 @@ def messages(t: Target) -> st.SearchStrategy[wire.Message]:
         st.builds(
             wire.Generate, req=req, instance=_instance(t), generation=gen,
             route=st.lists(_addr(t), max_size=3), reply_to=_addr(t),
-            messages=st.none() | st.lists(st.builds(wire.ChatTurn, SMALL_TEXT, SMALL_TEXT),
-                                          max_size=3),
-            prompt=st.none() | SMALL_TEXT, sampling=_sampling(),
+            job=st.builds(
+                wire.Job,
+                messages=st.none() | st.lists(st.builds(wire.ChatTurn, SMALL_TEXT, SMALL_TEXT),
+                                              max_size=3),
+                prompt=st.none() | SMALL_TEXT, sampling=_sampling(),
+            ),
             resume_tokens=st.lists(INT64, max_size=4),
         ),
         st.builds(
@@ -285,15 +289,26 @@ def _header(t: Target) -> st.SearchStrategy[bytes]:
 
 
 # -- oracle --------------------------------------------------------------------------
-def decoded(frame: bytes, limit: int = wire.MAX_CONTROL_FRAME) -> wire.Message | None:
-    """The message a node decodes from ``frame``, or None (dropped at the edge).
+#: The decoder each socket runs: each plane takes only its own messages.
+DECODERS: dict[str, Callable[[bytes, int], wire.Message]] = {
+    "mesh": wire.decode_gossip,
+    "sub": wire.decode_gossip,
+    "reply": wire.decode_gossip,
+    "runner": wire.decode_stage,
+    "data": wire.decode_output,
+}
 
-    Anything but FrameError out of :func:`wire.decode` propagates and fails the test:
-    the node runs the same decoder (invalid UTF-8 once raised UnicodeDecodeError, which
-    killed the data-plane loop and the runners; see test_regressions.py).
+
+def decoded(frame: bytes, socket: str, limit: int = wire.MAX_CONTROL_FRAME) -> wire.Message | None:
+    """The message a node decodes from ``frame`` on ``socket``, or None (dropped at
+    the edge).
+
+    Anything but FrameError out of the decoder propagates and fails the test: the node
+    runs the same decoder (invalid UTF-8 once raised UnicodeDecodeError, which killed
+    the data-plane loop and the runners; see test_regressions.py).
     """
     try:
-        return wire.decode(frame, limit)
+        return DECODERS[socket](frame, limit)
     except wire.FrameError:
         return None
 

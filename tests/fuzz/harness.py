@@ -229,7 +229,7 @@ def pose_as_peer(
     try:
         d.send(wire.encode(hello))
         assert d.poll(5000), "no Welcome for the fake peer"
-        assert isinstance(wire.decode(d.recv_multipart()[0]), wire.Welcome)
+        assert isinstance(wire.decode_gossip(d.recv_multipart()[0]), wire.Welcome)
     finally:
         d.close()
 

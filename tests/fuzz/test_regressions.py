@@ -263,14 +263,14 @@ def test_a_flood_of_reply_addresses_does_not_exhaust_a_runner(
     for i in range(1100):  # loopback addresses nothing listens on (port 9: discard)
         nowhere = wire.Addr(node="x", addresses=[f"127.0.{i // 250 + 1}.{i % 250 + 2}"], port=9)
         g = wire.Generate(req=f"r{i}", instance="nope", generation=1, route=[nowhere],
-                          reply_to=nowhere, prompt="x")  # fmt: skip
+                          reply_to=nowhere, job=wire.Job(prompt="x"))  # fmt: skip
         d.send(wire.encode(g))
     sink = ctx.socket(zmq.ROUTER)
     sink_port = sink.bind_to_random_port("tcp://127.0.0.1")
     here = wire.Addr(node="x", addresses=["127.0.0.1"], port=sink_port)
     d.send(wire.encode(wire.Generate(req="last", instance="nope", generation=1, route=[here],
-                                     reply_to=here, prompt="x")))  # fmt: skip
+                                     reply_to=here, job=wire.Job(prompt="x"))))  # fmt: skip
     assert sink.poll(3000), "the runner could not answer a new reply address"
-    chunk = wire.decode(sink.recv_multipart()[1])
+    chunk = wire.decode_output(sink.recv_multipart()[1])
     assert isinstance(chunk, wire.DataChunk) and chunk.error is not None
     assert chunk.error.code == "wrong_stage"

@@ -60,7 +60,7 @@ def _screen(
     head: bytes, t: Target, socket: str, limit: int = wire.MAX_CONTROL_FRAME
 ) -> tuple[bool, wire.Message | None]:
     """Whether to send ``head`` on ``socket`` (see frames.harmless), and what it decodes to."""
-    msg = decoded(head, limit)
+    msg = decoded(head, socket, limit)
     ok = harmless(msg, t, socket)
     if not ok:
         FIGURES.skipped_frames += 1
@@ -128,7 +128,7 @@ def test_mesh_router_survives_random_frames(env: Env) -> None:
             pull = wire.Pull(sender=f"probe-{time.monotonic_ns()}", buckets=[0] * N_BUCKETS)
             probe.send(wire.encode(pull))
             assert probe.poll(5000), "mesh ROUTER stopped answering"
-            assert isinstance(wire.decode(probe.recv_multipart()[0]), wire.PullReply)
+            assert isinstance(wire.decode_gossip(probe.recv_multipart()[0]), wire.PullReply)
         finally:
             probe.close()
     finally:
@@ -349,7 +349,7 @@ def _dialable(msg: wire.Message, t: Target) -> bool:
 def _stage_message(draw, t: Target) -> list[bytes]:
     """Header plus raw frames; Activations get a tensor of the declared shape at times."""
     head = draw(header(t))
-    msg = decoded(head, wire.MAX_DATA_FRAME)
+    msg = decoded(head, "runner", wire.MAX_DATA_FRAME)
     if isinstance(msg, wire.Activation) and draw(st.booleans()):
         rows, hidden = draw(st.integers(1, 3)), t.hidden
         msg = msgspec.structs.replace(msg, rows=rows, hidden=hidden, dtype="f32")
@@ -395,7 +395,7 @@ def test_runner_survives_random_frames(env: Env) -> None:
 
     def refusals() -> bool:
         for _ident, head, *_ in _drain(env.sink):
-            chunks = wire.chunks_in(wire.decode(head))  # a batch when several came at once
+            chunks = wire.chunks_in(wire.decode_output(head))  # a batch when several came at once
             assert chunks, head
             for chunk in chunks:
                 assert chunk.error is not None, chunk

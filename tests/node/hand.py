@@ -50,7 +50,7 @@ class HandMember:
         finally:
             d.close()
 
-    def hello(self, entries: list[Entry]) -> wire.Message | None:
+    def hello(self, entries: list[Entry]) -> wire.GossipMessage | None:
         """A ``Hello`` carrying ``entries`` to the node's mesh ROUTER, over CURVE with
         this member's own key; the answer."""
         d = self.ctx.socket(zmq.DEALER)
@@ -65,7 +65,7 @@ class HandMember:
         )  # fmt: skip
         try:
             d.send(wire.encode(hello))
-            return wire.decode(d.recv())
+            return wire.decode_gossip(d.recv())
         except zmq.Again:
             return None
         finally:

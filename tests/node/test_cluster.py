@@ -255,7 +255,7 @@ def test_an_entry_stamped_past_max_clock_drift_is_refused(cluster: Cluster) -> N
         d.connect(f"tcp://127.0.0.1:{n.mesh_port}")
         d.send(wire.encode(hello))
         assert d.poll(5000), "no Welcome"
-        assert isinstance(wire.decode(d.recv_multipart()[0]), wire.Welcome)
+        assert isinstance(wire.decode_gossip(d.recv_multipart()[0]), wire.Welcome)
     finally:
         d.close()
         ctx.term()

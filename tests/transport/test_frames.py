@@ -50,18 +50,18 @@ def test_garbage_and_oversized_frames_on_the_mesh_router_are_dropped_and_counted
         # Valid msgpack, wrong type for a request: refused with a typed reply.
         reply = _request(ctx, n, [wire.encode(wire.Delta(sender="x", entries=[]))])
         assert reply is not None
-        refused = wire.decode(reply[0])
+        refused = wire.decode_gossip(reply[0])
         assert isinstance(refused, wire.Refused) and refused.code == "unexpected"
         # A digest of the wrong size is refused, not a crash.
         reply = _request(ctx, n, [wire.encode(wire.Pull(sender="x", buckets=[1, 2]))])
-        assert reply is not None and wire.decode(reply[0]).code == "bad_digest"
+        assert reply is not None and wire.decode_gossip(reply[0]).code == "bad_digest"
 
         wait_for(lambda: _dropped(n, "mesh", "malformed") >= 2, timeout=2)
         assert _dropped(n, "mesh", "oversized") == 1
         assert _dropped(n, "mesh", "unexpected") == 1
         # Still serving: a proper pull gets a proper reply.
         reply = _request(ctx, n, [wire.encode(wire.Pull(sender="x", buckets=[0] * 32))])
-        assert reply is not None and isinstance(wire.decode(reply[0]), wire.PullReply)
+        assert reply is not None and isinstance(wire.decode_gossip(reply[0]), wire.PullReply)
         assert n.alive()
     finally:
         ctx.destroy(linger=0)
@@ -87,7 +87,7 @@ def test_garbage_and_oversized_gossip_from_a_peer_is_dropped_and_counted(
         entry = Entry(node_key(card.id), clock.now(), card.id, encode(card))
         hello = wire.Hello(sender=card.id, cluster=topic, incarnation="1", entries=[entry])
         reply = _request(ctx, n, [wire.encode(hello)])
-        assert reply is not None and isinstance(wire.decode(reply[0]), wire.Welcome)
+        assert reply is not None and isinstance(wire.decode_gossip(reply[0]), wire.Welcome)
 
         def sent_and_counted() -> bool:
             pub.send_multipart([topic, b"\xc1 garbage"])

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from meshd.domain.chat import ChatTurn
+from meshd.domain.job import Job
+from meshd.domain.sampling import Sampling
 from meshd.engines.grammar import bounded_strings, check_grammar, closed_objects, lark_grammar
 from meshd.engines.protocol import RunnerConfig
 from meshd.engines.stage import Stage
@@ -16,20 +19,22 @@ from meshd.models.chat import CHATML_TEMPLATE, render_chat
 from meshd.models.tools import ToolFormat, forced_call_lark, template_messages, tool_format
 from meshd.transport import wire
 
-from .output import sampling_params
 from .seats import Seats
 from .state import Refused, Request, Work
+
+
+def with_sampling(g: wire.Generate, sampling: Sampling) -> wire.Generate:
+    """``g`` sampling with ``sampling``."""
+    return msgspec.structs.replace(g, job=msgspec.structs.replace(g.job, sampling=sampling))
 
 
 def capped(g: wire.Generate, cap: int | None) -> wire.Generate:
     """``g`` with ``max_tokens`` within this runner's ``cap`` (a request from any
     member must not hold a slot for longer than the node allows)."""
-    if cap is None:
+    s = g.job.sampling
+    if cap is None or (s.max_tokens is not None and s.max_tokens <= cap):
         return g
-    mt = g.sampling.max_tokens
-    if mt is not None and mt <= cap:
-        return g
-    return msgspec.structs.replace(g, sampling=msgspec.structs.replace(g.sampling, max_tokens=cap))
+    return with_sampling(g, msgspec.structs.replace(s, max_tokens=cap))
 
 
 def reuses_prefix(g: wire.Generate) -> bool:
@@ -40,22 +45,24 @@ def reuses_prefix(g: wire.Generate) -> bool:
     model), so only requests whose answer is random anyway use it unless they ask: a
     greedy or seeded one gives the same answer whatever ran before, and a replay's
     tokens continue exactly."""
-    reuse = g.cache_prompt
+    job = g.job
+    reuse = job.cache_prompt
     if reuse is None:
-        reuse = g.sampling.temperature > 0 and g.sampling.seed is None
-    return reuse and not g.resume_tokens and not g.embed
+        reuse = job.sampling.temperature > 0 and job.sampling.seed is None
+    return reuse and not g.resume_tokens and not job.embed
 
 
-def speculates(g: wire.Generate, cfg: RunnerConfig) -> bool:
-    """Whether ``g`` drafts: as it asks, else as its instance says, else where a trip
+def speculates(job: Job, cfg: RunnerConfig) -> bool:
+    """Whether ``job`` drafts: as it asks, else as its instance says, else where a trip
     between nodes sets the pace (a split), for requests whose answer is random anyway
     (a verified batch of rows sums in another order than one row a step). On one node
     the draft's extra rows cost about what they save (bench/speculate.py: 0.93-0.96x
     on the default model)."""
-    speculate = cfg.speculate if g.speculate is None else g.speculate
+    s = job.sampling
+    speculate = cfg.speculate if job.speculate is None else job.speculate
     if speculate is None:
-        speculate = cfg.n_stages > 1 and g.sampling.temperature > 0 and g.sampling.seed is None
-    return speculate and not g.embed and cfg.draft_max > 0
+        speculate = cfg.n_stages > 1 and s.temperature > 0 and s.seed is None
+    return speculate and not job.embed and cfg.draft_max > 0
 
 
 class Prompts:
@@ -70,23 +77,23 @@ class Prompts:
         # as llama-cpp-python and transformers pass them.
         self.bos_text, self.eos_text = stage.special_texts()
 
-    def tokenize(self, g: wire.Generate) -> list[int]:
-        """Prompt token ids of ``g``: its chat messages through the model's template, or
-        its plain prompt."""
-        if g.messages is not None:
-            return self._chat(g, g.messages)
+    def tokenize(self, job: Job) -> list[int]:
+        """Prompt token ids of ``job``: its chat messages through the model's template,
+        or its plain prompt."""
+        if job.messages is not None:
+            return self._chat(job, job.messages)
         n_vocab = self.stage.n_vocab
-        if g.prompt_tokens is not None:
-            bad = [t for t in g.prompt_tokens if not 0 <= t < n_vocab]
+        if job.prompt_tokens is not None:
+            bad = [t for t in job.prompt_tokens if not 0 <= t < n_vocab]
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside [0, {n_vocab})")
-            return list(g.prompt_tokens)
-        return list(self.stage.tokenize(g.prompt or "", add_special=True, parse_special=False))
+            return list(job.prompt_tokens)
+        return list(self.stage.tokenize(job.prompt or "", add_special=True, parse_special=False))
 
-    def _chat(self, g: wire.Generate, turns: list[wire.ChatTurn]) -> list[int]:
+    def _chat(self, job: Job, turns: list[ChatTurn]) -> list[int]:
         messages = [m.as_dict() for m in turns]
         tools = None
-        offered = g.tools.tools if g.tools is not None else []
+        offered = job.tools.tools if job.tools is not None else []
         if offered or any(m.tool_calls or m.role == "tool" for m in turns):
             messages, tools = template_messages(
                 messages, [msgspec.to_builtins(t) for t in offered], self.tool_format
@@ -105,13 +112,14 @@ class Prompts:
         bos = bool(self.bos_text) and text.startswith(self.bos_text)
         return list(self.stage.tokenize(text, add_special=not bos, parse_special=True))
 
-    def with_tool_grammar(self, g: wire.Generate) -> wire.Generate:
-        """``g``, its output constrained to one call when its ``tool_choice`` forces
-        one (``required`` or a function's name); ValueError for a name not in its tools."""
-        if g.tools is None or g.tools.choice == "auto":
-            return g
-        tools = g.tools.tools
-        name = None if g.tools.choice == "required" else g.tools.choice
+    def tool_grammar(self, job: Job) -> str | None:
+        """The grammar that constrains ``job``'s output to one call when its
+        ``tool_choice`` forces one (``required`` or a function's name), else None;
+        ValueError for a name not among its tools."""
+        if job.tools is None or job.tools.choice == "auto":
+            return None
+        tools = job.tools.tools
+        name = None if job.tools.choice == "required" else job.tools.choice
         if name is not None and all(t.name != name for t in tools):
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
         # The call's arguments: strings bounded as in structured outputs, and no
@@ -124,9 +132,7 @@ class Prompts:
             shown.append(d)
         grammar = lark_grammar(forced_call_lark(shown, self.tool_format, name))
         check_grammar(grammar)
-        return msgspec.structs.replace(
-            g, sampling=msgspec.structs.replace(g.sampling, grammar=grammar)
-        )
+        return grammar
 
 
 @dataclass
@@ -146,23 +152,26 @@ def admit(
     """Take ``g`` at stage 0: an :class:`Admitted`, or the prompt's token count for a
     request that only counts it (nothing is held then). :class:`Refused` says why not."""
     stage = prompts.stage
-    if not g.embed and not stage.generative:
+    if not g.job.embed and not stage.generative:
         raise Refused(
             "not_generative", "this model is an embedding model: it embeds, it does not generate"
         )
     try:
-        sampling_params(g.sampling, stage.n_vocab)
-        g = prompts.with_tool_grammar(g)
+        g.job.sampling.check(stage.n_vocab)
+        grammar = prompts.tool_grammar(g.job)
     except ValueError as e:
         raise Refused("bad_sampling", str(e)) from e
+    if grammar is not None:
+        g = with_sampling(g, msgspec.structs.replace(g.job.sampling, grammar=grammar))
+    job = g.job
     try:
-        prompt = prompts.tokenize(g)
+        prompt = prompts.tokenize(job)
     except Exception as e:
         raise Refused("bad_prompt", f"cannot tokenize the prompt: {e}") from e
     n = len(prompt)
     if n == 0:
         raise Refused("bad_prompt", "the prompt is empty")
-    if g.count_only:
+    if job.count_only:
         return n
     # A replay re-prefills the prompt plus the tokens the client already has.
     resume = list(g.resume_tokens)
@@ -175,18 +184,18 @@ def admit(
     # Where a sequence's cells lie in the shared KV buffer moves them too (by ~0.8
     # when kept sequences push them past a 256-cell boundary): a request that
     # reuses nothing runs as on a fresh runner, every stage's kept prefixes dropped.
-    cold = not reuse and not g.embed
+    cold = not reuse and not job.embed
     if cold:
         seats.drop_all_kept()
     seq, source, n_cached = seats.seat_first(prompt if reuse else None)
     r = Request(
-        g.req, seq, list(g.route), g.reply_to, g.sampling, n_prompt=n,
-        generation=g.generation, embed=g.embed, slot=seq, n_cached=n_cached, source=source,
-        tokens=None if g.embed else [*prompt, *resume],
+        g.req, seq, list(g.route), g.reply_to, job.sampling, n_prompt=n,
+        generation=g.generation, embed=job.embed, slot=seq, n_cached=n_cached, source=source,
+        tokens=None if job.embed else [*prompt, *resume],
     )  # fmt: skip
     start = wire.Start(
         route=r.route, reply_to=r.reply_to, sampling=r.sampling, n_prompt=n, resume=resume,
-        embed=g.embed, slot=seq, prefix_slot=source, prefix_n=n_cached, cold=cold,
+        embed=job.embed, slot=seq, prefix_slot=source, prefix_n=n_cached, cold=cold,
     )  # fmt: skip
     work = [Work(g.req, n_cached, tokens=np.asarray(prompt[n_cached:], np.int32), start=start)]
     # The tokens already sent go through one decode step each, as they did the first
@@ -194,7 +203,7 @@ def admit(
     # a near-tie could then flip, so the continuation would not be the text the
     # uninterrupted request gives. One row a step costs a few ms per token.
     work += [Work(g.req, n + i, tokens=np.array([t], np.int32)) for i, t in enumerate(resume)]
-    return Admitted(r, start, work, speculates(g, cfg))
+    return Admitted(r, start, work, speculates(job, cfg))
 
 
 def join(a: wire.Activation, s: wire.Start, seats: Seats) -> Request:

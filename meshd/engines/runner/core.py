@@ -87,7 +87,7 @@ class RunnerCore:
                   proposed=ds.proposed if ds is not None else 0))  # fmt: skip
 
     # -- messages ----------------------------------------------------------------------
-    def handle(self, msg: wire.Message, raw: list[zmq.Frame]) -> None:
+    def handle(self, msg: wire.StageMessage, raw: list[zmq.Frame]) -> None:
         """Act on one data-plane message (``raw``: the frames after its header)."""
         if isinstance(msg, wire.Generate):
             self.on_generate(msg)
@@ -102,13 +102,10 @@ class RunnerCore:
                 self.counters.drop("wrong_stage")
             else:
                 self.draft_server.ask(msg)
-        elif isinstance(msg, wire.Proposal):
-            if msg.instance != self.cfg.instance:
-                self.counters.drop("wrong_instance")
-            else:
-                self.spec.on_proposal(self.reqs.get(msg.req), msg)
+        elif msg.instance != self.cfg.instance:  # a Proposal
+            self.counters.drop("wrong_instance")
         else:
-            self.counters.drop("unexpected")
+            self.spec.on_proposal(self.reqs.get(msg.req), msg)
 
     def on_generate(self, g: wire.Generate) -> None:
         """Stage 0: a new request, admitted now, queued for a sequence, or refused."""
@@ -235,7 +232,7 @@ class RunnerCore:
             self.spec.start(r)
         self.reqs[g.req] = r
         self.report_load()
-        fmt = self.prompts.tool_format if g.tools else None
+        fmt = self.prompts.tool_format if g.job.tools else None
         self.links.chunk(g.reply_to, wire.DataChunk(
             req=g.req, n_prompt=r.n_prompt, tool_format=fmt, n_cached=r.n_cached
         ))  # fmt: skip
@@ -304,7 +301,7 @@ class RunnerCore:
                 compute=compute, dtype=self.cfg.send_dtype, draft=w.draft,
                 draft_by=w.draft_by, epoch=w.epoch,
             )  # fmt: skip
-            self.links.send(r.route[self.cfg.stage + 1], act, memoryview(rows))
+            self.links.send(r.route[self.cfg.stage + 1], act, rows.data)
             return
         nxt = self.output.after(r, w, d.out, compute)
         if isinstance(nxt, Ended):

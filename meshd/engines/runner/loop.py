@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import cast
 
 import zmq
 
@@ -119,12 +120,12 @@ class Runner:
         # cost showed on every hop's profile.
         router = self.router
         counters = self.links.counters
-        while router.get(zmq.EVENTS) & zmq.POLLIN:
+        while cast(int, router.get(zmq.EVENTS)) & zmq.POLLIN:
             frames = router.recv_multipart(copy=False)
             if len(frames) < 2:
                 counters.drop("shape")
                 continue
-            msg = decode_frame(frames[1].buffer, counters.drop, wire.MAX_DATA_FRAME)
+            msg = decode_frame(frames[1].buffer, counters.drop, wire.decode_stage)
             if msg is None:
                 continue
             try:

@@ -16,7 +16,7 @@ import numpy as np
 
 from meshd.engines.detok import TextStream
 from meshd.engines.grammar import Constraint, GrammarVocab
-from meshd.engines.sampling import MAX_TOP_LOGPROBS, Draw, Sampler, SamplingParams
+from meshd.engines.sampling import Draw, Sampler
 from meshd.engines.stage import Stage, StageInput
 from meshd.models.pooling import Pooling, pool, pooling_of
 from meshd.transport import wire
@@ -25,22 +25,6 @@ from .links import Links
 from .state import Request, Work
 
 log = logging.getLogger("meshd.runner")
-
-
-def sampling_params(s: wire.Sampling, n_vocab: int) -> SamplingParams:
-    """The sampler's parameters for a request's sampling; ValueError names what is
-    wrong (a value out of range, a biased token past the vocabulary of ``n_vocab``)."""
-    bad = [t for t in s.logit_bias if not 0 <= t < n_vocab]
-    if bad:
-        raise ValueError(f"logit_bias names token {bad[0]}; the vocabulary has {n_vocab}")
-    if s.logprobs is not None and not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {s.logprobs}")
-    return SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n,
-        logit_bias=s.logit_bias, seed=s.seed,
-    )  # fmt: skip
 
 
 @dataclass
@@ -77,9 +61,8 @@ class Output:
         draws what the uninterrupted run would have drawn. ValueError: a grammar the
         vocabulary cannot follow."""
         s = r.sampling
-        r.sampler = Sampler(
-            sampling_params(s, self.stage.n_vocab), position=len(resume), history=resume
-        )
+        s.check(self.stage.n_vocab)
+        r.sampler = Sampler(s, position=len(resume), history=resume)
         r.text = TextStream(self.stage.token_to_piece, list(s.stop))
         r.text.prime(resume)
         if s.grammar is not None:

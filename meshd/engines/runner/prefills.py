@@ -40,7 +40,7 @@ def prefill_key(w: Work, lineage: bytes) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(lineage)
     h.update(f"{w.pos}{x.dtype.str}{x.shape}".encode())
-    h.update(memoryview(x).cast("B"))
+    h.update(x.data.cast("B"))
     return h.digest()
 
 

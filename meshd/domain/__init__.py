@@ -1,0 +1,14 @@
+"""The nouns every layer shares: a conversation and its tools, how a request samples,
+what it asks of a model, what a model is and what a node offers.
+
+Plain msgspec Structs and pure functions, importing nothing of meshd: the API parses
+into them, the wire carries them, placement and the engines read them.
+
+=============  ===============================================================
+``chat``       ``ChatTurn``, ``ToolCallTurn``, ``ToolSpec``, ``ToolUse``
+``sampling``   ``SamplingChoice`` (named), ``Sampling`` (resolved), the rules
+``job``        ``Job``: what a request asks of a model
+``facts``      ``ModelFacts``: a model, read from its file's header
+``nodes``      ``Device``, ``NodeResources``: what a node computes with
+=============  ===============================================================
+"""
