@@ -40,6 +40,8 @@ import numpy as np
 import zmq
 from _common import DEFAULT_MODEL, PROCS, cpu_busy, log, stop_process, table
 
+from meshd.domain.sampling import Sampling
+
 GOAL_US = 100.0
 
 
@@ -194,7 +196,7 @@ class MeshdSender:
         if self.first:
             start = wire.Start(
                 route=self.route, reply_to=self.route[0], n_prompt=1,
-                sampling=wire.Sampling(temperature=0.0),
+                sampling=Sampling(temperature=0.0),
             )  # fmt: skip
             self.first = False
         t0 = time.perf_counter()

@@ -75,6 +75,10 @@ from _common import (
     whole_model_env,
 )
 
+from meshd.domain.chat import ChatTurn
+from meshd.domain.job import Job
+from meshd.domain.sampling import Sampling
+
 # -- direct llama-cpp-python (a worker process) ---------------------------------------
 
 
@@ -222,9 +226,9 @@ class BareRunner:
             req=req, instance="bench", generation=1,
             route=[wire.Addr(node="runner", addresses=["127.0.0.1"], port=self.port)],
             reply_to=wire.Addr(node="bench", addresses=["127.0.0.1"], port=self.reply_port),
-            job=wire.Job(
-                messages=[wire.ChatTurn("user", PROMPT)],
-                sampling=wire.Sampling(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+            job=Job(
+                messages=[ChatTurn("user", PROMPT)],
+                sampling=Sampling(temperature=0.0, max_tokens=tokens, ignore_eos=True),
             ),
         )  # fmt: skip
         self.dealer.send(wire.encode(g))

@@ -22,6 +22,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse
+from meshd.domain.sampling import SamplingChoice
 from meshd.transport import wire
 
 from . import anthropic_schemas as a
@@ -39,7 +41,6 @@ from .answers import (
 from .bodies import parse_body
 from .errors import ApiError
 from .runs import GenerateRequest, Run, admit
-from .sampling import SamplingRequest
 from .services import context
 from .sse import SSE_HEADERS, SSE_MEDIA_TYPE
 from .toolcalls import ChoiceCalls, json_text
@@ -63,27 +64,27 @@ def system_prompt(text: str) -> str:
     return "".join(ln for ln in lines if not ln.lstrip().startswith("x-anthropic-")).strip()
 
 
-def _turns(body: a.MessagesRequest | a.CountTokensRequest) -> list[wire.ChatTurn]:
+def _turns(body: a.MessagesRequest | a.CountTokensRequest) -> list[ChatTurn]:
     """The conversation as chat turns."""
-    turns: list[wire.ChatTurn] = []
+    turns: list[ChatTurn] = []
     system = system_prompt(body.system_text)
     if system:
-        turns.append(wire.ChatTurn("system", system))
+        turns.append(ChatTurn("system", system))
     names: dict[str, str] = {}  # tool_use id -> the tool's name, for its result
     for m in body.messages:
         if isinstance(m.content, str):
-            turns.append(wire.ChatTurn(m.role, m.content))
+            turns.append(ChatTurn(m.role, m.content))
             continue
         text = "\n".join(b.text or "" for b in m.content if b.type == "text")
         if m.role == "assistant":
             calls = [
-                wire.ToolCallTurn(b.id or "", b.name or "", json_text(b.input or {}))
+                ToolCallTurn(b.id or "", b.name or "", json_text(b.input or {}))
                 for b in m.content
                 if b.type == "tool_use"
             ]
             for c in calls:
                 names[c.id] = c.name
-            turns.append(wire.ChatTurn("assistant", text, calls))
+            turns.append(ChatTurn("assistant", text, calls))
             continue
         # Results first: they answer the calls of the assistant turn just before.
         for b in m.content:
@@ -92,21 +93,21 @@ def _turns(body: a.MessagesRequest | a.CountTokensRequest) -> list[wire.ChatTurn
                 if b.is_error:
                     out = f"Error: {out}"
                 tid = b.tool_use_id or ""
-                turns.append(wire.ChatTurn("tool", out, [], tid, names.get(tid)))
+                turns.append(ChatTurn("tool", out, [], tid, names.get(tid)))
         if text or not any(b.type == "tool_result" for b in m.content):
-            turns.append(wire.ChatTurn("user", text))
+            turns.append(ChatTurn("user", text))
     return turns
 
 
-def _tool_use(body: a.MessagesRequest | a.CountTokensRequest) -> wire.ToolUse | None:
+def _tool_use(body: a.MessagesRequest | a.CountTokensRequest) -> ToolUse | None:
     mode = body.tool_mode
     if mode is None:
         return None
     tools = [
-        wire.ToolSpec(name=t.name, description=t.description, parameters=t.input_schema)
+        ToolSpec(name=t.name, description=t.description, parameters=t.input_schema)
         for t in body.tools or ()
     ]
-    return wire.ToolUse(tools=tools, choice=mode)
+    return ToolUse(tools=tools, choice=mode)
 
 
 def _calls(body: a.MessagesRequest, run: Run) -> ChoiceCalls | None:
@@ -132,7 +133,7 @@ async def messages(request: Request) -> Response:
         model=body.model,
         messages=_turns(body),
         max_tokens=body.max_tokens,
-        sampling=SamplingRequest(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k),
+        sampling=SamplingChoice(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k),
         stop=list(body.stop_sequences or []),
         tools=_tool_use(body),
     )

@@ -28,6 +28,7 @@ from .rules import (
     check_int64,
     check_min,
     check_range,
+    check_sampling_fields,
     check_stops,
     unsupported,
 )
@@ -183,9 +184,8 @@ class MessagesRequest(_Conversation, kw_only=True, omit_defaults=True):
         self._check()
         check_int64(self)
         check_min("max_tokens", self.max_tokens, 1)
-        check_range("temperature", self.temperature, 0.0, 1.0)
-        check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        check_min("top_k", self.top_k, 0)
+        check_range("temperature", self.temperature, 0.0, 1.0)  # Anthropic's own bound
+        check_sampling_fields(self)
         check_stops(self.stop_sequences or [], "stop_sequences")
 
 

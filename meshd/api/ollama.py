@@ -32,7 +32,9 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
-from meshd.crdt.views import ModelFacts
+from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse
+from meshd.domain.facts import ModelFacts
+from meshd.domain.sampling import SamplingChoice
 from meshd.node.cluster import ClusterView
 from meshd.node.errors import ModelLoading
 from meshd.transport import wire
@@ -54,7 +56,6 @@ from .embeddings import embed_inputs
 from .errors import ApiError, bad_request, model_not_found, node_error
 from .logprobs import chat_logprobs
 from .runs import GenerateRequest, Run, admit, instance_of, unless_gone
-from .sampling import SamplingRequest
 from .services import ApiContext, context
 from .toolcalls import Call, ChoiceCalls
 
@@ -117,40 +118,40 @@ async def version(request: Request) -> Response:
 # generation
 
 
-def _sampling(opts: o.Options) -> SamplingRequest:
-    return SamplingRequest(
+def _sampling(opts: o.Options) -> SamplingChoice:
+    return SamplingChoice(
         temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
         presence_penalty=opts.presence_penalty, frequency_penalty=opts.frequency_penalty,
         repeat_penalty=opts.repeat_penalty, repeat_last_n=opts.repeat_last_n, seed=opts.seed,
     )  # fmt: skip
 
 
-def _turn(m: o.Message) -> wire.ChatTurn:
+def _turn(m: o.Message) -> ChatTurn:
     calls = [
-        wire.ToolCallTurn(
+        ToolCallTurn(
             f"call_{i}", c.function.name, msgspec.json.encode(c.function.arguments).decode()
         )
         for i, c in enumerate(m.tool_calls or ())
     ]
-    return wire.ChatTurn(m.role, m.content, calls, None, m.tool_name)
+    return ChatTurn(m.role, m.content, calls, None, m.tool_name)
 
 
 def _request(
     ctx: ApiContext,
     body: o.ChatRequest | o.GenerateRequest,
     *,
-    messages: list[wire.ChatTurn] | None = None,
+    messages: list[ChatTurn] | None = None,
     prompt: str | None = None,
 ) -> GenerateRequest:
     opts = body.opts
     tools = None
     if isinstance(body, o.ChatRequest) and body.tool_mode is not None:
         specs = [
-            wire.ToolSpec(name=t.function.name, description=t.function.description,
+            ToolSpec(name=t.function.name, description=t.function.description,
                           parameters=t.function.parameters)
             for t in body.tools or ()
         ]  # fmt: skip
-        tools = wire.ToolUse(tools=specs, choice=body.tool_mode)
+        tools = ToolUse(tools=specs, choice=body.tool_mode)
     return GenerateRequest(
         model=_model(ctx, body.model),
         messages=messages,
@@ -185,8 +186,8 @@ async def generate(request: Request) -> Response:
     if body.raw:
         req = _request(ctx, body, prompt=body.prompt)
     else:
-        turns = [wire.ChatTurn("system", body.system)] if body.system else []
-        req = _request(ctx, body, messages=[*turns, wire.ChatTurn("user", body.prompt)])
+        turns = [ChatTurn("system", body.system)] if body.system else []
+        req = _request(ctx, body, messages=[*turns, ChatTurn("user", body.prompt)])
     return await _serve(request, ctx, body, req, chat=False)
 
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from meshd.domain.sampling import MAX_PENALTY, MAX_REPEAT_PENALTY, MAX_TOP_LOGPROBS
+from meshd.domain.sampling import MAX_TOP_LOGPROBS
 
 from .rules import (
     MAX_TOOLS,
@@ -22,6 +22,7 @@ from .rules import (
     check_int64,
     check_min,
     check_range,
+    check_sampling_fields,
     check_stops,
     schema_grammar,
     unsupported,
@@ -76,14 +77,7 @@ class Options(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         check_int64(self)
         check_min("num_ctx", self.num_ctx, 1)
-        check_range("temperature", self.temperature, 0.0, 2.0)
-        check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        check_range("min_p", self.min_p, 0.0, 1.0)
-        check_min("top_k", self.top_k, 0)
-        check_range("repeat_penalty", self.repeat_penalty, 0.0, MAX_REPEAT_PENALTY, lo_open=True)
-        check_min("repeat_last_n", self.repeat_last_n, -1)
-        check_range("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
-        check_range("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        check_sampling_fields(self)
         check_stops(self.stop or [])
 
     @property

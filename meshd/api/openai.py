@@ -15,6 +15,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse
+from meshd.domain.sampling import SamplingChoice
 from meshd.transport import wire
 
 from . import schemas
@@ -33,7 +35,6 @@ from .answers import (
 from .bodies import parse_body
 from .logprobs import chat_logprobs, completion_logprobs
 from .runs import GenerateRequest, Run, admit_choices
-from .sampling import SamplingRequest
 from .services import context
 from .sse import SSE_DONE, SSE_HEADERS, SSE_KEEPALIVE, SSE_MEDIA_TYPE, sse_data, sse_error
 from .toolcalls import Call, ChoiceCalls
@@ -50,22 +51,20 @@ async def chat_completions(request: Request) -> Response:
     return await _serve(request, body, _generate_request(body, messages=turns), "chat")
 
 
-def _turn(m: schemas.ChatMessage) -> wire.ChatTurn:
-    calls = [
-        wire.ToolCallTurn(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()
-    ]
-    return wire.ChatTurn(m.role, m.text, calls, m.tool_call_id, m.name)
+def _turn(m: schemas.ChatMessage) -> ChatTurn:
+    calls = [ToolCallTurn(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()]
+    return ChatTurn(m.role, m.text, calls, m.tool_call_id, m.name)
 
 
-def _tool_use(body: _Body) -> wire.ToolUse | None:
+def _tool_use(body: _Body) -> ToolUse | None:
     if not isinstance(body, schemas.ChatCompletionRequest) or body.tool_mode is None:
         return None
     tools = [
-        wire.ToolSpec(name=t.function.name, description=t.function.description,
+        ToolSpec(name=t.function.name, description=t.function.description,
                       parameters=t.function.parameters)
         for t in body.tools or ()
     ]  # fmt: skip
-    return wire.ToolUse(tools=tools, choice=body.tool_mode)
+    return ToolUse(tools=tools, choice=body.tool_mode)
 
 
 def _calls(body: _Body, run: Run) -> ChoiceCalls | None:
@@ -91,14 +90,14 @@ async def list_models(request: Request) -> Response:
 
 
 def _generate_request(
-    body: _Body, *, messages: list[wire.ChatTurn] | None = None, prompt: str | None = None
+    body: _Body, *, messages: list[ChatTurn] | None = None, prompt: str | None = None
 ) -> GenerateRequest:
     return GenerateRequest(
         model=body.model,
         messages=messages,
         prompt=prompt,
         max_tokens=body.max_new_tokens,
-        sampling=SamplingRequest(
+        sampling=SamplingChoice(
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,

@@ -2,7 +2,7 @@
 
 The body (:class:`~.responses_schemas.ResponseRequest`) is parsed into a
 :class:`~.runs.GenerateRequest` (``input`` as chat turns, ``tools`` as
-:class:`~meshd.transport.wire.ToolUse`, ``text.format`` as a grammar), one run is
+:class:`~meshd.transport.ToolUse`, ``text.format`` as a grammar), one run is
 admitted, and what it gives back (:mod:`meshd.api.answers`) is rendered as a response
 object, or streamed as the Responses events (``event: <type>`` then ``data: <json>``,
 every event numbered).
@@ -20,6 +20,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse
+from meshd.domain.sampling import SamplingChoice
 from meshd.transport import wire
 
 from . import responses_schemas as rs
@@ -38,7 +40,6 @@ from .answers import (
 from .bodies import parse_body
 from .errors import ApiError
 from .runs import GenerateRequest, Run, admit_choices
-from .sampling import SamplingRequest
 from .schemas import unix_time
 from .services import context
 from .sse import SSE_HEADERS, SSE_KEEPALIVE, SSE_MEDIA_TYPE
@@ -76,7 +77,7 @@ def generate_request(body: rs.ResponseRequest) -> GenerateRequest:
         messages=turns(body),
         max_tokens=body.max_output_tokens,
         max_tokens_param="max_output_tokens",
-        sampling=SamplingRequest(
+        sampling=SamplingChoice(
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
@@ -90,18 +91,18 @@ def generate_request(body: rs.ResponseRequest) -> GenerateRequest:
     )
 
 
-def turns(body: rs.ResponseRequest) -> list[wire.ChatTurn]:
+def turns(body: rs.ResponseRequest) -> list[ChatTurn]:
     """``instructions`` (a system turn) and ``input`` as the chat turns stage 0 renders.
 
     A ``function_call`` item joins the assistant turn just before it (an assistant turn
     with calls, as chat completions carry it); a ``function_call_output`` is a ``tool``
     turn, named after the function it answers (some templates show the name).
     """
-    out: list[wire.ChatTurn] = []
+    out: list[ChatTurn] = []
     if body.instructions is not None:
-        out.append(wire.ChatTurn("system", body.instructions))
+        out.append(ChatTurn("system", body.instructions))
     if isinstance(body.input, str):
-        out.append(wire.ChatTurn("user", body.input))
+        out.append(ChatTurn("user", body.input))
         return out
     names: dict[str, str] = {}
     for item in body.input:
@@ -110,32 +111,32 @@ def turns(body: rs.ResponseRequest) -> list[wire.ChatTurn]:
             # which means the same: instructions from the application.
             role = "system" if item.role == "developer" else item.role
             assert role is not None  # checked on decode
-            out.append(wire.ChatTurn(role, item.text))
+            out.append(ChatTurn(role, item.text))
         elif item.type == "function_call":
             assert item.call_id is not None and item.name is not None
-            call = wire.ToolCallTurn(item.call_id, item.name, item.arguments or "{}")
+            call = ToolCallTurn(item.call_id, item.name, item.arguments or "{}")
             names[item.call_id] = item.name
             last = out[-1] if out else None
             if last is not None and last.role == "assistant":
-                out[-1] = wire.ChatTurn("assistant", last.content, [*last.tool_calls, call])
+                out[-1] = ChatTurn("assistant", last.content, [*last.tool_calls, call])
             else:
-                out.append(wire.ChatTurn("assistant", "", [call]))
+                out.append(ChatTurn("assistant", "", [call]))
         elif item.type == "function_call_output":
             assert item.call_id is not None
-            out.append(wire.ChatTurn("tool", item.text, [], item.call_id, names.get(item.call_id)))
+            out.append(ChatTurn("tool", item.text, [], item.call_id, names.get(item.call_id)))
         # "reasoning" items: skipped (the models here take no reasoning state back).
     return out
 
 
-def _tool_use(body: rs.ResponseRequest) -> wire.ToolUse | None:
+def _tool_use(body: rs.ResponseRequest) -> ToolUse | None:
     mode = body.tool_mode
     if mode is None:
         return None
     tools = [
-        wire.ToolSpec(name=t.name or "", description=t.description, parameters=t.parameters)
+        ToolSpec(name=t.name or "", description=t.description, parameters=t.parameters)
         for t in body.tools or ()
     ]
-    return wire.ToolUse(tools=tools, choice=mode)
+    return ToolUse(tools=tools, choice=mode)
 
 
 def _calls(body: rs.ResponseRequest, run: Run) -> ChoiceCalls | None:

@@ -31,7 +31,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from meshd.domain.sampling import MAX_REPEAT_PENALTY
 from meshd.engines.grammar import json_schema_grammar
 
 from .rules import (
@@ -40,7 +39,7 @@ from .rules import (
     check_function,
     check_int64,
     check_min,
-    check_range,
+    check_sampling_fields,
     schema_grammar,
     unsupported,
 )
@@ -326,12 +325,7 @@ class ResponseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
             )  # fmt: skip
         check_int64(self)
         check_min("max_output_tokens", self.max_output_tokens, 1)
-        check_range("temperature", self.temperature, 0.0, 2.0)
-        check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        check_min("top_k", self.top_k, 0)
-        check_range("min_p", self.min_p, 0.0, 1.0)
-        check_range("repeat_penalty", self.repeat_penalty, 0.0, MAX_REPEAT_PENALTY, lo_open=True)
-        check_min("repeat_last_n", self.repeat_last_n, -1)
+        check_sampling_fields(self)
         if isinstance(self.input, str):
             if not self.input:
                 raise FieldError("input", "input must be a non-empty string or list of items")

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from meshd.domain.sampling import CHOICE_FIELDS, field_problem
 from meshd.engines.detok import MAX_STOPS
 from meshd.engines.grammar import GrammarError, check_grammar, json_schema_grammar
 
@@ -27,6 +28,7 @@ __all__ = [
     "check_int64",
     "check_min",
     "check_range",
+    "check_sampling_fields",
     "check_stops",
     "schema_grammar",
     "unsupported",
@@ -130,3 +132,15 @@ def check_function(name: str, parameters: Any, *, params_field: str = "parameter
         raise FieldError("name", f"a function name is 1-64 of a-z, A-Z, 0-9, _ and -, got {name!r}")
     if parameters is not None:
         schema_grammar(parameters, params_field)
+
+
+def check_sampling_fields(body: msgspec.Struct, *, skip: tuple[str, ...] = ()) -> None:
+    """Each sampling field ``body`` has (by the sampler's name: ``temperature``,
+    ``top_p``...) within its rule; FieldError names the first that is not. ``skip``:
+    fields the dialect checks its own way (OpenAI's ``logit_bias`` has string keys)."""
+    for name in CHOICE_FIELDS:
+        if name in skip or name not in body.__struct_fields__:
+            continue
+        why = field_problem(name, getattr(body, name))
+        if why is not None:
+            raise FieldError(name, why)

@@ -24,6 +24,9 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from meshd.crdt.views import Instance
+from meshd.domain.chat import ChatTurn, ToolUse
+from meshd.domain.job import Job
+from meshd.domain.sampling import SamplingChoice
 from meshd.models import canonical_name
 from meshd.node.errors import RequestFailed
 from meshd.node.metrics import Metrics
@@ -31,7 +34,7 @@ from meshd.transport import wire
 
 from .errors import ApiError, bad_request, node_error, overloaded, request_failed
 from .limits import Ticket
-from .sampling import SamplingRequest, check_max_tokens, pipeline_sampling
+from .sampling import check_max_tokens, pipeline_sampling
 from .services import ApiContext
 
 __all__ = [
@@ -66,12 +69,12 @@ class GenerateRequest:
 
     model: str
     #: A chat (rendered with the model's template by stage 0), or a plain prompt.
-    messages: list[wire.ChatTurn] | None = None
+    messages: list[ChatTurn] | None = None
     prompt: str | None = None
     max_tokens: int | None = None
     #: What the dialect calls ``max_tokens`` (errors name it so).
     max_tokens_param: str = "max_tokens"
-    sampling: SamplingRequest = field(default_factory=SamplingRequest)
+    sampling: SamplingChoice = field(default_factory=SamplingChoice)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     #: Alternatives to report per token with its log-probability (None: no logprobs).
@@ -79,7 +82,7 @@ class GenerateRequest:
     #: The grammar the answer must follow (``meshd.engines.grammar``; None: free text).
     grammar: str | None = None
     #: Functions the model may call.
-    tools: wire.ToolUse | None = None
+    tools: ToolUse | None = None
     #: A prompt given as token ids (embeddings inputs).
     prompt_tokens: list[int] | None = None
     #: An embedding of the prompt, not a continuation.
@@ -90,7 +93,7 @@ class GenerateRequest:
     #: ``num_ctx``); an instance already placed keeps its own. 0: the default.
     context: int = 0
     #: May start from the KV of an earlier request with the same beginning (None:
-    #: sampled unseeded requests do; see ``wire.Job.cache_prompt``).
+    #: sampled unseeded requests do; see ``Job.cache_prompt``).
     cache_prompt: bool | None = None
     #: May draft tokens for the pipeline to verify (None: as ``cache_prompt``).
     speculate: bool | None = None
@@ -269,7 +272,7 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
             req.sampling, inst.facts, max_tokens=max_tokens, stop=req.stop,
             ignore_eos=req.ignore_eos, logprobs=req.logprobs, grammar=req.grammar,
         )  # fmt: skip
-        job = wire.Job(
+        job = Job(
             messages=req.messages, prompt=req.prompt, prompt_tokens=req.prompt_tokens,
             sampling=params, tools=req.tools, embed=req.embed, count_only=req.count_only,
             cache_prompt=req.cache_prompt, speculate=req.speculate,

@@ -1,52 +1,20 @@
-"""How a request samples: what it names, filled in with documented defaults.
+"""A request's sampling at the API: what its dialect's fields name checked against the
+one set of rules (:func:`meshd.domain.sampling.field_problem`), and the values the
+pipeline samples with resolved from them (:func:`meshd.domain.sampling.resolve`: the
+client's value, else the model's own default, else the server's).
 
-Every dialect parses its own field names into one :class:`SamplingRequest` (``None`` for
-each field the client did not send); :func:`pipeline_sampling` turns it into the values
-the last stage uses. A field the client did not send takes, in this order:
-
-1. the model's own default, when its file ships one (GGUF ``general.sampling.*`` or
-   the ``generation_config.json`` of an MLX folder; see ``meshd.models.generation``);
-2. :data:`SERVER_DEFAULTS`, llama.cpp's server's: temperature 0.8, top_k 40, top_p
-   0.95, min_p 0.05, repeat_penalty 1 (off). These suit small local models, which
-   read as word salad when sampled at temperature 1 from the whole vocabulary.
-
-Penalties that OpenAI defines (``presence_penalty``, ``frequency_penalty``) default to 0
-and ``logit_bias`` to none, as OpenAI's do. ``temperature: 0`` is greedy: the filters
-cannot change the most likely token, so it stays exact.
+Every dialect parses its own field names into one
+:class:`~meshd.domain.sampling.SamplingChoice` (None for each field not sent).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from meshd.crdt.views import ModelFacts, SamplingDefaults
-from meshd.transport import wire
+from meshd.domain.facts import ModelFacts
+from meshd.domain.sampling import Sampling, SamplingChoice, resolve
 
 from .errors import ApiError, bad_request
 
-__all__ = ["SERVER_DEFAULTS", "SamplingRequest", "check_max_tokens", "pipeline_sampling"]
-
-#: What a request gets for a field neither it nor its model names (llama-server's).
-SERVER_DEFAULTS = SamplingDefaults(
-    temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, repeat_last_n=64
-)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SamplingRequest:
-    """The sampling fields a client sent, in no dialect (None: not sent)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repeat_penalty: float | None = None
-    repeat_last_n: int | None = None
-    #: Token id -> value added to its logit.
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    seed: int | None = None
+__all__ = ["check_max_tokens", "pipeline_sampling"]
 
 
 def check_max_tokens(max_tokens: int | None, cap: int, param: str = "max_tokens") -> int:
@@ -63,7 +31,7 @@ def check_max_tokens(max_tokens: int | None, cap: int, param: str = "max_tokens"
 
 
 def pipeline_sampling(
-    s: SamplingRequest,
+    s: SamplingChoice,
     facts: ModelFacts | None,
     *,
     max_tokens: int,
@@ -71,42 +39,19 @@ def pipeline_sampling(
     ignore_eos: bool = False,
     logprobs: int | None = None,
     grammar: str | None = None,
-) -> wire.Sampling:
-    """The values the last stage samples with (see the module doc for the defaults).
-
-    A ``logit_bias`` token past the model's vocabulary is a 400 naming ``logit_bias``.
-    """
-    model = facts.sampling if facts is not None and facts.sampling else SamplingDefaults()
+) -> Sampling:
+    """The values the last stage samples with (:func:`resolve`). A ``logit_bias``
+    token past the model's vocabulary is a 400 naming ``logit_bias``."""
     n_vocab = facts.n_vocab if facts is not None else 0
     if n_vocab and s.logit_bias:
         past = max(s.logit_bias)
         if past >= n_vocab:
             raise _bad_bias(past, n_vocab)
-
-    def pick(name: str) -> float | int:
-        for source in (s, model, SERVER_DEFAULTS):
-            value = getattr(source, name)
-            if value is not None:
-                return value
-        raise AssertionError(name)  # SERVER_DEFAULTS names every field
-
-    return wire.Sampling(
-        temperature=float(pick("temperature")),
-        top_p=float(pick("top_p")),
-        top_k=int(pick("top_k")),
-        min_p=float(pick("min_p")),
-        repeat_penalty=float(pick("repeat_penalty")),
-        repeat_last_n=int(pick("repeat_last_n")),
-        presence_penalty=s.presence_penalty or 0.0,
-        frequency_penalty=s.frequency_penalty or 0.0,
-        logit_bias=dict(s.logit_bias),
-        seed=s.seed,
-        max_tokens=max_tokens,
-        stop=stop,
-        ignore_eos=ignore_eos,
-        logprobs=logprobs,
-        grammar=grammar,
-    )
+    model = facts.sampling if facts is not None else None
+    return resolve(
+        s, model, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos,
+        logprobs=logprobs, grammar=grammar,
+    )  # fmt: skip
 
 
 def _bad_bias(token: int, n_vocab: int) -> ApiError:

@@ -51,14 +51,12 @@ import msgspec
 from meshd.domain.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
-    MAX_PENALTY,
-    MAX_REPEAT_PENALTY,
     MAX_TOP_LOGPROBS,
 )
 from meshd.engines.grammar import GrammarError, check_grammar, json_schema_grammar
 
 from .rules import INT64_MAX as _INT64_MAX
-from .rules import MAX_TOOLS, FieldError, check_function, check_stops
+from .rules import MAX_TOOLS, FieldError, check_function, check_sampling_fields, check_stops
 from .rules import check_int64 as _check_int64
 from .rules import check_min as _check_min
 from .rules import check_range as _check_range
@@ -160,16 +158,10 @@ def _check_common(req: _GenerationRequest) -> None:
         raise FieldError("model", "model must be a non-empty string")
     _check_int64(req)
     _check_min("max_tokens", req.max_tokens, 1)
-    _check_range("temperature", req.temperature, 0.0, 2.0)
-    _check_range("top_p", req.top_p, 0.0, 1.0, lo_open=True)
-    _check_min("top_k", req.top_k, 0)
+    # Its logit_bias keys are strings: token_bias parses and checks them.
+    check_sampling_fields(req, skip=("logit_bias",))
     check_stops(req.stop_sequences, most=MAX_STOP_SEQUENCES)
     _check_range("n", req.n, 1, MAX_CHOICES)
-    _check_range("presence_penalty", req.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
-    _check_range("frequency_penalty", req.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
-    _check_range("min_p", req.min_p, 0.0, 1.0)
-    _check_range("repeat_penalty", req.repeat_penalty, 0.0, MAX_REPEAT_PENALTY, lo_open=True)
-    _check_min("repeat_last_n", req.repeat_last_n, -1)
     _ = req.token_bias  # raises FieldError for a bad logit_bias
 
 

@@ -15,6 +15,7 @@ from typing import Protocol
 from starlette.requests import Request
 
 from meshd.crdt.views import Instance, InstanceSpec
+from meshd.domain.job import Job
 from meshd.node.cluster import ClusterView
 from meshd.node.diagnosis import Report
 from meshd.node.metrics import Metrics
@@ -94,7 +95,7 @@ class Services(Protocol):
     def generate(
         self,
         inst: Instance,
-        job: wire.Job,
+        job: Job,
     ) -> AsyncIterator[wire.DataChunk]:
         """Run one request on ``inst``: its chunks, the first one the acknowledgement."""
         ...

@@ -1,5 +1,7 @@
 """The cluster's shared state: HLC, LWW-map with tombstones, typed views. Pure, no I/O."""
 
+from meshd.domain.facts import ModelFacts
+
 from .hlc import HLC, ClockDriftError
 from .liveness import Liveness
 from .lww import N_BUCKETS, Entry, LWWMap, stable_horizon
@@ -7,7 +9,6 @@ from .views import (
     Health,
     Instance,
     InstanceSpec,
-    ModelFacts,
     NodeCard,
     RunnerStatus,
     Stage,

@@ -18,6 +18,9 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from meshd.domain.facts import ModelFacts
+from meshd.domain.nodes import Device, NodeResources
+
 from .lww import LWWMap
 
 NODE = "node/"
@@ -63,25 +66,6 @@ class Member(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     by: str
     at_ms: int = 0
     proof: bytes = b""
-
-
-class Device(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
-    """A GPU an engine backend of a node computes on (``meshd.engines.probe``).
-
-    ``mem_free`` is the device's free memory: as probed in a card; in placement's
-    input (``NodeResources.devices``), less what the stages of other instances placed
-    on the node take of it. ``unified`` devices (Apple silicon, integrated GPUs) use
-    the host's memory, which ``mem_available`` already counts: placement budgets them
-    as RAM."""
-
-    #: The backend that uses it, e.g. ``llama_cpp-cuda``, ``mlx-metal``.
-    backend: str
-    #: The engine's own name for it, e.g. ``CUDA0``, ``Vulkan0``, ``Metal``.
-    name: str
-    description: str = ""
-    mem_total: int = 0
-    mem_free: int = 0
-    unified: bool = False
 
 
 class NodeCard(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -193,58 +177,6 @@ class Stage(msgspec.Struct, kw_only=True, frozen=True):
     engine: str
 
 
-class SamplingDefaults(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
-    """Sampling the model's authors ship with it (GGUF ``general.sampling.*``, an MLX
-    folder's ``generation_config.json``); None where they say nothing."""
-
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    repeat_last_n: int | None = None
-
-
-class ModelFacts(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
-    """What placement needs to know about a model, read once from its file.
-
-    Stored in the instance, so every node computes the same plan and the same repair
-    without holding the model file itself.
-    """
-
-    #: The name the model was asked for by (alias, path or repo id).
-    name: str
-    sha256: str
-    #: ``gguf`` or ``mlx`` (a config.json + safetensors folder).
-    format: str = "gguf"
-    architecture: str = "llama"
-    n_layers: int
-    hidden_size: int
-    #: Context length the model was trained for.
-    n_ctx_train: int
-    #: Bytes of each block's weights, in layer order (len == n_layers).
-    layer_bytes: list[int]
-    #: Token embedding bytes (every llama.cpp stage carries it).
-    embed_bytes: int = 0
-    #: Final norm + output head bytes (last stage; 0 when tied to the embedding).
-    head_bytes: int = 0
-    #: KV cache bytes per token per layer at the cache type used (K and V together).
-    kv_bytes_per_token_layer: int = 0
-    #: GGUF tensor types present, e.g. ``["F32", "Q4_1", "Q6_K"]``.
-    quant_types: list[str] = []
-    #: Engines that can run this model: ``llama_cpp``, ``mlx``.
-    engines: list[str] = []
-    #: Token ids the model can produce at most (its embedding rows; 0: unknown).
-    n_vocab: int = 0
-    #: The sampling its authors recommend, when they ship one.
-    sampling: SamplingDefaults | None = None
-    #: An encoder (BERT-like): it serves embeddings, never a completion, on one node.
-    embedding_only: bool = False
-    #: Fingerprint of its token list (GGUF; "" unknown): a model with the same one
-    #: can draft for it (see ``meshd.placement.drafts``).
-    vocab_hash: str = ""
-
-
 class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """What a user asked for when placing a model."""
 
@@ -279,30 +211,6 @@ class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
             model=self.model, context=self.context, kv_cache=self.kv_cache, draft=self.draft,
             speculate=self.speculate,
         )  # fmt: skip
-
-
-class NodeResources(msgspec.Struct, frozen=True):
-    """One live node as placement sees it.
-
-    ``backends`` are engine backends such as ``llama_cpp-cpu`` or ``mlx-metal``
-    (``<engine>-<device>``). ``mem_available`` and ``mem_total`` are bytes.
-    ``decode_bps`` is the node's measured decode speed (bytes of weights read per
-    second); 0 means not measured. ``rtt_ms`` its round trips to peers, by id.
-    ``holds`` lists the instances this node has a runner loading or ready for: the
-    memory those runners hold is no longer in ``mem_available``, and a repair credits
-    it back (see ``Policy.credit_held``).
-    """
-
-    id: str
-    name: str
-    backends: list[str]
-    mem_available: int
-    mem_total: int = 0
-    decode_bps: float = 0.0
-    holds: list[str] = []
-    rtt_ms: dict[str, float] = {}
-    #: Its GPUs, ``mem_free`` less what other instances' stages on it take there.
-    devices: list[Device] = []
 
 
 class PlanBasis(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):

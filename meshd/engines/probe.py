@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from meshd.crdt.views import Device
+from meshd.domain.nodes import Device
 
 log = logging.getLogger("meshd.engines")
 

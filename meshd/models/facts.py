@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from meshd.crdt.views import ModelFacts
+from meshd.domain.facts import ModelFacts
 
 from .atomic import written_whole
 from .errors import ModelFormatError

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshd.crdt.views import ModelFacts
+from meshd.domain.facts import ModelFacts
 
 from .errors import ModelFormatError, UnsupportedModelError
 from .generation import folder_sampling

@@ -13,15 +13,14 @@ not true: Hugging Face itself ignores its temperature and top-p then.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from meshd.crdt.views import SamplingDefaults
+from meshd.domain.sampling import SamplingChoice, field_problem
 
 __all__ = ["folder_sampling", "gguf_sampling"]
 
-#: GGUF metadata key -> SamplingDefaults field.
+#: GGUF metadata key -> SamplingChoice field.
 _GGUF_KEYS = {
     "general.sampling.temp": "temperature",
     "general.sampling.top_k": "top_k",
@@ -31,7 +30,7 @@ _GGUF_KEYS = {
     "general.sampling.penalty_last_n": "repeat_last_n",
 }
 
-#: generation_config.json key -> SamplingDefaults field.
+#: generation_config.json key -> SamplingChoice field.
 _HF_KEYS = {
     "temperature": "temperature",
     "top_k": "top_k",
@@ -41,12 +40,12 @@ _HF_KEYS = {
 }
 
 
-def gguf_sampling(kv: dict[str, Any]) -> SamplingDefaults | None:
+def gguf_sampling(kv: dict[str, Any]) -> SamplingChoice | None:
     """The sampling defaults in a GGUF's metadata, or None when it has none."""
     return _defaults({field: kv.get(key) for key, field in _GGUF_KEYS.items()})
 
 
-def folder_sampling(folder: Path) -> SamplingDefaults | None:
+def folder_sampling(folder: Path) -> SamplingChoice | None:
     """The sampling defaults of a model folder's ``generation_config.json``, or None."""
     try:
         config = json.loads((Path(folder) / "generation_config.json").read_text())
@@ -57,36 +56,17 @@ def folder_sampling(folder: Path) -> SamplingDefaults | None:
     return _defaults({field: config.get(key) for key, field in _HF_KEYS.items()})
 
 
-def _defaults(raw: dict[str, Any]) -> SamplingDefaults | None:
-    kept = {k: v for k, v in raw.items() if _sane(k, v)}
-    if not kept:
-        return None
-    for k in ("top_k", "repeat_last_n"):
-        if k in kept:
-            kept[k] = int(kept[k])
-    for k in ("temperature", "top_p", "min_p", "repeat_penalty"):
-        if k in kept:
-            kept[k] = float(kept[k])
-    return SamplingDefaults(**kept)
+def _defaults(raw: dict[str, Any]) -> SamplingChoice | None:
+    kept: dict[str, Any] = {}
+    for k, v in raw.items():
+        if k in _INTEGERS and isinstance(v, float) and v.is_integer():
+            v = int(v)  # a count written as a float (40.0)
+        elif k not in _INTEGERS and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if v is not None and field_problem(k, v) is None:
+            kept[k] = v
+    return SamplingChoice(**kept) if kept else None
 
 
-#: field -> (low, high) accepted, inclusive.
-_RANGES = {
-    "temperature": (0.0, 2.0),
-    "top_k": (0, 1 << 31),
-    "top_p": (1e-9, 1.0),
-    "min_p": (0.0, 1.0),
-    "repeat_penalty": (1e-9, 10.0),
-    "repeat_last_n": (-1, 1 << 31),
-}
-
-
-def _sane(field: str, value: Any) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    if not math.isfinite(value):
-        return False
-    if field in ("top_k", "repeat_last_n") and value != int(value):
-        return False
-    lo, hi = _RANGES[field]
-    return lo <= value <= hi
+#: The fields that are counts (a file may write them as floats).
+_INTEGERS = ("top_k", "repeat_last_n")

@@ -23,7 +23,6 @@ from meshd.crdt.views import (
     Instance,
     InstanceSpec,
     Member,
-    ModelFacts,
     NodeCard,
     PlanBasis,
     RunnerStatus,
@@ -32,9 +31,10 @@ from meshd.crdt.views import (
     instances,
     members,
 )
+from meshd.domain.facts import ModelFacts
+from meshd.domain.nodes import NodeResources
 from meshd.models import canonical_name
 from meshd.placement import (
-    NodeResources,
     Placement,
     PlacementError,
     instance_context,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import msgspec
 
-from meshd.crdt.views import Instance, InstanceSpec, ModelFacts, PlanBasis, instance_key
+from meshd.crdt.views import Instance, InstanceSpec, PlanBasis, instance_key
+from meshd.domain.facts import ModelFacts
 from meshd.models import ModelNotFoundError, canonical_name, resolve_model
 from meshd.models.facts import read_model_facts
 from meshd.models.folder import check_folder_for_mlx

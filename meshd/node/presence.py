@@ -16,7 +16,6 @@ from meshd.crdt.views import (
     NODE,
     Health,
     HealthState,
-    ModelFacts,
     ModelSpeed,
     NodeCard,
     RunnerStatus,
@@ -24,6 +23,7 @@ from meshd.crdt.views import (
     health_key,
     node_key,
 )
+from meshd.domain.facts import ModelFacts
 
 from . import sysinfo
 from .state import ClusterState

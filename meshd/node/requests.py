@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator
 import msgspec
 
 from meshd.crdt.views import Instance
+from meshd.domain.job import Job
 from meshd.logs import current_request
 from meshd.transport import wire
 from meshd.transport.dataplane import DataPlane
@@ -113,7 +114,7 @@ class Requests:
     async def generate(
         self,
         inst: Instance,
-        job: wire.Job,
+        job: Job,
         *,
         replay: bool = True,
     ) -> AsyncGenerator[wire.DataChunk, None]:
@@ -198,7 +199,7 @@ class Requests:
     async def _attempt(
         self,
         inst: Instance,
-        job: wire.Job,
+        job: Job,
         resume: list[int],
     ) -> AsyncGenerator[wire.DataChunk, None]:
         """One try of a request on one plan."""

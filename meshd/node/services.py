@@ -17,6 +17,7 @@ import zmq.asyncio
 import meshd
 from meshd.crdt.hlc import physical, wall_ms
 from meshd.crdt.views import Instance, InstanceSpec, health_key, member_key, members
+from meshd.domain.job import Job
 from meshd.transport import wire
 from meshd.transport.addresses import choose_address, interface_addresses, virtual_addresses
 from meshd.transport.dataplane import DataPlane
@@ -244,7 +245,7 @@ class NodeServices:
     def generate(
         self,
         inst: Instance,
-        job: wire.Job,
+        job: Job,
     ) -> AsyncIterator[wire.DataChunk]:
         """Run one request on ``inst`` (see :meth:`Requests.generate`)."""
         return self._requests.generate(inst, job)

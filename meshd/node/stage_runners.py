@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshd.crdt.views import Instance, ModelFacts
+from meshd.crdt.views import Instance
+from meshd.domain.facts import ModelFacts
 from meshd.engines.attention import pipeline_kept_rows
 from meshd.engines.protocol import RunnerConfig, SocketKeys
 from meshd.engines.threads import threads_per_runner

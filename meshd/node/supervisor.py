@@ -40,7 +40,8 @@ from statistics import fmean
 
 import msgspec
 
-from meshd.crdt.views import Instance, ModelFacts, RunnerStatus
+from meshd.crdt.views import Instance, RunnerStatus
+from meshd.domain.facts import ModelFacts
 from meshd.engines.protocol import (
     Failed,
     Listening,

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from meshd.crdt.views import Instance, ModelFacts
+from meshd.crdt.views import Instance
+from meshd.domain.facts import ModelFacts
 
 __all__ = ["MAX_SHARE", "NO_DRAFT", "can_draft", "model_bytes", "pick_draft"]
 

@@ -39,7 +39,8 @@ from typing import NamedTuple
 
 import msgspec
 
-from meshd.crdt.views import Instance, InstanceSpec, ModelFacts, Stage
+from meshd.crdt.views import Instance, InstanceSpec, Stage
+from meshd.domain.facts import ModelFacts
 
 from .errors import MiB, PlacementError, fmt_bytes
 from .resources import NodeResources

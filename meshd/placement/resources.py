@@ -7,7 +7,8 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-from meshd.crdt.views import Health, NodeCard, NodeResources
+from meshd.crdt.views import Health, NodeCard
+from meshd.domain.nodes import NodeResources
 
 __all__ = ["MEM_QUANTUM", "NodeResources", "less_gpu", "node_resources", "quantize_mem"]
 

@@ -18,7 +18,6 @@ from typing import TypeVar
 import msgspec
 
 from meshd.crdt.lww import Entry
-from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse  # noqa: F401  # TEMP
 from meshd.domain.job import Job
 from meshd.domain.sampling import Sampling
 

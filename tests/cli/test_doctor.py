@@ -24,15 +24,8 @@ import zmq
 from rich.console import Console
 
 from meshd.cli.doctor import exit_code, render
-from meshd.crdt.views import (
-    Health,
-    Instance,
-    InstanceSpec,
-    ModelFacts,
-    NodeCard,
-    RunnerStatus,
-    Stage,
-)
+from meshd.crdt.views import Health, Instance, InstanceSpec, NodeCard, RunnerStatus, Stage
+from meshd.domain.facts import ModelFacts
 from meshd.node.cluster import CRASH_LOOP, ClusterView
 from meshd.node.diagnosis import (
     BONJOUR_SETTLE_S,

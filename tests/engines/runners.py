@@ -19,6 +19,7 @@ from pathlib import Path
 
 import zmq
 
+from meshd.domain.job import Job
 from meshd.engines.protocol import RunnerConfig, runner_command
 from meshd.engines.threads import runner_env
 from meshd.transport import wire
@@ -194,7 +195,7 @@ class ApiSide:
             wire.Generate(
                 req=req, instance=route[0].cfg.instance, generation=route[0].cfg.generation,
                 route=[r.addr for r in route], reply_to=self.reply_to,
-                resume_tokens=kw.pop("resume_tokens", []), job=wire.Job(**kw),
+                resume_tokens=kw.pop("resume_tokens", []), job=Job(**kw),
             ),
         )  # fmt: skip
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshd.crdt.views import InstanceSpec, ModelFacts
+from meshd.crdt.views import InstanceSpec
+from meshd.domain.facts import ModelFacts
 from meshd.engines.llama_stage import LlamaStage
 from meshd.engines.stage import StageInput
 from meshd.models.facts import read_facts

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import zmq
 
+from meshd.domain.sampling import Sampling
 from meshd.engines.draft_model import DraftClient, DraftServer
 from meshd.engines.drafting import TRIAL_STEPS
 from meshd.engines.llama_stage import LlamaStage
@@ -123,7 +124,7 @@ def test_greedy_output_with_a_draft_model_is_the_output_without(
     tap = Tap(draft.addr)
     try:
         _set_draft(target[0], "draft", tap.addr)
-        s = wire.Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
+        s = Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
         plain = _run(api, target, "plain", sampling=s, speculate=False)
         assert not tap.asks()  # a request that does not speculate never asks
         spec = _run(api, target, "spec", sampling=s, speculate=True)
@@ -162,7 +163,7 @@ def test_a_replay_with_a_draft_model_continues_exactly(
     target, draft = runners
     _set_draft(target[0], "draft", draft.addr)
     try:
-        s = wire.Sampling(temperature=0.0, max_tokens=30, ignore_eos=True)
+        s = Sampling(temperature=0.0, max_tokens=30, ignore_eos=True)
         whole = tokens_of(_run(api, target, "replay-whole", sampling=s, speculate=True))
         replay = _run(api, target, "replay-9", sampling=s, speculate=True, resume_tokens=whole[:9])
         assert tokens_of(replay) == whole[9:]
@@ -184,7 +185,7 @@ def test_a_sampled_request_keeps_the_drafts_the_model_would_draw(
     try:
         # Seeded: the draws, so how many drafts are kept, are the same on every run
         # (unseeded, a run whose first few drafts all lose stops drafting).
-        s = wire.Sampling(temperature=0.7, seed=11, max_tokens=40, ignore_eos=True)
+        s = Sampling(temperature=0.7, seed=11, max_tokens=40, ignore_eos=True)
         spec = _run(api, target, "sampled-spec", sampling=s, speculate=True)
         u = spec[-1].usage
         assert u.completion_tokens == 40 and len(tokens_of(spec)) == 40
@@ -200,7 +201,7 @@ def test_a_draft_model_that_never_answers_does_not_stall_a_request(
     black_hole = Tap(None)  # takes every ask, answers none
     try:
         _set_draft(target[0], "draft", black_hole.addr)
-        s = wire.Sampling(temperature=0.0, max_tokens=30, ignore_eos=True)
+        s = Sampling(temperature=0.0, max_tokens=30, ignore_eos=True)
         plain = _run(api, target, "hole-plain", sampling=s, speculate=False)
         t0 = time.monotonic()
         spec = _run(api, target, "hole-spec", sampling=s, speculate=True)
@@ -212,7 +213,7 @@ def test_a_draft_model_that_never_answers_does_not_stall_a_request(
         assert 0 < len(asked) <= TRIAL_STEPS, asked
         assert took < 15, took
         # The node changes its mind while a step waits for an answer: the step runs.
-        long = wire.Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
+        long = Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
         api.generate(target, "switched", prompt=PROMPT, sampling=long, speculate=True)
         deadline = time.monotonic() + 30
         while not any(m.req == "switched" for m in black_hole.asks()):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from meshd.domain.sampling import Sampling
 from meshd.engines.outbox import Outbox, merge
 from meshd.transport import wire
 
@@ -169,7 +170,7 @@ def test_merge_keeps_logprobs_in_order_and_the_later_chunks_end() -> None:
 def test_a_runner_coalesces_a_fast_answer_and_sends_the_same_tokens(
     model_path: Path, slice_dir: Path, tmp_path: Path, api: ApiSide
 ) -> None:
-    sampling = wire.Sampling(temperature=0.0, max_tokens=48, ignore_eos=True)
+    sampling = Sampling(temperature=0.0, max_tokens=48, ignore_eos=True)
     answers = {}
     for interval in (0.0, 0.05):
         cfg = runner_config(model_path, slice_dir, stream_interval_s=interval)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshd.domain.sampling import Sampling
 from meshd.engines.llama_stage import LlamaStage
 from meshd.engines.runner import common_prefix
 from meshd.engines.stage import StageInput, StageInputError
@@ -27,7 +28,7 @@ STORY = (
     "clockmaker who repaired every clock in the valley. Each morning he walked to the "
     "square, wound the tower clock, and listened to its bell ring across the rooftops. "
 )
-GREEDY = wire.Sampling(temperature=0.0, max_tokens=8, ignore_eos=True)
+GREEDY = Sampling(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def test_common_prefix() -> None:
@@ -155,18 +156,18 @@ def test_unasked_only_a_sampled_unseeded_request_uses_the_cache(
     _run(api, two_slots, "base", prompt=STORY)
     prompt = STORY + " The end."
 
-    def n_cached(req: str, sampling: wire.Sampling) -> int:
+    def n_cached(req: str, sampling: Sampling) -> int:
         api.generate(two_slots, req, prompt=prompt, sampling=sampling)
         chunks = api.result(req)
         assert not any(c.error for c in chunks), chunks
         two_slots[0].wait_active(0, 10)
         return chunks[0].n_cached
 
-    sampled = wire.Sampling(temperature=0.8, max_tokens=4)
+    sampled = Sampling(temperature=0.8, max_tokens=4)
     assert n_cached("sampled", sampled) > 0
     # Reproducible ones compute their whole prompt: the same answer whatever ran before.
     assert n_cached("greedy", GREEDY) == 0
-    assert n_cached("seeded", wire.Sampling(temperature=0.8, seed=3, max_tokens=4)) == 0
+    assert n_cached("seeded", Sampling(temperature=0.8, seed=3, max_tokens=4)) == 0
 
 
 def test_kept_prefixes_give_way_and_the_last_one_is_taken_over(

@@ -10,7 +10,8 @@ import sys
 import msgspec
 import pytest
 
-from meshd.crdt.views import Device, NodeCard
+from meshd.crdt.views import NodeCard
+from meshd.domain.nodes import Device
 from meshd.engines.probe import Probed, detect_devices, llama_devices, probe
 
 pytestmark = pytest.mark.timeout(120)

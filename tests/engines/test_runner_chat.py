@@ -15,6 +15,9 @@ from typing import cast
 import numpy as np
 import pytest
 
+from meshd.domain.chat import ChatTurn
+from meshd.domain.job import Job
+from meshd.domain.sampling import Sampling
 from meshd.engines.llama_stage import LlamaStage
 from meshd.engines.runner.admission import Prompts
 from meshd.engines.stage import Stage
@@ -79,9 +82,9 @@ def stage0(model_path: Path) -> Iterator[Prompts]:
     stage.close()
 
 
-def generate(messages: list[tuple[str, str]]) -> wire.Job:
+def generate(messages: list[tuple[str, str]]) -> Job:
     """A chat job (only its messages matter to tokenization)."""
-    return wire.Job(messages=[wire.ChatTurn(role, content) for role, content in messages])
+    return Job(messages=[ChatTurn(role, content) for role, content in messages])
 
 
 def as_dicts(messages: list[tuple[str, str]]) -> list[dict]:
@@ -161,7 +164,7 @@ def chat(api: ApiSide, runner: RunnerProcess, req: str, **sampling: object) -> l
     """A greedy chat completion of CONVERSATION through the runner."""
     api.generate(
         [runner], req, messages=generate(CONVERSATION).messages,
-        sampling=wire.Sampling(temperature=0.0, max_tokens=48, **sampling),  # type: ignore[arg-type]
+        sampling=Sampling(temperature=0.0, max_tokens=48, **sampling),  # type: ignore[arg-type]
     )  # fmt: skip
     return api.result(req)
 

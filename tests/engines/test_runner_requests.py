@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from meshd.domain.sampling import Sampling
 from meshd.transport import wire
 
 from .runners import ApiSide, RunnerProcess, runner_config, text_of, tokens_of
@@ -36,9 +37,9 @@ def single(
     r.stop()
 
 
-def greedy(max_tokens: int, **kw: object) -> wire.Sampling:
+def greedy(max_tokens: int, **kw: object) -> Sampling:
     """Greedy sampling of exactly ``max_tokens`` tokens."""
-    return wire.Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
+    return Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
 
 
 def test_cancelled_queued_request_is_never_admitted(single: RunnerProcess, api: ApiSide) -> None:
@@ -60,7 +61,7 @@ def test_seeded_sampling_replayed_from_position_k_continues_the_same_stream(
     single: RunnerProcess, api: ApiSide
 ) -> None:
     n, k = 24, 9
-    sampling = wire.Sampling(
+    sampling = Sampling(
         temperature=1.0, top_p=0.95, seed=1234, max_tokens=n, ignore_eos=True
     )  # fmt: skip
     api.generate([single], "whole", prompt=PROMPT, sampling=sampling)
@@ -77,14 +78,14 @@ def test_seeded_sampling_replayed_from_position_k_continues_the_same_stream(
 @pytest.mark.parametrize(
     "sampling",
     [
-        wire.Sampling(min_p=5.0, max_tokens=4),
-        wire.Sampling(repeat_penalty=-1.0, max_tokens=4),
-        wire.Sampling(logit_bias={10**9: 1.0}, max_tokens=4),
+        Sampling(min_p=5.0, max_tokens=4),
+        Sampling(repeat_penalty=-1.0, max_tokens=4),
+        Sampling(logit_bias={10**9: 1.0}, max_tokens=4),
     ],
     ids=["min_p", "repeat_penalty", "logit_bias"],
 )
 def test_bad_sampling_from_the_wire_is_a_typed_error_and_the_runner_goes_on(
-    single: RunnerProcess, api: ApiSide, sampling: wire.Sampling
+    single: RunnerProcess, api: ApiSide, sampling: Sampling
 ) -> None:
     # The API node checks these; a member's forged Generate must not crash the runner.
     api.generate([single], "bad", prompt=PROMPT, sampling=sampling)

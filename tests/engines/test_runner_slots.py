@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.transport import wire
+from meshd.domain.sampling import Sampling
 
 from .runners import ApiSide, RunnerProcess, runner_config, tokens_of
 
@@ -71,9 +71,9 @@ def pair(make_pair: Callable[..., Pair]) -> Pair:
     return make_pair()
 
 
-def long_request() -> wire.Sampling:
+def long_request() -> Sampling:
     """Far more tokens than a test waits for."""
-    return wire.Sampling(temperature=0.0, max_tokens=900, ignore_eos=True)
+    return Sampling(temperature=0.0, max_tokens=900, ignore_eos=True)
 
 
 def break_pipeline(pair: Pair, api: ApiSide, req: str) -> None:
@@ -86,7 +86,7 @@ def break_pipeline(pair: Pair, api: ApiSide, req: str) -> None:
 
 def assert_serves(pair: Pair, first: RunnerProcess, api: ApiSide, req: str) -> None:
     """A new request through ``first`` and stage 1 completes."""
-    sampling = wire.Sampling(temperature=0.0, max_tokens=6, ignore_eos=True)
+    sampling = Sampling(temperature=0.0, max_tokens=6, ignore_eos=True)
     api.generate([first, pair.last], req, prompt=PROMPT, sampling=sampling)
     chunks = api.result(req, 60)
     assert chunks[-1].error is None, chunks[-1].error
@@ -111,7 +111,7 @@ def test_idle_request_expires_and_frees_its_slot(
 def test_busy_request_does_not_expire(make_pair: Callable[..., Pair], api: ApiSide) -> None:
     """A request that keeps moving outlives a short expiry."""
     p = make_pair(request_expiry_s=0.5)
-    sampling = wire.Sampling(temperature=0.0, max_tokens=120, ignore_eos=True)
+    sampling = Sampling(temperature=0.0, max_tokens=120, ignore_eos=True)
     api.generate([p.first, p.last], "long", prompt=PROMPT, sampling=sampling)
     chunks = api.result("long", 120)
     assert chunks[-1].finish_reason == "length"

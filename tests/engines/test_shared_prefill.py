@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshd.domain.sampling import Sampling
 from meshd.engines.llama_stage import LlamaStage
 from meshd.engines.stage import StageInput, StageInputError
-from meshd.transport import wire
 
 from .runners import ApiSide, RunnerProcess, runner_config, tokens_of
 
@@ -72,8 +72,8 @@ def pipeline(
 def test_choices_of_one_prompt_run_its_prefill_once_on_every_stage(
     pipeline: list[RunnerProcess], api: ApiSide
 ) -> None:
-    def sampling(seed: int) -> wire.Sampling:
-        return wire.Sampling(temperature=0.9, seed=seed, max_tokens=12, ignore_eos=True)
+    def sampling(seed: int) -> Sampling:
+        return Sampling(temperature=0.9, seed=seed, max_tokens=12, ignore_eos=True)
 
     # Alone first: what each seed draws with nothing shared.
     alone = {}

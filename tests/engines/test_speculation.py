@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from meshd.domain.sampling import Sampling
 from meshd.engines.drafting import RETRY_STEPS, DraftBudget, InFlight, Step, prompt_lookup
 from meshd.transport import wire
 from tests.synthetic import N_LAYERS, write_model
@@ -123,7 +124,7 @@ def _split(
 
 def _chains_to_the_plain_output(api: ApiSide, route: list[RunnerProcess], name: str) -> None:
     """Greedy 60 tokens with speculation are those without, and steps went chained."""
-    s = wire.Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
+    s = Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
     plain = _run(api, route, f"{name}-plain", sampling=s, speculate=False)
     spec = _run(api, route, f"{name}-spec", sampling=s, speculate=True)
     assert tokens_of(spec) == tokens_of(plain)
@@ -152,7 +153,7 @@ def _run(api: ApiSide, route: list[RunnerProcess], req: str, **kw: object) -> li
 def test_greedy_output_with_speculation_is_the_output_without(
     pipeline: list[RunnerProcess], api: ApiSide, max_tokens: int
 ) -> None:
-    s = wire.Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    s = Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     plain = _run(api, pipeline, f"plain-{max_tokens}", sampling=s, speculate=False)
     spec = _run(api, pipeline, f"spec-{max_tokens}", sampling=s, speculate=True)
     assert tokens_of(spec) == tokens_of(plain)
@@ -176,7 +177,7 @@ def test_a_seeded_sample_with_speculation_is_the_sample_without(
 ) -> None:
     # Each position draws its own random number: keeping a draft token exactly when
     # the draw gives it is the rejection rule, and the stream is the same.
-    s = wire.Sampling(temperature=0.7, seed=5, max_tokens=40, ignore_eos=True)
+    s = Sampling(temperature=0.7, seed=5, max_tokens=40, ignore_eos=True)
     plain = _run(api, pipeline, "seeded-plain", sampling=s, speculate=False)
     spec = _run(api, pipeline, "seeded-spec", sampling=s, speculate=True)
     assert tokens_of(spec) == tokens_of(plain)
@@ -186,12 +187,12 @@ def test_a_seeded_sample_with_speculation_is_the_sample_without(
 def test_a_stop_string_inside_a_draft_ends_the_answer_there(
     pipeline: list[RunnerProcess], api: ApiSide
 ) -> None:
-    s = wire.Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
+    s = Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
     plain = _run(api, pipeline, "stop-plain", sampling=s, speculate=False)
     text = text_of(plain)
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop
-    cut = wire.Sampling(temperature=0.0, max_tokens=60, ignore_eos=True, stop=[stop])
+    cut = Sampling(temperature=0.0, max_tokens=60, ignore_eos=True, stop=[stop])
     a = _run(api, pipeline, "stop-a", sampling=cut, speculate=False)
     b = _run(api, pipeline, "stop-b", sampling=cut, speculate=True)
     assert text_of(a) == text_of(b) and b[-1].finish_reason == "stop"
@@ -203,7 +204,7 @@ def test_one_stage_speculates_alone(
 ) -> None:
     path = write_model(tmp_path / "synth.gguf", model_path, "llama")
     with _split(path, slice_dir, tmp_path, [(0, N_LAYERS)]) as route:
-        s = wire.Sampling(temperature=0.0, max_tokens=50, ignore_eos=True)
+        s = Sampling(temperature=0.0, max_tokens=50, ignore_eos=True)
         plain = _run(api, route, "one-plain", sampling=s, speculate=False)
         spec = _run(api, route, "one-spec", sampling=s, speculate=True)
         assert tokens_of(spec) == tokens_of(plain)
@@ -225,7 +226,7 @@ def test_a_speculating_request_replayed_from_token_k_continues_exactly(
 ) -> None:
     # What the API node sends after losing a stage at token k: the tokens the client
     # has, re-fed one a step; drafting resumes after them and the stream is the same.
-    s = wire.Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
+    s = Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
     whole = tokens_of(_run(api, pipeline, "spec-whole", sampling=s, speculate=True))
     for k in (1, 17):
         replay = _run(
@@ -244,7 +245,7 @@ def test_a_kept_answer_holds_its_own_positions_only(
     # on exactly as those steps guessed takes from the cache only what every stage
     # holds (more on stage 0 alone would fail the turn, or feed it wrong KV).
     prompt = list(range(300, 340)) * 3
-    greedy = wire.Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
+    greedy = Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
     whole = tokens_of(api.answer(pipeline, "kept-whole", prompt_tokens=prompt,
                                  sampling=greedy, speculate=False))  # fmt: skip
     # A greedy request that reuses nothing runs cold: every kept prefix (``whole``'s
@@ -284,7 +285,7 @@ def test_other_architectures_speculate_and_reuse_a_prefix_exactly(
     path = write_model(tmp_path / f"{case}.gguf", model_path, arch, metadata=meta)
     with _split(path, slice_dir, tmp_path, HALVES) as route:
         prompt = list(range(300, 340)) * 3
-        greedy = wire.Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
+        greedy = Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
         whole = tokens_of(api.answer(route, f"{case}-plain", prompt_tokens=prompt,
                                      sampling=greedy, speculate=False))  # fmt: skip
         one = msgspec.structs.replace(greedy, max_tokens=1)

@@ -26,6 +26,9 @@ from hypothesis import strategies as st
 
 from meshd.crdt.hlc import pack, physical
 from meshd.crdt.lww import Entry
+from meshd.domain.chat import ChatTurn
+from meshd.domain.job import Job
+from meshd.domain.sampling import Sampling
 from meshd.transport import wire
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
@@ -112,9 +115,9 @@ def _addr(t: Target) -> st.SearchStrategy[wire.Addr]:
     return st.builds(wire.Addr, node=SMALL_TEXT, addresses=st.just(["127.0.0.1"]), port=ports)
 
 
-def _sampling() -> st.SearchStrategy[wire.Sampling]:
+def _sampling() -> st.SearchStrategy[Sampling]:
     return st.builds(
-        wire.Sampling,
+        Sampling,
         temperature=st.floats(allow_nan=True, allow_infinity=True),
         top_p=st.floats(allow_nan=True),
         top_k=INT64,
@@ -164,8 +167,8 @@ def messages(t: Target) -> st.SearchStrategy[wire.Message]:
             wire.Generate, req=req, instance=_instance(t), generation=gen,
             route=st.lists(_addr(t), max_size=3), reply_to=_addr(t),
             job=st.builds(
-                wire.Job,
-                messages=st.none() | st.lists(st.builds(wire.ChatTurn, SMALL_TEXT, SMALL_TEXT),
+                Job,
+                messages=st.none() | st.lists(st.builds(ChatTurn, SMALL_TEXT, SMALL_TEXT),
                                               max_size=3),
                 prompt=st.none() | SMALL_TEXT, sampling=_sampling(),
             ),

@@ -22,6 +22,8 @@ from meshd.api import schemas
 from meshd.crdt.hlc import HLC
 from meshd.crdt.lww import N_BUCKETS, Entry
 from meshd.crdt.views import Health, NodeCard, encode, health_key, node_key
+from meshd.domain.job import Job
+from meshd.domain.sampling import Sampling
 from meshd.models.resolve import DEFAULT_MODEL
 from meshd.transport import wire
 from tests.cluster import Cluster, NodeProc, wait_for
@@ -131,7 +133,7 @@ def test_an_activation_sent_to_stage_0_does_not_crash_the_runner(
     sink = wire.Addr(node="x", addresses=["127.0.0.1"], port=9)
     act = wire.Activation(
         req="r", instance=t.instance, generation=t.generation, pos=0, rows=1, hidden=t.hidden,
-        start=wire.Start(route=[sink], reply_to=sink, sampling=wire.Sampling(), n_prompt=1),
+        start=wire.Start(route=[sink], reply_to=sink, sampling=Sampling(), n_prompt=1),
     )  # fmt: skip
     _send(ctx, port, wire.encode(act), np.zeros((1, t.hidden), np.float32).tobytes())
     assert not _restarted(env, port), "the runner crashed"
@@ -263,13 +265,13 @@ def test_a_flood_of_reply_addresses_does_not_exhaust_a_runner(
     for i in range(1100):  # loopback addresses nothing listens on (port 9: discard)
         nowhere = wire.Addr(node="x", addresses=[f"127.0.{i // 250 + 1}.{i % 250 + 2}"], port=9)
         g = wire.Generate(req=f"r{i}", instance="nope", generation=1, route=[nowhere],
-                          reply_to=nowhere, job=wire.Job(prompt="x"))  # fmt: skip
+                          reply_to=nowhere, job=Job(prompt="x"))  # fmt: skip
         d.send(wire.encode(g))
     sink = ctx.socket(zmq.ROUTER)
     sink_port = sink.bind_to_random_port("tcp://127.0.0.1")
     here = wire.Addr(node="x", addresses=["127.0.0.1"], port=sink_port)
     d.send(wire.encode(wire.Generate(req="last", instance="nope", generation=1, route=[here],
-                                     reply_to=here, job=wire.Job(prompt="x"))))  # fmt: skip
+                                     reply_to=here, job=Job(prompt="x"))))  # fmt: skip
     assert sink.poll(3000), "the runner could not answer a new reply address"
     chunk = wire.decode_output(sink.recv_multipart()[1])
     assert isinstance(chunk, wire.DataChunk) and chunk.error is not None

@@ -11,7 +11,7 @@ import gguf
 import msgspec
 import pytest
 
-from meshd.crdt.views import ModelFacts
+from meshd.domain.facts import ModelFacts
 from meshd.models.chat import chat_template_at
 from meshd.models.errors import ModelFormatError
 from meshd.models.facts import read_facts

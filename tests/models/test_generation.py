@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.crdt.views import SamplingDefaults
+from meshd.domain.sampling import SamplingChoice
 from meshd.models.facts import read_facts
 from meshd.models.generation import folder_sampling, gguf_sampling
 from tests.synthetic import write_model
@@ -52,7 +52,7 @@ def test_insane_values_are_dropped_and_the_rest_kept() -> None:
         "general.sampling.min_p": 0.05,
         "general.sampling.penalty_repeat": "1.1",
     })  # fmt: skip
-    assert got == SamplingDefaults(min_p=0.05)
+    assert got == SamplingChoice(min_p=0.05)
     assert gguf_sampling({"general.sampling.temp": True}) is None
     assert gguf_sampling({}) is None
 
@@ -61,7 +61,7 @@ def test_a_folder_ships_sampling_only_when_it_samples(tmp_path: Path) -> None:
     cfg = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
            "repetition_penalty": 1.05, "bos_token_id": 1}  # fmt: skip
     (tmp_path / "generation_config.json").write_text(json.dumps(cfg))
-    assert folder_sampling(tmp_path) == SamplingDefaults(
+    assert folder_sampling(tmp_path) == SamplingChoice(
         temperature=0.7, top_p=0.8, top_k=20, repeat_penalty=1.05
     )
     # Hugging Face ignores temperature and top-p without do_sample: so do we.

@@ -13,15 +13,15 @@ import pytest
 from meshd.crdt.views import (
     Instance,
     InstanceSpec,
-    ModelFacts,
     NodeCard,
-    NodeResources,
     PlanBasis,
     Stage,
     health_key,
     instance_key,
     node_key,
 )
+from meshd.domain.facts import ModelFacts
+from meshd.domain.nodes import NodeResources
 from meshd.models import DEFAULT_MODEL
 from tests.cluster import Cluster, wait_for
 

@@ -15,7 +15,6 @@ from meshd.crdt.views import (
     Health,
     Instance,
     InstanceSpec,
-    ModelFacts,
     NodeCard,
     RunnerStatus,
     Stage,
@@ -24,6 +23,8 @@ from meshd.crdt.views import (
     instance_key,
     node_key,
 )
+from meshd.domain.facts import ModelFacts
+from meshd.domain.nodes import Device
 from meshd.node.cluster import CRASH_LOOP, MODEL_MISSING, ClusterView, gave_up
 from meshd.node.errors import RequestFailed
 from meshd.node.requests import replay_target
@@ -335,7 +336,6 @@ def test_a_view_of_the_map_reads_liveness_at_the_moment_it_is_taken() -> None:
 
 
 def test_gpu_memory_another_instance_takes_is_not_offered_to_the_next() -> None:
-    from meshd.crdt.views import Device
     from meshd.placement import node_vram, stage_offload
 
     gpu = Device(backend="llama_cpp-cuda", name="CUDA0", mem_total=2 * GiB, mem_free=2 * GiB)

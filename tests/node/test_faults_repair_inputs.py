@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from meshd.crdt.views import Health, Instance, InstanceSpec, ModelFacts, NodeCard, Stage
+from meshd.crdt.views import Health, Instance, InstanceSpec, NodeCard, Stage
+from meshd.domain.facts import ModelFacts
 from meshd.placement import node_resources, place
 from meshd.placement.resources import MEM_QUANTUM, quantize_mem
 

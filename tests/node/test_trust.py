@@ -13,12 +13,10 @@ from meshd.crdt.hlc import HLC
 from meshd.crdt.lww import Entry
 from meshd.crdt.replica import Replica
 from meshd.crdt.views import (
-    Device,
     Health,
     Instance,
     InstanceSpec,
     Member,
-    NodeResources,
     PlanBasis,
     encode,
     health_key,
@@ -26,6 +24,7 @@ from meshd.crdt.views import (
     member_key,
     node_key,
 )
+from meshd.domain.nodes import Device, NodeResources
 from meshd.node.plans import plan_refusal
 from meshd.node.trust import MAX_INSTANCES_PER_WRITER, ClusterTrust
 from meshd.placement import default_context, place

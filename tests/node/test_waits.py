@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from meshd.crdt.views import health_key, instance_key, node_key
+from meshd.domain.job import Job
 from meshd.node.changes import Changes
 from meshd.node.config import NodeConfig
 from meshd.node.errors import ModelLoading, RequestFailed
@@ -92,7 +93,7 @@ async def _open_request(
     dp = DataPlane(n.ctx, node_id="a", own_addresses=["127.0.0.1"], bind_host="127.0.0.1")
     dp.start()
     requests = Requests(n.state, dp, cfg)
-    chunks = requests.generate(inst("x", "b"), wire.Job(prompt="hi"), replay=False)
+    chunks = requests.generate(inst("x", "b"), Job(prompt="hi"), replay=False)
     return dp, chunks, asyncio.ensure_future(anext(chunks))
 
 
@@ -145,7 +146,7 @@ async def test_a_stopping_node_ends_its_open_requests_at_once() -> None:
         dp = DataPlane(n.ctx, node_id="a", own_addresses=["127.0.0.1"], bind_host="127.0.0.1")
         dp.start()
         requests = Requests(n.state, dp, NodeConfig())
-        chunks = requests.generate(inst("x", "b"), wire.Job(prompt="hi"))
+        chunks = requests.generate(inst("x", "b"), Job(prompt="hi"))
         first = asyncio.ensure_future(anext(chunks))
         try:
             await asyncio.sleep(0.3)

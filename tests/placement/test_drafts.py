@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from meshd.crdt.views import Instance, InstanceSpec, ModelFacts, Stage
+from meshd.crdt.views import Instance, InstanceSpec, Stage
+from meshd.domain.facts import ModelFacts
 from meshd.placement.drafts import MAX_SHARE, can_draft, model_bytes, pick_draft
 
 VOCAB = "88b27e9cee03205b2fe70c62915d2bf1"

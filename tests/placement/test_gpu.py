@@ -14,17 +14,11 @@ import math
 import msgspec
 import pytest
 
-from meshd.crdt.views import Device, Instance, InstanceSpec, ModelFacts, PlanBasis, Stage
+from meshd.crdt.views import Instance, InstanceSpec, PlanBasis, Stage
+from meshd.domain.facts import ModelFacts
+from meshd.domain.nodes import Device, NodeResources
 from meshd.node.supervisor import gpu_layers
-from meshd.placement import (
-    NodeResources,
-    PlacementError,
-    Policy,
-    node_vram,
-    place,
-    stage_need,
-    stage_offload,
-)
+from meshd.placement import PlacementError, Policy, node_vram, place, stage_need, stage_offload
 from meshd.placement.resources import less_gpu
 
 MiB = 1 << 20

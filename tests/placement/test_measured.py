@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from meshd.crdt.views import InstanceSpec, ModelFacts, Stage
-from meshd.placement import NodeResources, place, predicted_tokens_s
+from meshd.crdt.views import InstanceSpec, Stage
+from meshd.domain.facts import ModelFacts
+from meshd.domain.nodes import NodeResources
+from meshd.placement import place, predicted_tokens_s
 from meshd.placement.place import HOP_MS, SPLIT_GAIN, UNKNOWN_RTT_MS
 
 MiB = 1 << 20

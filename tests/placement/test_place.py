@@ -14,10 +14,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
 
-from meshd.crdt.views import Health, Instance, InstanceSpec, ModelFacts, NodeCard, RunnerStatus
+from meshd.crdt.views import Health, Instance, InstanceSpec, NodeCard, RunnerStatus
 from meshd.crdt.views import Stage as S
+from meshd.domain.facts import ModelFacts
+from meshd.domain.nodes import NodeResources
 from meshd.placement import (
-    NodeResources,
     PlacementError,
     Policy,
     fmt_bytes,

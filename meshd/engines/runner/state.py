@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from meshd.domain.sampling import Sampling
 from meshd.engines.detok import TextStream
 from meshd.engines.drafting import DraftBudget, InFlight
 from meshd.engines.grammar import Constraint
@@ -23,7 +24,7 @@ class Request:
     seq: int
     route: list[wire.Addr]
     reply_to: wire.Addr
-    sampling: wire.Sampling
+    sampling: Sampling
     n_prompt: int = 0
     n_generated: int = 0
     #: An embeddings request: the last stage pools, nothing is sampled.
