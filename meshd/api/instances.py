@@ -61,8 +61,9 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     engines: list[str] = []
     #: Activation type between adjacent MLX stages: ``f32``, ``f16`` or ``bf16``.
     activations: str = "f32"
-    #: Tokens of context each request gets (0: 4096, at most the model's trained
-    #: context); placement reserves KV cache for it on every stage.
+    #: Tokens of context each request gets (0: the model's trained context as far as
+    #: memory allows, see ``meshd.placement.place.default_context``); placement
+    #: reserves KV cache for it on every stage.
     context: int = 0
     #: KV cache type of the llama.cpp stages: f16, q8_0 or q4_0 (less memory per token).
     kv_cache: str = "f16"
