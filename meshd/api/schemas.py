@@ -581,8 +581,8 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
         if isinstance(x, str):
             return [x]
         if x and all(isinstance(v, int) for v in x):
-            return [x]  # type: ignore[list-item]
-        return list(x)  # type: ignore[arg-type]
+            return [x]
+        return list(x)
 
 
 def _is_token(v: object) -> bool:

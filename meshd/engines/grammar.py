@@ -107,8 +107,8 @@ def json_schema_grammar(schema: dict[str, Any] | bool | None) -> str:
         raise GrammarError(f"a JSON schema is an object, got {type(schema).__name__}")
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
-            bounded_strings(schema),  # type: ignore[arg-type]
-            overrides=JSON_STYLE,  # type: ignore[arg-type]
+            bounded_strings(schema),
+            overrides=JSON_STYLE,  # type: ignore[arg-type]  # a dict is taken; stub: str
         )
     except (ValueError, TypeError) as e:
         raise GrammarError(str(e)) from None

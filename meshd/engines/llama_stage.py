@@ -679,7 +679,7 @@ class LlamaStage:
             if seq in seen:
                 raise StageInputError(f"seq {seq} appears twice in one forward")
             seen.add(seq)
-            tok = int(it.tokens[0])  # type: ignore[index]
+            tok = int(it.tokens[0])  # type: ignore[index]  # stage 0's items carry tokens
             if not 0 <= tok < n_vocab:
                 raise StageInputError(f"token id outside [0, {n_vocab})")
             past = self.n_past(seq)
@@ -687,7 +687,7 @@ class LlamaStage:
                 raise StageInputError(f"seq {seq}: pos {pos} but the stage holds {past}")
             if pos + 1 > n_ctx:
                 raise ContextFullError(f"seq {seq}: {pos} + 1 positions exceed n_ctx {n_ctx}")
-            self._b_tok[i] = tok  # type: ignore[index]
+            self._b_tok[i] = tok  # type: ignore[index]  # allocated with the batch
             self._b_pos[i] = pos
             self._b_seq[i] = seq
         n = len(items)

@@ -67,7 +67,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import numpy.typing as npt
@@ -249,7 +249,7 @@ class MlxStage:
             self._load_folder(spec)
         self._KVCache = _kv_cache_class()
 
-    def _holds(self, target: str | None, want_embed: bool) -> bool:
+    def _holds(self, target: str | None, want_embed: bool) -> TypeGuard[str]:
         """Whether this stage loads the tensor named ``target`` (mlx-lm's name; None
         for a layer outside the stage): the embedding only where it is used, the final
         norm and the head only on the last stage."""

@@ -64,7 +64,7 @@ def _mlx() -> list[str]:
         pass
     try:
         # Prove the CPU device really computes before claiming it.
-        if int((mx.array([1, 2]) + 1).sum().item()) == 5:
+        if (mx.array([1, 2]) + 1).sum().item() == 5:
             out.append("mlx-cpu")
     except Exception:
         pass

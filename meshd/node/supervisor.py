@@ -137,7 +137,7 @@ class RunnerProc:
             instance=self.key.instance,
             generation=self.generation,
             stage=self.key.stage,
-            state=self.state,  # type: ignore[arg-type]
+            state=self.state,  # type: ignore[arg-type]  # one of RunnerStatus's literals
             reason=self.reason,
             port=self.port,
             active=self.active,
