@@ -1,13 +1,13 @@
-"""Every message on the wire: one tagged union of msgspec Structs, in one place.
+"""Every message on the wire: msgspec Structs, one tagged union per plane (the nouns
+they carry, chat turns, jobs, sampling, are :mod:`meshd.domain`'s).
 
-A ZeroMQ message is a multipart frame list. Gossip on PUB/SUB is
-``[topic, header]`` where ``topic`` is the cluster's 8-byte hash (SUB filters on it, so
-another cluster's traffic never reaches our decoder). Requests on ROUTER/DEALER are
-``[header, *raw]``: the header is msgpack of one :data:`Message`, and tensors (data
-plane) travel as raw frames beside it, never inside it.
+Gossip on PUB/SUB is ``[topic, header]`` (``topic``: the cluster's 8-byte hash, which
+SUB filters on); ROUTER/DEALER carry ``[header, *raw]``: msgpack of one message, and
+tensors as raw frames beside it, never inside it.
 
-Decoding happens once, at the edge, by :func:`decode`; anything that does not fit the
-schema, or is larger than the socket's limit, is dropped and counted by the caller.
+Each socket decodes only its plane's union, once, at the edge (``decode_*``): what
+does not fit it (another plane's message too), or passes the socket's limit, is
+dropped and counted by the caller.
 """
 
 from __future__ import annotations
