@@ -135,7 +135,10 @@ async def list_instances(request: Request) -> Response:
 
 async def stream_instances(request: Request) -> Response:
     """``GET /v1/instances/stream``: the list of ``GET /v1/instances`` as Server-Sent
-    Events, at once and then at every change (see the module doc)."""
+    Events, at once and then at every change (see the module doc). A ``HEAD`` gets
+    the headers alone: the stream never ends by itself."""
+    if request.method == "HEAD":
+        return Response(media_type="text/event-stream")
     return sse_response(instance_snapshots(context(request).services))
 
 

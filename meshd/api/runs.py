@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import msgspec
 from starlette.requests import Request
 
 from meshd.crdt.views import Instance
@@ -328,7 +329,7 @@ def choice_request(req: GenerateRequest, index: int) -> GenerateRequest:
     seed = req.sampling.seed
     if index == 0 or seed is None:
         return req
-    sampling = dataclasses.replace(req.sampling, seed=(seed + index) & _INT64_MASK)
+    sampling = msgspec.structs.replace(req.sampling, seed=(seed + index) & _INT64_MASK)
     return dataclasses.replace(req, sampling=sampling)
 
 

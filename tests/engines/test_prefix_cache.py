@@ -39,7 +39,9 @@ def test_common_prefix() -> None:
 
 
 @pytest.mark.parametrize("engine", ["llama", "mlx"])
-def test_a_truncated_sequence_continues_as_a_fresh_one(model_path: Path, engine: str) -> None:
+def test_a_truncated_sequence_continues_as_a_fresh_one(
+    model_path: Path, synth: tuple[Path, str], engine: str
+) -> None:
     if engine == "mlx":
         pytest.importorskip("mlx.core")
         from meshd.engines.mlx_stage import MlxStage
@@ -47,7 +49,10 @@ def test_a_truncated_sequence_continues_as_a_fresh_one(model_path: Path, engine:
         stage = MlxStage(model_path, start=0, end=30, first=True, last=True, n_ctx=256,
                          n_seq_max=2)  # fmt: skip
     else:
-        stage = LlamaStage(model_path, first=True, last=True, n_ctx=256, n_seq_max=2, exact=True)
+        # F32 weights: the quantized default model's K/V for the same positions move
+        # with the size of the batch that computed them (by up to ~0.6 in a logit on an
+        # AVX2 CPU), which says nothing of truncation.
+        stage = LlamaStage(synth[0], first=True, last=True, n_ctx=256, n_seq_max=2, exact=True)
     with stage as s:
         toks = np.asarray(s.tokenize(STORY, add_special=True, parse_special=False), np.int32)
         n = len(toks)

@@ -92,6 +92,13 @@ def test_a_killed_draft_node_leaves_the_stream_whole(
     b = cluster.start("b", peers=[a], extra_args=["--models", str(d)])
     wait_for(lambda: all(len(n.cluster()["nodes"]) == 2 for n in (a, b)), 15)
     wait_for(lambda: DEFAULT_MODEL in _instances(a), 60, interval=0.3)
+
+    # a places synth from the facts in b's card: wait until that card has come.
+    def b_facts() -> bool:
+        card = next(n["card"] for n in a.cluster()["nodes"] if n["id"] == b.node_id)
+        return any(f["name"] == "synth" for f in card.get("model_facts", []))
+
+    wait_for(b_facts, 30, interval=0.2)
     r = httpx.post(a.api + "/v1/instances", json={"model": "synth", "nodes": ["b"]}, timeout=120)
     assert r.status_code == 201, r.text
     draft_id = r.json()["id"]

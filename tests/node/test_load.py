@@ -40,7 +40,7 @@ class Outcome:
     ttft: float | None = None
     retry_after: str | None = None
     error: dict | None = None
-    #: Each token's text and its two most likely alternatives (``logprobs: 2``).
+    #: Each token's text and its most likely alternatives (``logprobs: 3``).
     tokens: list[str] = field(default_factory=list)
     tops: list[dict[str, float]] = field(default_factory=list)
 
@@ -58,7 +58,7 @@ def _start(c: Cluster, name: str, *extra: str) -> NodeProc:
 
 def _body(prompt: str, **kw) -> dict:
     return {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
-            "temperature": 0, "stream": True, "logprobs": 2, **kw}  # fmt: skip
+            "temperature": 0, "stream": True, "logprobs": 3, **kw}  # fmt: skip
 
 
 #: How close (in log-probability) the two best tokens must be for a batched greedy
@@ -78,9 +78,12 @@ def _same_or_near_tie(got: Outcome, alone: Outcome) -> None:
     diff = [k for k, (a, b) in enumerate(zip(got.tokens, alone.tokens, strict=False)) if a != b]
     assert diff, (got.text, alone.text)  # same tokens, other text or fewer: garbled or cut
     i = diff[0]
+    # The token taken instead is one of alone's next best, nearly as likely as its best
+    # (three can nearly tie: this machine's batch took the third of -1.86, -1.98, ~-2.0).
     best = sorted(alone.tops[i].items(), key=lambda kv: -kv[1])
-    assert len(best) == 2 and got.tokens[i] == best[1][0], (i, got.tokens[i], best)
-    assert best[0][1] - best[1][1] < NEAR_TIE, (alone.text, got.text, best)
+    taken = dict(best).get(got.tokens[i])
+    assert taken is not None and got.tokens[i] != best[0][0], (i, got.tokens[i], best)
+    assert best[0][1] - taken < NEAR_TIE, (alone.text, got.text, best)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
