@@ -62,6 +62,7 @@ ErrorType = Literal[
     "service_unavailable",
     "rate_limit_error",
     "authentication_error",
+    "permission_error",
 ]
 
 

@@ -12,7 +12,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from meshd.node.services import NotSecured
+from meshd.node.services import NotOwner, NotSecured
 
 from .bodies import parse_body
 from .errors import ApiError
@@ -65,16 +65,18 @@ async def approve(request: Request) -> Response:
 
 
 async def remove_member(request: Request) -> Response:
-    """``DELETE /v1/members/{id}``: revoke a member."""
-    nid = request.path_params["node_id"]
+    """``DELETE /v1/members/{ref}``: remove a member for good (by id or name)."""
+    ref = request.path_params["node_id"]
     services = context(request).services
     try:
-        removed = services.remove_member(nid)
+        m = services.remove_member(ref)
     except NotSecured as e:
         raise _open_cluster(e) from None
-    if not removed:
-        raise ApiError(404, f"no member {nid!r}", type="not_found_error", code="not_found")
-    return JSONResponse({"id": nid, "object": "member", "deleted": True})
+    except LookupError as e:
+        raise ApiError(404, str(e), type="not_found_error", code="not_found") from None
+    except NotOwner as e:
+        raise ApiError(403, str(e), type="permission_error", code="not_owner") from None
+    return JSONResponse({"id": m.id, "name": m.name, "object": "member", "deleted": True})
 
 
 async def create_invite(request: Request) -> Response:

@@ -88,8 +88,9 @@ class Services(Protocol):
         """A pairing code and the seconds it stays good."""
         ...
 
-    def remove_member(self, node_id: str) -> bool:
-        """Revoke a member; False if there is none."""
+    def remove_member(self, ref: str) -> MemberView:
+        """Remove a member for good (id or name); LookupError if none, ``NotOwner``
+        if this node may not."""
         ...
 
     def generate(

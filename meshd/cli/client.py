@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 
@@ -177,6 +177,10 @@ class NodeClient:
     def approve(self, ref: str) -> dict[str, Any]:
         """``POST /v1/members``: let a pending node in."""
         return self._send("POST", "/v1/members", {"approve": ref})
+
+    def remove_member(self, ref: str) -> dict[str, Any]:
+        """``DELETE /v1/members/REF``: remove a member for good."""
+        return self._send("DELETE", f"/v1/members/{quote(ref, safe='')}")
 
     def invite(self) -> dict[str, Any]:
         """``POST /v1/invites``: a pairing code."""

@@ -368,14 +368,26 @@ def _add_doctor(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
 
 
 def cmd_members(args: argparse.Namespace, client: NodeClient) -> int:
-    """The cluster's members, and the nodes waiting for approval at this node."""
+    """The cluster's members, and the nodes waiting for approval at this node; `meshctl
+    members rm NAME|ID` removes one for good (an owner's node only)."""
+    if args.action == "rm":
+        if not args.ref:
+            print("meshctl members rm: name the member (its name or id)", file=sys.stderr)
+            return EXIT_USAGE
+        gone = client.remove_member(args.ref)
+        print(
+            f"removed {gone.get('name')} ({gone.get('id')}): every node refuses it from now "
+            "on; to let it back in, approve it again"
+        )
+        return EXIT_OK
     got = client.members()
     if args.json:
         sys.stdout.write(json.dumps(got, indent=2) + "\n")
         return EXIT_OK
     for m in got.get("data") or []:
         by = "" if m.get("by") == m.get("id") else f"  (approved by {m.get('by')})"
-        print(f"{m.get('name')}  {m.get('id')}{by}")
+        owner = "  owner" if m.get("owner") else ""
+        print(f"{m.get('name')}  {m.get('id')}{owner}{by}")
     for p in got.get("pending") or []:
         print(
             f"{p.get('name')}  {p.get('id')}  waiting {p.get('waiting_s')} s: "
@@ -408,6 +420,8 @@ def cmd_invite(args: argparse.Namespace, client: NodeClient) -> int:
 
 def _add_members(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("members", parents=[common], help=cmd_members.__doc__)
+    p.add_argument("action", nargs="?", choices=["rm"], help="rm: remove a member for good")
+    p.add_argument("ref", nargs="?", metavar="NAME|ID", help="the member to remove")
     p.add_argument("--json", action="store_true", help="print the raw lists")
     p.set_defaults(func=cmd_members)
     a = sub.add_parser("approve", parents=[common], help=cmd_approve.__doc__)

@@ -232,8 +232,10 @@ class LWWMap:
         return [e for e in self._entries.values() if e.hlc > vv.get(e.writer, -1)]
 
     # -- tombstone collection ------------------------------------------------------
-    def collect(self, stable: int, members: Iterable[str]) -> int:
-        """Drop tombstones older than ``stable``; return how many were dropped.
+    def collect(self, stable: int, members: Iterable[str], keep: tuple[str, ...] = ()) -> int:
+        """Drop tombstones older than ``stable``, but for keys starting with one of
+        ``keep`` (deletes that must outlive any stale copy: a removed member); return
+        how many were dropped.
 
         ``stable`` must be a horizon that every one of ``members`` has synced past: each
         holds every entry any member wrote before it (see :func:`stable_horizon`). Then
@@ -248,7 +250,10 @@ class LWWMap:
             return 0
         self.horizon = stable
         self.covered.update(members)
-        dead = [k for k, e in self._entries.items() if e.value is None and e.hlc < stable]
+        dead = [
+            k for k, e in self._entries.items()
+            if e.value is None and e.hlc < stable and not k.startswith(keep)
+        ]  # fmt: skip
         for k in dead:
             e = self._entries.pop(k)
             self._buckets[bucket_of(k)] ^= entry_hash(e)

@@ -66,6 +66,10 @@ class Member(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     by: str
     at_ms: int = 0
     proof: bytes = b""
+    #: May remove members and make owners (the cluster's first node; see
+    #: ``meshd.node.trust``). A cluster from before the flag has no owner: then every
+    #: member counts as one.
+    owner: bool = False
 
 
 class NodeCard(msgspec.Struct, kw_only=True, omit_defaults=True):

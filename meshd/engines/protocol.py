@@ -22,7 +22,7 @@ import sys
 import msgspec
 
 from meshd.logs import LogFormat
-from meshd.transport.security import ClusterKeys
+from meshd.transport.security import CurveKeys
 from meshd.transport.wire import Addr
 
 from .outbox import STREAM_INTERVAL_S
@@ -56,37 +56,30 @@ REQUEST_EXPIRY_S = 60.0
 
 
 class SocketKeys(msgspec.Struct, kw_only=True, frozen=True):
-    """CurveZMQ keys (Z85) of a runner's sockets: the pair its ROUTER binds with, the
-    pair its DEALERs connect with, and the client keys its ROUTER admits."""
+    """CurveZMQ keys (Z85) of a runner's sockets: its node's own pair (its ROUTER binds
+    with it, its DEALERs connect with it), and the members: the client keys its ROUTER
+    admits and the key each DEALER names for the node it dials."""
 
-    server_public: str
-    server_secret: str
-    client_public: str
-    client_secret: str
-    members: list[str] = []
+    public: str
+    secret: str
+    #: Member node id -> its CURVE key.
+    members: dict[str, str] = {}
 
     def __repr__(self) -> str:  # never print secret keys into a log
         return "SocketKeys(<keys hidden>)"
 
     @classmethod
-    def of(cls, keys: ClusterKeys, members: list[bytes]) -> SocketKeys:
+    def of(cls, keys: CurveKeys, members: dict[str, bytes]) -> SocketKeys:
         """A node's keys, for its runners."""
         return cls(
-            server_public=keys.server_public.decode(),
-            server_secret=keys.server_secret.decode(),
-            client_public=keys.client_public.decode(),
-            client_secret=keys.client_secret.decode(),
-            members=[m.decode() for m in members],
+            public=keys.public.decode(),
+            secret=keys.secret.decode(),
+            members={n: k.decode() for n, k in members.items()},
         )
 
-    def cluster_keys(self) -> ClusterKeys:
-        """The keys as the socket edge takes them."""
-        return ClusterKeys(
-            self.server_public.encode(),
-            self.server_secret.encode(),
-            self.client_public.encode(),
-            self.client_secret.encode(),
-        )
+    def curve(self) -> CurveKeys:
+        """The node's pair as the socket edge takes it."""
+        return CurveKeys(self.public.encode(), self.secret.encode())
 
 
 class RunnerConfig(msgspec.Struct, kw_only=True):
@@ -205,9 +198,10 @@ class SetGeneration(msgspec.Struct, tag="generation", tag_field="cmd"):
 
 
 class SetMembers(msgspec.Struct, tag="members", tag_field="cmd"):
-    """Admit exactly these client keys (Z85) from now on (the cluster's members)."""
+    """The cluster's members from now on (node id -> CURVE key, Z85): the only senders
+    taken, and the only nodes dialled. A member gone is no longer heard."""
 
-    keys: list[str]
+    members: dict[str, str]
 
 
 class SetDraft(msgspec.Struct, tag="draft", tag_field="cmd"):

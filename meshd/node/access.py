@@ -20,16 +20,17 @@ import zmq.asyncio
 from meshd.crdt.lww import Entry
 from meshd.crdt.replica import Replica, Trust
 from meshd.crdt.views import MEMBER, Member, member_key
-from meshd.transport.identity import NodeKey, member_proof, sign_entry
-from meshd.transport.security import ClusterKeys, HandshakeReporter, cluster_keys, start_zap
+from meshd.transport.identity import NodeKey, curve_public_of, member_proof, node_id_of, sign_entry
+from meshd.transport.members import Members
+from meshd.transport.security import CurveKeys, HandshakeReporter, start_zap
 from meshd.transport.stats import DropCounters
 
 from .cluster_store import ClusterStore, StoredCluster
-from .joining import JoinDesk, Refusals, ask_to_join
+from .joining import JoinDesk, Refusals, ask_to_join, whois
 from .plans import refuse_plan_entry
 from .state import ClusterState
 from .tasks import Tasks
-from .trust import ClusterTrust, member_curve_keys
+from .trust import ClusterTrust, member_curves, member_entries, revoked
 
 __all__ = ["Access"]
 
@@ -54,15 +55,18 @@ class Access:
         self.key = key
         self.store = store
         self._counters = counters
-        #: The CurveZMQ client keys (Z85) the ZAP handler admits, changed in place.
-        self.admitted: set[bytes] = set()
-        self.keys: ClusterKeys | None = None
+        #: The members' CurveZMQ keys: what ZAP and receive loops admit, and the key a
+        #: socket dialling a member names. Changed in place.
+        self.members = Members()
+        self.keys: CurveKeys | None = None
         self.zap: Any = None
         self.desk: JoinDesk | None = None
         #: Whom the join desk and ZAP turned away, by address (``meshctl doctor``).
         self.refusals = Refusals()
         self._save_pending = False
-        self._on_members: list[Callable[[list[bytes]], None]] = []
+        self._on_members: list[Callable[[dict[str, bytes]], None]] = []
+        self._on_removed: list[Callable[[set[str]], None]] = []
+        self._told_removed = False
         #: This node's name (as it asks to be let in).
         self.name = key.node_id
         if cluster is None:
@@ -71,11 +75,11 @@ class Access:
                 "machine on the LAN can join, place models and read prompts"
             )
             return
-        self.keys = cluster_keys(cluster.key, key.curve_pair())
-        self.admitted.add(self.keys.client_public)
+        self.keys = CurveKeys(*key.curve_pair())
+        self.members.replace({key.node_id: self.keys.public})
         reporter = HandshakeReporter(counters.add)
         self.zap = start_zap(
-            ctx, self.admitted.__contains__, lambda: reporter.denied("zap"),
+            ctx, self.members.admits, lambda: reporter.denied("zap"),
             on_denied_at=lambda address: self.refusals.note(address, "zap_denied"),
         )  # fmt: skip
         log.info("cluster %r (%s): every socket admits its members only", cluster.name, cluster.id)
@@ -91,42 +95,65 @@ class Access:
         if self.cluster is None:
             # No keys, no members: the shape and the bounds of entries still hold.
             return {"trust": ClusterTrust(None)}
-        trust: Trust = ClusterTrust(self.cluster.key, plans=refuse_plan_entry)
+        trust: Trust = ClusterTrust(
+            self.cluster.key, plans=refuse_plan_entry, self_vouch=self.cluster.self_vouch
+        )
         return {"signer": functools.partial(sign_entry, self.key), "trust": trust}
 
     def install(self, replica: Replica, name: str) -> None:
-        """Take the member entries kept on disk, and make sure this node's own is there
-        (vouched for with the cluster key)."""
+        """Take the member entries kept on disk, and make sure this node's own is there:
+        the first node of a cluster writes it (an owner), and in a secret-file cluster
+        a node vouches for itself with the key."""
         self.name = name
         if self.cluster is None:
             return
         replica.install(self.cluster.members)
-        mine = replica.map.value(member_key(self.key.node_id))
-        if mine is None:
-            replica.write(
-                member_key(self.key.node_id),
-                Member(
-                    id=self.key.node_id, name=name, key=self.key.public, by=self.key.node_id,
-                    at_ms=int(time.time() * 1000),
-                    proof=member_proof(self.cluster.key, self.key.public),
-                ),
-            )  # fmt: skip
+        nid = self.key.node_id
+        if replica.map.value(member_key(nid)) is None:
+            first = not any(True for _ in replica.map.live(MEMBER))
+            if revoked(replica.map, nid):
+                log.error(
+                    "this node was removed from cluster %r: no member admits it. To join "
+                    "again, a member approves it anew (meshd up with a fresh data dir)",
+                    self.cluster.name,
+                )  # fmt: skip
+            elif first or self.cluster.self_vouch:
+                proof = member_proof(self.cluster.key, self.key.public)
+                replica.write(
+                    member_key(nid),
+                    Member(
+                        id=nid, name=name, key=self.key.public, by=nid,
+                        at_ms=int(time.time() * 1000), owner=first,
+                        proof=proof if self.cluster.self_vouch else b"",
+                    ),
+                )  # fmt: skip
         self.refresh(replica)
 
-    def on_members(self, listener: Callable[[list[bytes]], None]) -> None:
-        """Call ``listener(admitted keys)`` whenever the members change."""
+    def on_members(self, listener: Callable[[dict[str, bytes]], None]) -> None:
+        """Call ``listener(member id -> CURVE key)`` whenever the members change."""
         self._on_members.append(listener)
 
+    def on_removed(self, listener: Callable[[set[str]], None]) -> None:
+        """Call ``listener(ids)`` when members are removed: their live connections end."""
+        self._on_removed.append(listener)
+
     def refresh(self, replica: Replica) -> None:
-        """The members changed: admit exactly them (and this node), tell the listeners."""
+        """The members changed: admit exactly them (and this node), tell the listeners;
+        the connections of members removed end."""
         if self.cluster is None or self.keys is None:
             return
-        now = member_curve_keys(replica.map) | {self.keys.client_public}
-        self.admitted.intersection_update(now)
-        self.admitted.update(now)
-        keys = sorted(self.admitted)
+        now = member_curves(replica.map)
+        now[self.key.node_id] = self.keys.public
+        gone = self.members.replace(now)
         for listener in self._on_members:
-            listener(keys)
+            listener(dict(now))
+        if gone:
+            log.warning("removed from the cluster: %s; their connections end now", sorted(gone))
+            for removed in self._on_removed:
+                removed(gone)
+        if revoked(replica.map, self.key.node_id) and not self._told_removed:
+            self._told_removed = True
+            log.error("this node was removed from cluster %r by an owner", self.cluster.name)
 
     def save_soon(self, replica: Replica, tasks: Tasks) -> None:
         """Write the member entries to disk shortly (a burst of changes is one write)."""
@@ -137,7 +164,7 @@ class Access:
         async def save() -> None:
             await asyncio.sleep(_SAVE_EVERY_S)
             self._save_pending = False
-            members = list(replica.map.live(MEMBER))
+            members = member_entries(replica.map)
             await asyncio.to_thread(self.store.save_members, members)
 
         tasks.spawn(save())
@@ -156,6 +183,7 @@ class Access:
         self.desk = JoinDesk(
             state, self.cluster, name, write_member=write_member,
             count=lambda reason: self._counters.add("join", reason), refusals=self.refusals,
+            own_key=self.key.public,
         )  # fmt: skip
         return self.desk.bind(ctx, host, port)
 
@@ -176,6 +204,21 @@ class Access:
         except (TimeoutError, RuntimeError, zmq.ZMQError):
             return None
         return replica.merge_remote(outcome.cluster.members).changed
+
+    async def member_at(
+        self, ctx: zmq.asyncio.Context, host: str, join_port: int
+    ) -> tuple[str, bytes] | None:
+        """The member that answers at ``host``'s join port, and the CURVE key to dial it
+        with; None when none answers or it is no member here (nothing is sent to it)."""
+        public = await whois(ctx, host, join_port)
+        if public is None:
+            return None
+        nid = node_id_of(public)
+        key = self.members.key_of(nid)
+        if key is None or key != curve_public_of(public):
+            log.debug("%s:%d is node %s, no member here", host, join_port, nid)
+            return None
+        return nid, key
 
     def close(self) -> None:
         """Stop the ZAP handler."""

@@ -49,6 +49,9 @@ class StoredCluster:
     key: bytes
     name: str
     members: list[Entry] = field(default_factory=list)
+    #: A secret-file cluster: holders of the key vouch for themselves as members.
+    #: Elsewhere the key grants nothing: only an approval makes a member.
+    self_vouch: bool = False
 
     @property
     def id(self) -> str:
@@ -77,7 +80,11 @@ class ClusterStore:
             members = _entries.decode(base64.b64decode(state.get("members", "")))
         except (ValueError, msgspec.DecodeError, msgspec.ValidationError):
             members = []
-        return StoredCluster(key=key, name=str(state.get("name", "")), members=members)
+        # Data dirs from before the flag: a secret-file cluster is one with a secret's fp.
+        vouch = state.get("self_vouch", bool(state.get("secret_fp")))
+        return StoredCluster(
+            key=key, name=str(state.get("name", "")), members=members, self_vouch=bool(vouch)
+        )
 
     def save(self, cluster: StoredCluster, *, secret_fp: str = "") -> None:
         """Write both files (the key only if it changed)."""
@@ -91,6 +98,7 @@ class ClusterStore:
             "id": cluster.id,
             "name": cluster.name,
             "secret_fp": secret_fp or self._secret_fp(),
+            "self_vouch": cluster.self_vouch,
             "members": base64.b64encode(_encoder.encode(cluster.members)).decode(),
         }
         tmp = self.state_file.with_suffix(f".{os.getpid()}.tmp")
@@ -111,9 +119,10 @@ class ClusterStore:
         stored = self.load()
         if stored is not None and self._secret_fp() == fp:
             stored.name = name
+            stored.self_vouch = True
             return stored
         key = cluster_key_from_secret(secret)
-        cluster = StoredCluster(key=key, name=name)
+        cluster = StoredCluster(key=key, name=name, self_vouch=True)
         if stored is not None and stored.key == key:
             cluster.members = stored.members
         self.save(cluster, secret_fp=fp)

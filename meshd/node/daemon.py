@@ -34,7 +34,6 @@ from meshd.transport import wire
 from meshd.transport.addresses import local_addresses, virtual_addresses
 from meshd.transport.dataplane import DataPlane
 from meshd.transport.gossip import Gossip
-from meshd.transport.identity import verify_entry
 from meshd.transport.sockets import free_port_pair
 from meshd.transport.stats import DropCounters
 
@@ -269,6 +268,16 @@ class Node:
         self.access.refresh(self.state.replica)
         self.access.save_soon(self.state.replica, self.tasks)
 
+    def _members_removed(self, gone: set[str]) -> None:
+        """Members were removed: end every connection they hold to this node. Sockets
+        this node dials to them close; the PUB is bound anew, since a PUB cannot drop
+        one subscriber (members resubscribe at once, the removed fail ZAP); what they
+        send on a connection opened before is dropped by the receive loops."""
+        self.membership.forget_removed(gone)
+        for nid in gone:
+            self.dataplane.drop_node(nid)
+        self.tasks.spawn(self.gossip.reopen_pub(), name="reopen-pub")
+
     async def _introduce(self, host: str, join_port: int) -> bool:
         """Vouch for this node at a peer's join desk (a node started with the cluster's
         secret), so its sockets admit this node before the first hello; False when the
@@ -438,6 +447,8 @@ async def _assemble(
         request_timeout=cfg.request_timeout,
         keys=keys,
         peer_rate=cfg.peer_rate,
+        admits=access.members.admits if access.secured else None,
+        sign=identity.key.sign,
     )
     own = cfg.advertise or _advertised(cfg.mesh_host)
     dataplane = DataPlane(
@@ -447,6 +458,7 @@ async def _assemble(
         bind_host=cfg.mesh_host,
         counters=counters,
         keys=keys,
+        server_key=access.members.key_of,
     )
     state = ClusterState(
         replica,
@@ -464,6 +476,7 @@ async def _assemble(
     weights = Weights(
         ctx, state, roots, cache_dir=cache_dir, own_addresses=own,
         bind_host=cfg.mesh_host, keys=keys, counters=counters,
+        server_key=access.members.key_of,
     )  # fmt: skip
     supervisor = Supervisor(
         identity.node_id,
@@ -487,6 +500,8 @@ async def _assemble(
         seeds=list(cfg.peers),
         hello_interval=cfg.hello_interval,
         introduce=(lambda h, p: node._introduce(h, p)) if cfg.secret else None,
+        key_of=access.members.key_of if access.secured else None,
+        member_at=(lambda h, p: access.member_at(ctx, h, p)) if access.secured else None,
     )
     membership = Membership(
         state,
@@ -544,7 +559,8 @@ async def _assemble(
         card=lambda: node.presence.card,
         identity_file=identity.data_dir / ID_FILE,
         on_give_way=lambda: node._give_way(),
-        authentic=(lambda e: verify_entry(identity.key.public, e)) if access.secured else None,
+        public=identity.key.public,
+        curve=keys.public if keys is not None else None,
     )
     node = Node(
         config=cfg,
@@ -568,6 +584,8 @@ async def _assemble(
         weights=weights,
     )
     access.on_members(supervisor.set_members)
+    access.on_members(lambda _members: peers.repoint())
+    access.on_removed(lambda gone: node._members_removed(gone))
     access.refresh(replica)  # the runners start with the members known now
     return node
 

@@ -47,7 +47,7 @@ from meshd.crdt.views import MEMBER, Member, decode, member_key
 from meshd.transport import wire
 from meshd.transport.identity import NodeKey, member_proof, node_id_of
 from meshd.transport.ratelimit import PeerRateLimiter
-from meshd.transport.security import cluster_id_of
+from meshd.transport.security import PROTOCOL, cluster_id_of
 from meshd.transport.sockets import CONTROL, bind, open_socket
 
 from .cluster_store import StoredCluster
@@ -64,6 +64,7 @@ __all__ = [
     "Refusals",
     "ask_to_join",
     "new_code",
+    "whois",
 ]
 
 log = logging.getLogger("meshd.join")
@@ -205,6 +206,8 @@ class JoinDesk:
     )
     _sock: zmq.asyncio.Socket | None = None
     port: int = 0
+    #: This node's Ed25519 public key (what :class:`~meshd.transport.wire.JoinWho` asks).
+    own_key: bytes = b""
 
     # -- the socket ------------------------------------------------------------------
     def bind(self, ctx: zmq.asyncio.Context, host: str, port: int) -> int:
@@ -263,6 +266,8 @@ class JoinDesk:
             self._drop(e.reason)
             return None
         try:
+            if isinstance(msg, wire.JoinWho):
+                return wire.JoinIdent(key=self.own_key, protocol=PROTOCOL)
             if isinstance(msg, wire.JoinHello):
                 reply = self.hello(msg, time.monotonic())
             elif isinstance(msg, wire.JoinConfirm):
@@ -292,6 +297,12 @@ class JoinDesk:
         """Answer a join request (pure but for the member entry it may write)."""
         if len(h.key) != 32:
             return wire.JoinRefused(code="bad_request", message="a key is 32 bytes")
+        if h.protocol < PROTOCOL:
+            return wire.JoinRefused(
+                code="old_protocol",
+                message=f"this cluster speaks meshd protocol {PROTOCOL} and the asking node "
+                f"protocol {h.protocol} (meshd {h.version or 'older'}): upgrade it",
+            )
         nid = node_id_of(h.key)
         self._expire(now)
         if self._member_key(nid) == h.key:
@@ -299,6 +310,13 @@ class JoinDesk:
             return self._accepted(h.key)
         name = h.name.strip()[:64] or nid
         if h.proof:
+            if not self.cluster.self_vouch:
+                # Only a secret-file cluster's key is a membership: elsewhere a kept key
+                # of a removed member must not mint one.
+                self.count("bad_proof")
+                return wire.JoinRefused(
+                    code="not_member", message="not a member: ask a member to approve it"
+                )
             if not hmac.compare_digest(h.proof, member_proof(self.cluster.key, h.key)):
                 self.count("bad_proof")
                 return wire.JoinRefused(code="bad_proof", message="not this cluster's secret")
@@ -371,6 +389,7 @@ class JoinDesk:
             name=self.cluster.name,
             members=list(self.state.map.live(MEMBER)),
             sealed_key=bytes(box.encrypt(self.cluster.key)),
+            self_vouch=self.cluster.self_vouch,
         )
 
     def _admit(self, nid: str, name: str, key: bytes) -> None:
@@ -486,7 +505,9 @@ async def ask_to_join(
                 told = True
                 if on_pending is not None:
                     on_pending(f"{got.message} (on a node of cluster {got.name!r})")
-            if isinstance(got, wire.JoinRefused) and got.code in ("wrong_code", "bad_proof"):
+            if isinstance(got, wire.JoinRefused) and got.code in (
+                "wrong_code", "bad_proof", "old_protocol"
+            ):  # fmt: skip
                 raise JoinRefusedError(got.message)
         await asyncio.sleep(retry_s)
 
@@ -501,7 +522,9 @@ async def _join_once(
     proof: bytes,
     timeout: float,
 ) -> JoinOutcome | wire.JoinMessage | None:
-    hello = wire.JoinHello(name=name, key=key.public, version=meshd.__version__, proof=proof)
+    hello = wire.JoinHello(
+        name=name, key=key.public, version=meshd.__version__, protocol=PROTOCOL, proof=proof
+    )
     session: bytes | None = None
     if code is not None:
         raw = _normal(code)
@@ -534,7 +557,21 @@ async def _join_once(
         if cluster_id_of(cluster_key) != reply.cluster:
             return None
         return JoinOutcome(
-            StoredCluster(key=cluster_key, name=reply.name, members=list(reply.members)),
+            StoredCluster(
+                key=cluster_key, name=reply.name, members=list(reply.members),
+                self_vouch=reply.self_vouch,
+            ),
             via=f"{host}:{port}",
-        )
+        )  # fmt: skip
+    return None
+
+
+async def whois(
+    ctx: zmq.asyncio.Context, host: str, port: int, timeout: float = 2.0
+) -> bytes | None:
+    """The Ed25519 key the node at join port ``host:port`` claims (None: no answer, or
+    a node older than :class:`~meshd.transport.wire.JoinWho`)."""
+    reply = await _ask(ctx, host, port, wire.JoinWho(), timeout)
+    if isinstance(reply, wire.JoinIdent) and len(reply.key) == 32:
+        return reply.key
     return None

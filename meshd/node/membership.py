@@ -21,7 +21,17 @@ import time
 from meshd.crdt import stable_horizon
 from meshd.crdt.hlc import pack
 from meshd.crdt.lww import Entry
-from meshd.crdt.views import HEALTH, NODE, Health, NodeCard, cards, decode, health_key, healths
+from meshd.crdt.views import (
+    HEALTH,
+    MEMBER,
+    NODE,
+    Health,
+    NodeCard,
+    cards,
+    decode,
+    health_key,
+    healths,
+)
 from meshd.crdt.views import node_key as card_key
 from meshd.transport.gossip import Gossip
 
@@ -179,6 +189,24 @@ class Membership:
             self._topology.pop(nid, None)
         self.state.publish(tombs)
 
+    def forget_removed(self, gone: set[str]) -> None:
+        """Members removed: their card and heartbeat go at once (no waiting for them to
+        fall silent), and they stop counting for tombstone collection."""
+        replica = self.state.replica
+        tombs = [
+            replica.delete(key)
+            for nid in sorted(gone)
+            for key in (card_key(nid), health_key(nid))
+            if replica.map.value(key) is not None
+        ]
+        for nid in gone:
+            self.peers.forget(nid)
+            self._unheard.pop(nid, None)
+            self._topology.pop(nid, None)
+            self.gossip.synced_from.pop(nid, None)
+        self.state.publish(tombs)
+        self.changes.notify()
+
     def synced(self) -> int:
         """Our horizon: the oldest clock of a member whose whole state we hold."""
         peers = [n for n in self.members() if n != self.state.node_id]
@@ -205,6 +233,8 @@ class Membership:
         # The grace keeps the horizon behind every member's wall clock, so a peer whose
         # clock runs a little slow never writes below it.
         stable = stable_horizon(synced) - pack(self.tombstone_grace_ms, 0)
-        dropped = replica.map.collect(stable, members)
+        # A member's tombstone is its revocation: kept for good, or an old copy of its
+        # approval would be news again once the delete was collected.
+        dropped = replica.map.collect(stable, members, keep=(MEMBER,))
         if dropped:
             log.debug("collected %d tombstones", dropped)

@@ -50,6 +50,8 @@ class Peers:
         seeds: list[tuple[str, int]],
         hello_interval: float,
         introduce: Callable[[str, int], Awaitable[bool]] | None = None,
+        key_of: Callable[[str], bytes | None] | None = None,
+        member_at: Callable[[str, int], Awaitable[tuple[str, bytes] | None]] | None = None,
     ) -> None:
         self.state = state
         self.gossip = gossip
@@ -62,6 +64,10 @@ class Peers:
         #: Vouches for this node at a peer's join desk before the first hello (a node
         #: holding the cluster's secret); None: nothing to do.
         self.introduce = introduce
+        #: A member's CURVE key by id, and which member answers at a join port (None:
+        #: an open cluster, whose sockets name no key).
+        self.key_of = key_of
+        self.member_at = member_at
         self._introduced: set[tuple[str, int]] = set()
         #: Address a peer was actually reached at (seed or Bonjour): preferred to guesses.
         self._hints: dict[str, str] = {}
@@ -86,20 +92,33 @@ class Peers:
         if peer.node_id == self.state.node_id:
             return
         self._hints.setdefault(peer.node_id, peer.host)
-        self.tasks.spawn(self.greet(peer.host, peer.port, join_port=peer.join))
+        self.tasks.spawn(self.greet(peer.host, peer.port, join_port=peer.join, nid=peer.node_id))
 
-    async def greet(self, host: str, port: int, join_port: int | None = None) -> str | None:
+    async def greet(
+        self, host: str, port: int, join_port: int | None = None, nid: str | None = None
+    ) -> str | None:
         """Send a ``Hello`` to ``host:port``; the id of the peer that answered, if any.
         (Introduced first at its join desk, ``join_port``, by default the mesh port + 1,
-        when this node vouches for itself.)"""
+        when this node vouches for itself.) In a secured cluster the hello names the
+        key of the member there: ``nid``'s, else the one its join desk names."""
+        join_port = join_port or port + 1
         if self.introduce is not None and (host, port) not in self._introduced:
-            if not await self.introduce(host, join_port or port + 1):
+            if not await self.introduce(host, join_port):
                 return None  # not up yet, or another cluster: greeted again later
             self._introduced.add((host, port))
+        key = None
+        if self.key_of is not None and self.member_at is not None:
+            key = self.key_of(nid) if nid is not None else None
+            if key is None:
+                found = await self.member_at(host, join_port)
+                if found is None:
+                    return None  # no member answers there (yet)
+                # Our own id there: this node, or a twin; the hello tells them apart.
+                key = found[1]
         # No re-stamp of our card here: however old it is, a node's own card is exempt
         # from the GC horizon (Replica.merge_remote), and a peer that had forgotten us
         # sends the tombstone that makes us re-stamp it.
-        nid = await self.gossip.hello(Endpoint(host, port))
+        nid = await self.gossip.hello(Endpoint(host, port, key=key))
         if nid is not None and nid != self.state.node_id:
             self._hints[nid] = host
             self._seed_ids[(host, port)] = nid
@@ -146,7 +165,15 @@ class Peers:
         if host == "127.0.0.1" and host not in card.addresses:
             # Same machine, but the peer bound one interface only: dial what it advertised.
             host = next((a for a in card.addresses if a in self.own_addresses), host)
-        self.gossip.set_peer(nid, Endpoint(host, card.mesh_port, card.pub_port))
+        key = self.key_of(nid) if self.key_of is not None else None
+        self.gossip.set_peer(nid, Endpoint(host, card.mesh_port, card.pub_port, key))
+
+    def repoint(self) -> None:
+        """The members changed: aim at every card again (a member's key may have come
+        after its card, or gone with its removal)."""
+        for nid, card in cards(self.state.map).items():
+            if nid != self.state.node_id and nid in self.gossip.peers():
+                self.point_at(nid, card)
 
     def reached_self(self, ep: Endpoint, peer: str | None) -> None:
         """A hello at ``ep``, meant for ``peer``, was answered by this very process: the

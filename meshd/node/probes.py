@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from meshd.transport.security import HANDSHAKE_EVENTS, ClusterKeys
+from meshd.transport.security import HANDSHAKE_EVENTS, CurveKeys, NoServerKey
 from meshd.transport.sockets import CONTROL, open_socket
 
 from .diagnosis import PortCheck
@@ -44,14 +44,22 @@ class Target:
     port_name: str
     host: str
     port: int
+    #: The CURVE key of the node (None: an open cluster, or no member here).
+    key: bytes | None = None
 
 
 async def probe_port(
-    ctx: zmq.asyncio.Context, keys: ClusterKeys | None, t: Target, timeout: float
+    ctx: zmq.asyncio.Context, keys: CurveKeys | None, t: Target, timeout: float
 ) -> PortCheck:
     """Open ``t`` as a peer would and say how far the handshake got."""
     kind = zmq.SUB if t.port_name == "pub" else zmq.DEALER
-    sock = open_socket(ctx, kind, CONTROL, keys, server=False)
+    try:
+        sock = open_socket(ctx, kind, CONTROL, keys, server=False, server_key=t.key)
+    except NoServerKey:
+        return PortCheck(
+            node=t.node, port_name=t.port_name, host=t.host, port=t.port,
+            outcome="not_member", detail="no member key for this node here",
+        )  # fmt: skip
     sock.setsockopt(zmq.LINGER, 0)
     # One try: a refused connect is retried by libzmq, which would only mask the answer.
     sock.setsockopt(zmq.RECONNECT_IVL, -1)
@@ -96,7 +104,7 @@ async def probe_port(
 
 async def probe_all(
     ctx: zmq.asyncio.Context,
-    keys: ClusterKeys | None,
+    keys: CurveKeys | None,
     targets: list[Target],
     timeout: float = PROBE_TIMEOUT_S,
 ) -> list[PortCheck]:

@@ -6,6 +6,7 @@ operations, and maps the typed errors they raise to HTTP in one place.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,6 +36,7 @@ from .probes import PROBE_TIMEOUT_S, Target, probe_all
 from .requests import Requests
 from .state import ClusterState
 from .supervisor import Supervisor
+from .trust import is_owner
 from .twins import Twins
 
 if TYPE_CHECKING:  # zeroconf is imported only when discovery runs
@@ -43,8 +45,15 @@ if TYPE_CHECKING:  # zeroconf is imported only when discovery runs
 __all__ = ["MemberView", "NodeServices", "NotSecured", "PendingView", "Vitals"]
 
 
+log = logging.getLogger("meshd.node")
+
+
 class NotSecured(Exception):
     """An open cluster has no members to approve or invite."""
+
+
+class NotOwner(PermissionError):
+    """This node is no owner of its cluster: it may not remove another member."""
 
 
 class MemberView(msgspec.Struct, kw_only=True):
@@ -55,6 +64,8 @@ class MemberView(msgspec.Struct, kw_only=True):
     #: Who approved it (its own id: it came with the cluster's key).
     by: str
     at_ms: int
+    #: May remove members and make owners.
+    owner: bool = False
 
 
 class PendingView(msgspec.Struct, kw_only=True):
@@ -208,7 +219,7 @@ class NodeServices:
         if desk is None:
             raise NotSecured("an open cluster (--open) has no members")
         ms = [
-            MemberView(id=m.id, name=m.name, by=m.by, at_ms=m.at_ms)
+            MemberView(id=m.id, name=m.name, by=m.by, at_ms=m.at_ms, owner=m.owner)
             for m in sorted(members(self._state.map).values(), key=lambda m: (m.name, m.id))
         ]
         now = time.monotonic()
@@ -233,14 +244,36 @@ class NodeServices:
             raise NotSecured("an open cluster (--open) needs no invitation")
         return desk.invite()
 
-    def remove_member(self, node_id: str) -> bool:
-        """Revoke a member (its sockets are refused from then on); False if none."""
+    def remove_member(self, ref: str) -> MemberView:
+        """Remove a member for good (``ref``: its id, a unique id prefix, or its name):
+        every node ends its connections and refuses it from then on, across restarts.
+
+        Raises :class:`NotSecured`, LookupError (no such member, or several), or
+        :class:`NotOwner` (only an owner removes another member; every node's trust
+        rules would refuse this node's removal otherwise).
+        """
         if self._access.desk is None:
             raise NotSecured("an open cluster (--open) has no members")
-        if node_id not in members(self._state.map):
-            return False
-        self._state.delete(member_key(node_id))
-        return True
+        m = self._state.map
+        held = members(m)
+        hits = [x for x in held.values() if ref in (x.id, x.name)]
+        if not hits and len(ref) >= 4:
+            hits = [x for x in held.values() if x.id.startswith(ref)]
+        if len(hits) != 1:
+            names = ", ".join(f"{x.name} ({x.id})" for x in held.values())
+            what = "no member" if not hits else "several members"
+            raise LookupError(f"{what} matches {ref!r}; members: {names}")
+        target, me = hits[0], held.get(self._state.node_id)
+        if target.id != self._state.node_id and (me is None or not is_owner(m, me)):
+            owners = ", ".join(x.name for x in held.values() if is_owner(m, x)) or "none"
+            raise NotOwner(
+                f"this node is no owner of the cluster, so it may not remove {target.name}; "
+                f"run this on an owner's node ({owners})"
+            )
+        self._state.delete(member_key(target.id))
+        log.warning("removed member %s (%s) from the cluster", target.name, target.id)
+        return MemberView(id=target.id, name=target.name, by=target.by, at_ms=target.at_ms,
+                          owner=target.owner)  # fmt: skip
 
     def generate(
         self,
@@ -277,7 +310,7 @@ class NodeServices:
                 ("data", card.data_port),
             ):
                 if port:
-                    out.append(Target(nid, name, host, port))
+                    out.append(Target(nid, name, host, port, self._access.members.key_of(nid)))
         return out
 
     def _snapshot(self, view: ClusterView, ports: list[dx.PortCheck]) -> dx.Snapshot:

@@ -61,7 +61,7 @@ from meshd.models.folder import folder_sha256
 from meshd.models.hashing import file_sha256
 from meshd.models.slicing import trim_slices
 from meshd.transport import wire
-from meshd.transport.security import ClusterKeys
+from meshd.transport.security import CurveKeys
 
 from .cluster import CRASH_LOOP, FETCH_FAILED, MODEL_MISSING, REFUSED, gave_up
 from .stage_runners import (
@@ -222,7 +222,7 @@ class Supervisor:
         *,
         resolve_path: Callable[[str], str],
         on_status: Callable[[], None],
-        keys: ClusterKeys | None = None,
+        keys: CurveKeys | None = None,
         fetch: Fetch | None = None,
         fetchable: Callable[[Instance], bool] = lambda inst: True,
     ) -> None:
@@ -233,8 +233,8 @@ class Supervisor:
         self.keys = keys
         self.fetch = fetch
         self.fetchable = fetchable
-        #: The members' client keys (Z85): what runners admit.
-        self.members: list[bytes] = []
+        #: Member id -> CURVE key (Z85): whom runners admit and how they dial a node.
+        self.members: dict[str, bytes] = {}
         self.runners: dict[StageId, RunnerProc] = {}
         #: Stages the plans give this node (its cores are split among them).
         self.n_runners = 0
@@ -412,13 +412,13 @@ class Supervisor:
     def _socket_keys(self) -> SocketKeys | None:
         if self.keys is None:
             return None
-        return SocketKeys.of(self.keys, self.members or [self.keys.client_public])
+        return SocketKeys.of(self.keys, self.members or {self.node_id: self.keys.public})
 
-    def set_members(self, keys: list[bytes]) -> None:
-        """The client keys the runners' sockets admit from now on (every runner is told
+    def set_members(self, members: dict[str, bytes]) -> None:
+        """The members the runners' sockets deal with from now on (every runner is told
         at once; a runner started later gets them in its config)."""
-        self.members = list(keys)
-        line = encode(SetMembers(keys=[k.decode() for k in keys])) + b"\n"
+        self.members = dict(members)
+        line = encode(SetMembers(members={n: k.decode() for n, k in members.items()})) + b"\n"
         for r in self.runners.values():
             if r.proc is not None and r.proc.stdin is not None and r.proc.returncode is None:
                 r.proc.stdin.write(line)

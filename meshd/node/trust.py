@@ -8,8 +8,13 @@ Pure functions of the entry and the state held, so every node judges an entry al
 * **Signature**: the writer must be a member, and the entry signed by the key of its
   member entry (``not_member``, ``bad_signature``). Ownership of ``node/X`` and
   ``health/X`` is then checked against an authenticated writer.
-* **Members**: ``member/X`` names the key whose id is X; it is taken from a member (an
-  approval), or from X itself with a proof made with the cluster key (``bad_member``).
+* **Members**: ``member/X`` names the key whose id is X (``bad_member``); it is taken
+  from a member (an approval), or, in a secret-file cluster only, from X itself with a
+  proof made with the cluster key (elsewhere a kept key mints nothing: ``not_member``).
+* **Owners**: only an owner removes a member (a member may remove itself), makes an
+  owner, or rewrites another member's entry (``not_owner``). A removal is for good: the
+  tombstone is never collected, and X cannot vouch for itself past it (``revoked``);
+  only an owner's approval lets X in again.
 * **Bounds**: a writer holds at most :data:`MAX_INSTANCES_PER_WRITER` live instances
   (``too_many``); the plans themselves are checked by :class:`PlanCheck` when given.
 """
@@ -29,7 +34,10 @@ __all__ = [
     "MAX_INSTANCES_PER_WRITER",
     "VALUE_CAPS",
     "ClusterTrust",
-    "member_curve_keys",
+    "is_owner",
+    "member_curves",
+    "member_entries",
+    "revoked",
 ]
 
 #: A key: a known key space, then an id of at most 64 plain characters.
@@ -49,13 +57,39 @@ def _member(m: LWWMap, nid: str) -> Member | None:
     return None if v is None else decode(v, Member)
 
 
-def member_curve_keys(m: LWWMap) -> set[bytes]:
-    """The CurveZMQ client keys (Z85) of every member: what the ZAP handlers admit."""
-    out = set()
+def revoked(m: LWWMap, nid: str) -> bool:
+    """Whether ``nid`` was removed by another member (its entry's tombstone holds)."""
+    e = m.get(member_key(nid))
+    return e is not None and e.value is None and e.writer != nid
+
+
+def is_owner(m: LWWMap, x: Member) -> bool:
+    """Whether member ``x`` may remove members and make owners: it is marked so, or it
+    vouched for itself with a secret file's key (holding the secret is ownership), or
+    the cluster predates owners (none is marked: every member counts as one)."""
+    if x.owner or (x.proof and x.by == x.id):
+        return True
+    return not any(_marked_owner(e) for e in m.live(MEMBER))
+
+
+def _marked_owner(e: Entry) -> bool:
+    x = decode(e.value or b"", Member)
+    return x is not None and x.owner
+
+
+def member_entries(m: LWWMap) -> list[Entry]:
+    """Every member entry held, removals included (what a node keeps and hands on)."""
+    return [e for e in m.entries() if e.key.startswith(MEMBER)]
+
+
+def member_curves(m: LWWMap) -> dict[str, bytes]:
+    """Member id -> its CurveZMQ key (Z85): what the ZAP handlers admit, and the key a
+    socket dialling that member names."""
+    out = {}
     for e in m.live(MEMBER):
         x = decode(e.value or b"", Member)
         if x is not None and len(x.key) == 32:
-            out.add(curve_public_of(x.key))
+            out[x.id] = curve_public_of(x.key)
     return out
 
 
@@ -63,9 +97,17 @@ class ClusterTrust:
     """The trust rules of one node's replica. With no cluster key (an open cluster) only
     the shape and the bounds are checked: there are no members and no signatures."""
 
-    def __init__(self, cluster_key: bytes | None, plans: PlanCheck | None = None) -> None:
+    def __init__(
+        self,
+        cluster_key: bytes | None,
+        plans: PlanCheck | None = None,
+        *,
+        self_vouch: bool = False,
+    ) -> None:
         self._cluster_key = cluster_key
         self._plans = plans
+        #: A secret-file cluster: holders of the key may vouch for themselves.
+        self._self_vouch = self_vouch
 
     def refusal(self, e: Entry, m: LWWMap) -> str | None:
         """Why ``e`` is refused given the state ``m``, or None to take it."""
@@ -94,20 +136,44 @@ class ClusterTrust:
     def _member_entry(self, e: Entry, m: LWWMap) -> str | None:
         nid = e.key[len(MEMBER) :]
         writer = _member(m, e.writer)
-        if e.value is None:  # a member removed: only a member may say so
+        if e.value is None:  # a removal: an owner's, or a member leaving
             if writer is None:
                 return "not_member"
-            return None if verify_entry(writer.key, e) else "bad_signature"
+            if not verify_entry(writer.key, e):
+                return "bad_signature"
+            return None if e.writer == nid or is_owner(m, writer) else "not_owner"
         x = decode(e.value, Member)
         if x is None or x.id != nid or len(x.key) != 32 or node_id_of(x.key) != nid:
             return "bad_member"
-        if writer is not None:  # an approval (or a member re-stamping itself)
-            return None if verify_entry(writer.key, e) else "bad_signature"
-        if e.writer != nid or not x.proof:
+        if writer is not None:  # an approval, or a member re-stamping itself
+            if not verify_entry(writer.key, e):
+                return "bad_signature"
+            return None if self._may_write(m, writer, x) else "not_owner"
+        return self._vouched(e, m, x)
+
+    @staticmethod
+    def _may_write(m: LWWMap, writer: Member, x: Member) -> bool:
+        """An owner writes any member entry; any member approves a new node or re-stamps
+        its own entry, without making anyone an owner."""
+        if is_owner(m, writer):
+            return True
+        held = _member(m, x.id)
+        if x.owner and not (held is not None and held.owner and x.id == writer.id):
+            return False
+        if x.id == writer.id:
+            return True
+        return held is None and not revoked(m, x.id)
+
+    def _vouched(self, e: Entry, m: LWWMap, x: Member) -> str | None:
+        """A node vouching for itself with the cluster key (a secret-file cluster)."""
+        nid = x.id
+        if e.writer != nid or not x.proof or not self._self_vouch:
             return "not_member"
         key = self._cluster_key
         if key is None or not hmac.compare_digest(x.proof, member_proof(key, x.key)):
             return "bad_member"
+        if revoked(m, nid):
+            return "revoked"
         return None if verify_entry(x.key, e) else "bad_signature"
 
     @staticmethod

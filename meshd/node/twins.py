@@ -3,17 +3,21 @@ dir) are found and settled without a fight.
 
 An entry under our id that is newer than anything this process wrote is refused and
 out-stamped (the replica does that); if it is a card with another incarnation, the
-address it names is greeted. Only a ``Welcome`` sent under our id with that incarnation,
-its card signed with this node's own key, proves a live twin: node ids are public and
-nothing a process without this node's key sends can stop it. Then
-the process that started later gives way (it stops with :data:`EXIT_ID_CLASH`) and the
-older one keeps the id, stamping its card again once the twin stops answering.
+address it names is challenged: a ``Hello`` with a fresh nonce, over a socket that names
+this node's own CURVE key (only a holder of the key completes that handshake), whose
+``Welcome`` must sign the nonce with this node's key under another incarnation. Only
+that proves a live twin: node ids are public, and a card or a signature captured
+earlier proves nothing about now, so nothing else from the network stops a node (a
+suspicion is logged and shown by ``meshctl doctor``). Then the process that started
+later gives way (it stops with :data:`EXIT_ID_CLASH`) and the older one keeps the id,
+stamping its card again once the twin stops answering.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +31,7 @@ from meshd.crdt.views import NodeCard, decode, node_key
 from meshd.transport import wire
 from meshd.transport.addresses import choose_address
 from meshd.transport.gossip import Endpoint, Gossip
+from meshd.transport.identity import verify, welcome_payload
 
 from .peers import Peers
 from .state import ClusterState
@@ -69,7 +74,8 @@ class Twins:
         card: Callable[[], NodeCard],
         identity_file: Path,
         on_give_way: Callable[[], None],
-        authentic: Callable[[Entry], bool] | None = None,
+        public: bytes,
+        curve: bytes | None = None,
     ) -> None:
         self.state = state
         self.gossip = gossip
@@ -78,9 +84,10 @@ class Twins:
         self._card = card
         self._identity_file = identity_file
         self._on_give_way = on_give_way
-        #: Whether an entry under our id carries our own key's signature (in a secured
-        #: cluster only a process holding this node's key can make one).
-        self._authentic = authentic or (lambda e: True)
+        #: This node's Ed25519 key (a twin's proof is signed with it) and its CURVE key
+        #: (None in an open cluster), the key a challenge's socket names.
+        self._public = public
+        self._curve = curve
         #: True once this process gave its id way to an older process with the same id.
         self.gave_way = False
         #: Foreign incarnation seen on a card under our id -> when we last checked it.
@@ -124,20 +131,18 @@ class Twins:
                 log.warning("refused entries (%s) in %s", reason, source)
 
     def on_own_welcome(self, ep: Endpoint, peer: str | None, welcome: wire.Welcome) -> None:
-        """A hello at ``ep`` was answered under our own id: ourselves, or a twin."""
+        """A hello at ``ep`` was answered under our own id: ourselves, or a claim to be
+        another process with our id, to be challenged (never believed as it stands)."""
+        if welcome.incarnation in ("", self._card().incarnation):
+            self.peers.reached_self(ep, peer)
+            return
         theirs = next(
             (e for e in welcome.entries if e.key == node_key(self.node_id) and e.value), None
         )
-        if theirs is not None and not self._authentic(theirs):
-            # Anyone can answer a hello under our id; only our own key signs our card.
-            log.warning("%s answered under this node's id with a card it did not sign: "
-                        "ignored", ep.mesh())  # fmt: skip
-            return
         card = decode(theirs.value, NodeCard) if theirs and theirs.value else None
-        if card is not None and card.incarnation != self._card().incarnation:
-            self.found(card, ep)
-            return
-        self.peers.reached_self(ep, peer)
+        if card is not None:
+            self._saw(card, f"{ep.host}:{ep.mesh_port}", confirmed=False)
+        self._challenge(ep)
 
     def suspect(self, clashes: list[Entry]) -> None:
         """Check whether a card under our id with another incarnation is a live process.
@@ -161,17 +166,44 @@ class Twins:
                 self.peers.own_addresses, card.addresses, ambiguous=self.peers.virtual
             )
             self._saw(card, f"{host}:{card.mesh_port}", confirmed=False)
-            self.tasks.spawn(self._check(Endpoint(host, card.mesh_port)))
+            self._challenge(Endpoint(host, card.mesh_port))
+
+    def _challenge(self, ep: Endpoint) -> None:
+        now = time.monotonic()
+        where = f"{ep.host}:{ep.mesh_port}"
+        if now - self._checks.get(where, -TWIN_RECHECK_S) < TWIN_RECHECK_S:
+            return
+        self._checks[where] = now
+        while len(self._checks) > 4 * MAX_TWINS_KEPT:  # addresses come from the network
+            del self._checks[next(iter(self._checks))]
+        self.tasks.spawn(self._check(Endpoint(ep.host, ep.mesh_port, key=self._curve)))
 
     async def _check(self, ep: Endpoint) -> None:
+        """Challenge ``ep``: a live twin signs a fresh nonce with this node's key."""
+        nonce = secrets.token_bytes(32)
         try:
-            welcome = await self.gossip.ask_welcome(ep)
+            w = await self.gossip.ask_welcome(ep, f"@twin:{ep.mesh()}", nonce=nonce)
         except (zmq.ZMQError, ValueError, OSError) as e:
             # The card came from the network: its address may be anything at all.
             log.debug("cannot greet %s named by a card under our id: %s", ep.mesh(), e)
             return
-        if welcome is not None and welcome.sender == self.node_id:
-            self.on_own_welcome(ep, None, welcome)
+        mine = self._card().incarnation
+        if w is not None and w.sender == self.node_id and w.incarnation == mine:
+            return  # this very process, at an address of its own
+        payload = welcome_payload(nonce, self.node_id, w.incarnation if w else "")
+        if w is None or w.sender != self.node_id or not verify(self._public, payload, w.proof):
+            if ("unproven", ep.mesh()) not in self._logged:
+                self._logged.add(("unproven", ep.mesh()))
+                log.warning(
+                    "%s claimed to be this node (%s) but did not sign a fresh challenge "
+                    "with its key: not a twin, ignored (a replay or a forgery)",
+                    ep.mesh(), self.node_id,
+                )  # fmt: skip
+            return
+        held = next((e for e in w.entries if e.key == node_key(self.node_id) and e.value), None)
+        card = decode(held.value, NodeCard) if held and held.value else None
+        if card is not None and card.incarnation == w.incarnation:
+            self.found(card, ep)
 
     def found(self, other: NodeCard, ep: Endpoint) -> None:
         """Another live process runs with our node id. Fighting would re-stamp both

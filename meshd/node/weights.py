@@ -26,7 +26,7 @@ from meshd.models.hashing import file_sha256
 from meshd.models.manifest import SLICE_FORMAT_VERSION, Manifest, manifest_for, slice_id
 from meshd.models.slicing import slice_gguf, slice_path
 from meshd.transport import wire
-from meshd.transport.security import ClusterKeys
+from meshd.transport.security import CurveKeys
 from meshd.transport.stats import DropCounters
 from meshd.transport.transfer import (
     FetchProgress,
@@ -55,7 +55,8 @@ class Weights:
         cache_dir: Path,
         own_addresses: list[str],
         bind_host: str = "0.0.0.0",
-        keys: ClusterKeys | None = None,
+        keys: CurveKeys | None = None,
+        server_key: Callable[[str], bytes | None] = lambda node: None,
         counters: DropCounters | None = None,
     ) -> None:
         self.ctx = ctx
@@ -64,6 +65,7 @@ class Weights:
         self.cache_dir = Path(cache_dir)
         self.own_addresses = own_addresses
         self.keys = keys
+        self.server_key = server_key
         self.server = WeightServer(
             ctx, prepare=self.prepare, bind_host=bind_host, keys=keys, counters=counters
         )
@@ -156,7 +158,8 @@ class Weights:
         )
         m = await fetch_slice(
             self.ctx, holders=holders, ask=ask, dest=archive,
-            own_addresses=self.own_addresses, keys=self.keys, on_progress=progress,
+            own_addresses=self.own_addresses, keys=self.keys, server_key=self.server_key,
+            on_progress=progress,
         )  # fmt: skip
         if archive != dest:
             await asyncio.to_thread(unpack_folder_slice, archive, dest)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
 
 from . import wire
-from .security import ClusterKeys, HandshakeReporter, watch_handshakes
+from .security import CurveKeys, HandshakeReporter, NoServerKey, sender_key, watch_handshakes
 from .sockets import DATA, DealerCache, bind, decode_frame, open_socket
 from .stats import DropCounters
 
@@ -41,7 +42,8 @@ class DataPlane:
         own_addresses: list[str],
         bind_host: str = "0.0.0.0",
         counters: DropCounters | None = None,
-        keys: ClusterKeys | None = None,
+        keys: CurveKeys | None = None,
+        server_key: Callable[[str], bytes | None] = lambda node: None,
     ) -> None:
         self.ctx = ctx
         self.keys = keys
@@ -53,7 +55,9 @@ class DataPlane:
         self._streams: dict[str, asyncio.Queue[wire.DataChunk]] = {}
         #: Request id -> the CURVE keys (Z85) of its stages: the only senders taken.
         self._senders: dict[str, frozenset[bytes]] = {}
-        self._dealers = DealerCache(ctx, keys=keys, own_addresses=own_addresses)
+        self._dealers = DealerCache(
+            ctx, keys=keys, own_addresses=own_addresses, server_key=server_key
+        )
         self._drop = lambda reason: self.counters.add("data", reason)
         self._task: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -104,8 +108,16 @@ class DataPlane:
     async def send(self, addr: wire.Addr, msg: wire.StageMessage, *frames: bytes) -> None:
         """Send one message (plus raw frames) to a runner's ROUTER. Never blocks long:
         a runner that is gone makes the DEALER queue, bounded by its HWM."""
-        d = self._dealers.to(addr)
+        try:
+            d = self._dealers.to(addr)
+        except NoServerKey:
+            self.counters.add("data", "not_member")  # trust refuses such a plan
+            return
         await d.send_multipart([wire.encode(msg), *frames], flags=zmq.NOBLOCK)
+
+    def drop_node(self, node: str) -> None:
+        """Close the DEALERs to ``node`` (it is no member any more)."""
+        self._dealers.drop_node(node)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -133,7 +145,7 @@ class DataPlane:
             senders = self._senders.get(c.req)
             if senders is not None:
                 if sender is None:
-                    sender = _user_id(frames[1])
+                    sender = sender_key(frames[1])
                 if sender not in senders:
                     self.counters.add("data", "foreign_sender")
                     continue
@@ -141,12 +153,3 @@ class DataPlane:
                 q.put_nowait(c)
             except asyncio.QueueFull:
                 self.counters.add("data", "queue_full")
-
-
-def _user_id(frame: zmq.Frame) -> bytes:
-    """The CURVE key (Z85) the sender authenticated with (b"" without CURVE)."""
-    try:
-        uid = frame.get("User-Id")
-    except zmq.ZMQError:
-        return b""
-    return uid.encode() if isinstance(uid, str) else bytes(uid or b"")

@@ -11,6 +11,12 @@ Sockets of one node:
   ``request_timeout``; a timed-out DEALER is replaced so a late reply cannot be taken
   for the answer to the next request.
 
+In a secured cluster every socket that dials names the CURVE key of the node it means
+(:attr:`Endpoint.key`): only that node can answer there. The ROUTER answers only
+senders whose key is a member's now (``admits``), and :meth:`Gossip.reopen_pub` ends
+every subscription, so a member removed after it connected stops hearing the cluster
+(it cannot come back: ZAP refuses its new handshakes).
+
 PUB/SUB drops messages to slow joiners by design; digests plus pulls make that
 harmless. Entries learned through a pull or a hello are re-published once, so news also
 spreads epidemically when a PUB link is down.
@@ -34,8 +40,9 @@ from meshd.crdt.lww import Entry, bucket_of
 from meshd.crdt.replica import MergeResult, Replica
 
 from . import wire
+from .identity import welcome_payload
 from .ratelimit import PeerRateLimiter
-from .security import ClusterKeys, HandshakeReporter, watch_handshakes
+from .security import CurveKeys, HandshakeReporter, NoServerKey, sender_key, watch_handshakes
 from .sockets import CONTROL, bind, decode_frame, open_socket
 from .stats import DropCounters
 
@@ -54,6 +61,8 @@ class Endpoint:
     host: str
     mesh_port: int
     pub_port: int | None = None
+    #: The CURVE key (Z85) of the node that must answer there (None: an open cluster).
+    key: bytes | None = None
 
     def mesh(self) -> str:
         """ZeroMQ address of the peer's ROUTER."""
@@ -114,11 +123,17 @@ class Gossip:
         mesh_port: int = 0,
         digest_interval: float = DIGEST_INTERVAL,
         request_timeout: float = REQUEST_TIMEOUT,
-        keys: ClusterKeys | None = None,
+        keys: CurveKeys | None = None,
         peer_rate: float = PEER_RATE,
+        admits: Callable[[bytes], bool] | None = None,
+        sign: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self.replica = replica
         self.keys = keys
+        #: Whether a sender's CURVE key is a member's now (None: anyone, open cluster).
+        self.admits = admits
+        #: Signs the challenge of a hello (this node's key): proves a Welcome is fresh.
+        self.sign = sign
         self.limiter = PeerRateLimiter(peer_rate, 2 * peer_rate)
         self.ctx = ctx
         self.cluster = cluster
@@ -141,7 +156,11 @@ class Gossip:
         self.mesh_port = bind(self.router, bind_host, mesh_port)
         self.pub = open_socket(ctx, zmq.PUB, CONTROL, keys, server=True)
         self.pub_port = bind(self.pub, bind_host)
-        self.sub = open_socket(ctx, zmq.SUB, CONTROL, keys, server=False)
+        self._pub_lock = asyncio.Lock()
+        # The SUB dials every peer, each with its own key, set before each connect
+        # (set_peer); until the first, it names this node's own.
+        own = keys.public if keys is not None else None
+        self.sub = open_socket(ctx, zmq.SUB, CONTROL, keys, server=False, server_key=own)
         self.sub.setsockopt(zmq.SUBSCRIBE, cluster)
         self._drop_request = lambda reason: self.counters.add("request", reason)
         self._drop_mesh = lambda reason: self.counters.add("mesh", reason)
@@ -185,27 +204,37 @@ class Gossip:
         if p is None:
             p = self._peers[node_id] = _Peer(endpoint)
         elif p.endpoint != endpoint:
-            if p.dealer is not None and p.endpoint.mesh() != endpoint.mesh():
+            moved = p.endpoint.mesh() != endpoint.mesh() or p.endpoint.key != endpoint.key
+            if p.dealer is not None and moved:
                 p.dealer.close(linger=0)
                 p.dealer = None
+            if p.sub_addr is not None and p.endpoint.key != endpoint.key:
+                self._unsubscribe(p)
             p.endpoint = endpoint
         pub = endpoint.pub()
+        if self.keys is not None and endpoint.key is None:
+            pub = None  # no key to dial it with: no member here
         if pub != p.sub_addr:
-            if p.sub_addr is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self.sub.disconnect(p.sub_addr)
+            self._unsubscribe(p)
             if pub is not None:
+                if self.keys is not None:
+                    # One SUB dials every peer: libzmq takes the server key at connect.
+                    self.sub.curve_serverkey = endpoint.key
                 self.sub.connect(pub)
             p.sub_addr = pub
+
+    def _unsubscribe(self, p: _Peer) -> None:
+        if p.sub_addr is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sub.disconnect(p.sub_addr)
+            p.sub_addr = None
 
     def drop_peer(self, node_id: str) -> None:
         """Forget a peer's sockets."""
         p = self._peers.pop(node_id, None)
         if p is None:
             return
-        if p.sub_addr is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self.sub.disconnect(p.sub_addr)
+        self._unsubscribe(p)
         if p.dealer is not None:
             p.dealer.close(linger=0)
         self.synced_from.pop(node_id, None)
@@ -228,7 +257,27 @@ class Gossip:
         """Publish changed entries to every subscriber (fire and forget)."""
         if entries:
             msg = wire.Delta(sender=self.replica.node_id, entries=entries)
-            await self.pub.send_multipart([self.cluster, wire.encode(msg)])
+            async with self._pub_lock:
+                await self.pub.send_multipart([self.cluster, wire.encode(msg)])
+
+    async def reopen_pub(self, tries: int = 50) -> None:
+        """Close the PUB and bind a new one on the same port: every subscription ends,
+        and only members pass ZAP again (a PUB cannot drop one subscriber). Members'
+        SUBs reconnect on their own; what they missed comes with the next digest."""
+        async with self._pub_lock:
+            self.pub.close(linger=0)
+            for i in range(tries):
+                pub = open_socket(self.ctx, zmq.PUB, CONTROL, self.keys, server=True)
+                try:
+                    bind(pub, self.bind_host, self.pub_port)
+                except zmq.ZMQError:
+                    pub.close(linger=0)
+                    if i == tries - 1:
+                        raise
+                    await asyncio.sleep(0.02)  # libzmq releases the port asynchronously
+                    continue
+                self.pub = pub
+                return
 
     async def publish_digest(self) -> None:
         """Publish the per-bucket digest of the whole state."""
@@ -238,7 +287,8 @@ class Gossip:
             hlc=self.replica.clock.now(),
             buckets=list(m.digest()),
         )
-        await self.pub.send_multipart([self.cluster, wire.encode(msg)])
+        async with self._pub_lock:
+            await self.pub.send_multipart([self.cluster, wire.encode(msg)])
 
     # -- requests ------------------------------------------------------------------
     async def request(
@@ -255,7 +305,17 @@ class Gossip:
             p.sub_addr = None
         async with p.lock:
             if p.dealer is None:
-                dealer = open_socket(self.ctx, zmq.DEALER, CONTROL, self.keys, server=False)
+                try:
+                    dealer = open_socket(
+                        self.ctx, zmq.DEALER, CONTROL, self.keys, server=False,
+                        server_key=p.endpoint.key,
+                    )  # fmt: skip
+                except NoServerKey:
+                    # No member's key to dial it with: nothing is sent to it at all.
+                    if key.startswith("@"):
+                        self._peers.pop(key, None)
+                    self.counters.add("request", "no_key")
+                    return None
                 try:
                     dealer.connect(p.endpoint.mesh())
                 except zmq.ZMQError:
@@ -316,14 +376,18 @@ class Gossip:
             self._synced(reply.sender, reply.hlc, "request")
         return reply.sender
 
-    async def ask_welcome(self, endpoint: Endpoint, peer: str | None = None) -> wire.Welcome | None:
+    async def ask_welcome(
+        self, endpoint: Endpoint, peer: str | None = None, nonce: bytes = b""
+    ) -> wire.Welcome | None:
         """Send a ``Hello`` (our own entries) to ``endpoint``; return its ``Welcome``
-        without merging it, or None on no answer or a refusal."""
+        without merging it, or None on no answer or a refusal. With a ``nonce``, the
+        answer's ``proof`` signs it (see :func:`~.identity.welcome_payload`)."""
         msg = wire.Hello(
             sender=self.replica.node_id,
             cluster=self.cluster,
             incarnation=self.incarnation,
             entries=self.own_entries(),
+            nonce=nonce,
         )
         reply = await self.request(endpoint, msg, peer)
         if isinstance(reply, wire.Refused):
@@ -360,7 +424,12 @@ class Gossip:
     # -- receive loops ---------------------------------------------------------------
     async def _router_loop(self) -> None:
         while True:
-            frames = await self.router.recv_multipart(copy=True)
+            raw = await self.router.recv_multipart(copy=False)
+            if self.admits is not None and not self.admits(sender_key(raw[-1])):
+                # Connected before its removal (ZAP ran then): no answer any more.
+                self.counters.add("mesh", "not_member")
+                continue
+            frames = [f.bytes for f in raw]
             try:
                 reply = self._answer(frames)
             except Exception:  # a bad request must never take the node down
@@ -388,11 +457,17 @@ class Gossip:
             self._merge(msg.entries, f"hello from {msg.sender}", republish=True)
             own = self.own_entries()
             rest, cursor = m.diff_page(None, budget=PAGE_BYTES)
+            proof = b""
+            if msg.nonce and self.sign is not None:
+                payload = welcome_payload(msg.nonce[:64], self.replica.node_id, self.incarnation)
+                proof = self.sign(payload)
             return wire.Welcome(
                 sender=self.replica.node_id,
                 hlc=self.replica.clock.now(),
                 entries=own + [e for e in rest if e not in own],
                 more=cursor is not None,
+                incarnation=self.incarnation,
+                proof=proof,
             )
         if isinstance(msg, wire.Pull):
             after = None if msg.after_bucket < 0 else (msg.after_bucket, msg.after_key)

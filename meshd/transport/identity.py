@@ -33,11 +33,14 @@ __all__ = [
     "member_proof",
     "node_id_of",
     "sign_entry",
+    "verify",
     "verify_entry",
+    "welcome_payload",
 ]
 
 #: Domain separation: the bytes a signature covers start with this.
 _SIG_CONTEXT = b"meshd-entry-v1\x00"
+_WELCOME_CONTEXT = b"meshd-welcome-v1\x00"
 _PROOF_CONTEXT = b"meshd-member-v1"
 
 
@@ -105,10 +108,21 @@ def sign_entry(key: NodeKey, e: Entry) -> Entry:
 
 def verify_entry(public: bytes, e: Entry) -> bool:
     """Whether ``e`` carries a valid signature by ``public``."""
-    if len(e.sig) != 64:
+    return verify(public, entry_payload(e), e.sig)
+
+
+def welcome_payload(nonce: bytes, node_id: str, incarnation: str) -> bytes:
+    """What a Welcome's ``proof`` signs: the asker's fresh nonce, the answering node and
+    process. A signature over an old nonce proves nothing about now."""
+    return _WELCOME_CONTEXT + _payload.encode((nonce, node_id, incarnation))
+
+
+def verify(public: bytes, data: bytes, sig: bytes) -> bool:
+    """Whether ``sig`` is ``public``'s Ed25519 signature of ``data``."""
+    if len(sig) != 64 or len(public) != 32:
         return False
     try:
-        nacl.signing.VerifyKey(public).verify(entry_payload(e), e.sig)
+        nacl.signing.VerifyKey(public).verify(data, sig)
     except (nacl.exceptions.BadSignatureError, nacl.exceptions.ValueError, TypeError):
         return False
     return True

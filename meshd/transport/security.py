@@ -1,15 +1,23 @@
 """CURVE encryption and ZAP authentication on every ZeroMQ socket; the files that hold
 secrets.
 
-Every member holds the **cluster key** (32 random bytes made by the first node, handed
-to each node it admits; or derived from ``meshd up --secret-file PATH`` with a slow KDF)
-and derives from it the *server* pair that every binding socket uses (mesh ROUTER, PUB,
-data-plane and runner ROUTERs): a socket that connects must know the server's public
-key to open a CURVE handshake at all, so only members can. A connecting socket (DEALER,
-SUB) uses its node's *own* client pair (``meshd.transport.identity``), and the ZAP
-handler admits only the client keys of the cluster's members: a node is authenticated
-as itself, not as "someone with the secret". CurveZMQ encrypts each connection with
+Every node's sockets use **its own** key pair, the X25519 form of its Ed25519 identity
+(``meshd.transport.identity``): a binding socket (mesh ROUTER, PUB, data-plane and runner
+ROUTERs) is a CURVE server with it, a connecting socket (DEALER, SUB) a CURVE client
+with it. A connecting socket must name the public key of the node it dials
+(:func:`secure`'s ``server_key``), taken from that node's member entry, so no member can
+pose as another's server: only the holder of a node's key completes a handshake as
+that node. The ZAP handler admits the client keys of the cluster's members only, so a
+node is authenticated as itself on both ends. CurveZMQ encrypts each connection with
 fresh short-term keys.
+
+ZAP runs at the handshake only: a receive loop that must stop hearing a removed member
+on a connection opened before its removal checks each message's ``User-Id`` (the
+client key ZAP admitted it with; :func:`sender_key`) against the members of now.
+
+The **cluster key** (32 random bytes made by the first node, or derived from
+``meshd up --secret-file PATH`` with a slow KDF) names the cluster (its id) and, in a
+secret-file cluster only, lets its holders vouch for themselves as members.
 
 libzmq reports a failed handshake through socket monitors only (the peer never
 reaches ZAP when it used the wrong server key or no CURVE at all);
@@ -23,7 +31,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
-import hmac
 import logging
 import os
 import secrets
@@ -34,7 +41,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
-from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 if TYPE_CHECKING:
@@ -44,20 +50,20 @@ if TYPE_CHECKING:
 __all__ = [
     "HANDSHAKE_EVENTS",
     "MIN_SECRET_CHARS",
+    "PROTOCOL",
     "SECRET_ENV",
     "ZAP_DOMAIN",
-    "ClusterKeys",
+    "CurveKeys",
     "HandshakeReporter",
+    "NoServerKey",
     "SecretError",
-    "admits_only",
     "cluster_id_of",
     "cluster_key_from_secret",
-    "cluster_keys",
-    "derive_keys",
     "load_secret",
     "new_secret",
     "read_private",
     "secure",
+    "sender_key",
     "start_zap",
     "watch_handshakes",
     "write_private",
@@ -66,6 +72,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: The version of the wire protocol between nodes. 2: every node's sockets use its own
+#: CURVE key (1: one server key derived from the cluster key, shared by every member).
+PROTOCOL = 2
 #: Environment variable holding the secret itself (``--secret-file`` wins over it).
 SECRET_ENV = "MESHD_SECRET"
 #: ZAP domain every meshd socket uses; the handler answers for this domain only.
@@ -90,23 +99,27 @@ class SecretError(ValueError):
     """The cluster secret is missing, unreadable or too weak."""
 
 
-@dataclass(frozen=True)
-class ClusterKeys:
-    """CurveZMQ key pairs derived from the cluster secret (Z85, 40 bytes each)."""
+class NoServerKey(ValueError):
+    """A connecting socket was asked to dial a node whose key this node does not hold
+    (not a member here, or not yet): it must not be dialled at all."""
 
-    server_public: bytes
-    server_secret: bytes
-    client_public: bytes
-    client_secret: bytes
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A node's CurveZMQ key pair (Z85, 40 bytes each): the server key of every socket
+    it binds and the client key of every socket it connects."""
+
+    public: bytes
+    secret: bytes
 
     def __repr__(self) -> str:  # never print secret keys into a log
-        return "ClusterKeys(<keys hidden>)"
+        return "CurveKeys(<keys hidden>)"
 
-
-def _pair(secret: bytes, role: bytes) -> tuple[bytes, bytes]:
-    seed = hashlib.blake2b(secret, digest_size=32, person=b"meshd-curve-v1", salt=role).digest()
-    sk = z85.encode(seed)
-    return zmq.curve_public(sk), sk
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        """A fresh random pair (tools and tests that are no node)."""
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
 
 
 #: Argon2id for a secret a person may have typed: one guess costs ~0.2 s and 64 MiB, so
@@ -132,19 +145,6 @@ def cluster_key_from_secret(secret: str | bytes) -> bytes:
 def cluster_id_of(cluster_key: bytes) -> str:
     """The public name of a cluster key (Bonjour, logs): 16 hex characters."""
     return hashlib.blake2b(cluster_key, digest_size=8, person=b"meshd-cluster").hexdigest()
-
-
-def cluster_keys(cluster_key: bytes, client: tuple[bytes, bytes] | None = None) -> ClusterKeys:
-    """A node's socket keys: the server pair of the cluster key, and the node's own
-    client pair (``client``; None: one derived from the cluster key, for tools)."""
-    spub, ssec = _pair(cluster_key, b"server")
-    cpub, csec = client if client is not None else _pair(cluster_key, b"client")
-    return ClusterKeys(spub, ssec, cpub, csec)
-
-
-def derive_keys(secret: str | bytes) -> ClusterKeys:
-    """The socket keys of a tool that holds only the cluster's secret."""
-    return cluster_keys(cluster_key_from_secret(secret))
 
 
 def new_secret() -> str:
@@ -216,22 +216,37 @@ def load_secret(path: str | Path | None, env: Mapping[str, str] | None = None) -
     return text
 
 
-def secure(sock: zmq.Socket, keys: ClusterKeys | None, *, server: bool) -> None:
-    """Turn on CURVE for ``sock``: ``server`` for sockets that bind, else client.
+def secure(
+    sock: zmq.Socket, keys: CurveKeys | None, *, server: bool, server_key: bytes | None = None
+) -> None:
+    """Turn on CURVE for ``sock`` with this node's ``keys``: ``server`` for sockets that
+    bind, else a client that will dial the node whose public key is ``server_key``.
 
-    A no-op without keys (an open cluster). Must run before ``bind``/``connect``.
+    A no-op without keys (an open cluster). Must run before ``bind``/``connect`` (a
+    SUB that dials several nodes sets ``curve_serverkey`` again before each connect).
+    Raises :class:`NoServerKey` for a client socket with no ``server_key``.
     """
     if keys is None:
         return
+    sock.curve_publickey = keys.public
+    sock.curve_secretkey = keys.secret
     if server:
         sock.curve_server = True
-        sock.curve_publickey = keys.server_public
-        sock.curve_secretkey = keys.server_secret
         sock.zap_domain = ZAP_DOMAIN.encode()
+    elif server_key is None:
+        raise NoServerKey("no key is known for the node to dial")
     else:
-        sock.curve_serverkey = keys.server_public
-        sock.curve_publickey = keys.client_public
-        sock.curve_secretkey = keys.client_secret
+        sock.curve_serverkey = server_key
+
+
+def sender_key(frame: zmq.Frame) -> bytes:
+    """The CURVE client key (Z85) a received message's sender was admitted with
+    (b"" without CURVE): what ZAP answered as its ``User-Id``."""
+    try:
+        uid = frame.get("User-Id")
+    except zmq.ZMQError:
+        return b""
+    return uid.encode() if isinstance(uid, str) else bytes(uid or b"")
 
 
 class _ClientKeyCheck:
@@ -257,12 +272,6 @@ class _ClientKeyCheck:
             if self._on_denied_at is not None:
                 self._on_denied_at(self.address)
         return ok
-
-
-def admits_only(keys: ClusterKeys) -> Callable[[bytes], bool]:
-    """The admission rule of a cluster whose members all hold ``keys``' client pair."""
-    want = keys.client_public
-    return lambda key: hmac.compare_digest(key, want)
 
 
 def start_zap(
@@ -345,15 +354,17 @@ class HandshakeReporter:
             detail = _detail(ev["event"], ev["value"])
             if bound:
                 self._log.warning(
-                    "%s: a peer failed the CURVE handshake on %s (%s): it has no cluster "
-                    "secret or another one; counted in dropped[%s][%s], logged once",
-                    socket, endpoint, detail, socket, reason,
+                    "%s: a peer failed the CURVE handshake on %s (%s): it is no member, "
+                    "or runs a meshd older than protocol %d; counted in dropped[%s][%s], "
+                    "logged once",
+                    socket, endpoint, detail, PROTOCOL, socket, reason,
                 )  # fmt: skip
             else:
                 self._log.warning(
-                    "%s: the CURVE handshake with %s failed (%s): that peer has no cluster "
-                    "secret or another one; nothing is exchanged with it",
-                    socket, endpoint, detail,
+                    "%s: the CURVE handshake with %s failed (%s): that node is not the "
+                    "member this node dialled, no member any more, or runs a meshd older "
+                    "than protocol %d; nothing is exchanged with it",
+                    socket, endpoint, detail, PROTOCOL,
                 )  # fmt: skip
         return reason
 
@@ -363,7 +374,7 @@ class HandshakeReporter:
         key = (socket, "", "zap_denied")
         if key not in self._seen:
             self._seen.add(key)
-            self._log.warning("%s: refused a peer whose CURVE key is not the cluster's", socket)
+            self._log.warning("%s: refused a peer whose CURVE key is no member's", socket)
 
 
 async def watch_handshakes(

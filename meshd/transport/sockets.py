@@ -28,7 +28,7 @@ import zmq
 
 from . import wire
 from .addresses import choose_address
-from .security import ClusterKeys, secure
+from .security import CurveKeys, NoServerKey, secure
 
 #: The socket class of a context: ``zmq.asyncio.Socket`` for an asyncio one.
 S = TypeVar("S", bound="zmq.Socket[Any]")
@@ -99,16 +99,18 @@ def open_socket(
     ctx: zmq.Context[S],
     kind: int,
     options: SocketOptions,
-    keys: ClusterKeys | None,
+    keys: CurveKeys | None,
     *,
     server: bool,
+    server_key: bytes | None = None,
 ) -> S:
     """A socket of ``kind`` (``zmq.ROUTER``...), configured and secured: ``server`` for
-    one that binds, else it connects. Works for asyncio and plain contexts alike."""
+    one that binds, else it connects to the node whose CURVE key is ``server_key``.
+    Works for asyncio and plain contexts alike."""
     sock = ctx.socket(kind)
     try:
         configure(sock, options)
-        secure(sock, keys, server=server)
+        secure(sock, keys, server=server, server_key=server_key)
     except BaseException:
         sock.close(linger=0)
         raise
@@ -160,13 +162,16 @@ class DealerCache(Generic[S]):
         self,
         ctx: zmq.Context[S],
         *,
-        keys: ClusterKeys | None,
+        keys: CurveKeys | None,
         own_addresses: list[str],
+        server_key: Callable[[str], bytes | None] = lambda node: None,
         options: SocketOptions = DATA,
         limit: int = MAX_DEALERS,
     ) -> None:
         self._ctx = ctx
         self._keys = keys
+        #: Node id -> its CURVE key (Z85), None for a node that is no member here.
+        self._server_key = server_key
         self._own = own_addresses
         self._options = options
         self._limit = limit
@@ -181,7 +186,9 @@ class DealerCache(Generic[S]):
         """The DEALER connected to ``addr`` (connecting one when there is none).
 
         Raises ``zmq.ZMQError`` for an address ZeroMQ cannot connect to (it came from
-        the network: it may be anything); nothing is left open then.
+        the network: it may be anything), :class:`~.security.NoServerKey` for a node
+        that is no member here; nothing is left open then. A DEALER is kept per node
+        and endpoint: the key that must answer is part of what it dials.
         """
         key = (addr.port, *addr.addresses)
         ep = self._resolved.get(key)
@@ -190,20 +197,31 @@ class DealerCache(Generic[S]):
             self._resolved[key] = ep
             if len(self._resolved) > 4 * self._limit:
                 self._resolved.popitem(last=False)
-        sock = self._socks.get(ep)
+        slot = f"{addr.node}@{ep}"
+        sock = self._socks.get(slot)
         if sock is not None:
-            self._socks.move_to_end(ep)
+            self._socks.move_to_end(slot)
             return sock
+        server_key = self._server_key(addr.node) if self._keys is not None else None
+        if self._keys is not None and server_key is None:
+            raise NoServerKey(f"node {addr.node!r} is no member here")
         if len(self._socks) >= self._limit:
             self._socks.popitem(last=False)[1].close(linger=0)
-        sock = open_socket(self._ctx, zmq.DEALER, self._options, self._keys, server=False)
+        sock = open_socket(
+            self._ctx, zmq.DEALER, self._options, self._keys, server=False, server_key=server_key
+        )
         try:
             sock.connect(ep)
         except zmq.ZMQError:
             sock.close(linger=0)
             raise
-        self._socks[ep] = sock
+        self._socks[slot] = sock
         return sock
+
+    def drop_node(self, node: str) -> None:
+        """Close the DEALERs to ``node`` (it is no member any more)."""
+        for slot in [s for s in self._socks if s.split("@", 1)[0] == node]:
+            self._socks.pop(slot).close(linger=0)
 
     def close(self) -> None:
         """Close every DEALER."""

@@ -52,7 +52,7 @@ from meshd.models.manifest import (
 )
 
 from . import wire
-from .security import ClusterKeys, HandshakeReporter, watch_handshakes
+from .security import CurveKeys, HandshakeReporter, NoServerKey, watch_handshakes
 from .sockets import DATA, bind, endpoint, open_socket
 from .stats import DropCounters
 
@@ -138,7 +138,7 @@ class WeightServer:
         *,
         prepare: Callable[[wire.SliceAsk], tuple[Path, Manifest]],
         bind_host: str = "0.0.0.0",
-        keys: ClusterKeys | None = None,
+        keys: CurveKeys | None = None,
         counters: DropCounters | None = None,
         threads: int = SERVE_THREADS,
     ) -> None:
@@ -331,7 +331,8 @@ async def fetch_slice(
     ask: wire.SliceAsk,
     dest: Path,
     own_addresses: list[str],
-    keys: ClusterKeys | None = None,
+    keys: CurveKeys | None = None,
+    server_key: Callable[[str], bytes | None] = lambda node: None,
     on_progress: Callable[[FetchProgress], None] = lambda p: None,
     window: int = WINDOW,
     chunk_timeout: float = CHUNK_TIMEOUT_S,
@@ -355,7 +356,15 @@ async def fetch_slice(
             for node, addr in current.items():
                 if node not in workers and node not in f.shunned and benched.get(node, 0.0) <= now:
                     workers[node] = asyncio.create_task(
-                        _pull(ctx, f, addr, own_addresses, keys, window, chunk_timeout),
+                        _pull(
+                            ctx,
+                            f,
+                            addr,
+                            own_addresses,
+                            (keys, server_key(addr.node)),
+                            window,
+                            chunk_timeout,
+                        ),
                         name=f"fetch-{node}",
                     )
             for node, t in list(workers.items()):
@@ -418,7 +427,7 @@ async def _pull(
     f: _Fetch,
     addr: wire.Addr,
     own_addresses: list[str],
-    keys: ClusterKeys | None,
+    keys: tuple[CurveKeys | None, bytes | None],
     window: int,
     chunk_timeout: float,
 ) -> None:
@@ -427,7 +436,11 @@ async def _pull(
     A received chunk is hashed and written in a thread while the next ones arrive:
     the window counts chunks asked and chunks being checked, so neither the socket
     nor the disk waits for the other."""
-    sock = open_socket(ctx, zmq.DEALER, DATA, keys, server=False)
+    try:
+        sock = open_socket(ctx, zmq.DEALER, DATA, keys[0], server=False, server_key=keys[1])
+    except NoServerKey:
+        log.warning("not fetching from %s: no member here", addr.node)
+        return
     sock.connect(endpoint(addr, own_addresses))
     inflight: set[int] = set()
     checks: dict[asyncio.Future[bool], tuple[int, int]] = {}

@@ -42,6 +42,8 @@ class Hello(msgspec.Struct, tag=True, kw_only=True):
     incarnation: str
     #: The sender's own entries (node card, heartbeat) so the peer can reach it at once.
     entries: list[Entry] = []
+    #: A fresh challenge: the Welcome's ``proof`` signs it (at most 64 bytes are used).
+    nonce: bytes = b""
 
 
 class Welcome(msgspec.Struct, tag=True, kw_only=True):
@@ -52,6 +54,10 @@ class Welcome(msgspec.Struct, tag=True, kw_only=True):
     hlc: int
     entries: list[Entry]
     more: bool = False
+    #: The answering process (its card may be older than this answer).
+    incarnation: str = ""
+    #: The sender's signature of the Hello's nonce (``identity.welcome_payload``).
+    proof: bytes = b""
 
 
 class Delta(msgspec.Struct, tag=True, kw_only=True):
@@ -402,6 +408,8 @@ class JoinHello(msgspec.Struct, tag=True, kw_only=True):
     name: str
     key: bytes
     version: str = ""
+    #: The wire protocol the joiner speaks (1: a meshd from before it was sent).
+    protocol: int = 1
     proof: bytes = b""
     invite: str = ""
     spake: bytes = b""
@@ -438,6 +446,8 @@ class JoinAccepted(msgspec.Struct, tag=True, kw_only=True):
     name: str
     members: list[Entry]
     sealed_key: bytes = b""
+    #: The cluster came from a secret file: its holders vouch for themselves.
+    self_vouch: bool = False
 
 
 class JoinRefused(msgspec.Struct, tag=True, kw_only=True):
@@ -447,7 +457,23 @@ class JoinRefused(msgspec.Struct, tag=True, kw_only=True):
     message: str
 
 
-JoinMessage = JoinHello | JoinChallenge | JoinConfirm | JoinPending | JoinAccepted | JoinRefused
+class JoinWho(msgspec.Struct, tag=True, kw_only=True):
+    """Which node answers at this join port? (A seed names an address, not a node; the
+    sockets of a secured cluster need the key of the node they dial.)"""
+
+
+class JoinIdent(msgspec.Struct, tag=True, kw_only=True):
+    """The answer to :class:`JoinWho`: the node's Ed25519 public key and the protocol it
+    speaks. Claimed, not proven: the CURVE handshake with it proves it."""
+
+    key: bytes
+    protocol: int = 1
+
+
+JoinMessage = (
+    JoinHello | JoinChallenge | JoinConfirm | JoinPending | JoinAccepted | JoinRefused
+    | JoinWho | JoinIdent
+)  # fmt: skip
 
 #: The gossip plane: greetings, deltas and digests on PUB/SUB, anti-entropy on the
 #: mesh ROUTER.

@@ -41,9 +41,12 @@ from meshd.node.diagnosis import (
     diagnose,
 )
 from meshd.node.identity import ID_FILE, fingerprint
-from meshd.transport.security import derive_keys, secure, write_secret
+from meshd.transport import wire
+from meshd.transport.identity import curve_public_of
+from meshd.transport.security import CurveKeys, secure, write_secret
 from tests.cluster import Cluster, NodeProc, wait_for
 from tests.netns import Host, Netns, require_netns
+from tests.node.hand import HandMember
 
 GiB = 1 << 30
 VERSION = "0.1.0"
@@ -559,13 +562,15 @@ def test_doctor_names_a_node_refused_for_another_clusters_secret(pair, tmp_path:
 
 @pytest.mark.timeout(60)
 def test_doctor_names_a_key_that_is_no_members_turned_away_by_zap(pair) -> None:
-    c, _, b = pair
-    # The cluster's server key (from the secret), but a client key no member approved:
-    # the handshake gets as far as ZAP, which says no.
-    keys = derive_keys(c.secret_file.read_text())
+    _, _, b = pair
+    # b's own server key, but a client key no member approved: the handshake gets as
+    # far as ZAP, which says no.
+    ident = HandMember.ask(zmq.Context.instance(), b, wire.JoinWho())
+    assert isinstance(ident, wire.JoinIdent)
+    server_key = curve_public_of(ident.key)
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
-    secure(sub, keys, server=False)
+    secure(sub, CurveKeys.generate(), server=False, server_key=server_key)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{b.pub_port}")
     try:

@@ -15,8 +15,14 @@ from meshd.crdt.hlc import HLC
 from meshd.crdt.lww import Entry
 from meshd.crdt.views import encode
 from meshd.transport import wire
-from meshd.transport.identity import NodeKey, member_proof, sign_entry
-from meshd.transport.security import cluster_id_of, cluster_key_from_secret, cluster_keys, secure
+from meshd.transport.identity import NodeKey, curve_public_of, member_proof, sign_entry
+from meshd.transport.security import (
+    PROTOCOL,
+    CurveKeys,
+    cluster_id_of,
+    cluster_key_from_secret,
+    secure,
+)
 from tests.cluster import NodeProc
 
 
@@ -31,17 +37,26 @@ class HandMember:
         self.node = node
         reply = self.join(wire.JoinHello(
             name="mallory", key=self.key.public,
-            proof=member_proof(self.cluster_key, self.key.public),
+            proof=member_proof(self.cluster_key, self.key.public), protocol=PROTOCOL,
         ))  # fmt: skip
         assert isinstance(reply, wire.JoinAccepted), reply
+        ident = self.join(wire.JoinWho())
+        assert isinstance(ident, wire.JoinIdent), ident
+        #: The node's own CURVE key: what a socket dialling it names.
+        self.server_key = curve_public_of(ident.key)
         self.clock = HLC()
 
     def join(self, msg: wire.JoinMessage) -> wire.JoinMessage | None:
         """One message to the node's join desk (plain ZeroMQ), its answer."""
-        d = self.ctx.socket(zmq.DEALER)
+        return self.ask(self.ctx, self.node, msg)
+
+    @staticmethod
+    def ask(ctx: zmq.Context, node: NodeProc, msg: wire.JoinMessage) -> wire.JoinMessage | None:
+        """One message to ``node``'s join desk (plain ZeroMQ), its answer."""
+        d = ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
         d.setsockopt(zmq.RCVTIMEO, 3000)
-        d.connect(f"tcp://127.0.0.1:{self.node.mesh_port + 1}")
+        d.connect(f"tcp://127.0.0.1:{node.mesh_port + 1}")
         try:
             d.send(wire.encode(msg))
             return msgspec.msgpack.decode(d.recv(), type=wire.JoinMessage)
@@ -56,7 +71,7 @@ class HandMember:
         d = self.ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
         d.setsockopt(zmq.RCVTIMEO, 3000)
-        secure(d, cluster_keys(self.cluster_key, self.key.curve_pair()), server=False)
+        secure(d, self.keys(), server=False, server_key=self.server_key)
         d.connect(f"tcp://127.0.0.1:{self.node.mesh_port}")
         hello = wire.Hello(
             sender=self.key.node_id,
@@ -79,6 +94,6 @@ class HandMember:
     def close(self) -> None:
         self.ctx.destroy(linger=0)
 
-    def keys(self):
-        """This member's socket keys (the cluster's server pair, its own client pair)."""
-        return cluster_keys(self.cluster_key, self.key.curve_pair())
+    def keys(self) -> CurveKeys:
+        """This member's socket keys (its own pair)."""
+        return CurveKeys(*self.key.curve_pair())

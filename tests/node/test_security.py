@@ -20,7 +20,7 @@ from meshd.crdt.hlc import pack
 from meshd.crdt.lww import Entry
 from meshd.models.resolve import DEFAULT_MODEL
 from meshd.transport import wire
-from meshd.transport.security import derive_keys, secure, write_secret
+from meshd.transport.security import CurveKeys, secure, write_secret
 from tests.cluster import Cluster, NodeProc, wait_for
 
 from .hand import HandMember
@@ -104,11 +104,11 @@ def test_a_node_of_another_cluster_is_refused_at_the_door(secured, tmp_path: Pat
         x.proc.wait(10)
 
 
-def _raw_sub(port: int, keys=None) -> zmq.Socket:
+def _raw_sub(port: int, keys=None, server_key: bytes | None = None) -> zmq.Socket:
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.SUB)
     s.setsockopt(zmq.LINGER, 0)
-    secure(s, keys, server=False)
+    secure(s, keys, server=False, server_key=server_key or CurveKeys.generate().public)
     s.setsockopt(zmq.SUBSCRIBE, b"")
     s.connect(f"tcp://127.0.0.1:{port}")
     return s
@@ -125,12 +125,11 @@ def _read_for(sock: zmq.Socket, seconds: float) -> list[list[bytes]]:
 
 def test_raw_subscriber_without_a_members_key_reads_nothing(secured) -> None:
     _, secret, (a, _b) = secured
-    wrong = derive_keys("x" * 32)
-    # The cluster's server key, but a client key that no member approved.
-    shared = derive_keys(secret.read_text())
     member = HandMember(secret, a)
-    plain, other = _raw_sub(a.pub_port), _raw_sub(a.pub_port, wrong)
-    unapproved, right = _raw_sub(a.pub_port, shared), _raw_sub(a.pub_port, member.keys())
+    # Another server key than a's own; then a's key, with a client key no member holds.
+    plain, other = _raw_sub(a.pub_port), _raw_sub(a.pub_port, CurveKeys.generate())
+    unapproved = _raw_sub(a.pub_port, CurveKeys.generate(), member.server_key)
+    right = _raw_sub(a.pub_port, member.keys(), member.server_key)
     try:
         # Heartbeats go out twice a second: the member's subscriber must see them, else
         # this test could not fail.
@@ -154,10 +153,10 @@ def test_forged_hello_without_the_keys_changes_nothing(secured) -> None:
     )
     hello = wire.Hello(sender="ffffffffffffffff", cluster=wire.cluster_hash(
         a.get("/healthz")["cluster"]), incarnation="x", entries=[forged])  # fmt: skip
-    for keys in (None, derive_keys("y" * 40)):
+    for keys in (None, CurveKeys.generate()):
         d = zmq.Context.instance().socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
-        secure(d, keys, server=False)
+        secure(d, keys, server=False, server_key=CurveKeys.generate().public)
         d.connect(f"tcp://127.0.0.1:{a.mesh_port}")
         d.send(wire.encode(hello))
         assert not d.poll(1000), "an outsider got an answer"

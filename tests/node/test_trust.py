@@ -35,18 +35,20 @@ from .test_cluster_view import FACTS, card
 CLUSTER_KEY = secrets.token_bytes(32)
 
 
-def member_entry(who: NodeKey, by: NodeKey, *, proof: bool = False) -> Entry:
+def member_entry(who: NodeKey, by: NodeKey, *, proof: bool = False, owner: bool = False) -> Entry:
     m = Member(id=who.node_id, name=who.node_id[:4], key=who.public, by=by.node_id,
-               proof=member_proof(CLUSTER_KEY, who.public) if proof else b"")  # fmt: skip
+               proof=member_proof(CLUSTER_KEY, who.public) if proof else b"",
+               owner=owner)  # fmt: skip
     e = Entry(member_key(who.node_id), HLC().now(), by.node_id, encode(m))
     return sign_entry(by, e)
 
 
-def replica_of(key: NodeKey) -> Replica:
-    """A member's replica: its own member entry vouched for with the cluster key."""
-    r = Replica(key.node_id, HLC(), signer=lambda e: sign_entry(key, e),
-                trust=ClusterTrust(CLUSTER_KEY, plans=_plans))  # fmt: skip
-    r.install([member_entry(key, key, proof=True)])
+def replica_of(key: NodeKey, *, self_vouch: bool = True) -> Replica:
+    """A member's replica. ``self_vouch``: a secret-file cluster, where its own member
+    entry is vouched for with the cluster key; else it is the first node, an owner."""
+    trust = ClusterTrust(CLUSTER_KEY, plans=_plans, self_vouch=self_vouch)
+    r = Replica(key.node_id, HLC(), signer=lambda e: sign_entry(key, e), trust=trust)
+    r.install([member_entry(key, key, proof=self_vouch, owner=not self_vouch)])
     return r
 
 
@@ -105,6 +107,60 @@ def test_member_entries_are_bound_to_their_ids_and_approvers() -> None:
     m = Member(id=eve.node_id, name="e", key=eve.public, by=eve.node_id,
                proof=member_proof(secrets.token_bytes(32), eve.public))  # fmt: skip
     assert refused(r, written(eve, member_key(eve.node_id), m)) == {"bad_member": 1}
+
+
+def test_a_kept_cluster_key_mints_no_member_outside_a_secret_file_cluster() -> None:
+    owner, eve = NodeKey.generate(), NodeKey.generate()
+    r = watching(owner)
+    # The attack of issue 31: an identity minted with a kept cluster key.
+    assert refused(r, member_entry(eve, eve, proof=True)) == {"not_member": 1}
+    assert r.map.value(member_key(eve.node_id)) is None
+
+
+def watching(owner: NodeKey, *, self_vouch: bool = False) -> Replica:
+    """The replica of a member that the first node, ``owner``, approved."""
+    v = NodeKey.generate()
+    trust = ClusterTrust(CLUSTER_KEY, self_vouch=self_vouch)
+    r = Replica(v.node_id, HLC(), signer=lambda e: sign_entry(v, e), trust=trust)
+    r.install([member_entry(owner, owner, owner=True), member_entry(v, owner)])
+    return r
+
+
+def test_only_an_owner_removes_and_a_removal_is_for_good() -> None:
+    owner, b, c = NodeKey.generate(), NodeKey.generate(), NodeKey.generate()
+    r = watching(owner)
+    approval_b, approval_c = member_entry(b, owner), member_entry(c, owner)
+    assert refused(r, approval_b, approval_c) == {}
+    # A member that is no owner removes no one else, and makes no owner...
+    assert refused(r, written(b, member_key(c.node_id), None)) == {"not_owner": 1}
+    promoted = Member(id=b.node_id, name="b", key=b.public, by=b.node_id, owner=True)
+    assert refused(r, written(b, member_key(b.node_id), promoted)) == {"not_owner": 1}
+    # ...but approves a newcomer, and may leave.
+    d = NodeKey.generate()
+    assert refused(r, member_entry(d, b)) == {}
+    assert refused(r, written(d, member_key(d.node_id), None)) == {}
+    # The owner removes c: its old approval, replayed, loses to the tombstone, which is
+    # never collected (so a replay after collection loses too), and c cannot vouch for
+    # itself past it even where self-vouching exists.
+    assert refused(r, written(owner, member_key(c.node_id), None)) == {}
+    r.map.collect(HLC().now() + (1 << 40), [owner.node_id], keep=("member/",))
+    assert r.map.get(member_key(c.node_id)) is not None
+    r.merge_remote([approval_c])
+    assert r.map.value(member_key(c.node_id)) is None
+    vouching = watching(owner, self_vouch=True)
+    vouching.merge_remote([member_entry(c, owner), written(owner, member_key(c.node_id), None)])
+    assert refused(vouching, member_entry(c, c, proof=True)) == {"revoked": 1}
+    # A member re-approving c is not enough; an owner is.
+    assert refused(r, member_entry(c, b)) == {"not_owner": 1}
+    assert refused(r, member_entry(c, owner)) == {}
+
+
+def test_a_cluster_from_before_owners_takes_every_member_as_one() -> None:
+    a, b = NodeKey.generate(), NodeKey.generate()
+    trust = ClusterTrust(CLUSTER_KEY, self_vouch=False)
+    r = Replica(a.node_id, HLC(), signer=lambda e: sign_entry(a, e), trust=trust)
+    r.install([member_entry(a, a), member_entry(b, a)])  # no entry marks an owner
+    assert refused(r, written(b, member_key(a.node_id), None)) == {}
 
 
 def test_a_batch_may_bring_an_approver_with_the_members_it_approved() -> None:

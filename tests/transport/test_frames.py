@@ -17,6 +17,7 @@ from meshd.crdt.hlc import HLC
 from meshd.crdt.lww import Entry
 from meshd.crdt.views import NodeCard, encode, node_key
 from meshd.transport import wire
+from meshd.transport.security import PROTOCOL
 from tests.cluster import Cluster, NodeProc, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -144,7 +145,7 @@ def test_garbage_on_the_join_desk_of_a_secured_node_is_dropped_and_counted(
         d = ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
         d.connect(f"tcp://127.0.0.1:{n.mesh_port + 1}")
-        d.send(wire.encode(wire.JoinHello(name="x", key=b"k" * 32)))
+        d.send(wire.encode(wire.JoinHello(name="x", key=b"k" * 32, protocol=PROTOCOL)))
         assert d.poll(3000)
         assert isinstance(wire.decode_join(d.recv()), wire.JoinPending)
         d.close()

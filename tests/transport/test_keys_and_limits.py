@@ -12,8 +12,10 @@ from meshd.api.limits import Admission
 from meshd.transport.ratelimit import PeerRateLimiter
 from meshd.transport.security import (
     SECRET_ENV,
+    CurveKeys,
+    NoServerKey,
     SecretError,
-    derive_keys,
+    cluster_key_from_secret,
     load_secret,
     new_secret,
     secure,
@@ -21,20 +23,19 @@ from meshd.transport.security import (
 )
 
 
-def test_same_secret_same_keys_and_pairs_match() -> None:
+def test_same_secret_same_cluster_key_and_a_pair_hides_its_secret() -> None:
     s = new_secret()
-    k1, k2 = derive_keys(s), derive_keys(s + "\n")
-    assert k1 == k2
-    assert k1 != derive_keys(new_secret())
-    assert zmq.curve_public(k1.server_secret) == k1.server_public
-    assert zmq.curve_public(k1.client_secret) == k1.client_public
-    assert k1.server_public != k1.client_public
-    assert "secret" not in repr(k1).replace("cluster secret", "")
+    k1, k2 = cluster_key_from_secret(s), cluster_key_from_secret(s + "\n")
+    assert k1 == k2 and len(k1) == 32
+    assert k1 != cluster_key_from_secret(new_secret())
+    pair = CurveKeys.generate()
+    assert zmq.curve_public(pair.secret) == pair.public
+    assert "secret" not in repr(pair).replace("cluster secret", "")
 
 
 def test_weak_or_missing_secrets_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SecretError, match="at least 16"):
-        derive_keys("hunter2")
+        cluster_key_from_secret("hunter2")
     with pytest.raises(SecretError, match="cannot read"):
         load_secret(tmp_path / "nope")
     assert load_secret(None, env={}) is None
@@ -52,16 +53,19 @@ def test_write_secret_is_private_and_never_overwrites(tmp_path: Path) -> None:
     assert write_secret(p, force=True) != s
 
 
-def test_curve_pair_talks_and_a_stranger_does_not() -> None:
-    keys = derive_keys(new_secret())
+def test_a_socket_that_dials_names_the_key_that_must_answer() -> None:
+    server, client = CurveKeys.generate(), CurveKeys.generate()
     ctx = zmq.Context()
     try:
         srv = ctx.socket(zmq.ROUTER)
-        secure(srv, keys, server=True)
+        secure(srv, server, server=True)
         port = srv.bind_to_random_port("tcp://127.0.0.1")
         good, bad = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-        secure(good, keys, server=False)
-        secure(bad, derive_keys(new_secret()), server=False)
+        with pytest.raises(NoServerKey):
+            secure(good, client, server=False)  # no key named: never dialled blind
+        secure(good, client, server=False, server_key=server.public)
+        # A client that names another key than the server's own gets no handshake.
+        secure(bad, client, server=False, server_key=CurveKeys.generate().public)
         for d in (good, bad):
             d.connect(f"tcp://127.0.0.1:{port}")
         bad.send(b"from a stranger")

@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from meshd.models.manifest import SLICE_FORMAT_VERSION, Manifest, build_manifest, slice_id
 from meshd.transport import wire
-from meshd.transport.security import cluster_keys, start_zap
+from meshd.transport.security import CurveKeys, start_zap
 from meshd.transport.transfer import (
     CORRUPT_ENV,
     FetchError,
@@ -276,18 +276,18 @@ def test_malformed_frames_are_dropped_and_counted_and_the_holder_still_serves(
 def test_in_a_secured_cluster_a_stranger_gets_nothing(blob: Path) -> None:
     async def main() -> None:
         ctx = zmq.asyncio.Context()
-        keys = cluster_keys(b"k" * 32)
+        keys = CurveKeys.generate()
         denied: list[int] = []
-        zap = start_zap(ctx, lambda key: key == keys.client_public, lambda: denied.append(1))
+        zap = start_zap(ctx, lambda key: key == keys.public, lambda: denied.append(1))
         a = await serve(ctx, blob, keys=keys)
         stranger_pub, stranger_sec = zmq.curve_keypair()
         plain = ctx.socket(zmq.DEALER)
         curved = ctx.socket(zmq.DEALER)
-        curved.curve_serverkey = keys.server_public  # even knowing the server's key
+        curved.curve_serverkey = keys.public  # even knowing the server's key
         curved.curve_publickey, curved.curve_secretkey = stranger_pub, stranger_sec
         member = ctx.socket(zmq.DEALER)
-        member.curve_serverkey = keys.server_public
-        member.curve_publickey, member.curve_secretkey = keys.client_public, keys.client_secret
+        member.curve_serverkey = keys.public
+        member.curve_publickey, member.curve_secretkey = keys.public, keys.secret
         socks = [plain, curved, member]
         try:
             for s in socks:

@@ -13,7 +13,8 @@ from meshd.engines.outbox import Outbox
 from meshd.engines.protocol import RunnerConfig, RunnerEvent, encode
 from meshd.transport import wire
 from meshd.transport.addresses import local_addresses
-from meshd.transport.security import ClusterKeys
+from meshd.transport.members import Members
+from meshd.transport.security import CurveKeys, NoServerKey
 from meshd.transport.sockets import DealerCache
 
 from .state import Counters
@@ -32,20 +33,32 @@ class Links:
     DataChunks wait in until the loop flushes."""
 
     def __init__(
-        self, ctx: zmq.Context, keys: ClusterKeys | None, cfg: RunnerConfig, counters: Counters
+        self,
+        ctx: zmq.Context,
+        keys: CurveKeys | None,
+        cfg: RunnerConfig,
+        counters: Counters,
+        members: Members | None = None,
     ) -> None:
         self.instance = cfg.instance
         self.stage = cfg.stage
         self.n_stages = cfg.n_stages
         self.counters = counters
-        self.dealers = DealerCache(ctx, keys=keys, own_addresses=local_addresses())
+        self.dealers = DealerCache(
+            ctx, keys=keys, own_addresses=local_addresses(),
+            server_key=members.key_of if members is not None else lambda node: None,
+        )  # fmt: skip
         #: Where DataChunks go: a request's tokens coalesce while they come fast.
         self.outbox = Outbox(self.send, cfg.stream_interval_s)
 
     def send(self, addr: wire.Addr, msg: wire.Message, *frames: object) -> None:
         """Send ``msg`` (and raw ``frames``) to ``addr`` now; a full queue drops it
         (counted): a peer that does not read must not block this stage."""
-        d = self.dealers.to(addr)
+        try:
+            d = self.dealers.to(addr)
+        except NoServerKey:
+            self.counters.drop("not_member")  # a plan names a node that is no member
+            return
         try:
             d.send_multipart([wire.encode(msg), *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:

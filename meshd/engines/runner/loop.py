@@ -23,7 +23,8 @@ from meshd.engines.protocol import (
 )
 from meshd.engines.stage import Stage
 from meshd.transport import wire
-from meshd.transport.security import HANDSHAKE_EVENTS, ClusterKeys, HandshakeReporter
+from meshd.transport.members import Members
+from meshd.transport.security import HANDSHAKE_EVENTS, CurveKeys, HandshakeReporter, sender_key
 from meshd.transport.sockets import decode_frame
 
 from .core import RunnerCore
@@ -47,14 +48,16 @@ class Runner:
         ctx: zmq.Context,
         router: zmq.Socket,
         template: str | None = None,
-        keys: ClusterKeys | None = None,
+        keys: CurveKeys | None = None,
+        members: Members | None = None,
     ) -> None:
         self.keys = keys
         self.router = router
-        self.links = Links(ctx, keys, cfg, Counters())
+        #: The cluster's members (None: an open cluster): whom ZAP and :meth:`read_frames`
+        #: admit, and the keys of the nodes this stage dials.
+        self.members = members
+        self.links = Links(ctx, keys, cfg, Counters(), members)
         self.core = RunnerCore(cfg, stage, self.links, template)
-        #: The client keys the ZAP handler admits (see :meth:`serve`).
-        self.members: set[bytes] | None = None
         self.expiry = cfg.request_expiry_s
         # Checked a few times per expiry, at most once a second: a scan is O(requests).
         self._expiry_every = min(1.0, max(0.01, self.expiry / 4))
@@ -65,10 +68,8 @@ class Runner:
         #: other stages loading on the same cores (see :meth:`retime`).
         self._retime_at = [time.monotonic() + t for t in RETIME_AFTER_S]
 
-    def serve(self, stdin: StdinLines, members: set[bytes] | None = None) -> None:
-        """Serve until the node closes stdin or says ``stop``. ``members``: the client
-        keys the ZAP handler admits, replaced in place on a ``members`` command."""
-        self.members = members
+    def serve(self, stdin: StdinLines) -> None:
+        """Serve until the node closes stdin or says ``stop``."""
         core = self.core
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
@@ -120,10 +121,15 @@ class Runner:
         # cost showed on every hop's profile.
         router = self.router
         counters = self.links.counters
+        members = self.members
         while cast(int, router.get(zmq.EVENTS)) & zmq.POLLIN:
             frames = router.recv_multipart(copy=False)
             if len(frames) < 2:
                 counters.drop("shape")
+                continue
+            if members is not None and not members.admits(sender_key(frames[1])):
+                # Connected before its removal (ZAP ran then): no longer heard.
+                counters.drop("not_member")
                 continue
             msg = decode_frame(frames[1].buffer, counters.drop, wire.decode_stage)
             if msg is None:
@@ -144,11 +150,10 @@ class Runner:
             if isinstance(cmd, SetGeneration):
                 self.core.set_generation(cmd.value)
             elif isinstance(cmd, SetMembers) and self.members is not None:
-                # One set, changed in place: the ZAP thread reads it (a set's updates
-                # are atomic under the GIL), and it never sees it empty by mistake.
-                new = {k.encode() for k in cmd.keys}
-                self.members.intersection_update(new)
-                self.members.update(new)
+                # Changed in place: the ZAP thread reads it (see Members.replace).
+                gone = self.members.replace({n: k.encode() for n, k in cmd.members.items()})
+                for nid in gone:
+                    self.links.dealers.drop_node(nid)
             elif isinstance(cmd, SetDraft):
                 self.core.drafts.set(cmd.instance, cmd.addr)
             elif isinstance(cmd, Stop):

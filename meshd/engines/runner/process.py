@@ -27,6 +27,7 @@ from meshd.models.chat import chat_template_at
 from meshd.models.folder import folder_sha256
 from meshd.models.hashing import file_sha256
 from meshd.models.slicing import slice_gguf
+from meshd.transport.members import Members
 from meshd.transport.security import start_zap
 from meshd.transport.sockets import DATA, bind, open_socket
 
@@ -56,12 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     configure_logs(cfg.log_level, cfg.log_format, name=name)
     ctx = zmq.Context()
-    keys = cfg.keys.cluster_keys() if cfg.keys is not None else None
-    members: set[bytes] | None = None
+    keys = cfg.keys.curve() if cfg.keys is not None else None
+    members: Members | None = None
     if cfg.keys is not None:
-        members = {k.encode() for k in cfg.keys.members}
-        admitted = members
-        start_zap(ctx, admitted.__contains__, lambda: log.warning("refused a non-member peer"))
+        members = Members({n: k.encode() for n, k in cfg.keys.members.items()})
+        start_zap(ctx, members.admits, lambda: log.warning("refused a non-member peer"))
     router = open_socket(ctx, zmq.ROUTER, DATA, keys, server=True)
     port = bind(router, cfg.bind_host)
     emit(Listening(port=port))
@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("could not time a decode step", exc_info=True)
         layer_ms = 0.0
     emit(Ready(layer_ms=round(layer_ms, 4)))
-    runner = Runner(cfg, stage, ctx, router, template, keys)
+    runner = Runner(cfg, stage, ctx, router, template, keys, members)
     runner.core.clock.ms = runner.core.clock.reported = layer_ms
     try:
-        runner.serve(stdin, members)
+        runner.serve(stdin)
     finally:
         runner.close()
         router.close(linger=0)
