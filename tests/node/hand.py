@@ -35,16 +35,20 @@ class HandMember:
         self.key = NodeKey.generate()
         self.cluster_key = cluster_key_from_secret(secret_file.read_text())
         self.node = node
-        reply = self.join(wire.JoinHello(
-            name="mallory", key=self.key.public,
-            proof=member_proof(self.cluster_key, self.key.public), protocol=PROTOCOL,
-        ))  # fmt: skip
-        assert isinstance(reply, wire.JoinAccepted), reply
+        self.introduce()
         ident = self.join(wire.JoinWho())
         assert isinstance(ident, wire.JoinIdent), ident
         #: The node's own CURVE key: what a socket dialling it names.
         self.server_key = curve_public_of(ident.key)
         self.clock = HLC()
+
+    def introduce(self) -> None:
+        """Vouch for this member's key at the node's join desk (the secret file's way)."""
+        reply = self.join(wire.JoinHello(
+            name="mallory", key=self.key.public,
+            proof=member_proof(self.cluster_key, self.key.public), protocol=PROTOCOL,
+        ))  # fmt: skip
+        assert isinstance(reply, wire.JoinAccepted), reply
 
     def join(self, msg: wire.JoinMessage) -> wire.JoinMessage | None:
         """One message to the node's join desk (plain ZeroMQ), its answer."""
