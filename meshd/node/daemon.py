@@ -26,7 +26,7 @@ from meshd.crdt import Liveness
 from meshd.crdt.hlc import HLC
 from meshd.crdt.lww import Entry
 from meshd.crdt.replica import Replica
-from meshd.crdt.views import INSTANCE, MEMBER, NodeCard, instances
+from meshd.crdt.views import INSTANCE, MEMBER, instances
 from meshd.engines.probe import probe
 from meshd.models.inventory import held_models
 from meshd.placement import fmt_bytes
@@ -49,7 +49,7 @@ from .instances import Instances
 from .membership import Membership
 from .metrics import Metrics
 from .peers import Peers
-from .presence import Presence, cap_memory
+from .presence import Presence, cap_memory, first_card
 from .requests import Requests
 from .roots import ModelRoots
 from .services import NodeServices
@@ -244,13 +244,14 @@ class Node:
 
     # -- wiring --------------------------------------------------------------------
     def _on_remote(self, changed: list[Entry]) -> None:
-        """Entries merged from the network: liveness, peers, runners, members, waiters."""
-        moved = self.membership.on_entries(changed)
+        """Entries merged from the network: members (first: a card is dialled with its
+        member's key), liveness, peers, runners, waiters."""
+        members = any(e.key.startswith(MEMBER) for e in changed)
+        if members:
+            self._members_changed()
+        moved = self.membership.on_entries(changed) or members
         if any(e.key.startswith(INSTANCE) for e in changed):
             self._reconcile()
-            moved = True
-        if any(e.key.startswith(MEMBER) for e in changed):
-            self._members_changed()
             moved = True
         if moved:
             self.state.changes.notify()
@@ -477,6 +478,7 @@ async def _assemble(
         ctx, state, roots, cache_dir=cache_dir, own_addresses=own,
         bind_host=cfg.mesh_host, keys=keys, counters=counters,
         server_key=access.members.key_of,
+        admits=access.members.admits if access.secured else None,
     )  # fmt: skip
     supervisor = Supervisor(
         identity.node_id,
@@ -511,33 +513,11 @@ async def _assemble(
         forget_after=cfg.forget_after,
         tombstone_grace_ms=cfg.tombstone_grace_ms,
     )
-    card = NodeCard(
-        id=identity.node_id,
-        name=cfg.name,
-        incarnation=incarnation,
-        cluster=cfg.cluster,
-        version=meshd.__version__,
-        os=sysinfo.os_name(),
-        arch=sysinfo.arch(),
-        cpu_count=sysinfo.cpu_count(),
-        mem_total=cap_memory(sysinfo.mem_total(), cfg.max_memory),
-        mem_available=cap_memory(sysinfo.mem_available(), cfg.max_memory),
-        backends=backends,
-        devices=devices,
-        addresses=own,
-        mesh_port=gossip.mesh_port,
-        pub_port=gossip.pub_port,
-        api_port=api.port,
+    card = await first_card(
+        cfg, identity.node_id, incarnation, backends, devices, own,
+        ports=(gossip.mesh_port, gossip.pub_port, api.port, dataplane.port, weights.port),
         api_host=api.host,
-        data_port=dataplane.port,
-        weights_port=weights.port,
-        # Every model on this disk that the node may load (its roots), so that any node
-        # can place one here by name; a scan of names only, the hashing comes later.
-        models=await asyncio.to_thread(
-            held_models, cfg.model_dirs, [cfg.model] if cfg.model else []
-        ),
-        started_ms=int(time.time() * 1000),
-    )
+    )  # fmt: skip
     presence = Presence(
         state,
         tasks,

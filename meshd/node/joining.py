@@ -43,7 +43,7 @@ import zmq
 import zmq.asyncio
 
 import meshd
-from meshd.crdt.views import MEMBER, Member, decode, member_key
+from meshd.crdt.views import Member, decode, member_key
 from meshd.transport import wire
 from meshd.transport.identity import NodeKey, member_proof, node_id_of
 from meshd.transport.ratelimit import PeerRateLimiter
@@ -52,6 +52,7 @@ from meshd.transport.sockets import CONTROL, bind, open_socket
 
 from .cluster_store import StoredCluster
 from .state import ClusterState
+from .trust import member_entries
 
 __all__ = [
     "CODE_ALPHABET",
@@ -387,7 +388,8 @@ class JoinDesk:
         return wire.JoinAccepted(
             cluster=self.cluster.id,
             name=self.cluster.name,
-            members=list(self.state.map.live(MEMBER)),
+            # Removals too: the new node refuses a removed member from its first moment.
+            members=member_entries(self.state.map),
             sealed_key=bytes(box.encrypt(self.cluster.key)),
             self_vouch=self.cluster.self_vouch,
         )

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
+import meshd
 from meshd.crdt.lww import Entry
 from meshd.crdt.views import (
     NODE,
@@ -24,8 +25,11 @@ from meshd.crdt.views import (
     node_key,
 )
 from meshd.domain.facts import ModelFacts
+from meshd.domain.nodes import Device
+from meshd.models.inventory import held_models
 
 from . import sysinfo
+from .config import NodeConfig
 from .state import ClusterState
 from .tasks import Tasks
 from .trust import VALUE_CAPS
@@ -45,6 +49,35 @@ CARD_HEADROOM = 8 << 10
 def cap_memory(n: int, max_memory: int) -> int:
     """``n`` bytes, but never more than ``max_memory`` (``--max-memory``; 0: no cap)."""
     return min(n, max_memory) if max_memory > 0 else n
+
+
+async def first_card(
+    cfg: NodeConfig,
+    node_id: str,
+    incarnation: str,
+    backends: list[str],
+    devices: list[Device],
+    addresses: list[str],
+    *,
+    ports: tuple[int, int, int, int, int],
+    api_host: str,
+) -> NodeCard:
+    """The card a node starts with: this machine's figures, its sockets' ports, and
+    every model on its disk that it may load (its roots), so that any node can place
+    one here by name (a scan of names only; the hashing comes later). ``ports``: mesh,
+    PUB, API, data plane, weights."""
+    mesh_port, pub_port, api_port, data_port, weights_port = ports
+    models = await asyncio.to_thread(held_models, cfg.model_dirs, [cfg.model] if cfg.model else [])
+    return NodeCard(
+        id=node_id, name=cfg.name, incarnation=incarnation, cluster=cfg.cluster,
+        version=meshd.__version__, os=sysinfo.os_name(), arch=sysinfo.arch(),
+        cpu_count=sysinfo.cpu_count(),
+        mem_total=cap_memory(sysinfo.mem_total(), cfg.max_memory),
+        mem_available=cap_memory(sysinfo.mem_available(), cfg.max_memory),
+        backends=backends, devices=devices, addresses=addresses, api_host=api_host,
+        models=models, started_ms=int(time.time() * 1000), mesh_port=mesh_port,
+        pub_port=pub_port, api_port=api_port, data_port=data_port, weights_port=weights_port,
+    )  # fmt: skip
 
 
 class Presence:

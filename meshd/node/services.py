@@ -6,7 +6,6 @@ operations, and maps the typed errors they raise to HTTP in one place.
 
 from __future__ import annotations
 
-import logging
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +16,7 @@ import zmq.asyncio
 
 import meshd
 from meshd.crdt.hlc import physical, wall_ms
-from meshd.crdt.views import Instance, InstanceSpec, health_key, member_key, members
+from meshd.crdt.views import Instance, InstanceSpec, Member, health_key, member_key, members
 from meshd.domain.job import Job
 from meshd.transport import wire
 from meshd.transport.addresses import choose_address, interface_addresses, virtual_addresses
@@ -36,16 +35,13 @@ from .probes import PROBE_TIMEOUT_S, Target, probe_all
 from .requests import Requests
 from .state import ClusterState
 from .supervisor import Supervisor
-from .trust import is_owner
+from .trust import is_owner, member_by_ref
 from .twins import Twins
 
 if TYPE_CHECKING:  # zeroconf is imported only when discovery runs
     from meshd.transport.discovery import Discovery
 
 __all__ = ["MemberView", "NodeServices", "NotSecured", "PendingView", "Vitals"]
-
-
-log = logging.getLogger("meshd.node")
 
 
 class NotSecured(Exception):
@@ -66,6 +62,11 @@ class MemberView(msgspec.Struct, kw_only=True):
     at_ms: int
     #: May remove members and make owners.
     owner: bool = False
+
+    @classmethod
+    def of(cls, m: Member) -> MemberView:
+        """The view of a member entry."""
+        return cls(id=m.id, name=m.name, by=m.by, at_ms=m.at_ms, owner=m.owner)
 
 
 class PendingView(msgspec.Struct, kw_only=True):
@@ -219,7 +220,7 @@ class NodeServices:
         if desk is None:
             raise NotSecured("an open cluster (--open) has no members")
         ms = [
-            MemberView(id=m.id, name=m.name, by=m.by, at_ms=m.at_ms, owner=m.owner)
+            MemberView.of(m)
             for m in sorted(members(self._state.map).values(), key=lambda m: (m.name, m.id))
         ]
         now = time.monotonic()
@@ -256,14 +257,7 @@ class NodeServices:
             raise NotSecured("an open cluster (--open) has no members")
         m = self._state.map
         held = members(m)
-        hits = [x for x in held.values() if ref in (x.id, x.name)]
-        if not hits and len(ref) >= 4:
-            hits = [x for x in held.values() if x.id.startswith(ref)]
-        if len(hits) != 1:
-            names = ", ".join(f"{x.name} ({x.id})" for x in held.values())
-            what = "no member" if not hits else "several members"
-            raise LookupError(f"{what} matches {ref!r}; members: {names}")
-        target, me = hits[0], held.get(self._state.node_id)
+        target, me = member_by_ref(held, ref), held.get(self._state.node_id)
         if target.id != self._state.node_id and (me is None or not is_owner(m, me)):
             owners = ", ".join(x.name for x in held.values() if is_owner(m, x)) or "none"
             raise NotOwner(
@@ -271,9 +265,7 @@ class NodeServices:
                 f"run this on an owner's node ({owners})"
             )
         self._state.delete(member_key(target.id))
-        log.warning("removed member %s (%s) from the cluster", target.name, target.id)
-        return MemberView(id=target.id, name=target.name, by=target.by, at_ms=target.at_ms,
-                          owner=target.owner)  # fmt: skip
+        return MemberView.of(target)
 
     def generate(
         self,

@@ -35,6 +35,7 @@ __all__ = [
     "VALUE_CAPS",
     "ClusterTrust",
     "is_owner",
+    "member_by_ref",
     "member_curves",
     "member_entries",
     "revoked",
@@ -75,6 +76,19 @@ def is_owner(m: LWWMap, x: Member) -> bool:
 def _marked_owner(e: Entry) -> bool:
     x = decode(e.value or b"", Member)
     return x is not None and x.owner
+
+
+def member_by_ref(held: dict[str, Member], ref: str) -> Member:
+    """The member ``ref`` names: its id or name, else a unique id prefix (4+ characters).
+    Raises LookupError naming the members when none or several match."""
+    hits = [x for x in held.values() if ref in (x.id, x.name)]
+    if not hits and len(ref) >= 4:
+        hits = [x for x in held.values() if x.id.startswith(ref)]
+    if len(hits) != 1:
+        names = ", ".join(f"{x.name} ({x.id})" for x in held.values())
+        raise LookupError(f"{'several members' if hits else 'no member'} match {ref!r}; "
+                          f"members: {names}")  # fmt: skip
+    return hits[0]
 
 
 def member_entries(m: LWWMap) -> list[Entry]:

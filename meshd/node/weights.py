@@ -57,6 +57,7 @@ class Weights:
         bind_host: str = "0.0.0.0",
         keys: CurveKeys | None = None,
         server_key: Callable[[str], bytes | None] = lambda node: None,
+        admits: Callable[[bytes], bool] | None = None,
         counters: DropCounters | None = None,
     ) -> None:
         self.ctx = ctx
@@ -67,8 +68,9 @@ class Weights:
         self.keys = keys
         self.server_key = server_key
         self.server = WeightServer(
-            ctx, prepare=self.prepare, bind_host=bind_host, keys=keys, counters=counters
-        )
+            ctx, prepare=self.prepare, bind_host=bind_host, keys=keys, counters=counters,
+            admits=admits,
+        )  # fmt: skip
 
     @property
     def port(self) -> int:

@@ -7,9 +7,8 @@ Sockets of one node:
 * PUB bound on an OS-chosen port, advertised in the node card: ``Delta`` at once on
   every local change, ``Digest`` every ``digest_interval``.
 * SUB connected to every known peer's PUB, subscribed to the cluster topic only.
-* One DEALER per peer for requests, one request in flight per peer, each bounded by
-  ``request_timeout``; a timed-out DEALER is replaced so a late reply cannot be taken
-  for the answer to the next request.
+* One DEALER per peer for requests (:mod:`.mesh_peers`, which also keeps the SUB's
+  subscriptions), one request in flight per peer, each bounded by ``request_timeout``.
 
 In a secured cluster every socket that dials names the CURVE key of the node it means
 (:attr:`Endpoint.key`): only that node can answer there. The ROUTER answers only
@@ -25,12 +24,9 @@ spreads epidemically when a PUB link is down.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -41,8 +37,9 @@ from meshd.crdt.replica import MergeResult, Replica
 
 from . import wire
 from .identity import welcome_payload
+from .mesh_peers import Endpoint, MeshPeers
 from .ratelimit import PeerRateLimiter
-from .security import CurveKeys, HandshakeReporter, NoServerKey, sender_key, watch_handshakes
+from .security import CurveKeys, HandshakeReporter, sender_key, watch_handshakes
 from .sockets import CONTROL, bind, decode_frame, open_socket
 from .stats import DropCounters
 
@@ -52,42 +49,6 @@ log = logging.getLogger("meshd.gossip")
 DIGEST_INTERVAL = 1.0
 REQUEST_TIMEOUT = 2.0
 HELLO_INTERVAL = 2.0
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where a peer's sockets are."""
-
-    host: str
-    mesh_port: int
-    pub_port: int | None = None
-    #: The CURVE key (Z85) of the node that must answer there (None: an open cluster).
-    key: bytes | None = None
-
-    def mesh(self) -> str:
-        """ZeroMQ address of the peer's ROUTER."""
-        return f"tcp://{_bracket(self.host)}:{self.mesh_port}"
-
-    def pub(self) -> str | None:
-        """ZeroMQ address of the peer's PUB, if known."""
-        if self.pub_port is None:
-            return None
-        return f"tcp://{_bracket(self.host)}:{self.pub_port}"
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-@dataclass
-class _Peer:
-    endpoint: Endpoint
-    dealer: zmq.asyncio.Socket | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    sub_addr: str | None = None
-    pulling: bool = False
-    #: Round trips (s) of its last mesh requests answered: their least is the link's.
-    rtts: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=16))
 
 
 #: Gossip messages and mesh requests a second one peer may send (twice that in a burst).
@@ -148,7 +109,6 @@ class Gossip:
         self.request_timeout = request_timeout
         #: Peer id -> clock of the peer such that we hold all it held then.
         self.synced_from: dict[str, int] = {}
-        self._peers: dict[str, _Peer] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[object]] = set()
 
@@ -161,8 +121,8 @@ class Gossip:
         # (set_peer); until the first, it names this node's own.
         own = keys.public if keys is not None else None
         self.sub = open_socket(ctx, zmq.SUB, CONTROL, keys, server=False, server_key=own)
+        self.mesh = MeshPeers(ctx, keys, self.sub, self.counters, request_timeout)
         self.sub.setsockopt(zmq.SUBSCRIBE, cluster)
-        self._drop_request = lambda reason: self.counters.add("request", reason)
         self._drop_mesh = lambda reason: self.counters.add("mesh", reason)
         self._drop_gossip = lambda reason: self.counters.add("gossip", reason)
 
@@ -190,9 +150,7 @@ class Gossip:
         for t in [*self._tasks, *self._bg]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        for p in self._peers.values():
-            if p.dealer is not None:
-                p.dealer.close(linger=0)
+        self.mesh.close()
         self.sub.close(linger=0)
         self.router.close(linger=0)
         self.pub.close()
@@ -200,57 +158,26 @@ class Gossip:
     # -- peers ---------------------------------------------------------------------
     def set_peer(self, node_id: str, endpoint: Endpoint) -> None:
         """Point at a peer's sockets (connect, or move if its address changed)."""
-        p = self._peers.get(node_id)
-        if p is None:
-            p = self._peers[node_id] = _Peer(endpoint)
-        elif p.endpoint != endpoint:
-            moved = p.endpoint.mesh() != endpoint.mesh() or p.endpoint.key != endpoint.key
-            if p.dealer is not None and moved:
-                p.dealer.close(linger=0)
-                p.dealer = None
-            if p.sub_addr is not None and p.endpoint.key != endpoint.key:
-                self._unsubscribe(p)
-            p.endpoint = endpoint
-        pub = endpoint.pub()
-        if self.keys is not None and endpoint.key is None:
-            pub = None  # no key to dial it with: no member here
-        if pub != p.sub_addr:
-            self._unsubscribe(p)
-            if pub is not None:
-                if self.keys is not None:
-                    # One SUB dials every peer: libzmq takes the server key at connect.
-                    self.sub.curve_serverkey = endpoint.key
-                self.sub.connect(pub)
-            p.sub_addr = pub
-
-    def _unsubscribe(self, p: _Peer) -> None:
-        if p.sub_addr is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self.sub.disconnect(p.sub_addr)
-            p.sub_addr = None
+        self.mesh.set(node_id, endpoint)
 
     def drop_peer(self, node_id: str) -> None:
         """Forget a peer's sockets."""
-        p = self._peers.pop(node_id, None)
-        if p is None:
-            return
-        self._unsubscribe(p)
-        if p.dealer is not None:
-            p.dealer.close(linger=0)
+        self.mesh.drop(node_id)
         self.synced_from.pop(node_id, None)
 
     def rtt_ms(self) -> dict[str, float]:
-        """Round trip to each known peer in ms: the least of its recent mesh requests
-        (a reply's own work only adds to one; the least is closest to the link's)."""
-        return {
-            nid: round(1000 * min(p.rtts), 2)
-            for nid, p in sorted(self._peers.items())
-            if p.rtts and not nid.startswith("@")
-        }
+        """Round trip to each known peer in ms (see :meth:`MeshPeers.rtt_ms`)."""
+        return self.mesh.rtt_ms()
 
     def peers(self) -> dict[str, Endpoint]:
         """Peers this node currently points at."""
-        return {k: p.endpoint for k, p in self._peers.items()}
+        return self.mesh.endpoints()
+
+    async def request(
+        self, endpoint: Endpoint, msg: wire.GossipMessage, peer: str | None = None
+    ) -> wire.GossipMessage | None:
+        """One request to a peer's ROUTER, its reply (None: timeout or undecodable)."""
+        return await self.mesh.request(endpoint, msg, peer)
 
     # -- publishing ----------------------------------------------------------------
     async def publish(self, entries: list[Entry]) -> None:
@@ -291,66 +218,6 @@ class Gossip:
             await self.pub.send_multipart([self.cluster, wire.encode(msg)])
 
     # -- requests ------------------------------------------------------------------
-    async def request(
-        self, endpoint: Endpoint, msg: wire.GossipMessage, peer: str | None = None
-    ) -> wire.GossipMessage | None:
-        """Send one request to a peer's ROUTER and await its reply (bounded).
-
-        Returns the decoded reply, or None on timeout or an undecodable reply.
-        """
-        key = peer or f"@{endpoint.mesh()}"
-        p = self._peers.get(key)
-        if p is None:
-            p = self._peers[key] = _Peer(endpoint)
-            p.sub_addr = None
-        async with p.lock:
-            if p.dealer is None:
-                try:
-                    dealer = open_socket(
-                        self.ctx, zmq.DEALER, CONTROL, self.keys, server=False,
-                        server_key=p.endpoint.key,
-                    )  # fmt: skip
-                except NoServerKey:
-                    # No member's key to dial it with: nothing is sent to it at all.
-                    if key.startswith("@"):
-                        self._peers.pop(key, None)
-                    self.counters.add("request", "no_key")
-                    return None
-                try:
-                    dealer.connect(p.endpoint.mesh())
-                except zmq.ZMQError:
-                    # An address from the network (a card, a seed) that ZeroMQ cannot
-                    # even parse: no answer, and no socket or peer slot left behind.
-                    dealer.close(linger=0)
-                    if key.startswith("@"):
-                        self._peers.pop(key, None)
-                    self.counters.add("request", "bad_address")
-                    return None
-                p.dealer = dealer
-            await p.dealer.send(wire.encode(msg))
-            t0 = time.monotonic()
-            try:
-                frames = await asyncio.wait_for(
-                    p.dealer.recv_multipart(copy=True), self.request_timeout
-                )
-            except TimeoutError:
-                p.dealer.close(linger=0)
-                p.dealer = None
-                return None
-            p.rtts.append(time.monotonic() - t0)
-        if key.startswith("@"):
-            # Anonymous (seed) sockets are one-shot.
-            self._drop_anonymous(key)
-        if len(frames) != 1:
-            self.counters.add("request", "shape")
-            return None
-        return decode_frame(frames[0], self._drop_request, wire.decode_gossip)
-
-    def _drop_anonymous(self, key: str) -> None:
-        p = self._peers.pop(key, None)
-        if p is not None and p.dealer is not None:
-            p.dealer.close(linger=0)
-
     async def hello(self, endpoint: Endpoint, peer: str | None = None) -> str | None:
         """Greet a peer at ``endpoint``: give it our entries, take its whole state.
 
@@ -399,7 +266,7 @@ class Gossip:
         """Anti-entropy: fetch from ``peer`` every bucket that differs from ours, a page
         at a time. True when it completed; then we hold all ``peer`` held as of its
         clock at the first page (or ``since``, a welcome's, if older)."""
-        p = self._peers.get(peer)
+        p = self.mesh.links.get(peer)
         if p is None:
             return False
         after_bucket, after_key = -1, ""
@@ -517,7 +384,7 @@ class Gossip:
         if tuple(msg.buckets) == self.replica.map.digest():
             self._synced(msg.sender, msg.hlc, "gossip")
             return
-        p = self._peers.get(msg.sender)
+        p = self.mesh.links.get(msg.sender)
         if p is None or p.pulling:
             return
         p.pulling = True
@@ -527,7 +394,7 @@ class Gossip:
         try:
             await self.pull(peer, since)
         finally:
-            p = self._peers.get(peer)
+            p = self.mesh.links.get(peer)
             if p is not None:
                 p.pulling = False
 
@@ -545,9 +412,10 @@ class Gossip:
         trips placement reads (:meth:`rtt_ms`). In sync, a pull is one small request."""
         await asyncio.sleep(ROUND_TRIP_FIRST)
         while True:
-            peers = [n for n, p in self._peers.items() if not n.startswith("@") and not p.pulling]
+            links = self.mesh.links
+            peers = [n for n, p in links.items() if not n.startswith("@") and not p.pulling]
             for nid in peers:
-                self._peers[nid].pulling = True
+                self.mesh.links[nid].pulling = True
                 self._spawn(self._pull_then_clear(nid))
             await asyncio.sleep(ROUND_TRIP_INTERVAL)
 

@@ -52,7 +52,7 @@ from meshd.models.manifest import (
 )
 
 from . import wire
-from .security import CurveKeys, HandshakeReporter, NoServerKey, watch_handshakes
+from .security import CurveKeys, HandshakeReporter, NoServerKey, sender_key, watch_handshakes
 from .sockets import DATA, bind, endpoint, open_socket
 from .stats import DropCounters
 
@@ -141,8 +141,11 @@ class WeightServer:
         keys: CurveKeys | None = None,
         counters: DropCounters | None = None,
         threads: int = SERVE_THREADS,
+        admits: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.keys = keys
+        #: Whether a sender's key is a member's now (None: anyone; see :meth:`_recv_loop`).
+        self.admits = admits
         self.counters = counters or DropCounters()
         self.router = open_socket(ctx, zmq.ROUTER, DATA, keys, server=True)
         self.port = bind(self.router, bind_host)
@@ -182,10 +185,14 @@ class WeightServer:
 
     async def _recv_loop(self) -> None:
         while True:
-            frames = await self.router.recv_multipart()
-            if len(frames) != 2:
+            raw = await self.router.recv_multipart(copy=False)
+            if len(raw) != 2:
                 self.counters.add("weights", "shape")
                 continue
+            if self.admits is not None and not self.admits(sender_key(raw[1])):
+                self.counters.add("weights", "not_member")  # removed since it connected
+                continue
+            frames = [f.bytes for f in raw]
             try:
                 msg = wire.decode_transfer(frames[1])
             except wire.FrameError as e:
