@@ -44,6 +44,7 @@ __all__ = [
     "Guarded",
     "access_of",
     "invalid_api_key",
+    "route_of",
 ]
 
 audit = logging.getLogger("meshd.audit")
@@ -80,15 +81,24 @@ class Guarded(Route):
         self.access = access
 
 
-def access_of(routes: Sequence[BaseRoute], scope: Scope) -> Access:
-    """The access a request needs: its route's, found as the router finds it (the first
-    full match). A path no route has, or a method its route lacks, needs ``USE`` (its
-    answer is a 404 or 405, or a redirect to the path without its trailing slash)."""
+def route_of(routes: Sequence[BaseRoute], scope: Scope) -> BaseRoute | None:
+    """The route that takes a request, found as the router finds it: the first full
+    match (None: a path no route has, or a method its route lacks)."""
     for r in routes:
         match, _ = r.matches(scope)
         if match is Match.FULL:
-            return r.access if isinstance(r, Guarded) else Access.ADMIN
-    return Access.USE
+            return r
+    return None
+
+
+def access_of(routes: Sequence[BaseRoute], scope: Scope) -> Access:
+    """The access a request needs: its route's. A path no route has, or a method its
+    route lacks, needs ``USE`` (its answer is a 404 or 405, or a redirect to the path
+    without its trailing slash, which does nothing)."""
+    r = route_of(routes, scope)
+    if r is None:
+        return Access.USE
+    return r.access if isinstance(r, Guarded) else Access.ADMIN
 
 
 def invalid_api_key(provided: bool) -> ApiError:
@@ -146,12 +156,29 @@ class AccessGuard:
         self._api_key = api_key.encode() if api_key else None
         self._admin_key = admin_key.encode() if admin_key else None
         self._owner = owner_token.encode() if owner_token else None
+        #: (method, path) of a route with no parameters -> its access: a request's
+        #: route is found once per path, not on every request (a scan of every route
+        #: costs tens of microseconds).
+        self._known: dict[tuple[str, str], Access] = {}
+
+    def _access(self, scope: Scope) -> Access:
+        key = (scope.get("method", ""), scope.get("path", ""))
+        known = self._known.get(key)
+        if known is not None and not scope.get("root_path"):
+            return known
+        r = route_of(self._routes, scope)
+        if r is None:
+            return Access.USE
+        assert isinstance(r, Guarded)
+        if isinstance(r, Route) and not r.param_convertors and not scope.get("root_path"):
+            self._known[key] = r.access  # bounded: one entry per static route and method
+        return r.access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        access = access_of(self._routes, scope)
+        access = self._access(scope)
         if access is Access.OPEN:
             await self.app(scope, receive, send)
             return
