@@ -56,10 +56,10 @@ _ADMIN = ADMIN_HEADER.encode()
 
 #: How to get the credential, for every refusal of an admin route.
 HOW = (
-    "run meshctl on the node's machine as the user who runs meshd (it sends the owner "
-    "token kept in the node's data dir; --data-dir or $MESHD_DATA_DIR if not the "
-    "default), or pass meshctl --admin-key-file PATH for a node started with "
-    "--admin-key-file (other clients send it as the x-meshd-admin header)"
+    "run meshctl on the node's machine as the user who runs meshd, against its loopback "
+    "address (it sends the owner token kept in the node's data dir; --data-dir or "
+    "$MESHD_DATA_DIR if not the default), or pass meshctl --admin-key-file PATH for a "
+    "node started with --admin-key-file (other clients send it as the x-meshd-admin header)"
 )
 
 
