@@ -357,7 +357,7 @@ def _config(args: argparse.Namespace) -> NodeConfig:
     api_key, admin_key = node_keys(args)
     if args.open and api_key:
         logging.getLogger("meshd").warning(
-            "--api-key guards the API, but --open leaves the mesh open: any machine on "
+            "the API key guards the API, but --open leaves the mesh open: any machine on "
             "the LAN can join the cluster and read prompts as they pass through it"
         )
     cfg = NodeConfig(
