@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import re
+import secrets
 import shutil
 import signal
 import statistics
@@ -32,6 +33,10 @@ import httpx
 from meshd.transport.security import write_secret
 
 DEFAULT_MODEL = "smollm2-135m"
+#: The benchmarks place and remove models on the nodes they start, as a remote admin
+#: would (the API key never could): the nodes inherit this admin key from the
+#: environment, and :func:`http_client` sends it.
+ADMIN_KEY = os.environ.setdefault("MESHD_ADMIN_KEY", "bench-admin-" + secrets.token_hex(16))
 PROMPT = "Write a long story about a robot who learns to paint."
 #: The llama_cpp.server options that match meshd's runners (n_ctx per request).
 N_CTX = 4096
@@ -307,7 +312,11 @@ def start_node(
 
 def http_client(timeout: float = 120.0) -> httpx.Client:
     # trust_env=False: a proxy from the environment must never sit on loopback.
-    return httpx.Client(timeout=httpx.Timeout(timeout, connect=5.0), trust_env=False)
+    return httpx.Client(
+        timeout=httpx.Timeout(timeout, connect=5.0),
+        trust_env=False,
+        headers={"x-meshd-admin": ADMIN_KEY},
+    )
 
 
 @dataclass

@@ -24,7 +24,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshd.models.resolve import DEFAULT_MODEL
-from tests.cluster import Cluster, NodeProc, wait_for
+from tests.cluster import Cluster, NodeProc, act_as_owner, wait_for
 
 PROMPT = "Write a short story about a lighthouse keeper."
 
@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    act_as_owner()  # it places models: as the owner of the nodes it starts
     tmp = Path(tempfile.mkdtemp(prefix="meshd-curve-"))
     with Cluster(tmp) as c:  # its nodes share the cluster's secret file unless --open
         apis = {"open": _pair(c, "o", ["--open"]).api,

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 from tests import faultlab
-from tests.cluster import Cluster
+from tests.cluster import Cluster, act_as_owner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runner-trials", type=int, default=5, help="runner-only SIGKILLs (5)")
     ap.add_argument("--tokens", type=int, default=200, help="tokens per stream (200)")
     args = ap.parse_args(argv)
+    act_as_owner()  # faultlab places and removes models: as the nodes' owner
     with tempfile.TemporaryDirectory(prefix="meshd-faults-") as tmp, Cluster(Path(tmp)) as cl:
         nodes, reference = faultlab.three_nodes_and_reference(cl, args.tokens)
         t0 = time.monotonic()

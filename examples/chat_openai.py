@@ -7,7 +7,7 @@
     python chat_openai.py --base-url http://studio.local:7470/v1 --model smollm2-135m
 
 Any node of the cluster answers, whether or not it holds a stage of the model. A node
-started with ``--api-key KEY`` wants that key: ``MESHD_API_KEY=KEY python chat_openai.py``
+started with an API key wants that key: ``MESHD_API_KEY=KEY python chat_openai.py``
 (a node without one takes any key, so the default is ``unused``).
 """
 

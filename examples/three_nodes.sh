@@ -138,7 +138,9 @@ wait_ready() {
     echo "node $name: $(grep -m1 '^meshd ready ' "$WORK_DIR/$name.log")"
 }
 
-ctl() { "$MESHCTL" --node "127.0.0.1:$(api_port 2)" "$@"; }
+# c's data dir holds its owner token: meshctl reads it there to place and remove (this
+# user runs the nodes, so it is their owner; another user could chat, not administer).
+ctl() { "$MESHCTL" --node "127.0.0.1:$(api_port 2)" --data-dir "$WORK_DIR/${NAMES[2]}" "$@"; }
 
 # 1. One secret for the cluster (a file only this user reads: 0600; kept when WORK_DIR is
 #    reused, with the data dirs that remember the cluster).
@@ -162,6 +164,7 @@ echo "c sees a, b and c alive"
 
 # 4. The model split over a and b: layers [0, k) on a, [k, n) on b.
 #    curl -X POST http://127.0.0.1:PORT/v1/instances -H 'Content-Type: application/json' \
+#         -H "x-meshd-admin: $(cat "$WORK_DIR/c/owner.token")" \
 #         -d '{"model": "smollm2-135m", "nodes": ["a", "b"]}'
 ctl place "$MODEL" --nodes a,b
 

@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,7 +18,18 @@ from typing import Any
 
 import httpx
 
+from meshd.api.app import ROUTES
+from meshd.api.auth import ADMIN_HEADER, Access, access_of
 from meshd.transport.security import write_secret
+
+#: The tests play the owner of every node they start: each node takes this admin key
+#: ($MESHD_ADMIN_KEY: set for the nodes Cluster starts, and by tests/conftest.py for
+#: every process, so meshctl sends it too), and the test process's requests to an
+#: admin route carry it (:func:`act_as_owner`). Tests of the credentials themselves say
+#: what they send, or run as another user (tests/api/test_access.py).
+ADMIN_KEY = "tests-admin-" + secrets.token_hex(16)
+ADMIN = {ADMIN_HEADER: ADMIN_KEY}
+_stranger = False
 
 _READY = re.compile(
     r"meshd ready node=(?P<id>\S+) name=(?P<name>\S+) api=(?P<api>\S+) "
@@ -145,7 +157,7 @@ class Cluster:
         f = open(log_path, "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
             args, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=None if env is None else {**os.environ, **env},
+            env={**os.environ, "MESHD_ADMIN_KEY": ADMIN_KEY, **(env or {})},
         )  # fmt: skip
         _LIVE.add(proc)
         n = NodeProc(name, data_dir, args, proc, log_path)
@@ -247,3 +259,45 @@ def metric_total(n: NodeProc, name: str) -> float:
     text = httpx.get(n.api + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith((name + "{", name + " ")))  # fmt: skip
+
+
+def _owner_header(request: httpx.Request) -> None:
+    """Add :data:`ADMIN` to a request for an admin route that names no admin credential."""
+    if _stranger or ADMIN_HEADER in request.headers:
+        return
+    scope = {"type": "http", "method": request.method, "path": request.url.path, "root_path": ""}
+    if access_of(ROUTES, scope) is Access.ADMIN:
+        request.headers[ADMIN_HEADER] = ADMIN_KEY
+
+
+def act_as_owner() -> None:
+    """From now on, this process's httpx requests to an admin route of any node carry
+    :data:`ADMIN_KEY`, as the owner's meshctl would carry its credential: the tests that
+    place models, invite or approve call the API as its owner, the one place saying so.
+    The header is added at the transport, so every client (openai's, anthropic's) gets
+    it; a request that sends its own ``x-meshd-admin`` keeps it."""
+    sync, asyncs = httpx.HTTPTransport.handle_request, httpx.AsyncHTTPTransport.handle_async_request
+
+    def handle(self: httpx.HTTPTransport, request: httpx.Request) -> httpx.Response:
+        _owner_header(request)
+        return sync(self, request)
+
+    async def handle_async(
+        self: httpx.AsyncHTTPTransport, request: httpx.Request
+    ) -> httpx.Response:
+        _owner_header(request)
+        return await asyncs(self, request)
+
+    httpx.HTTPTransport.handle_request = handle  # type: ignore[method-assign]
+    httpx.AsyncHTTPTransport.handle_async_request = handle_async  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def as_stranger() -> Iterator[None]:
+    """Requests made inside carry no admin credential of :func:`act_as_owner`'s."""
+    global _stranger
+    _stranger = True
+    try:
+        yield
+    finally:
+        _stranger = False

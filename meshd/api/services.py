@@ -111,8 +111,13 @@ class Services(Protocol):
 class ApiSettings:
     """What ``meshd up`` was told about its API (defaults live in ``NodeConfig``)."""
 
-    #: Bearer token every route but ``/healthz`` demands; None serves anyone.
+    #: The key inference and reading demand (Bearer or ``x-api-key``); None serves
+    #: anyone. It never opens an admin route (``auth.py``).
     api_key: str | None
+    #: The key remote administration sends in ``x-meshd-admin``; None: none.
+    admin_key: str | None
+    #: The owner's token (``owner.token`` in the data dir), taken from loopback only.
+    owner_token: str | None
     #: Completion requests in flight through this node; more get 429.
     max_requests: int
     #: Most tokens one request may generate (``max_tokens`` above it is a 400).

@@ -22,6 +22,8 @@ DEFAULT_HOST = "127.0.0.1"
 NODE_ENV = "MESHCTL_NODE"
 #: Seconds to wait for a node before calling it unreachable.
 DEFAULT_TIMEOUT = 5.0
+#: The header of the admin credential (``meshd.api.auth.ADMIN_HEADER``).
+ADMIN_HEADER = "x-meshd-admin"
 
 
 class MeshctlError(Exception):
@@ -42,11 +44,18 @@ class NodeUnreachable(MeshctlError):
 class NodeError(MeshctlError):
     """The node answered, but not with what was asked for (HTTP error, not JSON...)."""
 
-    def __init__(self, base_url: str, path: str, message: str, status: int | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        path: str,
+        message: str,
+        status: int | None = None,
+        method: str = "GET",
+    ):
         self.base_url = base_url
         self.path = path
         self.status = status
-        super().__init__(f"meshd node at {base_url}: GET {path}: {message}")
+        super().__init__(f"meshd node at {base_url}: {method} {path}: {message}")
 
 
 def parse_node(spec: str | None = None, env: Mapping[str, str] | None = None) -> str:
@@ -121,11 +130,19 @@ class NodeClient:
     """
 
     def __init__(
-        self, base_url: str, timeout: float = DEFAULT_TIMEOUT, api_key: str | None = None
+        self,
+        base_url: str,
+        timeout: float = DEFAULT_TIMEOUT,
+        api_key: str | None = None,
+        admin: str | None = None,
     ) -> None:
+        """``api_key``: the node's API key (inference, reading); ``admin``: the owner
+        token or the admin key, sent as ``x-meshd-admin`` (administration)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if admin:
+            headers[ADMIN_HEADER] = admin
         self._http = httpx.Client(
             base_url=self.base_url, timeout=timeout, trust_env=False, headers=headers
         )
@@ -197,7 +214,7 @@ class NodeClient:
                     resp.read()
                     raise NodeError(
                         self.base_url, "/v1/chat/completions", _error_text(resp),
-                        status=resp.status_code,
+                        status=resp.status_code, method="POST",
                     )  # fmt: skip
                 for line in resp.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -225,7 +242,9 @@ class NodeClient:
         except httpx.TransportError as exc:
             raise NodeUnreachable(self.base_url, _reason(exc)) from exc
         if resp.status_code >= 400:
-            raise NodeError(self.base_url, path, _error_text(resp), status=resp.status_code)
+            raise NodeError(
+                self.base_url, path, _error_text(resp), status=resp.status_code, method=method
+            )
         try:
             out = resp.json()
         except ValueError as exc:

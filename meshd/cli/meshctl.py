@@ -1,9 +1,9 @@
 """``meshctl``: talk to a running meshd cluster through any one of its nodes.
 
 Every command but ``secret`` is an HTTP request to a node (``--node HOST:PORT``, else
-the ``MESHCTL_NODE`` environment variable, else ``127.0.0.1:7470``; ``--api-key`` or
-``MESHD_API_KEY`` for a node that demands one); nothing here decides anything the
-node's API decides.
+the ``MESHCTL_NODE`` environment variable, else ``127.0.0.1:7470``; keys from files or
+the environment, and the owner token from the data dir: ``keys.py``); nothing here
+decides anything the node's API decides.
 
 Adding a command: write ``_add_<name>(subparsers, common)`` that adds a subparser and
 sets ``func`` to a ``(args, client) -> int`` function, and list it in ``COMMANDS``.
@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from meshd.node.config import API_KEY_ENV
 from meshd.transport.security import SecretError, new_secret, write_secret
 
 from .argtypes import positive_float, positive_int
@@ -34,6 +33,7 @@ from .client import (
     NodeUnreachable,
     parse_node,
 )
+from .keys import add_meshctl_key_flags, meshctl_keys
 from .top import nodes_table, run_top, stdout_console
 
 EXIT_OK = 0
@@ -493,12 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"node to ask: host:port, :port, host or a URL (default ${NODE_ENV}, "
         "else 127.0.0.1:7470)",
     )
-    common.add_argument(
-        "--api-key",
-        default=argparse.SUPPRESS,
-        metavar="KEY",
-        help=f"bearer token of a node started with --api-key (default ${API_KEY_ENV})",
-    )
+    add_meshctl_key_flags(common)
     common.add_argument(
         "--timeout",
         type=positive_float,
@@ -532,11 +527,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # a bad $MESHCTL_NODE
         print(f"meshctl: ${NODE_ENV}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        api_key, admin = meshctl_keys(args, base_url)
+    except ValueError as exc:  # a key file that cannot be read
+        print(f"meshctl: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     func: Command = args.func
     try:
-        api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
         timeout = getattr(args, "timeout", DEFAULT_TIMEOUT)
-        with NodeClient(base_url, timeout=timeout, api_key=api_key) as client:
+        with NodeClient(base_url, timeout=timeout, api_key=api_key, admin=admin) as client:
             return func(args, client)
     except NodeUnreachable as exc:
         print(f"meshctl: {exc}", file=sys.stderr)

@@ -17,6 +17,7 @@ from meshd.api.origins import allowed_hosts
 from meshd.api.server import ApiServer, bind_api
 from meshd.api.services import ApiSettings
 from meshd.cli.argtypes import nonnegative_float, positive_float, positive_int
+from meshd.cli.keys import add_key_flags, node_keys, refuse_argv
 from meshd.cli.settings import (
     CONFIG_ENV,
     ConfigError,
@@ -24,13 +25,11 @@ from meshd.cli.settings import (
     Settings,
     default_config_path,
     given_dests,
-    mark_secret,
 )
 from meshd.crdt.hlc import DEFAULT_MAX_DRIFT_MS
 from meshd.logs import LOG_FORMATS, configure
 from meshd.models import DEFAULT_MODEL
 from meshd.node.config import (
-    API_KEY_ENV,
     CHUNK_TIMEOUT_S,
     DEFAULT_API_PORT,
     DEFAULT_CLUSTER,
@@ -53,6 +52,7 @@ from meshd.node.config import (
     parse_size,
 )
 from meshd.node.daemon import ApiAddress, Node
+from meshd.node.owner import ensure_owner_token
 from meshd.transport.addresses import local_addresses
 from meshd.transport.security import SECRET_ENV, load_secret
 
@@ -135,13 +135,7 @@ def _node_flags(up: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--api-host",
         help="API listen address (default: 127.0.0.1; 0.0.0.0 when an API key is set)",
     )
-    mark_secret(
-        up.add_argument(
-            "--api-key",
-            metavar="KEY",
-            help=f"bearer token every API route but /healthz demands (default: ${API_KEY_ENV})",
-        )
-    )
+    add_key_flags(up)
     up.add_argument(
         "--allow-host",
         action="append",
@@ -360,9 +354,10 @@ def _config(args: argparse.Namespace) -> NodeConfig:
         raise ValueError("--open runs a cluster without keys: it takes no --secret-file or --join")
     if args.join and args.secret_file:
         raise ValueError("--join and --secret-file are two ways in: give one")
-    if args.open and args.api_key:
+    api_key, admin_key = node_keys(args)
+    if args.open and api_key:
         logging.getLogger("meshd").warning(
-            "--api-key guards the API, but --open leaves the mesh open: any machine on "
+            "the API key guards the API, but --open leaves the mesh open: any machine on "
             "the LAN can join the cluster and read prompts as they pass through it"
         )
     cfg = NodeConfig(
@@ -381,7 +376,8 @@ def _config(args: argparse.Namespace) -> NodeConfig:
         secret=load_secret(args.secret_file),
         join_code=args.join,
         open=args.open,
-        api_key=args.api_key,
+        api_key=api_key,
+        admin_key=admin_key,
         allow_hosts=args.allow_host,
         max_requests=args.max_requests,
         max_tokens=args.max_tokens,
@@ -430,6 +426,8 @@ async def up(cfg: NodeConfig) -> int:
     card = node.presence.card
     settings = ApiSettings(
         api_key=cfg.api_key,
+        admin_key=cfg.admin_key,
+        owner_token=ensure_owner_token(cfg.data_dir),  # the data dir is the node's now
         max_requests=cfg.max_requests,
         max_tokens=cfg.max_tokens,
         hosts=allowed_hosts(
@@ -465,6 +463,7 @@ def _settings(argv: list[str]) -> tuple[argparse.Namespace, Resolved]:
     args = _parser().parse_args(argv)
     table = Settings(_node_flags(argparse.ArgumentParser(add_help=False)))
     resolved = table.resolve(args, given_dests(_parser, argv), config=args.config)
+    refuse_argv(resolved)
     return resolved.apply(args), resolved
 
 

@@ -22,8 +22,12 @@ DEFAULT_API_PORT = 7470
 DEFAULT_MESH_PORT = 7471
 DEFAULT_CLUSTER = "default"
 HEARTBEAT_INTERVAL = 0.5
-#: Environment variable with the API key (``--api-key`` wins over it).
+#: Environment variable with the API key (inference and reading; never argv, where
+#: ``ps`` shows it: else ``--api-key-file``).
 API_KEY_ENV = "MESHD_API_KEY"
+#: Environment variable with the admin key (remote administration; else
+#: ``--admin-key-file``). The node's owner needs none: ``owner.py``.
+ADMIN_KEY_ENV = "MESHD_ADMIN_KEY"
 #: Requests in flight per node before the API answers 429 (8 runner slots, 8x queued).
 DEFAULT_MAX_REQUESTS = 64
 #: ``max_tokens`` cap; unset ``max_tokens`` also stops here (or at the context's end).
@@ -161,8 +165,11 @@ class NodeConfig:
     join_code: str | None = None
     #: Today's open lab cluster (``--open``): no keys, anyone on the LAN joins.
     open: bool = False
-    #: Bearer token the API demands; None serves anyone who can reach it.
+    #: Bearer token inference and reading demand; None serves anyone who can reach it.
     api_key: str | None = None
+    #: Key that opens administration from anywhere (``x-meshd-admin``); None: only the
+    #: owner token in the data dir, from this machine.
+    admin_key: str | None = None
     #: More names the API answers to (a reverse proxy's, a DNS name): the Host and
     #: Origin checks refuse names that are not this node's own.
     allow_hosts: list[str] = field(default_factory=list)

@@ -43,7 +43,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NodeProc, NodeProc]]:
     """Node a (its API behind ``KEY``) and node b, in one cluster."""
     with Cluster(tmp_path_factory.mktemp("instance-view")) as c:
-        a = c.start("a", extra_args=["--api-key", KEY])
+        a = c.start("a", env={"MESHD_API_KEY": KEY})
         b = c.start("b", peers=[a])
         wait_for(lambda: len(b.cluster()["nodes"]) == 2, 15)
         yield a, b

@@ -256,7 +256,7 @@ def keyed_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One node started with an API key, serving the default model; its base URL."""
     pytest.importorskip("openai")
     with Cluster(tmp_path_factory.mktemp("chat")) as c:
-        a = c.start("a", extra_args=["--api-key", API_KEY, "--api-host", "127.0.0.1"])
+        a = c.start("a", extra_args=["--api-host", "127.0.0.1"], env={"MESHD_API_KEY": API_KEY})
         auth = {"Authorization": f"Bearer {API_KEY}"}
         r = httpx.post(a.api + "/v1/instances", headers=auth, timeout=60,
                        json={"model": DEFAULT_MODEL, "nodes": ["a"]})  # fmt: skip

@@ -26,9 +26,11 @@ from starlette.routing import Route
 
 from meshd.api import anthropic_schemas, ollama_schemas, responses_schemas, schemas
 from meshd.api.app import ROUTES as API_ROUTES
+from meshd.api.auth import ADMIN_HEADER
 from meshd.api.errors import dialect_of
 from meshd.api.instances import PlaceRequest
 from meshd.models.resolve import AmbiguousModelError, ModelNotFoundError, resolve_model
+from tests.cluster import ADMIN_KEY
 
 from .harness import FIGURES, Env, completion, fuzz_settings, stable_state
 
@@ -442,6 +444,7 @@ def test_declared_length_over_the_limit_is_413_before_the_body(env: Env) -> None
         m = "DELETE" if "DELETE" in ROUTES[path] else "POST"
         req = (
             f"{m} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"{ADMIN_HEADER}: {ADMIN_KEY}\r\n"  # admin routes are the owner's, as meshctl
             f"Content-Length: {9 * 1024 * 1024}\r\nConnection: close\r\n\r\n{{}}"
         ).encode()
         status, body = _raw(env, req)
