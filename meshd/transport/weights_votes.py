@@ -16,10 +16,14 @@ file) and those whose root failed verification. A root is taken
   strictly more votes than any other root;
 - never on a tie: the fetch cannot tell honest from lying, and says so.
 
+The count is taken again at every offer and while the fetch runs: a late offer that
+makes another root lead switches the fetch to it (it starts over); one that makes a tie
+fails it.
+
 Limits, stated plainly: a lone holder's root is whatever it says (the fetcher checks
 what it can against the model's own facts before loading, see ``fetch_slice``'s
-``verify``); liars that outnumber the honest holders win; a holder that answers after the
-wait only counts if it tips the vote (the fetch then switches roots and starts over).
+``verify``); liars that outnumber the honest holders win; a fetch that completes before
+a slow honest holder answers keeps the root of those that answered in time.
 """
 
 from __future__ import annotations
