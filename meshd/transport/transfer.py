@@ -60,6 +60,7 @@ from .weights_state import (
     FetchProgress,
     FetchState,
     key,
+    leads,
     manifest_file,
     reset,
     settle,
@@ -149,10 +150,19 @@ async def fetch_slice(
                 if now - alone_since > no_holder_grace:
                     raise FetchError("no_holder", _why(f, "no node that holds the model answers"))
             if f.manifest is not None and now - f.moved > stall_timeout:
+                if f.finished.is_set():
+                    what = "the holders' offers do not name the fetched bytes' root"
+                    raise FetchError("disagree", _why(f, what))
                 raise FetchError("stalled", _why(f, f"no chunk arrived for {stall_timeout:.0f} s"))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(f.finished.wait(), 0.5)
             if f.finished.is_set() and f.error is None:
+                if f.manifest is None or not leads(f, f.manifest):
+                    # The bytes were pulled while the count was open: not renamed until
+                    # it names their root (or another: the fetch starts over; a stall
+                    # ends the wait).
+                    await asyncio.sleep(0.5)
+                    continue
                 # Every chunk arrived: the pulls end, the whole is checked; on a
                 # failure the holders left are asked again at the next turn.
                 await _stop(workers)

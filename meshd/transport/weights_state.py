@@ -45,6 +45,7 @@ __all__ = [
     "adopted",
     "decoded",
     "key",
+    "leads",
     "manifest_file",
     "offer_of",
     "reset",
@@ -148,20 +149,27 @@ class FetchState:
 
 async def settle(f: FetchState) -> None:
     """Count the votes; take the root they name (starting over when it is another
-    than the one taken), or fail the fetch on a tie."""
+    than the one taken), or, while the count is open, the one offered most so far;
+    fail the fetch on a tie."""
     async with f.begin:
         v = f.votes.decide(f.listed, time.monotonic())
         if v.tie:
             f.fail(FetchError("disagree", f"the holders offer different bytes: {v.tie}"))
             return
-        if v.offer is None or (f.manifest is not None and key(f.manifest) == v.offer):
+        target = v.offer
+        if target is None and f.manifest is None:
+            # The count is open: pull the root offered most so far meanwhile (kept only
+            # if the count names it), so holders still cutting do not hold the fetch up.
+            target = f.votes.front()
+        if target is None or (f.manifest is not None and key(f.manifest) == target):
             return
-        m = f.offers[v.backers[0]]
+        m = f.offers[f.votes.backers(target)[0]]
         if f.manifest is not None:
             log.warning(
                 "weights: %s offer root %s for slice %s, more holders than root %s had: "
                 "the fetch starts over with it",
-                ", ".join(v.backers), m.root[:12], m.slice[:12], f.manifest.root[:12],
+                ", ".join(f.votes.backers(target)), m.root[:12], m.slice[:12],
+                f.manifest.root[:12],
             )  # fmt: skip
             reset(f)
         try:
@@ -250,6 +258,11 @@ async def offer_of(sock: zmq.asyncio.Socket, f: FetchState, addr: wire.Addr) -> 
     return m
 
 
+def leads(f: FetchState, m: Manifest) -> bool:
+    """Whether the count names ``m``'s root now."""
+    return f.votes.decide(f.listed, time.monotonic()).offer == key(m)
+
+
 async def adopted(f: FetchState, node: str, mine: Manifest) -> Manifest | None:
     """Wait until the fetch takes the root ``node`` offered (``mine``); None when the
     fetch ends first or ``node`` is no longer asked."""
@@ -257,9 +270,10 @@ async def adopted(f: FetchState, node: str, mine: Manifest) -> Manifest | None:
         m = f.manifest
         if m is not None and key(m) == key(mine):
             return m
-        if m is not None and node not in f.dissenters:
-            # Counted and said once; the holder is not shunned: the honest holders may
-            # be the ones outvoted for now, and the vote may still turn.
+        if m is not None and node not in f.dissenters and leads(f, m):
+            # Counted and said once, when the root taken leads the count (an honest
+            # holder answering late is not counted against a liar's root it is about to
+            # outvote); the holder is not shunned: the vote may still turn.
             f.dissenters.add(node)
             f.progress.dissent += 1
             f.counters.add("weights", "other_root")

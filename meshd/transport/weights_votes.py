@@ -14,16 +14,20 @@ file) and those whose root failed verification. A root is taken
 - else once every voter has offered, or :attr:`Votes.wait` seconds after the first offer
   (a holder still cutting a slow disk does not hold the fetch up for ever), when it has
   strictly more votes than any other root;
-- never on a tie: the fetch cannot tell honest from lying, and says so.
+- never on a tie: while holders are still to answer, the fetch waits for them; once
+  all have, it cannot tell honest from lying, and fails saying so.
 
-The count is taken again at every offer and while the fetch runs: a late offer that
-makes another root lead switches the fetch to it (it starts over); one that makes a tie
-fails it.
+While the count is open, the fetch pulls the root offered most so far (:meth:`Votes.front`,
+usually the first to arrive), so holders still cutting do not hold it up: the bytes are
+checked against that root as they come, but the slice is kept (renamed into place) only
+once the count names its root. The count is taken again at every offer and while the
+fetch runs: an offer that makes another root lead switches the fetch to it (it starts
+over).
 
 Limits, stated plainly: a lone holder's root is whatever it says (the fetcher checks
 what it can against the model's own facts before loading, see ``fetch_slice``'s
-``verify``); liars that outnumber the honest holders win; a fetch that completes before
-a slow honest holder answers keeps the root of those that answered in time.
+``verify``); liars that outnumber the honest holders win; a holder that answers more
+than :attr:`Votes.wait` after the first offer may find the slice already kept.
 """
 
 from __future__ import annotations
@@ -60,7 +64,10 @@ class Votes:
     first: float | None = None
 
     def offered(self, node: str, offer: Offer, now: float) -> None:
-        """``node`` offers ``offer`` (a holder that offers again replaces its vote)."""
+        """``node`` offers ``offer`` (a holder that offers again replaces its vote; one
+        distrusted gets none back)."""
+        if node in self.distrusted:
+            return
         self.offers[node] = offer
         self.refused.discard(node)
         if self.first is None:
@@ -84,6 +91,14 @@ class Votes:
             del self.offers[n]
         return nodes
 
+    def front(self) -> Offer | None:
+        """The offer most holders have made so far (the earliest on a tie): what a
+        fetch may pull while the count is open, to be kept only once it is named."""
+        counts: dict[Offer, int] = {}
+        for o in self.offers.values():  # in the order they first came
+            counts[o] = counts.get(o, 0) + 1
+        return max(counts, key=lambda o: counts[o]) if counts else None
+
     def decide(self, listed: Iterable[str], now: float) -> Verdict:
         """Count the votes among the holders ``listed`` now (see the module's rules)."""
         voters = (set(listed) | set(self.offers)) - set(self.distrusted) - self.refused
@@ -104,7 +119,9 @@ class Votes:
             return Verdict()
         if len(ranked) == 1 or len(nodes) > len(ranked[1][1]):
             return Verdict(best, tuple(nodes))
-        return Verdict(tie=describe(groups))
+        if everyone:
+            return Verdict(tie=describe(groups))
+        return Verdict()  # a tie with holders still to answer: they may break it
 
 
 def describe(groups: dict[Offer, list[str]]) -> str:

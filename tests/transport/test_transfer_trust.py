@@ -32,7 +32,7 @@ from meshd.transport.transfer import (
     WeightServer,
     fetch_slice,
 )
-from tests.transport.test_transfer import CHUNK, SHA, blob, holder_addr, run, sha
+from tests.transport.test_transfer import ASK, CHUNK, SHA, blob, holder_addr, run, sha
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,10 +99,58 @@ def test_a_liar_that_offers_first_is_outvoted_and_the_honest_holders_serve(
             )  # fmt: skip
             assert sha(dest) == sha(blob)
             assert m.root == build_manifest(blob, m.slice, CHUNK).root
-            # The liar sent nothing; neither honest holder was shunned for disagreeing.
-            assert liar.sent == 0 and a.sent > 0 and b.sent > 0
+            # Neither honest holder was shunned for disagreeing with the first offer.
+            assert a.sent > 0 and b.sent > 0
             assert last.dissent == 1 and counters.get("weights", "other_root") == 1
             assert "liar offers other bytes" in caplog.text
+        finally:
+            gate.set()
+            for s in (liar, a, b):
+                await s.stop()
+            ctx.term()
+
+    run(main())
+
+
+def test_a_liar_taken_alone_is_dropped_for_the_root_the_later_holders_agree_on(
+    blob: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The honest holders are still cutting when the wait runs out: the liar's root is
+    taken and pulled. Then they offer: 1:1 with one still to answer holds the liar's
+    root without a lead; 2:1 switches the fetch to theirs, which starts over."""
+    caplog.set_level(logging.WARNING, "meshd.transfer")
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        gate = threading.Event()
+        liar = server(ctx, lying(blob, tmp_path))
+        a, b = server(ctx, blob, gate), server(ctx, blob, gate)
+        real, served = liar._chunk, 0
+
+        async def then_hang(peer: bytes, ask: wire.ChunkAsk) -> None:
+            nonlocal served
+            served += 1
+            if served <= 4:  # a few chunks, then nothing: only the switch ends the fetch
+                await real(peer, ask)
+
+        liar._chunk = then_hang  # type: ignore[method-assign]
+        last = FetchProgress()
+
+        def note(p: FetchProgress) -> None:
+            nonlocal last
+            last = FetchProgress(**vars(p))
+            gate.set()  # the liar's root is taken: the honest holders now offer
+
+        holders = [holder_addr("liar", liar), holder_addr("a", a), holder_addr("b", b)]
+        try:
+            dest = tmp_path / "f" / "s.gguf"
+            await fetch_slice(
+                ctx, holders=lambda: holders, ask=ASK, dest=dest, own_addresses=["127.0.0.1"],
+                on_progress=note, offer_wait=0.1, window=2,
+            )  # fmt: skip
+            assert sha(dest) == sha(blob)
+            assert liar.sent <= 4 * CHUNK and a.sent + b.sent == blob.stat().st_size
+            assert last.dissent == 1 and "the fetch starts over" in caplog.text
         finally:
             gate.set()
             for s in (liar, a, b):
@@ -129,7 +177,7 @@ def test_two_holders_that_disagree_fail_the_fetch_typed_and_nothing_is_kept(
                 )  # fmt: skip
             assert e.value.code == "disagree"
             assert "a offers root" in str(e.value) and "liar offers root" in str(e.value)
-            assert not dest.exists() and liar.sent == a.sent == 0
+            assert not dest.exists()
         finally:
             for s in (liar, a):
                 await s.stop()

@@ -59,3 +59,23 @@ def test_holders_whose_root_failed_verification_vote_no_more() -> None:
     assert v.decide(["liar", "honest"], now=62) == Verdict(GOOD, ("honest",))
     v.offered("liar", BAD, now=63)  # offering again gives it no vote back
     assert v.decide(["liar", "honest"], now=63) == Verdict(GOOD, ("honest",))
+
+
+def test_a_tie_while_holders_are_still_to_answer_waits_for_them() -> None:
+    v = Votes(wait=1)
+    v.offered("liar", BAD, now=0)
+    assert v.decide(["liar", "h1", "h2"], now=1).offer == BAD  # waited: the liar alone
+    v.offered("h1", GOOD, now=2)
+    assert v.decide(["liar", "h1", "h2"], now=2) == Verdict()  # 1:1, h2 decides
+    v.offered("h2", GOOD, now=3)
+    assert v.decide(["liar", "h1", "h2"], now=3) == Verdict(GOOD, ("h1", "h2"))
+
+
+def test_while_the_count_is_open_the_front_is_the_most_offered_then_the_earliest() -> None:
+    v = Votes(wait=60)
+    assert v.front() is None
+    v.offered("liar", BAD, now=0)
+    v.offered("h1", GOOD, now=1)
+    assert v.front() == BAD  # 1:1, the liar came first
+    v.offered("h2", GOOD, now=2)
+    assert v.front() == GOOD
