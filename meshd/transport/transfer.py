@@ -7,13 +7,16 @@ A node placed a stage of a model it lacks fetches that stage's slice
 1. It sends :class:`~.wire.SliceAsk` to every holder the cluster lists (the live nodes
    whose card names the model with the placed sha256); each cuts and hashes the slice
    (once, cached) and answers :class:`~.wire.SliceOffer` with the chunk digests.
-2. The offers are votes (``weights_votes``): the fetch takes the root (the sha256 of the
-   digests) that a majority of the holders offer, or, once all have answered or
-   :data:`OFFER_WAIT_S` has passed, the one more of them offer than any other. Slicing
-   is deterministic, so honest holders of the placed file offer the same root; a holder
-   that offers another is logged and counted and its bytes are not used, but it is not
-   shunned (the vote may turn its way). A tie fails the fetch (``disagree``): nothing
-   tells honest from lying then.
+2. The offers are votes (``weights_votes``): the slice is kept only under the root
+   (the sha256 of the digests) that a majority of the holders offer, or, once all have
+   answered or :data:`OFFER_WAIT_S` has passed, the one more of them offer than any
+   other. Slicing is deterministic, so honest holders of the placed file offer the same
+   root. While the count is open, the root offered most so far is pulled (a slow holder
+   does not hold the fetch up); a count that names another root starts the fetch over.
+   A holder that offers another root than the one named is logged and counted and its
+   bytes are not used, but it is not shunned (the vote may turn its way). A tie among
+   holders that have all answered fails the fetch (``disagree``): nothing tells honest
+   from lying then.
 3. Chunks are pulled with credit-based flow control from every holder of the root
    taken (``weights_pull``), each checked against its digest before it is written to
    ``<dest>.part``; a bad one is dropped, counted and asked again (of another holder
@@ -21,8 +24,9 @@ A node placed a stage of a model it lacks fetches that stage's slice
    again). A holder that goes silent for :data:`CHUNK_TIMEOUT_S` or leaves the
    cluster has its chunks asked of the others.
 4. Before the file is renamed to ``dest`` (and so before any runner loads it), the
-   assembled file is read again and every chunk checked against the root taken, then
-   ``verify`` (the caller's check against the model's own facts) runs. A slice that
+   count must name its root, the assembled file is read again and every chunk checked
+   against that root, then ``verify`` (the caller's check against the model's own
+   facts) runs. A slice that
    fails it is deleted, the holders that offered its root lose their vote and are not
    asked again, and the fetch starts over with the others.
 5. A fetch that was cut short resumes: the chunks of ``<dest>.part`` that match the
@@ -150,10 +154,7 @@ async def fetch_slice(
                 if now - alone_since > no_holder_grace:
                     raise FetchError("no_holder", _why(f, "no node that holds the model answers"))
             if f.manifest is not None and now - f.moved > stall_timeout:
-                if f.finished.is_set():
-                    what = "the holders' offers do not name the fetched bytes' root"
-                    raise FetchError("disagree", _why(f, what))
-                raise FetchError("stalled", _why(f, f"no chunk arrived for {stall_timeout:.0f} s"))
+                raise _stalled(f, stall_timeout)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(f.finished.wait(), 0.5)
             if f.finished.is_set() and f.error is None:
@@ -171,15 +172,26 @@ async def fetch_slice(
                     break
     finally:
         await _stop(workers)
+    return _keep(f, dest)
+
+
+def _stalled(f: FetchState, stall_timeout: float) -> FetchError:
+    if f.finished.is_set():  # every chunk here, held for the count
+        return FetchError("disagree", _why(f, "the holders' offers do not name the bytes' root"))
+    return FetchError("stalled", _why(f, f"no chunk arrived for {stall_timeout:.0f} s"))
+
+
+def _keep(f: FetchState, dest: Path) -> Manifest:
+    """Rename the checked part file into place, its manifest beside it."""
     m = f.manifest
     assert m is not None
     try:
-        os.replace(part, dest)
+        os.replace(f.part, dest)
     except OSError as e:
         raise FetchError("disk", f"cannot keep the fetched slice: {e}") from e
     with contextlib.suppress(OSError):
         write_manifest(manifest_file(dest), m)
-        manifest_file(part).unlink()
+        manifest_file(f.part).unlink()
     f.note(force=True)
     return m
 
