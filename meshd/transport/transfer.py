@@ -24,9 +24,9 @@ A node placed a stage of a model it lacks fetches that stage's slice
    again). A holder that goes silent for :data:`CHUNK_TIMEOUT_S` or leaves the
    cluster has its chunks asked of the others.
 4. Before the file is renamed to ``dest`` (and so before any runner loads it), the
-   count must name its root, the assembled file is read again and every chunk checked
-   against that root, then ``verify`` (the caller's check against the model's own
-   facts) runs. A slice that
+   count must name its root (every chunk in the file was checked against that root
+   before it was written; after a switch of roots the file is read again and checked
+   whole), then ``verify`` (the caller's check against the model's own facts) runs. A slice that
    fails it is deleted, the holders that offered its root lose their vote and are not
    asked again, and the fetch starts over with the others.
 5. A fetch that was cut short resumes: the chunks of ``<dest>.part`` that match the
@@ -225,15 +225,20 @@ async def _stop(workers: dict[str, asyncio.Task[None]]) -> None:
 
 
 async def _whole(f: FetchState, verify: Callable[[Path, Manifest], None] | None) -> bool:
-    """Check the assembled slice before it may be loaded: every chunk against the root
-    taken, then ``verify``. False when the fetch must go on: chunks that do not hold
-    their bytes are fetched again; a slice ``verify`` rejects is deleted, its root's
-    holders lose their vote, and the fetch starts over with the others."""
+    """Check the assembled slice before it may be loaded: its chunks against the root
+    the count names, then ``verify``. False when the fetch must go on: chunks that do
+    not hold their bytes are fetched again; a slice ``verify`` rejects is deleted, its
+    root's holders lose their vote, and the fetch starts over with the others.
+
+    Every chunk was checked against that root before this process wrote it, and
+    nothing else writes the part file, so it is read again only after a switch of
+    roots (a write checked against the old root may have landed late): a second read
+    of a big slice costs seconds of disk and CPU."""
     m = f.manifest
     assert m is not None
-    good = await asyncio.to_thread(verified_chunks, f.part, m)
+    good = await asyncio.to_thread(verified_chunks, f.part, m) if f.switched else f.done
+    f.switched = False
     if len(good) < m.count:
-        # A write of a root no longer taken may land after the new root's chunk.
         log.warning(
             "weights: %d chunks of slice %s did not hold their bytes once assembled: "
             "fetched again", m.count - len(good), m.slice[:12],

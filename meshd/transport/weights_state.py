@@ -106,6 +106,9 @@ class FetchState:
     manifest: Manifest | None = None
     #: Bumped whenever the root taken changes: results of an older one are dropped.
     epoch: int = 0
+    #: The root changed while pulls ran: a write checked against the old one may land
+    #: after the new one's, so the part file is read again before it is kept.
+    switched: bool = False
     #: Each holder's offer, and the holders the cluster lists now.
     offers: dict[str, Manifest] = field(default_factory=dict)
     listed: set[str] = field(default_factory=set)
@@ -172,6 +175,7 @@ async def settle(f: FetchState) -> None:
                 f.manifest.root[:12],
             )  # fmt: skip
             reset(f)
+            f.switched = True
         try:
             await asyncio.to_thread(_begin, f, m)
         except OSError as e:
