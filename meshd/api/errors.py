@@ -62,7 +62,6 @@ ErrorType = Literal[
     "service_unavailable",
     "rate_limit_error",
     "authentication_error",
-    "permission_error",
 ]
 
 

@@ -75,7 +75,7 @@ async def remove_member(request: Request) -> Response:
     except LookupError as e:
         raise ApiError(404, str(e), type="not_found_error", code="not_found") from None
     except NotOwner as e:
-        raise ApiError(403, str(e), type="permission_error", code="not_owner") from None
+        raise ApiError(403, str(e), type="authentication_error", code="not_owner") from None
     return JSONResponse({"id": m.id, "name": m.name, "object": "member", "deleted": True})
 
 

@@ -96,9 +96,11 @@ class RunnerConfig(msgspec.Struct, kw_only=True):
     n_layers: int
     engine: str = "llama_cpp"
     cache_dir: str
-    #: ``model_path`` is this stage's slice itself, fetched from a node that holds the
-    #: model (verified chunk by chunk on the way): its blocks count from 0, and there
-    #: is no whole file here to check ``sha256`` against.
+    #: ``model_path`` is this stage's slice itself, fetched from the nodes that hold the
+    #: model (every chunk checked against the digests most holders offer, the whole
+    #: against the model's facts, before it was renamed into place: see
+    #: ``meshd.transport.transfer``): its blocks count from 0, and there is no whole
+    #: file here to check ``sha256`` against.
     sliced: bool = False
     bind_host: str = "0.0.0.0"
     n_ctx: int = 4096

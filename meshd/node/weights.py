@@ -24,12 +24,14 @@ from meshd.models.folder import folder_sha256
 from meshd.models.folder_slicing import folder_slice_path, slice_folder, unpack_folder_slice
 from meshd.models.hashing import file_sha256
 from meshd.models.manifest import SLICE_FORMAT_VERSION, Manifest, manifest_for, slice_id
+from meshd.models.slice_check import SliceMismatch, check_slice
 from meshd.models.slicing import slice_gguf, slice_path
 from meshd.transport import wire
 from meshd.transport.security import CurveKeys
 from meshd.transport.stats import DropCounters
 from meshd.transport.transfer import (
     FetchProgress,
+    SliceRejected,
     SliceUnavailable,
     WeightServer,
     fetch_slice,
@@ -67,8 +69,9 @@ class Weights:
         self.own_addresses = own_addresses
         self.keys = keys
         self.server_key = server_key
+        self.counters = counters or DropCounters()
         self.server = WeightServer(
-            ctx, prepare=self.prepare, bind_host=bind_host, keys=keys, counters=counters,
+            ctx, prepare=self.prepare, bind_host=bind_host, keys=keys, counters=self.counters,
             admits=admits,
         )  # fmt: skip
 
@@ -135,7 +138,8 @@ class Weights:
         on_progress: Callable[[int, int, float], None],
     ) -> Manifest:
         """Fetch stage ``i`` of ``inst``'s slice into ``dest`` from the live nodes that
-        advertise the model with the placed sha256."""
+        advertise the model with the placed sha256: the bytes most of them offer, checked
+        against the model's facts before anything may load them."""
         facts = inst.facts
         if facts is None:
             raise ValueError(f"instance {inst.id} has no model facts")
@@ -158,10 +162,17 @@ class Weights:
             if facts.format == "mlx"
             else dest
         )
+
+        def verify(path: Path, _m: Manifest) -> None:
+            try:
+                check_slice(path, facts, st.start, st.end)
+            except SliceMismatch as e:
+                raise SliceRejected(str(e)) from None
+
         m = await fetch_slice(
             self.ctx, holders=holders, ask=ask, dest=archive,
             own_addresses=self.own_addresses, keys=self.keys, server_key=self.server_key,
-            on_progress=progress,
+            on_progress=progress, verify=verify, counters=self.counters,
         )  # fmt: skip
         if archive != dest:
             await asyncio.to_thread(unpack_folder_slice, archive, dest)

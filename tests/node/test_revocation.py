@@ -28,7 +28,11 @@ pytestmark = pytest.mark.timeout(240)
 
 def _join_with_code(c: Cluster, a: NodeProc, name: str) -> NodeProc:
     code = httpx.post(a.api + "/v1/invites", json={}, timeout=10).json()["code"]
-    return c.start(name, peers=[a], secret=False, extra_args=["--join", code])
+    return c.start(name, peers=[a], secret=False, extra_args=["--join", code], wait=False)
+
+
+def _denied(n: NodeProc) -> int:
+    return n.get("/healthz")["dropped"].get("zap", {}).get("zap_denied", 0)
 
 
 def _members(n: NodeProc) -> set[str]:
@@ -84,8 +88,9 @@ def test_a_removed_member_is_cut_off_at_once_and_stays_out(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     a = cluster.start("a", secret=False)
-    b = _join_with_code(cluster, a, "b")
-    c = _join_with_code(cluster, a, "c")
+    b, c = _join_with_code(cluster, a, "b"), _join_with_code(cluster, a, "c")
+    cluster.wait_ready(b)
+    cluster.wait_ready(c)
     for n in (a, b, c):
         wait_for(lambda n=n: n.liveness() == {"a": "alive", "b": "alive", "c": "alive"}, 30)
     assert [m["name"] for m in a.get("/v1/members")["data"] if m.get("owner")] == ["a"]
@@ -119,8 +124,9 @@ def test_a_removed_member_is_cut_off_at_once_and_stays_out(
 
         # Restarted with no flags (its data dir still says it is a member): it stays out.
         b.kill()
+        denied = _denied(a)
         b2 = cluster.start("b", data_dir=b.data_dir, peers=[a], secret=False)
-        time.sleep(4.0)  # a few heartbeats and hellos
+        wait_for(lambda: _denied(a) > denied, 15)  # it tried, and ZAP turned it away
         for n in (a, c):
             assert n.liveness() == {"a": "alive", "c": "alive"}, n.liveness()
             assert _members(n) == {"a", "c"}
