@@ -18,6 +18,7 @@ from typing import TypeVar
 import msgspec
 
 from meshd.crdt.lww import Entry
+from meshd.domain.facts import Sha256
 from meshd.domain.job import Job
 from meshd.domain.sampling import Sampling
 
@@ -344,7 +345,7 @@ class SliceAsk(msgspec.Struct, tag=True, kw_only=True):
     """
 
     model: str
-    sha256: str
+    sha256: Sha256
     start: int
     end: int
     version: int
