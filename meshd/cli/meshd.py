@@ -13,10 +13,10 @@ from pathlib import Path
 
 import meshd
 from meshd.api.app import create_app
-from meshd.api.origins import allowed_hosts, parse_allowed
+from meshd.api.origins import allowed_hosts
 from meshd.api.server import ApiServer, bind_api
 from meshd.api.services import ApiSettings
-from meshd.cli.argtypes import nonnegative_float, positive_float, positive_int
+from meshd.cli.argtypes import allowed_host, nonnegative_float, positive_float, positive_int
 from meshd.cli.settings import (
     CONFIG_ENV,
     ConfigError,
@@ -62,13 +62,6 @@ def _port(text: str) -> int:
     if not text.strip().isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535)")
     return int(text)
-
-
-def _allowed_host(text: str) -> str:
-    """An ``--allow-host`` entry: a host name or address, with an optional ``:PORT``."""
-    if parse_allowed(text) is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a host name or address [:PORT]")
-    return text
 
 
 def _size(text: str) -> int:
@@ -153,11 +146,9 @@ def _node_flags(up: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--allow-host",
         action="append",
         default=[],
-        type=_allowed_host,
+        type=allowed_host,
         metavar="NAME[:PORT]",
-        help="another name the API is reached by (a reverse proxy's, a DNS name), at any "
-        "port or at PORT; requests naming any other Host or browser Origin, or one of "
-        "this node's names at another port than the API's, are refused (repeatable)",
+        help="another name the API is reached by (a proxy's, a DNS name): any port, or PORT",
     )
     up.add_argument(
         "--api-port",
@@ -442,10 +433,7 @@ async def up(cfg: NodeConfig) -> int:
         max_requests=cfg.max_requests,
         max_tokens=cfg.max_tokens,
         hosts=allowed_hosts(
-            card.addresses,
-            local_addresses(),
-            [host, socket.gethostname()],
-            allow=cfg.allow_hosts,
+            card.addresses, local_addresses(), [host, socket.gethostname()], allow=cfg.allow_hosts
         ),
     )
     server = ApiServer(create_app(node.services, settings), sock, stop_grace=cfg.api_stop_grace)
