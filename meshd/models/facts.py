@@ -25,9 +25,9 @@ from .generation import gguf_sampling
 from .gguf import read_header
 from .hashing import file_key, file_sha256
 from .mlx_layout import MLX_GGUF_TYPES
-from .resolve import resolve_model
+from .resolve import ResolvedModel, resolve_model
 
-__all__ = ["read_facts", "read_model_facts"]
+__all__ = ["read_facts", "read_model_facts", "read_resolved_facts"]
 
 #: f16 K and V cache entries: the type llama.cpp uses by default.
 _KV_ELEMENT_BYTES = 2
@@ -47,11 +47,17 @@ def read_model_facts(
     Raises ModelNotFoundError when it is not here, ModelFormatError when it is no
     usable model.
     """
-    resolved = resolve_model(model, extra_dirs=extra_dirs)
+    return read_resolved_facts(resolve_model(model, extra_dirs=extra_dirs), model, cache_dir)
+
+
+def read_resolved_facts(
+    resolved: ResolvedModel, name: str, cache_dir: Path | str | None
+) -> ModelFacts:
+    """Facts of a model already resolved (a GGUF or an MLX folder), asked for by ``name``."""
     cache = None if cache_dir is None else Path(cache_dir)
     if resolved.format == "mlx":
-        return read_folder_facts(Path(resolved.path), name=model, cache_dir=cache)
-    return read_facts(Path(resolved.path), name=model, cache_dir=cache)
+        return read_folder_facts(Path(resolved.path), name=name, cache_dir=cache)
+    return read_facts(Path(resolved.path), name=name, cache_dir=cache)
 
 
 def read_facts(
