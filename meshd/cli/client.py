@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from meshd.domain.text import loggable, printable
+
 #: Port a node serves its HTTP API on unless told otherwise.
 DEFAULT_PORT = 7470
 DEFAULT_HOST = "127.0.0.1"
@@ -22,6 +24,8 @@ DEFAULT_HOST = "127.0.0.1"
 NODE_ENV = "MESHCTL_NODE"
 #: Seconds to wait for a node before calling it unreachable.
 DEFAULT_TIMEOUT = 5.0
+#: Characters of one string of an answer shown at most.
+TEXT_LIMIT = 1024
 
 
 class MeshctlError(Exception):
@@ -202,7 +206,7 @@ class NodeClient:
                     if "error" in ev:
                         err = ev["error"]
                         msg = err.get("message", "error") if isinstance(err, dict) else str(err)
-                        raise NodeError(self.base_url, "/v1/chat/completions", msg)
+                        raise NodeError(self.base_url, "/v1/chat/completions", loggable(msg))
                     for choice in ev.get("choices") or []:
                         text = (choice.get("delta") or {}).get("content")
                         if text:
@@ -232,7 +236,24 @@ class NodeClient:
             raise NodeError(
                 self.base_url, path, f"expected a JSON object, got {type(out).__name__}"
             )
-        return out
+        return displayable(out)
+
+
+def displayable(value: Any) -> Any:
+    """``value`` (a node's decoded answer) with every string made :func:`printable`.
+
+    Members wrote much of what a node answers (names, cards, reasons, model names):
+    one of them must not reach this terminal as a newline, an escape sequence or a
+    bidi override, in a table, in ``top`` or in ``--json`` output. (rich markup in a
+    name is the table's concern: cells take :class:`rich.text.Text`, never markup.)
+    """
+    if isinstance(value, str):
+        return printable(value, TEXT_LIMIT)
+    if isinstance(value, list):
+        return [displayable(v) for v in value]
+    if isinstance(value, dict):
+        return {displayable(k): displayable(v) for k, v in value.items()}
+    return value
 
 
 def _error_text(resp: httpx.Response) -> str:
@@ -242,7 +263,7 @@ def _error_text(resp: httpx.Response) -> str:
         msg = err.get("message") if isinstance(err, dict) else None
     except (ValueError, AttributeError):
         msg = None
-    return f"HTTP {resp.status_code}: {msg or _snippet(resp.text)}"
+    return loggable(f"HTTP {resp.status_code}: {msg or _snippet(resp.text)}")
 
 
 def _reason(exc: httpx.TransportError) -> str:

@@ -92,7 +92,8 @@ def test_a_folder_given_with_models_is_a_root(cluster: Cluster, gguf: Path) -> N
     a = cluster.start("a")
     b = cluster.start("b", peers=[a], extra_args=["--models", str(gguf.parent)])
     wait_for(lambda: all(len(n.cluster()["nodes"]) == 2 for n in (a, b)), 15)
-    r = httpx.post(a.api + "/v1/instances", json={"model": str(gguf), "nodes": ["b"]},
+    # Named through b's API: a path is read only under the roots of the node asked.
+    r = httpx.post(b.api + "/v1/instances", json={"model": str(gguf), "nodes": ["b"]},
                    timeout=120)  # fmt: skip
     assert r.status_code == 201, r.text
     iid = r.json()["id"]
