@@ -155,8 +155,8 @@ def tighten(data_dir: Path) -> None:
     """Make ``data_dir`` 0700 and its state files 0600 where this user owns them and
     others may read them (never through a symlink; someone else's is left alone)."""
     getuid = getattr(os, "getuid", None)
-    if getuid is None:  # Windows: modes mean little there
-        return
+    if getuid is None or data_dir.resolve() == Path.home().resolve():
+        return  # Windows: modes mean little there; a home dir: not meshd's to change
     for path, mode in (
         (data_dir, 0o700),
         (data_dir / ID_FILE, 0o600),
