@@ -126,6 +126,8 @@ def _meta_int(header: GgufHeader, key: str, path: Path, default: int | None = No
         if len(set(v)) != 1:
             raise UnsupportedModelError(f"{path}: per-layer {key} ({v}) is not supported")
         v = v[0]
+    if int(v) <= 0:  # a width, a count: 0 would divide by zero below
+        raise ModelFormatError(f"{path}: GGUF {key} is {v}")
     return int(v)
 
 
