@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Literal
 
+from meshd.domain.text import loggable
+
 __all__ = [
     "LOG_FORMATS",
     "JsonFormatter",
@@ -61,6 +63,12 @@ class _RequestFilter(logging.Filter):
 
 
 class _TextFormatter(logging.Formatter):
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # Every line of every logger passes here: a peer's name or reason in a message
+        # cannot forge a line nor reach the terminal as an escape (see domain.text).
+        record.message = loggable(record.message)
+        return super().formatMessage(record)
+
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         req = getattr(record, "req", None)
@@ -81,7 +89,7 @@ class JsonFormatter(logging.Formatter):
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": loggable(record.getMessage()),
         }
         if self.proc:
             out["proc"] = self.proc

@@ -23,6 +23,7 @@ from meshd.node.services import MemberView, PendingView, Vitals
 from meshd.transport import wire
 
 from .limits import Admission
+from .origins import AllowedHosts
 
 __all__ = ["ApiContext", "ApiSettings", "Services", "context"]
 
@@ -123,7 +124,7 @@ class ApiSettings:
     #: Most tokens one request may generate (``max_tokens`` above it is a 400).
     max_tokens: int
     #: Names a request's Host (and a browser's Origin) may carry (see ``origins.py``).
-    hosts: frozenset[str]
+    hosts: AllowedHosts
 
 
 @dataclass

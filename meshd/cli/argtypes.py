@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from meshd.api.origins import parse_allowed
+
 
 def positive_int(text: str) -> int:
     """A whole number >= 1."""
@@ -37,3 +39,10 @@ def positive_float(text: str) -> float:
     if not x > 0:
         raise argparse.ArgumentTypeError(f"{text} must be more than 0")
     return x
+
+
+def allowed_host(text: str) -> str:
+    """An ``--allow-host`` entry: a host name or address, with an optional ``:PORT``."""
+    if parse_allowed(text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a host name or address [:PORT]")
+    return text

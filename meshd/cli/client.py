@@ -15,6 +15,8 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
+from meshd.domain.text import loggable, printable
+
 #: Port a node serves its HTTP API on unless told otherwise.
 DEFAULT_PORT = 7470
 DEFAULT_HOST = "127.0.0.1"
@@ -24,6 +26,8 @@ NODE_ENV = "MESHCTL_NODE"
 DEFAULT_TIMEOUT = 5.0
 #: The header of the admin credential (``meshd.api.auth.ADMIN_HEADER``).
 ADMIN_HEADER = "x-meshd-admin"
+#: Characters of one string of an answer shown at most.
+TEXT_LIMIT = 1024
 
 
 class MeshctlError(Exception):
@@ -223,7 +227,7 @@ class NodeClient:
                     if "error" in ev:
                         err = ev["error"]
                         msg = err.get("message", "error") if isinstance(err, dict) else str(err)
-                        raise NodeError(self.base_url, "/v1/chat/completions", msg)
+                        raise NodeError(self.base_url, "/v1/chat/completions", loggable(msg))
                     for choice in ev.get("choices") or []:
                         text = (choice.get("delta") or {}).get("content")
                         if text:
@@ -255,7 +259,24 @@ class NodeClient:
             raise NodeError(
                 self.base_url, path, f"expected a JSON object, got {type(out).__name__}"
             )
-        return out
+        return displayable(out)
+
+
+def displayable(value: Any) -> Any:
+    """``value`` (a node's decoded answer) with every string made :func:`printable`.
+
+    Members wrote much of what a node answers (names, cards, reasons, model names):
+    one of them must not reach this terminal as a newline, an escape sequence or a
+    bidi override, in a table, in ``top`` or in ``--json`` output. (rich markup in a
+    name is the table's concern: cells take :class:`rich.text.Text`, never markup.)
+    """
+    if isinstance(value, str):
+        return printable(value, TEXT_LIMIT)
+    if isinstance(value, list):
+        return [displayable(v) for v in value]
+    if isinstance(value, dict):
+        return {displayable(k): displayable(v) for k, v in value.items()}
+    return value
 
 
 def _error_text(resp: httpx.Response) -> str:
@@ -265,7 +286,7 @@ def _error_text(resp: httpx.Response) -> str:
         msg = err.get("message") if isinstance(err, dict) else None
     except (ValueError, AttributeError):
         msg = None
-    return f"HTTP {resp.status_code}: {msg or _snippet(resp.text)}"
+    return loggable(f"HTTP {resp.status_code}: {msg or _snippet(resp.text)}")
 
 
 def _reason(exc: httpx.TransportError) -> str:

@@ -166,10 +166,10 @@ def cmd_rm(args: argparse.Namespace, client: NodeClient) -> int:
 
 
 def _print_instances(data: list, client: NodeClient) -> None:
-    from rich.table import Table
+    from rich import markup, table  # names, models, reasons: members wrote them
 
     names = {n["id"]: n["name"] for n in client.cluster().get("nodes") or []}
-    t = Table(box=None, header_style="bold")
+    t = table.Table(box=None, header_style="bold")
     # The draft column only where some instance has a draft model drafting for it.
     drafts = any(inst.get("draft") for inst in data)
     for col in ("id", "model", "gen", "stages", *(["draft"] if drafts else [])):
@@ -181,7 +181,7 @@ def _print_instances(data: list, client: NodeClient) -> None:
             for s in inst.get("stages") or []
         )
         row = [inst["id"], inst["model"], str(inst.get("generation", "")), stages]
-        t.add_row(*row, *([inst.get("draft") or ""] if drafts else []))
+        t.add_row(*map(markup.escape, [*row, *([inst.get("draft") or ""] if drafts else [])]))
     if not data:
         print("no instances placed")
         return

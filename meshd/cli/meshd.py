@@ -16,7 +16,7 @@ from meshd.api.app import create_app
 from meshd.api.origins import allowed_hosts
 from meshd.api.server import ApiServer, bind_api
 from meshd.api.services import ApiSettings
-from meshd.cli.argtypes import nonnegative_float, positive_float, positive_int
+from meshd.cli.argtypes import allowed_host, nonnegative_float, positive_float, positive_int
 from meshd.cli.keys import add_key_flags, node_keys, refuse_argv
 from meshd.cli.settings import (
     CONFIG_ENV,
@@ -140,9 +140,9 @@ def _node_flags(up: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--allow-host",
         action="append",
         default=[],
-        metavar="NAME",
-        help="another name the API is reached by (a reverse proxy's, a DNS name); "
-        "requests naming any other Host or browser Origin are refused (repeatable)",
+        type=allowed_host,
+        metavar="NAME[:PORT]",
+        help="another name the API is reached by (a proxy's, a DNS name): any port, or PORT",
     )
     up.add_argument(
         "--api-port",
@@ -431,7 +431,7 @@ async def up(cfg: NodeConfig) -> int:
         max_requests=cfg.max_requests,
         max_tokens=cfg.max_tokens,
         hosts=allowed_hosts(
-            card.addresses, local_addresses(), [host, socket.gethostname()], cfg.allow_hosts
+            card.addresses, local_addresses(), [host, socket.gethostname()], allow=cfg.allow_hosts
         ),
     )
     server = ApiServer(create_app(node.services, settings), sock, stop_grace=cfg.api_stop_grace)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from meshd.models import canonical_name
@@ -118,11 +119,13 @@ def models_table(rows: list[dict[str, Any]]) -> Table:
         serving = r["serving"] or "-"
         if r["instances"]:
             serving += f" ({', '.join(map(str, r['instances']))})"
+        # Names a member wrote are text, never markup (``[link=...]`` in a model name).
+        serving = escape(serving)
         t.add_row(
-            r["model"],
-            r["format"] or "?",
+            escape(r["model"]),
+            escape(r["format"] or "?"),
             _size(r["size"]),
-            ", ".join(r["nodes"]) or "-",
+            escape(", ".join(r["nodes"]) or "-"),
             f"[{style[r['serving']]}]{serving}[/]" if r["serving"] in style else serving,
         )
     return t

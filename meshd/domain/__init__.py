@@ -10,5 +10,6 @@ into them, the wire carries them, placement and the engines read them.
 ``job``        ``Job``: what a request asks of a model
 ``facts``      ``ModelFacts``: a model, read from its file's header
 ``nodes``      ``Device``, ``NodeResources``: what a node computes with
+``text``       ``printable``, ``loggable``: text from the network, safe to show
 =============  ===============================================================
 """

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import re
+from typing import Annotated
+
 import msgspec
 
 from .sampling import SamplingChoice
 
-__all__ = ["ModelFacts"]
+__all__ = ["MaybeSha256", "ModelFacts", "Sha256", "is_sha256"]
+
+_SHA256 = "[0-9a-f]{64}"
+#: A content id as it crosses the wire: 64 lowercase hex digits. It names cache paths
+#: (``<cache>/<sha256[:16]>/...``), so anything else ("../..", "/etc") must fail to
+#: decode, never reach a path.
+Sha256 = Annotated[str, msgspec.Meta(pattern=rf"\A{_SHA256}\Z")]
+#: :data:`Sha256`, or "" where it is not known.
+MaybeSha256 = Annotated[str, msgspec.Meta(pattern=rf"\A({_SHA256})?\Z")]
+_SHA256_RE = re.compile(_SHA256)
+
+
+def is_sha256(value: str) -> bool:
+    """Whether ``value`` is a sha256 in hex (64 lowercase digits, nothing else)."""
+    return _SHA256_RE.fullmatch(value) is not None
 
 
 class ModelFacts(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
@@ -18,7 +35,7 @@ class ModelFacts(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
 
     #: The name the model was asked for by (alias, path or repo id).
     name: str
-    sha256: str
+    sha256: MaybeSha256
     #: ``gguf`` or ``mlx`` (a config.json + safetensors folder).
     format: str = "gguf"
     architecture: str = "llama"

@@ -21,6 +21,7 @@ import sys
 
 import msgspec
 
+from meshd.domain.facts import MaybeSha256
 from meshd.logs import LogFormat
 from meshd.transport.security import CurveKeys
 from meshd.transport.wire import Addr
@@ -90,7 +91,7 @@ class RunnerConfig(msgspec.Struct, kw_only=True):
     stage: int
     n_stages: int
     model_path: str
-    sha256: str
+    sha256: MaybeSha256
     start: int
     end: int
     n_layers: int

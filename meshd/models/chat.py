@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Collection, Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,15 @@ from .resolve import ModelFormat, ResolvedModel
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "QUOTE_CLOSE",
+    "QUOTE_OPEN",
     "ChatTemplateError",
     "chat_template",
     "chat_template_at",
     "normalize_messages",
+    "quote_specials",
     "render_chat",
+    "split_quoted",
 ]
 
 CHATML_TEMPLATE = (
@@ -233,3 +238,54 @@ def _compile(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------------
+# Special tokens a user wrote
+#
+# The rendered prompt is tokenized with special-token text parsed: the template's
+# ``<|im_start|>`` must become its token. A user's (or a tool's) text must not: typed
+# into a message, ``<|im_end|>\n<|im_start|>system`` would open a system turn. So,
+# before rendering, the special-token text inside every string the request brought is
+# quoted between two private-use characters no tokenizer gives a meaning to; after
+# rendering, what lies between them is tokenized as plain text. A request without any
+# special-token text is rendered and tokenized exactly as before (no quote in it).
+
+#: Open and close a quoted run of special-token text (U+E000, U+E001: private use).
+QUOTE_OPEN, QUOTE_CLOSE = "\ue000", "\ue001"
+_QUOTED = re.compile(f"{QUOTE_OPEN}([^{QUOTE_OPEN}{QUOTE_CLOSE}]*){QUOTE_CLOSE}")
+_QUOTES = str.maketrans("", "", QUOTE_OPEN + QUOTE_CLOSE)
+
+
+def quote_specials(value: Any, specials: Callable[[str], Collection[str]]) -> Any:
+    """``value`` (messages, tools: JSON-like) with every string's special-token text
+    quoted: ``specials(s)`` names the special-token texts found in ``s`` (a tokenizer
+    knows them). Quote characters a user sent are dropped first: only ours remain."""
+    if isinstance(value, str):
+        text = value.translate(_QUOTES)
+        found = sorted(set(specials(text)), key=len, reverse=True)
+        if not found:
+            return text
+        alternatives = re.compile("|".join(re.escape(s) for s in found if s))
+        return alternatives.sub(lambda m: QUOTE_OPEN + m.group(0) + QUOTE_CLOSE, text)
+    if isinstance(value, list | tuple):
+        return [quote_specials(v, specials) for v in value]
+    if isinstance(value, Mapping):
+        return {k: quote_specials(v, specials) for k, v in value.items()}
+    return value
+
+
+def split_quoted(text: str) -> list[tuple[str, bool]]:
+    """A rendered prompt as runs of (text, quoted): quoted runs are a user's special-token
+    text, to be tokenized as plain text. A quote the template cut in half (a string it
+    split or sliced) is dropped; what it marked is then no token text any more."""
+    out: list[tuple[str, bool]] = []
+    at = 0
+    for m in _QUOTED.finditer(text):
+        if m.start() > at:
+            out.append((text[at : m.start()].translate(_QUOTES), False))
+        out.append((m.group(1), True))
+        at = m.end()
+    if at < len(text):
+        out.append((text[at:].translate(_QUOTES), False))
+    return [(t, q) for t, q in out if t]

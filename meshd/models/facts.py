@@ -25,14 +25,17 @@ from .generation import gguf_sampling
 from .gguf import read_header
 from .hashing import file_key, file_sha256
 from .mlx_layout import MLX_GGUF_TYPES
-from .resolve import resolve_model
+from .resolve import ResolvedModel, resolve_model
 
-__all__ = ["read_facts", "read_model_facts"]
+__all__ = ["read_facts", "read_model_facts", "read_resolved_facts"]
 
 #: f16 K and V cache entries: the type llama.cpp uses by default.
 _KV_ELEMENT_BYTES = 2
 
 _BLK = re.compile(r"^blk\.(\d+)\.")
+#: Largest layer, head or width count taken from a header: more is a corrupt or
+#: hostile file (a list of 2**60 layers would take the reader down).
+_MAX_COUNT = 1 << 24
 
 
 def read_model_facts(
@@ -44,11 +47,17 @@ def read_model_facts(
     Raises ModelNotFoundError when it is not here, ModelFormatError when it is no
     usable model.
     """
-    resolved = resolve_model(model, extra_dirs=extra_dirs)
+    return read_resolved_facts(resolve_model(model, extra_dirs=extra_dirs), model, cache_dir)
+
+
+def read_resolved_facts(
+    resolved: ResolvedModel, name: str, cache_dir: Path | str | None
+) -> ModelFacts:
+    """Facts of a model already resolved (a GGUF or an MLX folder), asked for by ``name``."""
     cache = None if cache_dir is None else Path(cache_dir)
     if resolved.format == "mlx":
-        return read_folder_facts(Path(resolved.path), name=model, cache_dir=cache)
-    return read_facts(Path(resolved.path), name=model, cache_dir=cache)
+        return read_folder_facts(Path(resolved.path), name=name, cache_dir=cache)
+    return read_facts(Path(resolved.path), name=name, cache_dir=cache)
 
 
 def read_facts(
@@ -111,16 +120,20 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
     if not isinstance(arch, str) or not arch:
         raise ModelFormatError(f"{path}: GGUF metadata lacks general.architecture")
     n_layers = _required_int(kv, f"{arch}.block_count", path)
+    if n_layers > len(header.tensors):
+        raise ModelFormatError(
+            f"{path}: GGUF block_count {n_layers} but {len(header.tensors)} tensors"
+        )
     hidden = _required_int(kv, f"{arch}.embedding_length", path)
-    n_ctx_train = _int(kv, f"{arch}.context_length") or 0
-    n_head = _int(kv, f"{arch}.attention.head_count") or 0
+    n_ctx_train = _int(kv, f"{arch}.context_length", path) or 0
+    n_head = _int(kv, f"{arch}.attention.head_count", path) or 0
     # Grouped-query attention: K/V heads default to the query heads when absent.
-    n_head_kv = _int(kv, f"{arch}.attention.head_count_kv") or n_head
+    n_head_kv = _int(kv, f"{arch}.attention.head_count_kv", path) or n_head
     # key_length/value_length are explicit for models whose head dim is not
     # hidden / heads (e.g. Gemma); otherwise llama.cpp derives it the same way.
     head_dim = hidden // n_head if n_head else 0
-    k_len = _int(kv, f"{arch}.attention.key_length") or head_dim
-    v_len = _int(kv, f"{arch}.attention.value_length") or k_len
+    k_len = _int(kv, f"{arch}.attention.key_length", path) or head_dim
+    v_len = _int(kv, f"{arch}.attention.value_length", path) or k_len
 
     layer_bytes = [0] * n_layers
     embed_bytes = 0
@@ -191,17 +204,21 @@ def _n_vocab(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> int:
     return int(embd[1][1]) if embd is not None and len(embd[1]) > 1 else 0
 
 
-def _int(kv: dict[str, Any], key: str) -> int | None:
+def _int(kv: dict[str, Any], key: str, path: Path | str = "") -> int | None:
     v = kv.get(key)
     if v is None:
         return None
     # Some architectures store per-layer head counts as an array: size for the
     # largest layer so the KV estimate never comes out short.
-    return int(max(v) if isinstance(v, list) else v)
+    if isinstance(v, list) and v and all(isinstance(x, int | float) for x in v):
+        v = max(v)
+    if not isinstance(v, int | float) or not 0 <= v <= _MAX_COUNT:
+        raise ModelFormatError(f"{path}: GGUF metadata {key!r} is {str(v)[:80]}, not a count")
+    return int(v)
 
 
 def _required_int(kv: dict[str, Any], key: str, path: Path) -> int:
-    v = _int(kv, key)
+    v = _int(kv, key, path)
     if v is None:
         raise ModelFormatError(f"{path}: GGUF metadata lacks {key!r}")
     return v

@@ -35,6 +35,7 @@ from .atomic import written_whole
 from .errors import ModelFormatError
 from .folder import LAYER_OFFSET_KEY, read_safetensors_header, text_model, weight_files
 from .mlx_layout import folder_name
+from .slicing import cache_folder
 
 __all__ = ["folder_slice_dir", "folder_slice_path", "slice_folder", "unpack_folder_slice"]
 
@@ -45,12 +46,12 @@ _WEIGHTS = "model.safetensors"
 
 def folder_slice_path(out_dir: Path, sha256: str, start: int, end: int) -> Path:
     """Where the archive of layers ``[start, end)`` of the folder with this sha256 is."""
-    return Path(out_dir) / sha256[:16] / f"{start}-{end}.mlx.tar"
+    return Path(out_dir) / cache_folder(sha256) / f"{start}-{end}.mlx.tar"
 
 
 def folder_slice_dir(out_dir: Path, sha256: str, start: int, end: int) -> Path:
     """Where a fetched folder slice is unpacked (what its MLX stage loads)."""
-    return Path(out_dir) / sha256[:16] / f"{start}-{end}.mlx"
+    return Path(out_dir) / cache_folder(sha256) / f"{start}-{end}.mlx"
 
 
 def slice_folder(src: Path, start: int, end: int, out_dir: Path, sha256: str) -> Path:

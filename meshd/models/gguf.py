@@ -43,6 +43,14 @@ _GGUF_ARRAY = 9
 #: Numeric arrays up to this length are read (per-layer head counts); longer ones
 #: (token types, scores) and string arrays (the vocabulary) are skipped.
 _GGUF_ARRAY_READ_MAX = 4096
+#: Arrays of arrays this deep at most (llama.cpp reads none; a file nested a thousand
+#: deep must be a clear error, not a RecursionError).
+_GGUF_MAX_DEPTH = 2
+#: The fewest bytes one item of each type takes: a count that needs more than the
+#: file holds is refused before anything loops over it.
+_GGUF_MIN_BYTES = {_GGUF_STRING: 8, _GGUF_ARRAY: 12}
+#: Dimensions of a tensor at most (GGML_MAX_DIMS is 4).
+_GGUF_MAX_DIMS = 8
 
 
 class SpecialTokens(msgspec.Struct, frozen=True):
@@ -93,6 +101,17 @@ class _Cursor:
         self.pos += struct.calcsize(fmt)
         return v
 
+    def count(self, kind: int, what: str) -> int:
+        """A count of items of type ``kind`` at the cursor, refused when the rest of the
+        file could not hold that many."""
+        n = int(self.scalar(10))
+        size = _GGUF_MIN_BYTES.get(kind) or struct.calcsize(_GGUF_SCALARS.get(kind, "B"))
+        if n * size > len(self.buf) - self.pos:
+            raise ModelFormatError(
+                f"{self.path}: GGUF header claims {n} {what}, more than the file holds"
+            )
+        return n
+
     def string(self) -> str:
         n = self.scalar(10)
         end = self.pos + n
@@ -107,10 +126,11 @@ class _Cursor:
         of its stored bytes up to its last entry that is not padding: converters pad
         a vocabulary to the embedding's rows with ``[PAD<i>]`` entries, and two sizes
         of one family (Qwen2.5 0.5B and 7B) differ only there."""
-        item, count = self.scalar(4), self.scalar(10)
+        item = self.scalar(4)
+        count = self.count(item, "tokens")
         if item != _GGUF_STRING:
             for _ in range(count):
-                self.value(item, arrays=False)
+                self.value(item, arrays=False, depth=1)
             return ""
         start = end = self.pos
         buf, order = self.buf, self.order + "Q"
@@ -124,18 +144,22 @@ class _Cursor:
             raise ModelFormatError(f"{self.path}: GGUF header is truncated")
         return hashlib.blake2b(buf[start:end], digest_size=16).hexdigest()
 
-    def value(self, kind: int, arrays: bool) -> Any:
+    def value(self, kind: int, arrays: bool, depth: int = 0) -> Any:
         """The value of type ``kind`` at the cursor; an array is read only when
-        ``arrays`` and numeric and short (else skipped: None)."""
+        ``arrays`` and numeric and short (else skipped: None). ``depth``: the arrays
+        this value is in."""
         if kind == _GGUF_STRING:
             return self.string()
         if kind != _GGUF_ARRAY:
             return self.scalar(kind)
-        item, count = self.scalar(4), self.scalar(10)
+        if depth >= _GGUF_MAX_DEPTH:
+            raise ModelFormatError(f"{self.path}: GGUF arrays nested deeper than {depth}")
+        item = self.scalar(4)
+        count = self.count(item, "array items")
         fmt = _GGUF_SCALARS.get(item)
         if fmt is None:
             for _ in range(count):
-                self.value(item, arrays=False)
+                self.value(item, arrays=False, depth=depth + 1)
             return None
         size = count * struct.calcsize(fmt)
         if self.pos + size > len(self.buf):
@@ -146,6 +170,10 @@ class _Cursor:
         items = list(struct.unpack_from(f"{self.order}{count}{fmt}", self.buf, self.pos))
         self.pos += size
         return items
+
+
+#: What struct and index arithmetic raise on bytes that stop making sense.
+_CORRUPT = (struct.error, IndexError, OverflowError)
 
 
 def _truncated(path: Path | str, e: Exception) -> ModelFormatError:
@@ -174,7 +202,7 @@ def read_metadata(path: str | Path, *, keys: Collection[str] | None = None) -> d
         cur = _Cursor(buf, path)
         try:
             cur.scalar(10)  # tensor count
-            for _ in range(cur.scalar(10)):
+            for _ in range(cur.count(_GGUF_ARRAY, "key/values")):
                 key = cur.string()
                 kind = cur.scalar(4)
                 v = cur.value(kind, arrays=False)
@@ -183,7 +211,7 @@ def read_metadata(path: str | Path, *, keys: Collection[str] | None = None) -> d
                 out[key] = v
                 if wanted is not None and wanted.issubset(out):
                     break
-        except (struct.error, IndexError) as e:
+        except _CORRUPT as e:
             raise _truncated(path, e) from e
     return out
 
@@ -200,7 +228,10 @@ def read_header(path: Path) -> GgufHeader:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         cur = _Cursor(buf, path)
         try:
-            n_tensors, n_kv = cur.scalar(10), cur.scalar(10)
+            n_tensors = cur.scalar(10)
+            n_kv = cur.count(_GGUF_ARRAY, "key/values")
+            if n_tensors * 24 > len(buf):  # a name, dims, type, offset: 24 bytes at least
+                raise ModelFormatError(f"{path}: GGUF header claims {n_tensors} tensors")
             kv: dict[str, Any] = {}
             vocab_hash = ""
             for _ in range(n_kv):
@@ -218,7 +249,10 @@ def read_header(path: Path) -> GgufHeader:
             unsized: list[tuple[int, str]] = []
             for _ in range(n_tensors):
                 name = cur.string()
-                shape = tuple(cur.scalar(10) for _ in range(cur.scalar(4)))
+                n_dims = cur.scalar(4)
+                if n_dims > _GGUF_MAX_DIMS:
+                    raise ModelFormatError(f"{path}: tensor {name[:80]!r} has {n_dims} dims")
+                shape = tuple(cur.scalar(10) for _ in range(n_dims))
                 kind = cur.scalar(4)
                 offset = cur.scalar(10)
                 relative[name] = offset
@@ -234,14 +268,19 @@ def read_header(path: Path) -> GgufHeader:
                 tensors[name] = (qtype.name, shape)
                 nbytes[name] = math.prod(shape) // block_size * type_size
                 starts.append(offset)
-        except (struct.error, IndexError) as e:
+        except _CORRUPT as e:
             raise _truncated(path, e) from e
-        align = int(kv.get("general.alignment") or 32)
+        align = kv.get("general.alignment") or 32
+        if not isinstance(align, int) or align <= 0 or align & (align - 1) or align > 1 << 20:
+            raise ModelFormatError(f"{path}: GGUF general.alignment {align!r} is no power of 2")
         data_start = -(-cur.pos // align) * align
         if unsized:
             ends = sorted(starts + [o for o, _ in unsized] + [len(buf) - data_start])
             for offset, name in unsized:
-                nbytes[name] = next(e for e in ends if e > offset) - offset
+                end = next((e for e in ends if e > offset), None)
+                if end is None:
+                    raise ModelFormatError(f"{path}: tensor {name[:80]!r} starts past the end")
+                nbytes[name] = end - offset
     offsets = {name: data_start + o for name, o in relative.items()}
     return GgufHeader(kv=kv, tensors=tensors, nbytes=nbytes, offsets=offsets, vocab_hash=vocab_hash)
 

@@ -116,7 +116,9 @@ class GgufLayout:
     mx_loadable: bool = True
 
 
-def _meta_int(header: GgufHeader, key: str, path: Path, default: int | None = None) -> int:
+def _meta_int(
+    header: GgufHeader, key: str, path: Path, default: int | None = None, positive: bool = False
+) -> int:
     v = header.kv.get(key)
     if v is None:
         if default is None:
@@ -126,6 +128,8 @@ def _meta_int(header: GgufHeader, key: str, path: Path, default: int | None = No
         if len(set(v)) != 1:
             raise UnsupportedModelError(f"{path}: per-layer {key} ({v}) is not supported")
         v = v[0]
+    if int(v) <= 0 and positive:  # a divisor: 0 would divide by zero
+        raise ModelFormatError(f"{path}: GGUF {key} is {v}")
     return int(v)
 
 
@@ -165,7 +169,7 @@ def inspect_gguf(path: Path) -> GgufLayout:
         )
     n_layers = _meta_int(header, f"{arch}.block_count", path)
     hidden = _meta_int(header, f"{arch}.embedding_length", path)
-    n_heads = _meta_int(header, f"{arch}.attention.head_count", path)
+    n_heads = _meta_int(header, f"{arch}.attention.head_count", path, positive=True)
     n_kv_heads = _meta_int(header, f"{arch}.attention.head_count_kv", path, n_heads)
     head_dim = _meta_int(header, f"{arch}.attention.key_length", path, hidden // n_heads)
     v_dim = _meta_int(header, f"{arch}.attention.value_length", path, head_dim)

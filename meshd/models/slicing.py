@@ -27,12 +27,14 @@ from pathlib import Path
 
 import gguf
 
+from meshd.domain.facts import is_sha256
+
 from .atomic import written_whole
 from .errors import ModelFormatError
 from .gguf import architecture, open_gguf, read_metadata
 from .scaling import layer_count_defaults, swa_layers
 
-__all__ = ["slice_gguf", "slice_path", "trim_slices"]
+__all__ = ["cache_folder", "slice_gguf", "slice_path", "trim_slices"]
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.*)$")
 #: A sliding window wider than any context (positions are int32 in llama.cpp).
@@ -41,7 +43,16 @@ UNBOUNDED_WINDOW = 1 << 24
 
 def slice_path(out_dir: Path, sha256: str, start: int, end: int) -> Path:
     """Where the slice ``[start, end)`` of the model with this sha256 is cached."""
-    return Path(out_dir) / sha256[:16] / f"{start}-{end}.gguf"
+    return Path(out_dir) / cache_folder(sha256) / f"{start}-{end}.gguf"
+
+
+def cache_folder(sha256: str) -> str:
+    """The cache folder of a model's slices: its sha256's first 16 digits. A value
+    that is not a sha256 (it came from a plan, a peer's card) never names a path:
+    ValueError."""
+    if not is_sha256(sha256):
+        raise ValueError(f"not a sha256: {sha256[:80]!r}")
+    return sha256[:16]
 
 
 def slice_gguf(src: Path, start: int, end: int, out_dir: Path, sha256: str) -> Path:

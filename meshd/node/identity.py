@@ -6,6 +6,9 @@ rejoins as itself. It must never be shared: the identity file records a fingerpr
 the machine and of the data directory's path; a copy of the directory on another
 machine (or moved elsewhere) gets a fresh key and id instead of silently impersonating
 the original. Two processes on one data directory are stopped by an exclusive lock.
+
+The directory is this user's alone (0700, tightened at start when an older meshd left
+it 0755), and so are the files in it that say anything of the cluster (0600).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import platform
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import uuid
@@ -27,6 +31,8 @@ from typing import IO
 
 from meshd.transport.identity import NodeKey
 from meshd.transport.security import read_private, write_private
+
+from .cluster_store import STATE_FILE
 
 log = logging.getLogger("meshd.node")
 
@@ -114,7 +120,8 @@ class Identity:
 
 
 def _lock(data_dir: Path) -> IO[str]:
-    f = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held for the process lifetime
+    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+    f = os.fdopen(fd, "a+")
     try:
         import fcntl
 
@@ -130,14 +137,39 @@ def _lock(data_dir: Path) -> IO[str]:
 
 
 def load_identity(data_dir: Path) -> Identity:
-    """Lock ``data_dir`` and return its identity, making a new key when needed."""
-    data_dir.mkdir(parents=True, exist_ok=True)
+    """Lock ``data_dir`` and return its identity, making a new key when needed.
+
+    The directory is made 0700, and tightened to it when this user owns it and others
+    may read it (an older meshd made it 0755, its ``cluster.json`` 0644)."""
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tighten(data_dir)
     lock = _lock(data_dir)
     try:
         return _load(data_dir, lock)
     except BaseException:
         lock.close()
         raise
+
+
+def tighten(data_dir: Path) -> None:
+    """Make ``data_dir`` 0700 and its state files 0600 where this user owns them and
+    others may read them (never through a symlink; someone else's is left alone)."""
+    getuid = getattr(os, "getuid", None)
+    if getuid is None or data_dir.resolve() == Path.home().resolve():
+        return  # Windows: modes mean little there; a home dir: not meshd's to change
+    for path, mode in (
+        (data_dir, 0o700),
+        (data_dir / ID_FILE, 0o600),
+        (data_dir / STATE_FILE, 0o600),
+    ):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != getuid() or not st.st_mode & 0o077:
+            continue
+        os.chmod(path, mode)
+        log.info("%s was readable by other users: now %o", path, mode)
 
 
 def _load(data_dir: Path, lock: IO[str]) -> Identity:
@@ -160,7 +192,7 @@ def _load(data_dir: Path, lock: IO[str]) -> Identity:
         )
     key = NodeKey.generate()
     write_private(data_dir / KEY_FILE, key.seed, replace=(data_dir / KEY_FILE).exists())
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"node_id": key.node_id, "fingerprint": fp}))
-    os.replace(tmp, path)
+    write_private(
+        path, json.dumps({"node_id": key.node_id, "fingerprint": fp}).encode(), replace=True
+    )
     return Identity(key, data_dir, lock, fresh=True)

@@ -14,15 +14,15 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
 from meshd.crdt.views import Instance, InstanceSpec, PlanBasis, instance_key
 from meshd.domain.facts import ModelFacts
-from meshd.models import ModelNotFoundError, canonical_name, resolve_model
-from meshd.models.facts import read_model_facts
+from meshd.models import ModelNotFoundError, ResolvedModel, canonical_name, resolve_model
+from meshd.models.facts import read_resolved_facts
 from meshd.models.folder import check_folder_for_mlx
 from meshd.models.mlx_layout import check_gguf_for_mlx
 
@@ -40,11 +40,11 @@ log = logging.getLogger("meshd.inference")
 _REPAIR_FLOOR_S = 0.1
 
 
-def _check_mlx(model: str, pinned: bool, dirs: Sequence[Path] = ()) -> None:
+def _check_mlx(resolve: Callable[[str], ResolvedModel], model: str, pinned: bool) -> None:
     """Raise UnsupportedModelError when MLX must run ``model`` (pinned, or a folder)
     and cannot. A model not on this machine is not checked here."""
     try:
-        resolved = resolve_model(model, extra_dirs=dirs)
+        resolved = resolve(model)
     except LookupError:
         return  # not on this machine: facts() says where it looked, or finds it
     if resolved.format == "gguf" and not pinned:
@@ -76,17 +76,22 @@ class Instances:
         self.config = config
         self.cache_dir = cache_dir
         self._aborted = aborted
-        #: This node's model roots: a model named through its own API joins them.
+        #: This node's model roots: the only files it reads for a name (see roots.py).
         self.roots = roots
         self._facts: dict[str, ModelFacts] = {}
         self._facts_locks: dict[str, asyncio.Lock] = {}
         self._unrepairable: set[tuple[str, int]] = set()
 
     # -- models --------------------------------------------------------------------
-    @property
-    def _dirs(self) -> list[Path]:
-        # Names under this node's --models folders are its models too (its card says so).
-        return self.roots.dirs if self.roots is not None else []
+    def _resolve(self, model: str) -> ResolvedModel:
+        # Through the roots: a path the API was given outside them reads as "not here",
+        # whether or not it exists (the error tells nothing of the disk).
+        if self.roots is not None:
+            return self.roots.resolve(model)
+        return resolve_model(model)
+
+    def _read_facts(self, model: str) -> ModelFacts:
+        return read_resolved_facts(self._resolve(model), model, self.cache_dir)
 
     async def facts(self, model: str) -> ModelFacts:
         """Facts of ``model``: read from this node's file (hashing runs off the event
@@ -104,9 +109,7 @@ class Instances:
                 f = self._facts.get(canon)
                 if f is None:
                     try:
-                        f = await asyncio.to_thread(
-                            read_model_facts, canon, self.cache_dir, self._dirs
-                        )
+                        f = await asyncio.to_thread(self._read_facts, canon)
                     except ModelNotFoundError:
                         # Not on this disk: a live node that holds it may have said what
                         # it is (its card), which is all placement needs (it places on
@@ -151,9 +154,8 @@ class Instances:
         GGUF pinned to MLX stages, or any MLX folder: only MLX can run one) with
         UnsupportedModelError; then as :meth:`place`, with the model's facts.
         """
-        await asyncio.to_thread(_check_mlx, spec.model, "mlx" in spec.engines, self._dirs)
+        await asyncio.to_thread(_check_mlx, self._resolve, spec.model, "mlx" in spec.engines)
         facts = await self.facts(spec.model)
-        self._own_api_named(spec.model)
         return await self.place(
             msgspec.structs.replace(spec, model=canonical_name(spec.model)), facts
         )
@@ -179,7 +181,6 @@ class Instances:
         inst = self.state.view().find_instance(model)
         if inst is None:
             facts = await self.facts(model)
-            self._own_api_named(model)
             spec = InstanceSpec(model=canonical_name(model), context=context)
             inst = await self.place(spec, facts, auto_instance_id(model))
         return await self.wait_ready(inst.id, model, wait)
@@ -218,11 +219,6 @@ class Instances:
                 detail = ", ".join(f"{s.node}: {s.state}" for s in states)
                 raise ModelLoading(model, detail, *fetch_progress(states))
             await self.state.changes.wait(left)
-
-    def _own_api_named(self, model: str) -> None:
-        # This node's own (authenticated) API asked for it: its runners may load it.
-        if self.roots is not None:
-            self.roots.allow(model)
 
     async def serve_default(self, model: str) -> None:
         """Make sure the cluster has an instance of ``model`` (``meshd up``'s default).

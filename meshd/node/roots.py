@@ -8,10 +8,11 @@ exist. So a node loads only:
 * a packaged model, by its alias (``smollm2-135m``) or its path;
 * a file or folder under the local Hugging Face cache;
 * a file or folder under one of its ``--models DIR``;
-* a path given on its own command line (``--model PATH``) or placed through its own
-  API (an authenticated request to this node).
+* a path given on its own command line (``--model PATH``).
 
-Anything else is "model not available here", and nothing about the disk is said.
+Anything else is "model not available here", and nothing about the disk is said: to a
+peer's plan as to a request through the API (a path named there does not become a
+root; its 404 is the same whether or not the file exists).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class ModelRoots:
 
     def allow(self, name: str) -> None:
         """Take the model ``name`` resolves to here as a root of its own (it came from
-        this node's command line or its own API)."""
+        this node's command line)."""
         try:
             r = resolve_model(name, extra_dirs=self.dirs)
         except (LookupError, ValueError):

@@ -396,7 +396,7 @@ class Supervisor:
         keep = [
             stage_slice(self.settings.cache_dir, inst.facts, st.start, st.end)
             for inst, i in desired.values()
-            if inst.facts is not None
+            if inst.facts is not None and inst.facts.sha256  # "": it names no slice
             for st in [inst.stages[i]]
         ]
         try:

@@ -18,6 +18,7 @@ from typing import TypeVar
 import msgspec
 
 from meshd.crdt.lww import Entry
+from meshd.domain.facts import Sha256
 from meshd.domain.job import Job
 from meshd.domain.sampling import Sampling
 
@@ -342,15 +343,14 @@ MAX_TRANSFER_HEADER = 64 * 1024
 
 
 class SliceAsk(msgspec.Struct, tag=True, kw_only=True):
-    """Prepare the slice ``[start, end)`` of the model whose file has ``sha256``.
-
-    The holder answers :class:`SliceOffer` once the slice is cut and hashed (seconds
-    for a big model: the asker waits), or :class:`SliceRefusal`. ``model`` is the name
-    the holder advertises the file under; ``version`` the slicing format the asker reads.
-    """
+    """Prepare the slice ``[start, end)`` of the model whose file has ``sha256`` (hex,
+    else the ask does not decode). The holder answers :class:`SliceOffer` once the slice
+    is cut and hashed (seconds for a big model: the asker waits), or :class:`SliceRefusal`.
+    ``model`` is the name the holder advertises the file under; ``version`` the slicing
+    format the asker reads."""
 
     model: str
-    sha256: str
+    sha256: Sha256
     start: int
     end: int
     version: int

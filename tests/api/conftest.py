@@ -4,6 +4,7 @@ nodes, and the official ``openai`` client pointed at the third (which holds no s
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,10 +14,16 @@ from tests.cluster import Cluster, NodeProc, wait_for
 
 
 @pytest.fixture(scope="package")
-def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, NodeProc]]:
+def a_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Node a's ``--models`` folder: a model a test writes there, a may load."""
+    return tmp_path_factory.mktemp("a-models")
+
+
+@pytest.fixture(scope="package")
+def trio(tmp_path_factory: pytest.TempPathFactory, a_models: Path) -> Iterator[dict[str, NodeProc]]:
     """A 3-node cluster whose default model is split over a and b."""
     with Cluster(tmp_path_factory.mktemp("openai")) as c:
-        a = c.start("a")
+        a = c.start("a", extra_args=["--models", str(a_models)])
         b = c.start("b", peers=[a])
         cc = c.start("c", peers=[a])
         wait_for(lambda: len(cc.cluster()["nodes"]) == 3, 15)

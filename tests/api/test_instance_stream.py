@@ -40,24 +40,33 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NodeProc, NodeProc]]:
+def a_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Node a's ``--models`` folder (no other node's)."""
+    return tmp_path_factory.mktemp("a-models")
+
+
+@pytest.fixture(scope="module")
+def pair(
+    tmp_path_factory: pytest.TempPathFactory, a_models: Path
+) -> Iterator[tuple[NodeProc, NodeProc]]:
     """Node a (its API behind ``KEY``) and node b, in one cluster."""
     with Cluster(tmp_path_factory.mktemp("instance-view")) as c:
-        a = c.start("a", env={"MESHD_API_KEY": KEY})
+        a = c.start("a", env={"MESHD_API_KEY": KEY}, extra_args=["--models", str(a_models)])
         b = c.start("b", peers=[a])
         wait_for(lambda: len(b.cluster()["nodes"]) == 2, 15)
         yield a, b
 
 
 @pytest.fixture
-def gguf(tmp_path: Path) -> Path:
-    """The default model under a path outside every node's roots."""
+def gguf(a_models: Path) -> Path:
+    """The default model under a's roots, outside b's."""
     try:
         src = Path(resolve_model(DEFAULT_MODEL).path)
     except LookupError:
         pytest.skip("the default model is not installed")
-    out = tmp_path / "outside" / "smol.gguf"
-    out.parent.mkdir()
+    out = a_models / "smol.gguf"
+    if out.exists():
+        return out
     os.link(src, out) if src.stat().st_dev == out.parent.stat().st_dev else shutil.copy(src, out)
     return out
 

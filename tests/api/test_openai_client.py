@@ -100,13 +100,13 @@ def test_logit_bias_forces_and_bans_tokens(client) -> None:
 
 
 def test_a_model_that_ships_its_sampling_gets_it_by_default(
-    client, trio: dict[str, NodeProc], model_path, tmp_path
+    client, trio: dict[str, NodeProc], model_path, a_models
 ) -> None:
     # A model whose authors say "greedy": requests naming no field decode greedily.
     # An untied random head: flat logits, so sampling shows (a tied one repeats its input).
-    path = write_model(tmp_path / "greedy.gguf", model_path, "llama", tied=False,
+    path = write_model(a_models / "greedy.gguf", model_path, "llama", tied=False,
                        metadata={"general.sampling.temp": 0.0})  # fmt: skip
-    # Placed through a's own API: a path given there is one of a's model roots.
+    # Placed through a's own API, from a's --models folder.
     owner, via = trio["a"].api, trio["c"]
     r = httpx.post(owner + "/v1/instances", json={"model": str(path), "nodes": ["a"]}, timeout=60)
     assert r.status_code == 201, r.text

@@ -34,6 +34,7 @@ bits to 6.3 and 7.7. ``pytest -s`` prints the figures again.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -301,7 +302,7 @@ def _compare(path: Path, slice_dir: Path, label: str, tol: float, *, mixed: bool
         load_s = time.perf_counter() - t0
         chains: dict[str, list[Stage]] = {"mlx": stages[1:2]}
         if mixed:
-            lo = slice_gguf(path, 0, 1, slice_dir, label.ljust(64, "0"))
+            lo = slice_gguf(path, 0, 1, slice_dir, hashlib.sha256(label.encode()).hexdigest())
             stages.append(LlamaStage(lo, first=True, last=False, exact=True, n_threads=1, **kw))
             stages.append(MlxStage(path, start=1, end=N_LAYERS, first=False, last=True, **kw))
             chains["llama->mlx"] = stages[2:4]

@@ -131,13 +131,13 @@ def test_an_mlx_folder_splits_over_two_nodes_with_the_ggufs_tokens(
 
 
 def test_a_folder_of_an_unsupported_architecture_is_a_400(
-    trio: list[NodeProc], tmp_path: Path
+    trio: list[NodeProc], models_dir: Path
 ) -> None:
     import json
 
     from meshd.models.convert import gguf_to_mlx_folder
 
-    folder = gguf_to_mlx_folder(Path(resolve_model(DEFAULT_MODEL).path), tmp_path / "odd")
+    folder = gguf_to_mlx_folder(Path(resolve_model(DEFAULT_MODEL).path), models_dir / "odd")
     cfg = json.loads((folder / "config.json").read_text())
     cfg["model_type"] = cfg["architectures"] = "qwen3_moe"
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -163,9 +163,9 @@ def test_mixed_pipeline_gives_a_whole_models_greedy_tokens(
 
 
 def test_refused_quant_type_gets_a_clear_error_and_changes_nothing(
-    trio: list[NodeProc], tmp_path: Path
+    trio: list[NodeProc], models_dir: Path
 ) -> None:
-    path = tmp_path / "q1_0.gguf"
+    path = models_dir / "q1_0.gguf"
     w = gguf.GGUFWriter(path, "llama")
     w.add_block_count(1)
     w.add_embedding_length(32)

@@ -65,10 +65,10 @@ def test_roots_take_aliases_their_folders_and_what_the_node_was_given(
 def test_a_plan_naming_a_file_outside_a_nodes_roots_moves_to_a_node_that_has_it(
     cluster: Cluster, gguf: Path
 ) -> None:
-    a = cluster.start("a")
+    a = cluster.start("a", extra_args=["--models", str(gguf.parent)])
     b = cluster.start("b", peers=[a])
     wait_for(lambda: all(len(n.cluster()["nodes"]) == 2 for n in (a, b)), 15)
-    # Placed through a's API (a may load it), on b (which may not).
+    # Placed through a's API (under a's roots), on b (whose roots it is not under).
     r = httpx.post(a.api + "/v1/instances", json={"model": str(gguf), "nodes": ["b"]},
                    timeout=120)  # fmt: skip
     assert r.status_code == 201, r.text
@@ -92,7 +92,8 @@ def test_a_folder_given_with_models_is_a_root(cluster: Cluster, gguf: Path) -> N
     a = cluster.start("a")
     b = cluster.start("b", peers=[a], extra_args=["--models", str(gguf.parent)])
     wait_for(lambda: all(len(n.cluster()["nodes"]) == 2 for n in (a, b)), 15)
-    r = httpx.post(a.api + "/v1/instances", json={"model": str(gguf), "nodes": ["b"]},
+    # Named through b's API: a path is read only under the roots of the node asked.
+    r = httpx.post(b.api + "/v1/instances", json={"model": str(gguf), "nodes": ["b"]},
                    timeout=120)  # fmt: skip
     assert r.status_code == 201, r.text
     iid = r.json()["id"]

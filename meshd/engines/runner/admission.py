@@ -15,7 +15,7 @@ from meshd.domain.sampling import Sampling
 from meshd.engines.grammar import bounded_strings, check_grammar, closed_objects, lark_grammar
 from meshd.engines.protocol import RunnerConfig
 from meshd.engines.stage import Stage
-from meshd.models.chat import CHATML_TEMPLATE, render_chat
+from meshd.models.chat import CHATML_TEMPLATE, quote_specials, render_chat, split_quoted
 from meshd.models.tools import ToolFormat, forced_call_lark, template_messages, tool_format
 from meshd.transport import wire
 
@@ -91,12 +91,16 @@ class Prompts:
         return list(self.stage.tokenize(job.prompt or "", add_special=True, parse_special=False))
 
     def _chat(self, job: Job, turns: list[ChatTurn]) -> list[int]:
-        messages = [m.as_dict() for m in turns]
+        # Every string the request brought has its special-token text quoted, so that
+        # only the template's own special tokens become special ids (models/chat.py).
+        messages = quote_specials([m.as_dict() for m in turns], self._specials_in)
         tools = None
         offered = job.tools.tools if job.tools is not None else []
         if offered or any(m.tool_calls or m.role == "tool" for m in turns):
             messages, tools = template_messages(
-                messages, [msgspec.to_builtins(t) for t in offered], self.tool_format
+                messages,
+                quote_specials([msgspec.to_builtins(t) for t in offered], self._specials_in),
+                self.tool_format,
             )
         text = render_chat(
             self.template or CHATML_TEMPLATE,
@@ -106,11 +110,35 @@ class Prompts:
             eos_token=self.eos_text,
             tools=tools or None,
         )
+        runs = split_quoted(text)
         # A template that writes {{ bos_token }} already starts with the BOS; adding
         # the vocabulary's own BOS too would double it (llama.cpp warns, and output
         # quality drops). Otherwise the vocabulary decides, as for a plain prompt.
-        bos = bool(self.bos_text) and text.startswith(self.bos_text)
-        return list(self.stage.tokenize(text, add_special=not bos, parse_special=True))
+        bos = bool(self.bos_text) and bool(runs) and runs[0][0].startswith(self.bos_text)
+        if not any(quoted for _, quoted in runs):  # as it always was: no quote to honour
+            plain = "".join(run for run, _ in runs)
+            return list(self.stage.tokenize(plain, add_special=not bos, parse_special=True))
+        out: list[int] = []
+        for i, (run, quoted) in enumerate(runs):
+            add = i == 0 and not bos
+            out += self.stage.tokenize(run, add_special=add, parse_special=not quoted)
+        return out
+
+    def _specials_in(self, text: str) -> list[str]:
+        """The special-token texts in ``text`` (a user's): those the tokenizer turns
+        into a control token when it parses special tokens, and only then."""
+        if not text:
+            return []
+        parsed = self.stage.tokenize(text, add_special=False, parse_special=True)
+        plain = self.stage.tokenize(text, add_special=False, parse_special=False)
+        if parsed == plain:
+            return []
+        piece = self.stage.token_to_piece
+        return [
+            piece(t, special=True).decode("utf-8", "replace")
+            for t in set(parsed) - set(plain)
+            if not piece(t, special=False) and piece(t, special=True)
+        ]
 
     def tool_grammar(self, job: Job) -> str | None:
         """The grammar that constrains ``job``'s output to one call when its

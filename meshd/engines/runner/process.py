@@ -134,7 +134,9 @@ def load_stage(cfg: RunnerConfig) -> Stage:
     configure_threads()
     path = Path(cfg.model_path)
     if not cfg.sliced:
-        path = slice_gguf(path, cfg.start, cfg.end, Path(cfg.cache_dir), cfg.sha256)
+        # A plan without the model's sha256 (an old one) names slices by the local hash.
+        sha = cfg.sha256 or file_sha256(path, Path(cfg.cache_dir))
+        path = slice_gguf(path, cfg.start, cfg.end, Path(cfg.cache_dir), sha)
     return LlamaStage(
         path, first=first, last=last, n_ctx=cfg.n_ctx, n_seq_max=cfg.n_seq_max,
         exact=cfg.exact, n_threads=cfg.n_threads, kv_cache=cfg.kv_cache,
