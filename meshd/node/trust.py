@@ -15,6 +15,7 @@ Pure functions of the entry and the state held, so every node judges an entry al
   owner, or rewrites another member's entry (``not_owner``). A removal is for good: the
   tombstone is never collected, and X cannot vouch for itself past it (``revoked``);
   only an owner's approval lets X in again.
+* **Values**: a card or heartbeat that does not decode as one (``bad_value``).
 * **Bounds**: a writer holds at most :data:`MAX_INSTANCES_PER_WRITER` live instances
   (``too_many``); the plans themselves are checked by :class:`PlanCheck` when given.
 """
@@ -26,7 +27,17 @@ import re
 from collections.abc import Callable
 
 from meshd.crdt.lww import Entry, LWWMap
-from meshd.crdt.views import HEALTH, INSTANCE, MEMBER, NODE, Member, decode, member_key
+from meshd.crdt.views import (
+    HEALTH,
+    INSTANCE,
+    MEMBER,
+    NODE,
+    Health,
+    Member,
+    NodeCard,
+    decode,
+    member_key,
+)
 from meshd.transport.identity import curve_public_of, member_proof, node_id_of, verify_entry
 
 __all__ = [
@@ -46,6 +57,8 @@ KEY_RE = re.compile(r"^(node|health|instance|member)/[A-Za-z0-9._-]{1,64}$")
 #: Largest value per key space (bytes): a card with the facts of dozens of models, a
 #: heartbeat with dozens of runners, a plan of a model with thousands of layers.
 VALUE_CAPS = {NODE: 128 << 10, HEALTH: 64 << 10, INSTANCE: 512 << 10, MEMBER: 4 << 10}
+#: What a value of a key space must decode as (plans are checked by ``PlanCheck``).
+_SHAPES: dict[str, type[NodeCard] | type[Health]] = {NODE: NodeCard, HEALTH: Health}
 #: Live instances one writer may hold (placing a model is rare; a flood is not).
 MAX_INSTANCES_PER_WRITER = 256
 
@@ -143,6 +156,9 @@ class ClusterTrust:
             return "bad_signature"
         if self._too_many(e, m):
             return "too_many"
+        shape = _SHAPES.get(space)
+        if shape is not None and e.value is not None and decode(e.value, shape) is None:
+            return "bad_value"  # a card or heartbeat no node could read (a bad sha256...)
         if space == INSTANCE and e.value is not None and self._plans is not None:
             return self._plans(e, m)
         return None

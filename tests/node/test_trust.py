@@ -251,3 +251,15 @@ def test_a_plan_placement_would_make_is_taken_and_a_forged_one_is_not() -> None:
     eve = card(NodeKey.generate().node_id)
     r.install([sign_entry(b, Entry(node_key(eve.id), HLC().now(), eve.id, encode(eve)))])
     assert plan_refusal(planned("w", [eve]), r.map) == "implausible_plan"
+
+
+def test_a_card_or_heartbeat_that_no_node_could_read_is_refused() -> None:
+    a, b = NodeKey.generate(), NodeKey.generate()
+    r = replica_of(a)
+    r.merge_remote([member_entry(b, b, proof=True)])
+    bad_card = {**msgspec.to_builtins(card(b.node_id)), "mem_total": "lots"}
+    bad_beat = {**msgspec.to_builtins(Health(seq=1)), "seq": "x"}
+    for key, raw in ((node_key(b.node_id), bad_card), (health_key(b.node_id), bad_beat)):
+        e = sign_entry(b, Entry(key, HLC().now(), b.node_id, msgspec.msgpack.encode(raw)))
+        assert refused(r, e) == {"bad_value": 1}
+        assert key not in r.map
