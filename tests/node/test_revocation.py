@@ -72,14 +72,19 @@ def _last_message(s: zmq.Socket, quiet_s: float, bound_s: float) -> float:
 
 
 def _hello(ctx: zmq.Context, keys: CurveKeys, server_key: bytes, n: NodeProc, me: str) -> bool:
+    """Whether ``n``'s mesh port answers a hello sent with ``keys`` (bounded: a DEALER
+    whose handshake ZAP refused has no peer to send to)."""
     d = ctx.socket(zmq.DEALER)
     d.setsockopt(zmq.LINGER, 0)
+    d.setsockopt(zmq.SNDTIMEO, 3000)
     secure(d, keys, server=False, server_key=server_key)
     d.connect(f"tcp://127.0.0.1:{n.mesh_port}")
     cluster = wire.cluster_hash(n.get("/healthz")["cluster"])
-    d.send(wire.encode(wire.Hello(sender=me, cluster=cluster, incarnation="x")))
     try:
-        return bool(d.poll(2000))
+        d.send(wire.encode(wire.Hello(sender=me, cluster=cluster, incarnation="x")))
+        return bool(d.poll(3000))
+    except zmq.Again:
+        return False
     finally:
         d.close(0)
 
