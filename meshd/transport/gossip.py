@@ -191,8 +191,11 @@ class Gossip:
         """Close the PUB and bind a new one on the same port: every subscription ends,
         and only members pass ZAP again (a PUB cannot drop one subscriber). Members'
         SUBs reconnect on their own; what they missed comes with the next digest."""
+        # What was just published (the removal itself, often) leaves first: the
+        # members would otherwise wait for the next digest to hear of it.
+        await asyncio.sleep(0.05)
         async with self._pub_lock:
-            self.pub.close(linger=0)
+            self.pub.close(linger=100)
             for i in range(tries):
                 pub = open_socket(self.ctx, zmq.PUB, CONTROL, self.keys, server=True)
                 try:
