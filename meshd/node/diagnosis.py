@@ -548,16 +548,16 @@ def _twins(s: Snapshot, out: _Out) -> None:
         f"{s.own_id_refused} entries under it refused",
     )
     for t in s.twins:
-        how = (
-            "answered a hello under this node's id"
-            if t.confirmed
-            else "wrote a card under this node's id"
-        )
+        if not t.confirmed:  # a claim: a replay, a forgery, or a copy not yet challenged
+            out.add("warning", "unproven_twin", f"{t.name!r} at {t.address} claimed this "
+                    f"node's id ({_ago(t.age_s)}) but signed no fresh challenge with its key",
+                    "nothing to do unless a copy of this data dir runs there")  # fmt: skip
+            continue
         out.add(
             "error",
             "duplicate_id",
-            f"another meshd process ({t.name!r} at {t.address}) {how} "
-            f"({_ago(t.age_s)}): two processes share node id {s.view.self_id}",
+            f"another meshd process ({t.name!r} at {t.address}) signed a challenge with "
+            f"this node's key ({_ago(t.age_s)}): two processes share id {s.view.self_id}",
             "on that machine, delete identity.json and node.key from its data dir "
             "(a cloned VM also needs its own /etc/machine-id), then start it again",
         )

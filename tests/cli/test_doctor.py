@@ -350,6 +350,10 @@ def test_another_process_with_this_id_is_an_error_naming_it() -> None:
     r = diagnose(_healthy(own_id_refused=4))
     assert _one(r, "own_id_refused").severity == "warning"
     assert "own_id_refused" not in _codes(diagnose(_healthy(twins=(t,), own_id_refused=4)))
+    # A claim that was never proven is a warning, not the error that stops a node.
+    claim = TwinSeen(name="x", address="10.0.0.9:7471", age_s=1, confirmed=False)
+    r = diagnose(_healthy(twins=(claim,)))
+    assert _one(r, "unproven_twin").severity == "warning" and "duplicate_id" not in _codes(r)
 
 
 def test_clock_skew_is_named_against_the_drift_bound() -> None:
