@@ -14,15 +14,19 @@ same stages on every node. A plan carries what it was computed from
    made and could serve the model: ``place()`` over the basis plus those nodes (with
    the figures this node holds for them) must give the same stages, else
    ``partial_basis``. A node counts when its card is older than the plan by
-   :data:`JOIN_MARGIN_MS` (it was there, and seen) and it sent a heartbeat ``up``
-   after the plan (it is still there); nodes the same rules as the writer's leave out
-   are not counted: nodes that gave up on the instance, the owner's exclusions, nodes
-   of other replicas of the model (for a fresh plan that avoided them), nodes that do
-   not hold the model while holders sufficed.
+   :data:`JOIN_MARGIN_MS` (it was there, and seen) and its last heartbeat, ``up``, is
+   at most :data:`LIVE_MS` older than the plan or newer (it was not dead to the
+   writer: a node is after 2 s of silence). Nodes the writer's own rules leave out are
+   not counted: nodes that gave up on the instance, the owner's exclusions, nodes of
+   other replicas of the model (for a fresh plan that avoided them), nodes that do not
+   hold the model while holders sufficed.
 
-Pure: the verdict depends only on the entry (its clock included) and the state held.
-A plan refused in a race (a node back from a partition) is re-placed by the nodes that
-took it, once they see the node too (see :func:`left_out`).
+A plan stamped ahead of every heartbeat held (by more than :data:`AHEAD_MS`) cannot be
+judged yet: ``unverifiable_plan``, judged again when anti-entropy offers it next (a
+plan dated in the future would otherwise find no node recent). Pure: the verdict
+depends only on the entry (its clock and writer included) and the state held. A plan
+refused in a race (a node back from a partition) is placed again by the nodes that
+took it, once they see that node too (``Instances``, with :func:`left_out`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from collections.abc import Set
 
 from meshd.crdt.lww import Entry, LWWMap
 from meshd.crdt.views import (
+    HEALTH,
     NODE,
     Health,
     Instance,
@@ -48,11 +53,18 @@ from meshd.placement import PlacementError, default_context, place, place_fetchi
 from .cluster import ClusterView
 from .plan_basis import figures_refusal, hlc_ms
 
-__all__ = ["JOIN_MARGIN_MS", "left_out", "plan_refusal", "refuse_plan_entry"]
+__all__ = ["AHEAD_MS", "JOIN_MARGIN_MS", "LIVE_MS", "left_out", "plan_refusal", "refuse_plan_entry"]
 
 #: A node whose card is younger than the plan by less than this (ms) may have joined
 #: after the writer looked: leaving it out is no fault.
 JOIN_MARGIN_MS = 5_000
+#: A node whose last heartbeat is older than the plan by more than this (ms) may have
+#: been dead to its writer (``DEAD_AFTER``, 2 s, less a margin for clocks).
+LIVE_MS = 1_500
+#: How far ahead of the newest heartbeat held (another node's) a plan may be stamped
+#: and still be judged now (ms): below ``LIVE_MS`` less a heartbeat interval, so a node
+#: beating all along is recent enough to count for any plan judged.
+AHEAD_MS = 1_000
 
 
 def refuse_plan_entry(e: Entry, m: LWWMap) -> str | None:
@@ -62,15 +74,18 @@ def refuse_plan_entry(e: Entry, m: LWWMap) -> str | None:
     inst = decode(e.value or b"", Instance)
     if inst is None or e.key != f"instance/{inst.id}":
         return "bad_plan"
-    return plan_refusal(inst, m, e.hlc)
+    return plan_refusal(inst, m, e.hlc, e.writer)
 
 
-def plan_refusal(inst: Instance, m: LWWMap, hlc: int) -> str | None:
-    """Why ``inst``'s plan, stamped ``hlc``, is refused given the state ``m``, or None
-    to take it (see the module doc)."""
+def plan_refusal(inst: Instance, m: LWWMap, hlc: int, writer: str = "") -> str | None:
+    """Why ``inst``'s plan, stamped ``hlc`` by ``writer``, is refused given the state
+    ``m``, or None to take it (see the module doc)."""
     basis, facts = inst.basis, inst.facts
     if basis is None or facts is None:
         return "unverifiable_plan"
+    beats = [e.hlc for e in m.live(HEALTH) if e.writer != writer]
+    if beats and hlc > max(beats) + hlc_ms(AHEAD_MS):
+        return "unverifiable_plan"  # from the future: judged when the cluster gets there
     if basis.spec.model != inst.spec.model or basis.spec not in (
         inst.spec, inst.spec.relaxed()
     ):  # fmt: skip
@@ -110,9 +125,9 @@ def _previous(inst: Instance) -> Instance | None:
     )  # fmt: skip
 
 
-def _up_since(m: LWWMap, hlc: int, skip: Set[str], secured: bool) -> set[str]:
+def _up_at(m: LWWMap, hlc: int, skip: Set[str], secured: bool) -> set[str]:
     """Nodes (not in ``skip``) whose card is older than ``hlc`` by the join margin and
-    whose heartbeat, newer than ``hlc``, says ``up``: there when the plan was made."""
+    whose last heartbeat, ``up``, is recent at ``hlc`` or newer: up when it was made."""
     out = set()
     for e in m.live(NODE):
         nid = e.key[len(NODE) :]
@@ -121,7 +136,7 @@ def _up_since(m: LWWMap, hlc: int, skip: Set[str], secured: bool) -> set[str]:
         if secured and m.value(member_key(nid)) is None:
             continue
         beat = m.get(health_key(nid))
-        if beat is None or beat.writer != nid or beat.hlc <= hlc:
+        if beat is None or beat.writer != nid or beat.hlc < hlc - hlc_ms(LIVE_MS):
             continue
         h = decode(beat.value or b"", Health)
         if h is not None and h.state == "up":
@@ -138,7 +153,7 @@ def left_out(inst: Instance, m: LWWMap, hlc: int) -> set[str]:
         return set()
     ids = {n.id for n in basis.nodes}
     secured = any(True for _ in m.live("member/"))
-    extra = _up_since(m, hlc, ids, secured)
+    extra = _up_at(m, hlc, ids, secured)
     if not extra:
         return set()
     others = {k: v for k, v in instances(m).items() if k != inst.id}

@@ -67,13 +67,16 @@ class Mesh:
         self.m.merge(e)
         return e
 
-    def join(self, name: str, gib: int, *, card_ago: int = 60_000, **kw: object) -> None:
+    def join(
+        self, name: str, gib: int, *, card_ago: int = 60_000, beat_ago: int = PLANNED + 500,
+        **kw: object,
+    ) -> None:  # fmt: skip
         k = self.keys[name] = NodeKey.generate()
         self.put(name, member_key(k.node_id),
                  Member(id=k.node_id, name=name, key=k.public, by=k.node_id), 70_000)  # fmt: skip
         c = msgspec.structs.replace(card(k.node_id, mem=gib * GiB, **kw), name=name)  # type: ignore[arg-type]
         self.put(name, node_key(k.node_id), c, card_ago)
-        self.beat(name, PLANNED + 500)
+        self.beat(name, beat_ago)
 
     def beat(self, name: str, ms_ago: int, *runners: RunnerStatus, state: str = "up") -> Entry:
         h = Health(seq=ms_ago, state=state, runners=list(runners))  # type: ignore[arg-type]
@@ -102,10 +105,11 @@ class Mesh:
         return Instance(id=iid, spec=spec, stages=stages, facts=FACTS, context=context,
                         basis=msgspec.structs.replace(basis, sources=sources))  # fmt: skip
 
-    def later(self) -> Mesh:
-        """The state a moment after the plan: every node has beaten since."""
+    def later(self, *silent: str) -> Mesh:
+        """The state a moment after the plan: every node but ``silent`` has beaten."""
         for name in self.keys:
-            self.beat(name, 0)
+            if name not in silent:
+                self.beat(name, 0)
         return self
 
 
@@ -130,9 +134,12 @@ def test_a_basis_that_leaves_out_a_live_node_that_could_serve_is_refused() -> No
     # Mallory makes a plan over herself alone: a (more memory) was up, and is still.
     mesh = Mesh(a=16, mallory=4)
     capture, fair = mesh.plan("mallory"), mesh.plan(iid="y")
-    mesh.later()
     assert {s.node for s in capture.stages} == {mesh.id("mallory")}
-    assert refusal(mesh, capture) == "partial_basis"
+    assert refusal(mesh, capture) == "partial_basis"  # by a node that gets it at once
+    # Dated in the future, so that no node's heartbeat is recent: judged when they are.
+    assert refusal(mesh, capture, -30_000) == "unverifiable_plan"
+    mesh.later()
+    assert refusal(mesh, capture) == "partial_basis"  # by one that gets it later
     assert left_out(capture, mesh.m, at(PLANNED)) == {mesh.id("a")}
     # Over every live node, the plan is a's: taken.
     assert refusal(mesh, fair) is None
@@ -142,8 +149,10 @@ def test_a_left_out_node_that_could_not_serve_or_would_change_nothing_is_no_faul
     mesh = Mesh(a=16, b=4)
     mesh.join("c", 32, models=())  # holds no model, and no node offers its weights
     mesh.join("d", 2)  # holds it, but the plan would not use it
+    mesh.join("gone", 64, beat_ago=PLANNED + 3_000)  # silent 3 s when the plan was made
     inst, without_a = mesh.plan("a", "b"), mesh.plan("b", "c", "d", iid="y")
-    mesh.later()
+    assert refusal(mesh, inst) is None
+    mesh.later("gone")
     assert refusal(mesh, inst) is None
     assert refusal(mesh, without_a) == "partial_basis"
     # A node that gave up on the instance is left out by every writer.
@@ -211,10 +220,12 @@ def test_each_nodes_figures_must_be_the_ones_it_signed() -> None:
 
 def test_a_plan_refused_in_a_race_is_placed_again_with_the_node_it_missed() -> None:
     # b placed while a was away (a network blip: same card), then a came back.
-    mesh = Mesh(a=16, b=8)
+    mesh = Mesh(b=8)
+    mesh.join("a", 16, beat_ago=PLANNED + 3_000)  # silent for 3 s
     missed = mesh.plan("b")
+    assert refusal(mesh, missed) is None  # taken by the nodes that saw a silent too
     mesh.later()
-    assert refusal(mesh, missed) == "partial_basis"
+    assert refusal(mesh, missed) == "partial_basis"  # not by a, back
     # What a node that took it does once it sees a too (``Instances._complete``): the
     # next generation over the nodes seen now, sticky to the stages that serve.
     again = mesh.view().replan(missed)
