@@ -286,8 +286,9 @@ class Instances:
                 self._unrepairable.add(key)
                 log.warning("instance %s cannot be repaired: %s", iid, why)
         plans += self._complete(view, {p.id for p in plans} | set(failed))
+        plans = [self._signed(new) for new in plans]
         for new in plans:
-            self.state.write(instance_key(new.id), self._signed(new))
+            self.state.write(instance_key(new.id), new)
             excluded = sorted(view.gave_up_on(new))
             log.info(
                 "repaired %s (generation %d): %s%s", new.id, new.generation,

@@ -116,15 +116,20 @@ def test_a_plan_placement_would_not_make_is_refused_by_every_node(cluster: Clust
     m = HandMember(cluster.secret_file, a)
     mid = m.key.node_id
     try:
-        # Real facts of the default model, from a placement a made.
-        r = httpx.post(a.api + "/v1/instances", json={"model": DEFAULT_MODEL, "nodes": ["a"]},
+        # Real facts of the default model, from a placement a made, b kept off by name.
+        r = httpx.post(a.api + "/v1/instances", json={"model": DEFAULT_MODEL, "exclude": ["b"]},
                        timeout=120)  # fmt: skip
         good = msgspec.convert(r.json(), dict)
+        assert {s["node"] for s in good["stages"]} == {a.node_id}
+        assert [(x["node"], x["reason"]) for x in good["excluded"]] == [
+            (b.node_id, "excluded by the owner")
+        ]
         inst = next(i for i in a.cluster()["instances"] if i["id"] == good["id"])
         facts = msgspec.convert(inst["facts"], ModelFacts)
         spec = InstanceSpec(model=DEFAULT_MODEL)
-        # a's honest plan: b took it, with no doubt about it.
+        # a's honest plan: b took it, with no doubt about it, exclusion and all.
         wait_for(lambda: good["id"] in {i["id"] for i in b.cluster()["instances"]}, 10)
+        assert b.get(f"/v1/instances/{good['id']}")["excluded"] == good["excluded"]
         honest = ("partial_basis", "forged_basis", "stale_basis", "unverifiable_plan")
         assert not any(_dropped(n, why) for n in (a, b) for why in honest)
         # a's and b's cards and heartbeats as they signed them (a's Welcome), old enough

@@ -9,6 +9,9 @@ heartbeats, as a node checking it a moment later does."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -33,12 +36,14 @@ from meshd.crdt.views import (
 )
 from meshd.crdt.views import health_key as hkey
 from meshd.node.cluster import FETCH_FAILED, ClusterView
-from meshd.node.instances import _node_ids
+from meshd.node.config import NodeConfig
+from meshd.node.instances import Instances, _node_ids
 from meshd.node.plan_basis import BEAT_WINDOW_MS, signed_sources
 from meshd.node.plans import left_out, plan_refusal, refuse_plan_entry
 from meshd.placement import PlacementError
 from meshd.transport.identity import NodeKey, sign_entry
 
+from .local import local_node
 from .test_cluster_view import FACTS, GiB, card
 
 NOW = wall_ms()
@@ -258,3 +263,26 @@ def test_the_owner_keeps_a_model_off_a_node_on_every_node() -> None:
     assert _node_ids(mesh.view(), ["a"]) == [a]
     with pytest.raises(PlacementError, match="no node has it"):
         _node_ids(mesh.view(), ["nobody"])
+
+
+async def test_a_node_that_took_a_plan_missing_a_node_places_it_again_once_it_sees_it(
+    tmp_path: Path,
+) -> None:
+    """``Instances.repair`` on one node's real state: b took the plan it made while a was
+    silent; a is back, so b writes the next generation, with a in its basis."""
+    mesh = Mesh(b=8)
+    mesh.join("a", 16, beat_ago=PLANNED + 3_000)
+    missed = mesh.plan("b")
+    async with local_node(mesh.id("b")) as n:
+        n.state.replica.install([*mesh.later().m.entries(), sign_entry(
+            mesh.keys["b"], Entry(instance_key("x"), at(PLANNED), mesh.id("b"), encode(missed))
+        )])  # fmt: skip
+        instances = Instances(n.state, NodeConfig(), cache_dir=tmp_path, aborted=lambda: None)
+        assert instances.repair() == []  # a not heard from here yet: nothing better to do
+        n.state.liveness.beat(mesh.id("a"), 1, time.monotonic())
+        (again,) = instances.repair()
+        assert again.generation == 2 and again.stages == missed.stages
+        assert again.basis is not None and mesh.id("a") in {x.id for x in again.basis.nodes}
+        e = n.state.map.get(instance_key("x"))
+        assert e is not None and plan_refusal(again, mesh.m, e.hlc, e.writer) is None
+        assert instances.repair() == []  # once
