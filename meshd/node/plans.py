@@ -156,13 +156,15 @@ def left_out(inst: Instance, m: LWWMap, hlc: int) -> set[str]:
     extra = _up_at(m, hlc, ids, secured)
     if not extra:
         return set()
-    others = {k: v for k, v in instances(m).items() if k != inst.id}
+    fresh = basis.previous is None and not basis.spec.nodes
+    # The other instances only matter to a fresh plan (decoding them all costs).
+    others = {k: v for k, v in instances(m).items() if k != inst.id} if fresh else {}
     view = ClusterView(
         self_id="", cards=cards(m), healths=healths(m), instances=others,
         liveness=dict.fromkeys(ids | extra, "alive"), ages={}, members=members(m),
     )  # fmt: skip
     extra -= set(view.gave_up_on(inst))
-    if basis.previous is None and not basis.spec.nodes:
+    if fresh:
         # A fresh replica avoids the nodes of the others when it can (``place_new``).
         busy = {s.node for i in view.replicas(basis.spec.model) for s in i.stages}
         if not busy & ids:

@@ -169,6 +169,14 @@ def test_a_left_out_node_that_could_not_serve_or_would_change_nothing_is_no_faul
     assert refusal(mesh, msgspec.structs.replace(without_a, id="z")) is None
 
 
+def test_a_replica_that_avoided_the_nodes_of_another_is_taken() -> None:
+    mesh = Mesh(a=16, b=8)
+    mesh.put("a", instance_key("r1"), mesh.plan(iid="r1"), PLANNED + 200)  # on a
+    r2 = mesh.plan(iid="r2")
+    assert {s.node for s in r2.stages} == {mesh.id("b")}
+    assert refusal(mesh.later(), r2) is None
+
+
 @pytest.mark.parametrize("card_ago", [PLANNED - 2_000, PLANNED + 2_000])
 def test_a_node_that_joined_around_the_plan_does_not_invalidate_it(card_ago: int) -> None:
     mesh = Mesh(b=8)
