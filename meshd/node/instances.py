@@ -312,6 +312,7 @@ class Instances:
         (refused by those nodes: see ``meshd.node.plans``), placed again over the nodes
         seen now. Checked once per plan and set of live nodes."""
         live = frozenset(n for n in view.cards if view.is_live(n))
+        self._complete_seen = {k: v for k, v in self._complete_seen.items() if k in view.instances}
         out = []
         for iid, inst in view.instances.items():
             e = self.state.map.get(instance_key(iid))

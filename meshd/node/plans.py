@@ -56,8 +56,9 @@ from .plan_basis import figures_refusal, hlc_ms
 __all__ = ["AHEAD_MS", "JOIN_MARGIN_MS", "LIVE_MS", "left_out", "plan_refusal", "refuse_plan_entry"]
 
 #: A node whose card is younger than the plan by less than this (ms) may have joined
-#: after the writer looked: leaving it out is no fault.
-JOIN_MARGIN_MS = 5_000
+#: after the writer looked: leaving it out is no fault (a joiner's card and first
+#: heartbeat reach every member within a gossip round, well under a second).
+JOIN_MARGIN_MS = 3_000
 #: A node whose last heartbeat is older than the plan by more than this (ms) may have
 #: been dead to its writer (``DEAD_AFTER``, 2 s, less a margin for clocks).
 LIVE_MS = 1_500

@@ -25,6 +25,7 @@ from meshd.crdt.views import (
 )
 from meshd.domain.facts import ModelFacts
 from meshd.models import DEFAULT_MODEL
+from meshd.node.plans import JOIN_MARGIN_MS
 from meshd.placement import default_context, node_resources, place
 from meshd.transport import wire
 from tests.cluster import Cluster, wait_for
@@ -138,7 +139,8 @@ def test_a_plan_placement_would_not_make_is_refused_by_every_node(cluster: Clust
         assert isinstance(welcome, wire.Welcome)
         held = {e.key: e for e in welcome.entries}
         cards = [held[node_key(n.node_id)] for n in (a, b)]
-        wait_for(lambda: wall_ms() - max(physical(e.hlc) for e in cards) > 6_000, 20)
+        margin = JOIN_MARGIN_MS + 500
+        wait_for(lambda: wall_ms() - max(physical(e.hlc) for e in cards) > margin, 20)
         # Mallory: a modest machine holding the model, placing it on herself alone.
         card = msgspec.structs.replace(
             _big_card(m, 0), name="mallory", mem_total=3 << 30, mem_available=3 << 30,
