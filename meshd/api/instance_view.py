@@ -63,8 +63,13 @@ class StageView(msgspec.Struct, kw_only=True):
     ms_per_token: float | None = None
 
 
+#: The reason of a node the instance's owner keeps it off (``meshctl place --exclude``).
+OWNER = "excluded by the owner"
+
+
 class ExcludedNode(msgspec.Struct, kw_only=True):
-    """A node left out of an instance for good: its runner of it was given up."""
+    """A node left out of an instance for good: its runner of it was given up, or the
+    owner keeps the instance off it (reason :data:`OWNER`, stage and generation 0)."""
 
     node: str
     name: str
@@ -73,7 +78,7 @@ class ExcludedNode(msgspec.Struct, kw_only=True):
     generation: int
     #: Why, from the node itself: it starts with one of the reasons a node gives up
     #: on a runner (``crash loop``, ``model not available here``, ``fetch failed``,
-    #: ``refused by this node``).
+    #: ``refused by this node``), or is :data:`OWNER`.
     reason: str
 
 
@@ -204,6 +209,10 @@ def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {
                 reason=r.reason,
             )
             for nid, r in view.gave_up_on(inst).items()
+        ]
+        + [
+            ExcludedNode(node=nid, name=_name(view, nid), stage=0, generation=0, reason=OWNER)
+            for nid in inst.spec.exclude
         ],
         unrepairable=unrepairable,
     )

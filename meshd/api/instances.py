@@ -76,6 +76,8 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     #: Whether requests that do not say speculate (speculative decoding): null as
     #: meshd decides (sampled unseeded requests on a split), true all, false none.
     speculate: bool | None = None
+    #: Node names or ids the model must never run on (stored as ids).
+    exclude: list[str] = []
 
     def __post_init__(self) -> None:
         if not self.model.strip():
@@ -92,6 +94,10 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError(f"replicas must be 1 to {MAX_REPLICAS}")
         if self.engines and len(self.engines) != len(self.nodes):
             raise ValueError("engines must name one engine per entry of nodes")
+        if any(not x.strip() for x in self.exclude):
+            raise ValueError("exclude must name nodes (names or ids)")
+        if set(self.exclude) & set(self.nodes):
+            raise ValueError("a node cannot be both pinned (nodes) and excluded")
 
 
 async def create_instance(request: Request) -> Response:
@@ -108,6 +114,7 @@ async def create_instance(request: Request) -> Response:
         kv_cache=body.kv_cache,
         draft=body.draft.strip(),
         speculate=body.speculate,
+        exclude=[x.strip() for x in body.exclude],
     )
     placed = []
     try:

@@ -33,6 +33,7 @@ from .client import (
     NodeUnreachable,
     parse_node,
 )
+from .instances import print_instances, wait_serving
 from .keys import add_meshctl_key_flags, meshctl_keys
 from .top import nodes_table, run_top, stdout_console
 
@@ -103,49 +104,19 @@ def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
         body["draft"] = args.draft
     if args.speculate:
         body["speculate"] = {"auto": None, "on": True, "off": False}[args.speculate]
+    if args.exclude:
+        body["exclude"] = [n.strip() for x in args.exclude for n in x.split(",") if n.strip()]
     placed = client.place(body)
     insts = placed["data"] if placed.get("object") == "list" else [placed]
     wait = sys.stdout.isatty() if args.wait is None else args.wait
     if wait:
         deadline = time.monotonic() + args.wait_timeout
-        insts = [_wait_serving(client, i, max(0.0, deadline - time.monotonic())) for i in insts]
-    _print_instances(insts, client)
+        insts = [wait_serving(client, i, max(0.0, deadline - time.monotonic())) for i in insts]
+    print_instances(insts, client)
     stages = [s for i in insts for s in i.get("stages") or []]
     if wait and not all(s.get("state") == "ready" for s in stages):
         return EXIT_NODE_ERROR
     return EXIT_OK
-
-
-def _wait_serving(client: NodeClient, inst: dict, timeout: float) -> dict:
-    """Poll the instance until every stage is ready, a stage failed, or ``timeout``,
-    showing one progress bar per stage (bytes while it fetches its weights)."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
-    names = {n["id"]: n["name"] for n in client.cluster().get("nodes") or []}
-    deadline = time.monotonic() + timeout
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-               TextColumn("{task.fields[state]}"))  # fmt: skip
-    with Progress(*columns, console=stdout_console(), transient=True) as bar:
-        tasks = [
-            bar.add_task(
-                f"{names.get(s['node'], s['node'][:8])}[{s['start']}:{s['end']})",
-                total=None,
-                state="",
-            )
-            for s in inst.get("stages") or []
-        ]
-        while True:
-            stages = inst.get("stages") or []
-            for t, s in zip(tasks, stages, strict=False):
-                total = s.get("fetch_total") or None
-                bar.update(t, total=total, completed=s.get("fetched", 0), state=s.get("state", ""))
-            states = [s.get("state") for s in stages]
-            if all(st == "ready" for st in states) or "failed" in states:
-                return inst
-            if time.monotonic() > deadline:
-                return inst
-            time.sleep(0.5)
-            inst = client.instance(inst["id"])
 
 
 def cmd_ls(args: argparse.Namespace, client: NodeClient) -> int:
@@ -154,7 +125,7 @@ def cmd_ls(args: argparse.Namespace, client: NodeClient) -> int:
     if args.json:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return EXIT_OK
-    _print_instances(data, client)
+    print_instances(data, client)
     return EXIT_OK
 
 
@@ -163,29 +134,6 @@ def cmd_rm(args: argparse.Namespace, client: NodeClient) -> int:
     client.remove(args.instance)
     print(f"removed {args.instance}")
     return EXIT_OK
-
-
-def _print_instances(data: list, client: NodeClient) -> None:
-    from rich import markup, table  # names, models, reasons: members wrote them
-
-    names = {n["id"]: n["name"] for n in client.cluster().get("nodes") or []}
-    t = table.Table(box=None, header_style="bold")
-    # The draft column only where some instance has a draft model drafting for it.
-    drafts = any(inst.get("draft") for inst in data)
-    for col in ("id", "model", "gen", "stages", *(["draft"] if drafts else [])):
-        t.add_column(col)
-    for inst in data:
-        stages = "\n".join(
-            f"{names.get(s['node'], s['node'][:8])}[{s['start']}:{s['end']}) {s['engine']} "
-            f"{s.get('state', '')}{' (' + s['reason'] + ')' if s.get('reason') else ''}"
-            for s in inst.get("stages") or []
-        )
-        row = [inst["id"], inst["model"], str(inst.get("generation", "")), stages]
-        t.add_row(*map(markup.escape, [*row, *([inst.get("draft") or ""] if drafts else [])]))
-    if not data:
-        print("no instances placed")
-        return
-    stdout_console().print(t)
 
 
 def cmd_chat(args: argparse.Namespace, client: NodeClient) -> int:
@@ -307,6 +255,11 @@ def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
         help="speculative decoding for requests that do not say: auto (default) drafts "
         "for sampled requests without a seed on a split, on for every request, off for "
         "none (a request's own 'speculate' still decides for it)",
+    )  # fmt: skip
+    p.add_argument(
+        "--exclude", action="append", metavar="NODE",
+        help="never run this model on NODE (a name or id; repeat or comma-separate for "
+        "more): placement leaves it out on every node, repairs included",
     )  # fmt: skip
     p.add_argument(
         "--replicas", type=positive_int, metavar="N",

@@ -21,7 +21,7 @@ import msgspec
 from meshd.domain.facts import ModelFacts
 from meshd.domain.nodes import Device, NodeResources
 
-from .lww import LWWMap
+from .lww import Entry, LWWMap
 
 NODE = "node/"
 HEALTH = "health/"
@@ -206,25 +206,39 @@ class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     #: (sampled unseeded requests on a split), True all of them, False none. A request's
     #: own ``speculate`` overrides it.
     speculate: bool | None = None
+    #: Node ids the owner keeps this model off: placement never gives them a stage of
+    #: it, a repair included (see ``meshd.placement.place``).
+    exclude: list[str] = []
 
     def relaxed(self) -> InstanceSpec:
-        """What a repair places: the model, its context, KV cache type, draft model and
-        speculation default, no pins (a repair serves with the nodes left rather than
-        not at all)."""
+        """What a repair places: the model, its context, KV cache type, draft model,
+        speculation default and excluded nodes, no pins (a repair serves with the nodes
+        left rather than not at all)."""
         return InstanceSpec(
             model=self.model, context=self.context, kv_cache=self.kv_cache, draft=self.draft,
-            speculate=self.speculate,
+            speculate=self.speculate, exclude=self.exclude,
         )  # fmt: skip
+
+
+class NodeSource(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """Where one node's figures in a plan's basis come from, as that node signed them:
+    the clock of its card entry, and its heartbeat entry itself (signature included),
+    so any node can derive the figures again (``meshd.node.plan_basis``)."""
+
+    card: int
+    health: Entry
 
 
 class PlanBasis(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """What a plan was computed from: the spec placement got (a repair relaxes pins),
-    the nodes as it saw them, the stages it repaired. Any node can compute the plan
-    again from these and refuse one that does not come out the same."""
+    the nodes as it saw them, the stages it repaired, and each node's signed sources
+    (parallel to ``nodes``). Any node can compute the plan again from these and refuse
+    one that does not come out the same (``meshd.node.plans``)."""
 
     spec: InstanceSpec
     nodes: list[NodeResources]
     previous: list[Stage] | None = None
+    sources: list[NodeSource] = []
 
 
 class Instance(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -460,26 +460,24 @@ class ClusterView:
             excluded = set(self.gave_up_on(inst))
             if not repair_needed(inst, live - excluded):
                 continue
-            relaxed = inst.spec.relaxed()
             try:
-                stages, nodes, context = self._place(
-                    relaxed, inst.facts, inst, self._repair_keep(inst)
-                )
+                new = self.replan(inst)
             except PlacementError as e:
                 failed[inst.id] = str(e)
                 continue
-            if stages == inst.stages and context == inst.context:
-                continue
-            basis = PlanBasis(spec=relaxed, nodes=list(nodes.values()), previous=inst.stages)
-            plans.append(
-                Instance(
-                    id=inst.id,
-                    spec=inst.spec,
-                    stages=stages,
-                    generation=inst.generation + 1,
-                    facts=inst.facts,
-                    basis=basis,
-                    context=context,
-                )
-            )
+            if new.stages != inst.stages or new.context != inst.context:
+                plans.append(new)
         return plans, failed
+
+    def replan(self, inst: Instance) -> Instance:
+        """The next generation of ``inst`` placed over the nodes seen now, sticky to its
+        stages (what a repair writes, with its ``PlanBasis``); raises PlacementError."""
+        if inst.facts is None:
+            raise PlacementError("bad_spec", f"instance {inst.id} has no model facts")
+        relaxed = inst.spec.relaxed()
+        stages, nodes, context = self._place(relaxed, inst.facts, inst, self._repair_keep(inst))
+        basis = PlanBasis(spec=relaxed, nodes=list(nodes.values()), previous=inst.stages)
+        return Instance(
+            id=inst.id, spec=inst.spec, stages=stages, generation=inst.generation + 1,
+            facts=inst.facts, basis=basis, context=context,
+        )  # fmt: skip

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -25,10 +25,13 @@ from meshd.models import ModelNotFoundError, ResolvedModel, canonical_name, reso
 from meshd.models.facts import read_resolved_facts
 from meshd.models.folder import check_folder_for_mlx
 from meshd.models.mlx_layout import check_gguf_for_mlx
+from meshd.placement import PlacementError
 
-from .cluster import fetch_progress
+from .cluster import ClusterView, fetch_progress
 from .config import NodeConfig
 from .errors import ModelLoading, RequestFailed
+from .plan_basis import signed_sources
+from .plans import left_out
 from .roots import ModelRoots
 from .state import ClusterState
 
@@ -60,6 +63,24 @@ def auto_instance_id(model: str) -> str:
     return "auto-" + hashlib.blake2b(canon.encode(), digest_size=6).hexdigest()
 
 
+def _node_ids(view: ClusterView, refs: Sequence[str]) -> list[str]:
+    """Node names or ids as ids, sorted (an exclusion names the machine, whatever name
+    it gives itself later); PlacementError for a name no node or several have."""
+    out = set()
+    for ref in refs:
+        named = sorted(nid for nid, c in view.cards.items() if c.name == ref)
+        if ref in view.cards or ref in view.members:
+            out.add(ref)
+        elif len(named) == 1:
+            out.add(named[0])
+        elif named:
+            why = f"node name {ref!r} is ambiguous: ids {', '.join(named)}"
+            raise PlacementError("bad_spec", why)
+        else:
+            raise PlacementError("unknown_node", f"exclude names node {ref!r}: no node has it")
+    return sorted(out)
+
+
 class Instances:
     """Placing, finding, waiting for and repairing instances."""
 
@@ -81,6 +102,8 @@ class Instances:
         self._facts: dict[str, ModelFacts] = {}
         self._facts_locks: dict[str, asyncio.Lock] = {}
         self._unrepairable: set[tuple[str, int]] = set()
+        #: Per instance: the plan's clock and the live nodes it was last checked with.
+        self._complete_seen: dict[str, tuple[int, frozenset[str]]] = {}
 
     # -- models --------------------------------------------------------------------
     def _resolve(self, model: str) -> ResolvedModel:
@@ -140,7 +163,7 @@ class Instances:
             basis=PlanBasis(spec=spec, nodes=list(nodes.values())),
             context=context,
         )
-        self.state.write(instance_key(inst.id), inst)
+        self.state.write(instance_key(inst.id), self._signed(inst))
         log.info(
             "placed %s as %s: %s", spec.model, inst.id,
             ", ".join(f"{s.node}[{s.start}:{s.end}) {s.engine}" for s in stages),
@@ -156,8 +179,10 @@ class Instances:
         """
         await asyncio.to_thread(_check_mlx, self._resolve, spec.model, "mlx" in spec.engines)
         facts = await self.facts(spec.model)
+        exclude = _node_ids(self.state.view(), spec.exclude)
         return await self.place(
-            msgspec.structs.replace(spec, model=canonical_name(spec.model)), facts
+            msgspec.structs.replace(spec, model=canonical_name(spec.model), exclude=exclude),
+            facts,
         )
 
     def remove(self, instance_id: str) -> bool:
@@ -256,6 +281,8 @@ class Instances:
             if key not in self._unrepairable:
                 self._unrepairable.add(key)
                 log.warning("instance %s cannot be repaired: %s", iid, why)
+        plans += self._complete(view, {p.id for p in plans} | set(failed))
+        plans = [self._signed(new) for new in plans]
         for new in plans:
             self.state.write(instance_key(new.id), new)
             excluded = sorted(view.gave_up_on(new))
@@ -265,6 +292,41 @@ class Instances:
                 f" (left out: {', '.join(excluded)})" if excluded else "",
             )  # fmt: skip
         return plans
+
+    def _signed(self, inst: Instance) -> Instance:
+        """``inst`` with its basis' sources: each node's card clock and heartbeat entry
+        as this node holds them now (the view its plan came from was read from this same
+        state, with no wait between), so every node can check the figures."""
+        if inst.basis is None:
+            return inst
+        sources = signed_sources(self.state.map, inst.basis.nodes) or []
+        basis = msgspec.structs.replace(inst.basis, sources=sources)
+        return msgspec.structs.replace(inst, basis=basis)
+
+    def _complete(self, view: ClusterView, skip: set[str]) -> list[Instance]:
+        """Plans held whose basis leaves out nodes that were up and would change them
+        (refused by those nodes: see ``meshd.node.plans``), placed again over the nodes
+        seen now. Checked once per plan and set of live nodes."""
+        live = frozenset(n for n in view.cards if view.is_live(n))
+        self._complete_seen = {k: v for k, v in self._complete_seen.items() if k in view.instances}
+        out = []
+        for iid, inst in view.instances.items():
+            e = self.state.map.get(instance_key(iid))
+            if iid in skip or e is None or self._complete_seen.get(iid) == (e.hlc, live):
+                continue
+            self._complete_seen[iid] = (e.hlc, live)
+            missing = left_out(inst, self.state.map, e.hlc)
+            if not missing:
+                continue
+            try:
+                new = view.replan(inst)
+            except PlacementError:
+                continue
+            seen = {n.id for n in new.basis.nodes} if new.basis else set()
+            if missing <= seen:  # else this node does not see them either: no better
+                log.info("placing %s again: its plan left out %s", iid, ", ".join(sorted(missing)))
+                out.append(new)
+        return out
 
     async def run_repairs(self) -> None:
         """Repair at every change of the cluster, and at least every ``repair_interval``."""

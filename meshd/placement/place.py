@@ -365,8 +365,8 @@ def place(
     plan on more nodes replaces one on fewer only when its predicted tokens/s
     (:func:`predicted_tokens_s`) is :data:`SPLIT_GAIN` times higher.
 
-    **Pinned nodes.** ``spec.nodes`` (ids or names, in stage order) are used as they
-    are, split as above; a name or id that is not live raises ``unknown_node``.
+    **Nodes.** Those in ``spec.exclude`` (ids) are left out first. ``spec.nodes`` (ids
+    or names, in stage order) pin: split as above; one not live raises ``unknown_node``.
 
     **Repair (``previous`` given).** ``previous.stages`` is ignored when it does not
     cover ``[0, n_layers)`` contiguously with distinct nodes. Otherwise a previous
@@ -412,7 +412,7 @@ def place(
         )
     policy = _with_context(policy, spec.context, spec.kv_cache)
     m = _Model.of(facts, policy)
-    res = _by_id(nodes)
+    res = {k: v for k, v in _by_id(nodes).items() if k not in spec.exclude}
     if spec.min_nodes < 1:
         raise PlacementError("bad_spec", f"min_nodes must be >= 1, not {spec.min_nodes}")
     if spec.min_nodes > m.n:

@@ -109,6 +109,9 @@ def test_place_errors_are_typed_and_change_nothing(node: NodeProc) -> None:
     assert r.returncode == 1 and "nobody" in r.stderr
     r = meshctl(node, "place", DEFAULT_MODEL, "--nodes", "3")  # one node cannot be three
     assert r.returncode == 1 and r.stderr.strip()
+    # The owner keeps the model off the one node there is: nowhere left to place it.
+    r = meshctl(node, "place", DEFAULT_MODEL, "--exclude", "solo")
+    assert r.returncode == 1 and "no live node" in r.stderr, r.stderr
     r = meshctl(node, "rm", "no-such-instance")
     assert r.returncode == 1
     assert instances(node) == before
