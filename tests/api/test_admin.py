@@ -21,6 +21,7 @@ from starlette.testclient import TestClient
 
 from meshd.api.app import ROUTES, create_app
 from meshd.api.auth import ADMIN_HEADER, Access, Guarded
+from meshd.api.origins import allowed_hosts
 from meshd.api.services import ApiSettings
 from meshd.cli import meshd as meshd_cli
 from meshd.cli.keys import meshctl_keys, node_keys
@@ -65,7 +66,7 @@ class Node:
 def _app(node: Node, api_key: str | None = API) -> Any:
     settings = ApiSettings(
         api_key=api_key, admin_key=ADMIN_KEY, owner_token=OWNER, max_requests=4,
-        max_tokens=16, hosts=frozenset({"127.0.0.1", "testserver"}),
+        max_tokens=16, hosts=allowed_hosts(["127.0.0.1", "testserver"]),
     )  # fmt: skip
     return create_app(node, settings)  # type: ignore[arg-type]  # the routes used only
 
