@@ -80,8 +80,8 @@ class Services(Protocol):
         """The members, and the nodes waiting for approval here (NotSecured: open)."""
         ...
 
-    def approve(self, ref: str) -> MemberView:
-        """Let a pending node in (LookupError when none or several match)."""
+    def approve(self, code: str, node: str = "") -> list[PendingView]:
+        """Approve the waiting node that shows ``code`` (LookupError: none does)."""
         ...
 
     def invite(self) -> tuple[str, float]:

@@ -29,6 +29,7 @@ from .access import Access
 from .cluster import ClusterView
 from .config import NodeConfig
 from .instances import Instances
+from .joining import Pending
 from .metrics import Metrics
 from .presence import Presence
 from .probes import PROBE_TIMEOUT_S, Target, probe_all
@@ -63,6 +64,17 @@ class PendingView(msgspec.Struct, kw_only=True):
     id: str
     name: str
     waiting_s: float
+    #: Where it asks from.
+    address: str = ""
+    #: A person approved its code; it has not confirmed yet.
+    approving: bool = False
+
+
+def _pending_view(p: Pending, now: float) -> PendingView:
+    return PendingView(
+        id=p.node_id, name=p.name, waiting_s=round(now - p.first_seen, 1),
+        address=p.address, approving=p.approving,
+    )  # fmt: skip
 
 
 class Vitals(msgspec.Struct, kw_only=True):
@@ -212,19 +224,18 @@ class NodeServices:
             for m in sorted(members(self._state.map).values(), key=lambda m: (m.name, m.id))
         ]
         now = time.monotonic()
-        pending = [
-            PendingView(id=p.node_id, name=p.name, waiting_s=round(now - p.first_seen, 1))
-            for p in desk.pending.values()
-        ]
+        pending = [_pending_view(p, now) for p in desk.pending.values()]
         return ms, pending
 
-    def approve(self, ref: str) -> MemberView:
-        """Let a pending node in (by name or id); LookupError when none or several match."""
+    def approve(self, code: str, node: str = "") -> list[PendingView]:
+        """Approve the waiting node whose screen shows ``code`` (``node``: its id or a
+        prefix, optional); it is a member once it confirms the code. LookupError when
+        ``code`` is no code or no waiting node shows it."""
         desk = self._access.desk
         if desk is None:
             raise NotSecured("an open cluster (--open) lets every node in")
-        p = desk.approve(ref)
-        return MemberView(id=p.node_id, name=p.name, by=self._state.node_id, at_ms=0)
+        now = time.monotonic()
+        return [_pending_view(p, now) for p in desk.approve(code, node)]
 
     def invite(self) -> tuple[str, float]:
         """A pairing code for ``meshd up --join CODE`` and the seconds it stays good."""

@@ -395,8 +395,8 @@ class JoinHello(msgspec.Struct, tag=True, kw_only=True):
     """A node that is not a member asks to join (sent again until it is answered).
 
     ``proof``: the node holds the cluster key (a secret file) and vouches for itself.
-    ``invite`` + ``spake``: it holds a pairing code (SPAKE2, message A). Neither: it
-    waits for a member to approve it.
+    ``invite`` + ``spake``: a pairing code (SPAKE2, message A). ``spake`` + ``tag``: it
+    waits for approval by the code it shows (``tag`` names the code; see joining.py).
     """
 
     name: str
@@ -405,17 +405,18 @@ class JoinHello(msgspec.Struct, tag=True, kw_only=True):
     proof: bytes = b""
     invite: str = ""
     spake: bytes = b""
+    tag: bytes = b""
 
 
 class JoinChallenge(msgspec.Struct, tag=True, kw_only=True):
-    """Pairing code, step 1: the member's SPAKE2 message B and its key confirmation."""
+    """Code exchange, step 1: the member's SPAKE2 message B and its key confirmation."""
 
     spake: bytes
     confirm: bytes
 
 
 class JoinConfirm(msgspec.Struct, tag=True, kw_only=True):
-    """Pairing code, step 2: the joiner's key confirmation."""
+    """Code exchange, step 2: the joiner's key confirmation (``invite`` "": approval)."""
 
     key: bytes
     invite: str
@@ -431,8 +432,7 @@ class JoinPending(msgspec.Struct, tag=True, kw_only=True):
 
 
 class JoinAccepted(msgspec.Struct, tag=True, kw_only=True):
-    """The node is a member: the cluster's members, and its key for the joiner only
-    (sealed to the joiner's key, or encrypted with the pairing's session key)."""
+    """The node is a member: the members, and the cluster key sealed to the joiner's key."""
 
     cluster: str
     name: str
@@ -441,7 +441,7 @@ class JoinAccepted(msgspec.Struct, tag=True, kw_only=True):
 
 
 class JoinRefused(msgspec.Struct, tag=True, kw_only=True):
-    """No: ``code`` is ``wrong_code``, ``unknown_invite``, ``busy``, ``bad_request``..."""
+    """No: ``code`` is ``wrong_code``, ``used_code``, ``name_taken``, ``busy``..."""
 
     code: str
     message: str
