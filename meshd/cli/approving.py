@@ -90,8 +90,8 @@ class CodePrompt:
             self.typed += key.upper()
         p = self.picked
         return (
-            f"approve {p.get('name')} ({p.get('id')}): type the code its screen shows, "
-            f"Enter to approve, Esc to cancel: {self.typed}_"
+            f"Enter approves, Esc cancels · code {p.get('name')} shows: {self.typed}_ "
+            f"(id {p.get('id')})"
         )
 
     def _approve(self, client: NodeClient) -> str:

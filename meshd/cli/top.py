@@ -508,7 +508,7 @@ def header(cluster: Mapping[str, Any], instances: Any) -> Text:
 def pending_table(pending: list[Mapping[str, Any]]) -> Table:
     """The nodes waiting for approval at this node, numbered for the approve keys."""
     table = Table(
-        title="waiting to join (press the number, then type the code its screen shows)",
+        title="waiting to join (press its number, then type its code)",
         title_justify="left",
         title_style="bold yellow",
         box=box.SIMPLE_HEAD,

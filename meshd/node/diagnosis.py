@@ -326,7 +326,7 @@ def _bonjour(s: Snapshot, out: _Out) -> None:
                 "started apart"
             )
             fix = (
-                f"if it belongs here: stop it, delete cluster.key and cluster.json in its "
+                "if it belongs here: stop it, delete cluster.key and cluster.json in its "
                 "data dir, start it with no flags and run `meshctl approve CODE` here "
                 "(CODE: what its meshd shows; or give every node the same --secret-file)"
             )

@@ -90,8 +90,8 @@ async def _find_or_found(
                 "with `meshctl approve CODE` or `meshctl invite`", cluster.name, cluster.id,
             )  # fmt: skip
             return cluster
-    else:
-        _say(f"looking for a member that knows the code ({_where(cfg, found)})")
+    what = "a member that knows the code" if cfg.join_code else "members to approve this node"
+    _say(f"looking for {what} ({_where(cfg, found)})")
     shown: list[str] = []
 
     def on_code(code: str) -> None:
