@@ -40,6 +40,7 @@ from .joining import (
     curve_private,
     new_approval_code,
     normal_code,
+    printable,
     session_box,
 )
 
@@ -134,7 +135,7 @@ class _Joiner:
     #: Desks whose last word was no (by address), and desks that hold this node.
     closed: dict[str, wire.JoinRefused] = field(default_factory=dict)
     holding: dict[str, DeskSeen] = field(default_factory=dict)
-    told_unproven: set[str] = field(default_factory=set)
+    told: set[str] = field(default_factory=set)
 
     @property
     def approval(self) -> bool:
@@ -184,14 +185,18 @@ class _Joiner:
             )
             reply = await _ask(self.ctx, host, port, confirm, self.timeout)
         if isinstance(reply, wire.JoinPending):
-            self.holding[where] = DeskSeen(where, reply.cluster, reply.name)
+            self.holding[where] = DeskSeen(where, printable(reply.cluster), printable(reply.name))
         if isinstance(reply, wire.JoinRefused) and reply.code in FINAL:
             self.closed[where] = reply
+        elif isinstance(reply, wire.JoinRefused) and where not in self.told:
+            self.told.add(where)  # busy: said once, asked again
+            log.warning("the join desk at %s said %s: %s; asking again", where, reply.code,
+                        printable(reply.message))  # fmt: skip
         if not isinstance(reply, wire.JoinAccepted):
             return reply
         if a is not None and session is None:
-            if where not in self.told_unproven:  # a desk that says yes to anyone: no member
-                self.told_unproven.add(where)
+            if where not in self.told:  # a desk that says yes to anyone: no member
+                self.told.add(where)
                 log.warning("the join desk at %s said yes without proving the code: ignored",
                             where)  # fmt: skip
             return None
@@ -237,8 +242,8 @@ def _verdict(closed: list[wire.JoinRefused]) -> JoinRefusedError:
     for code in _TELLING:
         for no in closed:
             if no.code == code:
-                return JoinRefusedError(no.message, code)
-    return JoinRefusedError(closed[0].message, closed[0].code)
+                return JoinRefusedError(printable(no.message), code)
+    return JoinRefusedError(printable(closed[0].message), printable(closed[0].code, 32))
 
 
 async def ask_to_join(
@@ -257,7 +262,7 @@ async def ask_to_join(
     refuse_after_s: float = 0.0,
 ) -> JoinOutcome:
     """Ask the join desks ``candidates()`` returns (``(host, port)``, asked again every
-    ``retry_s``, all at once) until one proves itself and lets this node in.
+    ``retry_s``) until one proves itself and lets this node in.
 
     With neither ``code`` nor ``proof`` the node asks for approval: it makes an approval
     code, hands it to ``on_code`` (again when it must make a new one) and calls
@@ -274,8 +279,10 @@ async def ask_to_join(
         ask = [(h, p) for h, p in cands if f"{h}:{p}" not in j.closed]
         asked.update(f"{h}:{p}" for h, p in cands)
         held = len(j.holding)
-        got = await asyncio.gather(*(j.once(h, p) for h, p in ask))
-        for g in got:
+        # One desk at a time: one desk found twice (a seed and Bonjour) must not see two
+        # exchanges of this node interleave (the second would void the first's session).
+        for h, p in ask:
+            g = await j.once(h, p)
             if isinstance(g, JoinOutcome):
                 return g
             answered = answered or g is not None

@@ -1,9 +1,8 @@
 """A member's join desk: requests from nodes that want in (see :mod:`meshd.node.joining`).
 
-Nothing here lets a node in on its word: a pairing code or an approval code is proven
-by SPAKE2 before a member entry is written, a secret-file node by a proof over the
-cluster key. The waiting list is bounded in all and per address, forgets a joiner that
-stopped asking, and never pushes out a node the owner is being shown.
+Nothing here lets a node in on its word: a code is proven by SPAKE2 before a member entry
+is written, a secret-file node by a proof over the cluster key. The waiting list is
+bounded in all and per address, forgets joiners that stopped asking, pushes nobody out.
 """
 
 from __future__ import annotations
@@ -219,7 +218,8 @@ class JoinDesk:
         if any(m.id != nid for m in taken):
             return _refused(
                 "name_taken",
-                f"a member is named {name.strip()!r} already; start this node with --name OTHER",
+                f"a member is named {name.strip()!r} already: start this node with "
+                "--name OTHER (or remove that member first)",
             )
         return None
 

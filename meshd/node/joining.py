@@ -52,6 +52,7 @@ __all__ = [
     "name_problem",
     "new_approval_code",
     "new_code",
+    "printable",
 ]
 
 #: Crockford's base32 without the letters people misread (I, L, O, U).
@@ -161,10 +162,15 @@ def seal_to(key: bytes, data: bytes) -> bytes:
     return bytes(box.encrypt(data))
 
 
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` with everything but printable characters removed, trimmed to ``limit``:
+    what a stranger's words may put in a log line or on a terminal."""
+    return "".join(ch for ch in text if ch.isprintable()).strip()[:limit]
+
+
 def clean_name(name: str) -> str:
-    """``name`` with everything but printable characters removed, trimmed: what may
-    reach a log line or a terminal."""
-    return "".join(ch for ch in name if ch.isprintable()).strip()[:MAX_NAME_CHARS]
+    """A name as it may be shown (see :func:`printable`)."""
+    return printable(name, MAX_NAME_CHARS)
 
 
 def name_problem(name: str) -> str | None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -32,6 +33,7 @@ from meshd.node.joining import (
 )
 from meshd.transport import wire
 from meshd.transport.identity import NodeKey
+from meshd.transport.security import cluster_id_of
 from tests.node.local import Local, local_node
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,8 +105,6 @@ def _says_yes(msg: wire.JoinMessage) -> wire.JoinMessage:
     """Yes at once: its own cluster key, sealed to the joiner's (public) key."""
     key = secrets.token_bytes(32)
     assert isinstance(msg, wire.JoinHello)
-    from meshd.transport.security import cluster_id_of
-
     return wire.JoinAccepted(
         cluster=cluster_id_of(key), name="home", members=[], sealed_key=seal_to(msg.key, key)
     )
@@ -164,7 +164,7 @@ async def test_a_fake_desk_that_says_yes_captures_no_new_node() -> None:
 
 async def test_a_flood_from_several_addresses_neither_pushes_out_nor_passes_for_the_node() -> None:
     async with real_desk() as real:
-        ctx, shown = real.local.ctx, []
+        ctx, shown = real.local.ctx, list[str]()
         laptop = NodeKey.generate()
         joining = _joiner(ctx, [real.where], shown, key=laptop)
         await _until(lambda: laptop.node_id in real.desk.pending, 10)
@@ -282,9 +282,7 @@ async def test_no_cluster_found_is_said_after_a_bounded_search() -> None:
 
 
 @contextlib.contextmanager
-def socket_port():  # type: ignore[no-untyped-def]
-    import socket
-
+def socket_port() -> Iterator[int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         yield s.getsockname()[1]

@@ -58,8 +58,9 @@ def test_two_nodes_with_no_flags_join_by_one_approval_and_serve_a_split(
     assert [p["name"] for p in got["pending"]] == ["b"]
     assert "meshd ready" not in b.log()  # nothing of the cluster before approval
     assert f"id {b_id(b)}" in b.log()  # the id the owner sees in `meshctl members`
-    r = meshctl(a, "approve", "b")  # a name approves nothing: the list, and the code asked
-    assert r.returncode != 0 and "code" in r.stderr and "b (id" in r.stderr, r.stderr
+    by_name = meshctl(a, "approve", "b")  # a name approves nothing: the list, the code asked
+    assert by_name.returncode != 0 and "code" in by_name.stderr, by_name.stderr
+    assert "b (id" in by_name.stderr, by_name.stderr
     # What `meshctl approve CODE` sends (its own start is seconds on a loaded machine).
     r = httpx.post(a.api + "/v1/members", json={"approve": shown_code(b)}, timeout=10)
     approved = time.monotonic()
