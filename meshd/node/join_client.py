@@ -34,7 +34,6 @@ from .joining import (
     APPROVAL_IDS,
     INVITE_ID_CHARS,
     INVITE_IDS,
-    MAX_CODE_FAILURES,
     approval_tag,
     confirm_mac,
     curve_private,
@@ -131,7 +130,6 @@ class _Joiner:
     on_code: Callable[[str], None] | None
     #: The approval code this node shows (approval mode only).
     shown: str = ""
-    failures: int = 0
     #: Desks whose last word was no (by address), and desks that hold this node.
     closed: dict[str, wire.JoinRefused] = field(default_factory=dict)
     holding: dict[str, DeskSeen] = field(default_factory=dict)
@@ -142,9 +140,7 @@ class _Joiner:
         return self.code is None and not self.proof
 
     def new_shown(self) -> None:
-        self.shown, self.failures = new_approval_code(), 0
-        # Desks that failed the old code may be asked with the new one.
-        self.closed = {k: v for k, v in self.closed.items() if v.code != "wrong_code"}
+        self.shown = new_approval_code()
         if self.on_code is not None:
             self.on_code(self.shown)
 
@@ -203,12 +199,14 @@ class _Joiner:
         return self._open(reply, session, where)
 
     def _wrong(self, where: str) -> wire.JoinRefused:
-        """A desk derived another key: the code differs (or it is no member)."""
+        """A desk derived another key: the code differs (or it is no member). It is not
+        asked again: each exchange would be one more online guess of the code (the code
+        stays: a new one each time fakes fail would let them keep the owner from typing
+        it)."""
         if self.code is not None:
             no = wire.JoinRefused(code="wrong_code", message="wrong pairing code")
             self.closed[where] = no
             return no
-        self.failures += 1
         log.warning("the join desk at %s answered with another approval code than this "
                     "node shows: not the member it was approved on", where)  # fmt: skip
         no = wire.JoinRefused(
@@ -217,8 +215,6 @@ class _Joiner:
             "shows: it is no member where this node was approved",
         )
         self.closed[where] = no
-        if self.failures >= MAX_CODE_FAILURES:  # someone is guessing: a new code
-            self.new_shown()
         return no
 
     def _open(
@@ -265,7 +261,7 @@ async def ask_to_join(
     ``retry_s``) until one proves itself and lets this node in.
 
     With neither ``code`` nor ``proof`` the node asks for approval: it makes an approval
-    code, hands it to ``on_code`` (again when it must make a new one) and calls
+    code, hands it to ``on_code`` and calls
     ``on_pending`` each time another desk holds it. Raises :class:`JoinRefusedError`
     once every desk found refused for good (not before ``refuse_after_s``), and
     :class:`NoClusterFoundError` when none answered within ``search_s`` (None: no bound).

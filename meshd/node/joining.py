@@ -65,11 +65,11 @@ MAX_CODE_FAILURES = 3
 #: An approval code: 8 characters (40 bits), typed once by the person approving.
 APPROVAL_CODE_CHARS = 8
 #: The public tag of an approval code (bound to the joiner's key) that lets the member
-#: find which waiting node a typed code belongs to. 16 bits: two waiting nodes share
-#: one with odds of 1 in 65536 (both are then challenged; only the right one confirms),
-#: and an offline search over the tag leaves a fake desk 24 bits to guess online, where
-#: the joiner allows it :data:`MAX_CODE_FAILURES` tries per code.
-TAG_BYTES = 2
+#: find which waiting node a typed code belongs to. One byte: a fake desk's offline
+#: search over it leaves 32 bits to guess online, one guess per desk address (the joiner
+#: asks a desk that failed no more); two waiting nodes may share a tag (both are then
+#: challenged; only the one showing the code can confirm).
+TAG_BYTES = 1
 #: How long a code stays good.
 INVITE_TTL_S = 600.0
 #: Nodes waiting for approval at one member, in all and from one address. When full, a
