@@ -106,10 +106,13 @@ async def _find_or_found(
             f"member ({where}; this node: {cfg.name}, id {identity.node_id})"
         )
 
+    # Bonjour may find the desk that knows the code after one that refuses; seeds are all
+    # there from the start.
+    refuse_after = cfg.settle_s if cfg.discovery else 0.0
     try:
         outcome = await ask_to_join(
             ctx, identity.key, cfg.name, candidates, code=cfg.join_code, on_code=on_code,
-            on_pending=on_pending, search_s=JOIN_SEARCH_S, refuse_after_s=cfg.settle_s,
+            on_pending=on_pending, search_s=JOIN_SEARCH_S, refuse_after_s=refuse_after,
         )  # fmt: skip
     except JoinRefusedError as e:
         raise RuntimeError(f"could not join: {e}") from None
