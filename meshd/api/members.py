@@ -1,9 +1,9 @@
 """``/v1/members`` and ``/v1/invites``: who is in the cluster, and letting nodes in.
 
 A node that asked to join waits at the join desk of the members it reached; any of
-those members approves it (``POST /v1/members {"approve": "NAME"}``, what ``meshctl
-approve NAME`` sends), or hands out a pairing code for ``meshd up --join CODE``
-(``POST /v1/invites``, ``meshctl invite``).
+those members approves it by the code its screen shows (``POST /v1/members
+{"approve": "CODE"}``, what ``meshctl approve CODE`` sends), or hands out a pairing
+code for ``meshd up --join CODE`` (``POST /v1/invites``, ``meshctl invite``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from meshd.node.services import NotOwner, NotSecured
+from meshd.node.member_views import NotOwner, NotSecured
 
 from .bodies import parse_body
 from .errors import ApiError
@@ -22,13 +22,15 @@ __all__ = ["ApproveRequest", "approve", "create_invite", "list_members", "remove
 
 
 class ApproveRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
-    """Body of ``POST /v1/members``: the pending node to let in (name or id)."""
+    """Body of ``POST /v1/members``: the approval code the waiting node shows, and
+    optionally its id (or a prefix) to choose among several."""
 
     approve: str
+    node: str = ""
 
     def __post_init__(self) -> None:
         if not self.approve.strip():
-            raise ValueError("approve must name a pending node")
+            raise ValueError("approve must be the code the waiting node shows")
 
 
 def _open_cluster(e: NotSecured) -> ApiError:
@@ -52,16 +54,20 @@ async def list_members(request: Request) -> Response:
 
 
 async def approve(request: Request) -> Response:
-    """``POST /v1/members``: approve a pending node."""
+    """``POST /v1/members``: approve the pending node that shows the code; 202: it is a
+    member once it confirms the code (``GET /v1/members`` tells)."""
     body = await parse_body(request, ApproveRequest)
     services = context(request).services
     try:
-        member = services.approve(body.approve.strip())
+        got = services.approve(body.approve.strip(), body.node.strip())
     except NotSecured as e:
         raise _open_cluster(e) from None
     except LookupError as e:
         raise ApiError(404, str(e), type="not_found_error", code="not_pending") from None
-    return JSONResponse(msgspec.to_builtins(member), status_code=201)
+    return JSONResponse(
+        {"object": "approval", "status": "confirming", "data": msgspec.to_builtins(got)},
+        status_code=202,
+    )
 
 
 async def remove_member(request: Request) -> Response:

@@ -18,8 +18,9 @@ from meshd.crdt.views import Instance, InstanceSpec
 from meshd.domain.job import Job
 from meshd.node.cluster import ClusterView
 from meshd.node.diagnosis import Report
+from meshd.node.member_views import MemberView, PendingView
 from meshd.node.metrics import Metrics
-from meshd.node.services import MemberView, PendingView, Vitals
+from meshd.node.services import Vitals
 from meshd.transport import wire
 
 from .limits import Admission
@@ -81,8 +82,8 @@ class Services(Protocol):
         """The members, and the nodes waiting for approval here (NotSecured: open)."""
         ...
 
-    def approve(self, ref: str) -> MemberView:
-        """Let a pending node in (LookupError when none or several match)."""
+    def approve(self, code: str, node: str = "") -> list[PendingView]:
+        """Approve the waiting node that shows ``code`` (LookupError: none does)."""
         ...
 
     def invite(self) -> tuple[str, float]:

@@ -195,9 +195,9 @@ class NodeClient:
         """``GET /v1/members``: members and nodes waiting for approval."""
         return self._get_json("/v1/members")
 
-    def approve(self, ref: str) -> dict[str, Any]:
-        """``POST /v1/members``: let a pending node in."""
-        return self._send("POST", "/v1/members", {"approve": ref})
+    def approve(self, code: str, node: str = "") -> dict[str, Any]:
+        """``POST /v1/members``: approve the pending node that shows ``code``."""
+        return self._send("POST", "/v1/members", {"approve": code, "node": node})
 
     def remove_member(self, ref: str) -> dict[str, Any]:
         """``DELETE /v1/members/REF``: remove a member for good."""

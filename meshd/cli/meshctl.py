@@ -24,6 +24,7 @@ from pathlib import Path
 
 from meshd.transport.security import SecretError, new_secret, write_secret
 
+from .approving import approve_and_wait, pending_lines
 from .argtypes import positive_float, positive_int
 from .client import (
     DEFAULT_TIMEOUT,
@@ -341,19 +342,17 @@ def cmd_members(args: argparse.Namespace, client: NodeClient) -> int:
         by = "" if m.get("by") == m.get("id") else f"  (approved by {m.get('by')})"
         owner = "  owner" if m.get("owner") else ""
         print(f"{m.get('name')}  {m.get('id')}{owner}{by}")
-    for p in got.get("pending") or []:
-        print(
-            f"{p.get('name')}  {p.get('id')}  waiting {p.get('waiting_s')} s: "
-            f"meshctl approve {p.get('name')}"
-        )
+    for line in pending_lines(got.get("pending") or []):
+        print(line)
     return EXIT_OK
 
 
 def cmd_approve(args: argparse.Namespace, client: NodeClient) -> int:
-    """Let a node that asked to join in (by its name or id)."""
-    m = client.approve(args.node_ref)
-    print(f"approved {m.get('name')} ({m.get('id')}); it joins within a few seconds")
-    return EXIT_OK
+    """Let a waiting node in by the code its `meshd up` shows (`meshctl members` lists them)."""
+    got, joined = approve_and_wait(client, args.code, args.id)
+    who = ", ".join(f"{p.get('name')} ({p.get('id')})" for p in got)
+    print(f"{who} is a member now" if joined else f"approved {who}, not confirmed yet: is it up?")
+    return EXIT_OK if joined else EXIT_NODE_ERROR
 
 
 def cmd_invite(args: argparse.Namespace, client: NodeClient) -> int:
@@ -378,7 +377,8 @@ def _add_members(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--json", action="store_true", help="print the raw lists")
     p.set_defaults(func=cmd_members)
     a = sub.add_parser("approve", parents=[common], help=cmd_approve.__doc__)
-    a.add_argument("node_ref", metavar="NAME", help="the waiting node's name or id")
+    a.add_argument("code", metavar="CODE", help="the approval code the waiting node shows")
+    a.add_argument("--id", default="", metavar="ID", help="its id (to choose among several)")
     a.set_defaults(func=cmd_approve)
     i = sub.add_parser("invite", parents=[common], help=cmd_invite.__doc__)
     i.add_argument("--json", action="store_true", help="print the code as JSON")

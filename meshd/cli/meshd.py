@@ -218,11 +218,7 @@ def _node_flags(up: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=f"the cluster's secret: a node holding it is a member at once, no approval "
         f"(for automation; default: ${SECRET_ENV}; make one with `meshctl secret new`)",
     )
-    up.add_argument(
-        "--join",
-        metavar="CODE",
-        help="join the cluster with a pairing code from `meshctl invite`",
-    )
+    up.add_argument("--join", metavar="CODE", help="join with a code from `meshctl invite`")
     up.add_argument(
         "--open",
         action="store_true",
@@ -491,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(up(_config(args)))
     except (ValueError, OSError, RuntimeError) as e:
         return _fail(e, 2 if isinstance(e, ValueError) else 1, args.log_format)
+    except KeyboardInterrupt:  # Ctrl-C before the node was up (after, it drains and exits)
+        return _fail(RuntimeError("interrupted before the node was up"), 130, args.log_format)
 
 
 def _fail(e: Exception, code: int, fmt: str) -> int:

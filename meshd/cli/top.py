@@ -8,7 +8,8 @@ into a rich renderable, and reads no clock and no network, so it can be tested w
 literal dicts. It shows what the node says and derives no rule of its own: whether a
 stage is ready, why a node is left out of an instance, how fast it runs are the node's
 answers. ``run_top`` fetches and draws, once or in a ``rich.live.Live`` loop; on a
-terminal, the keys 1-9 approve the waiting node of that number and q quits.
+terminal, the keys 1-9 pick the waiting node of that number to approve (then type the
+code its screen shows, Enter) and q quits.
 
 Fields a node omits (msgspec ``omit_defaults``) or a ``null`` health are shown as ``-``;
 a malformed field never raises.
@@ -41,6 +42,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from .approving import CodePrompt
 from .client import MeshctlError
 
 if TYPE_CHECKING:
@@ -506,7 +508,7 @@ def header(cluster: Mapping[str, Any], instances: Any) -> Text:
 def pending_table(pending: list[Mapping[str, Any]]) -> Table:
     """The nodes waiting for approval at this node, numbered for the approve keys."""
     table = Table(
-        title="waiting to join (press the number to approve)",
+        title="waiting to join (press its number, then type its code)",
         title_justify="left",
         title_style="bold yellow",
         box=box.SIMPLE_HEAD,
@@ -632,19 +634,6 @@ def _key(timeout: float) -> str:
     return os.read(sys.stdin.fileno(), 1).decode(errors="replace") if ready else ""
 
 
-def approve_key(client: NodeClient, key: str, pending: list[Mapping[str, Any]]) -> str:
-    """Approve the waiting node numbered ``key``; what happened, in one line."""
-    if not key.isdigit() or not 1 <= int(key) <= len(pending):
-        return ""
-    p = pending[int(key) - 1]
-    ref = str(p.get("id") or p.get("name") or "")
-    try:
-        m = client.approve(ref)
-    except MeshctlError as exc:
-        return f"could not approve {p.get('name')}: {exc}"
-    return f"approved {m.get('name')} ({m.get('id')}); it joins within a few seconds"
-
-
 def run_top(
     client: NodeClient,
     interval: float = 1.0,
@@ -674,7 +663,7 @@ def run_top(
 
     last_ok: float | None = None
     pending: list[Mapping[str, Any]] = []
-    status = ""
+    status, prompt = "", CodePrompt()
 
     def frame() -> RenderableType:
         nonlocal last_ok
@@ -702,11 +691,11 @@ def run_top(
             next_at = time.monotonic() + interval
             while True:
                 key = _key(max(0.0, next_at - time.monotonic()))
-                if key in ("q", "Q"):
+                if key in ("q", "Q") and not prompt.active:
                     return 0
                 if key:
-                    said = approve_key(client, key, pending)
-                    if not said:
+                    said = prompt.key(client, key, pending)
+                    if said is None:
                         continue  # not a key of ours: keep waiting for the next frame
                     status = said
                 next_at = time.monotonic() + interval

@@ -26,7 +26,9 @@ from meshd.transport.security import CurveKeys, HandshakeReporter, start_zap
 from meshd.transport.stats import DropCounters
 
 from .cluster_store import ClusterStore, StoredCluster
-from .joining import JoinDesk, Refusals, ask_to_join, whois
+from .join_client import ask_to_join, whois
+from .join_desk import JoinDesk
+from .joining import Refusals
 from .plans import refuse_plan_entry
 from .state import ClusterState
 from .tasks import Tasks

@@ -326,9 +326,9 @@ def _bonjour(s: Snapshot, out: _Out) -> None:
                 "started apart"
             )
             fix = (
-                f"if it belongs here: stop it, delete cluster.key and cluster.json in its "
-                f"data dir, start it with no flags and run `meshctl approve {x.name}` "
-                "here (or give every node the same --secret-file)"
+                "if it belongs here: stop it, delete cluster.key and cluster.json in its "
+                "data dir, start it with no flags and run `meshctl approve CODE` here "
+                "(CODE: what its meshd shows; or give every node the same --secret-file)"
             )
         else:
             theirs = f"cluster {x.cluster_name!r}" if x.cluster_name else "another cluster"
@@ -338,8 +338,8 @@ def _bonjour(s: Snapshot, out: _Out) -> None:
             )
             fix = (
                 f"if it belongs here: start it with --cluster {s.cluster} and this "
-                "cluster's --secret-file (or with no flags, then "
-                f"`meshctl approve {x.name}` here)"
+                "cluster's --secret-file (or with no flags, then `meshctl approve CODE` "
+                "here, CODE being what its meshd shows)"
             )
         out.add("warning", "other_cluster", what, fix)
     for x in present:
@@ -389,7 +389,7 @@ _JOIN_REFUSALS: dict[str, tuple[Severity, str, str]] = {
         "error",
         "carried another cluster's secret",
         "give it this cluster's secret file (--secret-file), or start it without "
-        "one and approve it here: meshctl approve NAME",
+        "one and approve it here: meshctl approve CODE (what its meshd shows)",
     ),
     "wrong_code": (
         "warning",
@@ -450,7 +450,7 @@ def _doors(s: Snapshot, out: _Out) -> None:
             "waiting_approval",
             f"node {w.name!r} ({w.node_id}){at} has waited {w.waiting_s:.0f} s for a "
             "member to approve it",
-            f"meshctl approve {w.name} (or start it with this cluster's --secret-file)",
+            "meshctl approve CODE, CODE being what its meshd shows (or use --secret-file)",
         )
     failed = {k: v for k, v in s.handshake_failures.items() if v}
     out.check(

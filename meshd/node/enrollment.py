@@ -5,7 +5,9 @@
 * A node that was in a cluster (its data dir says so): that one.
 * A new node: it looks for members (its seeds, Bonjour) for ``settle_s``; finding none
   it starts a new cluster (it is the first machine); finding some, it asks to join
-  (``--join CODE``, or waiting for a member's approval) and waits as long as it takes.
+  (``--join CODE``, or showing an approval code and waiting for a member's approval as
+  long as it takes). It stops with a clear error when no desk answers within
+  :data:`JOIN_SEARCH_S` or every desk refuses for good (a wrong or used code).
 """
 
 from __future__ import annotations
@@ -23,11 +25,16 @@ from meshd.transport.discovery import PeerAddr
 from .cluster_store import ClusterStore, StoredCluster
 from .config import NodeConfig
 from .identity import Identity
-from .joining import JoinRefusedError, ask_to_join
+from .join_client import DeskSeen, JoinRefusedError, NoClusterFoundError, ask_to_join
+from .joining import CODE_CHARS, code_chars, name_problem, normal_code
 
 __all__ = ["enroll", "join_port_of"]
 
 log = logging.getLogger("meshd.join")
+
+#: How long a new node looks for a join desk that answers at all before it says so and
+#: stops (a desk that holds it for approval keeps it waiting as long as it takes).
+JOIN_SEARCH_S = 15.0
 
 
 def join_port_of(mesh_port: int) -> int:
@@ -65,6 +72,13 @@ async def _find_or_found(
         seeds = [(h, join_port_of(p)) for h, p in cfg.peers]
         return seeds + [(p.host, p.join) for p in found.values() if p.join]
 
+    problem = name_problem(cfg.name)
+    if problem is not None:
+        raise ValueError(f"--name: {problem}")
+    code = cfg.join_code
+    if code is not None and not (len(normal_code(code)) == CODE_CHARS and code_chars(code)):
+        raise ValueError(f"--join {code!r} is no pairing code: `meshctl invite` makes one "
+                         "of 12 characters, like ABCD-EFGH-JKMN")  # fmt: skip
     if cfg.join_code is None:
         deadline = time.monotonic() + cfg.settle_s
         while not candidates() and time.monotonic() < deadline:
@@ -73,26 +87,55 @@ async def _find_or_found(
             cluster = StoredCluster(key=secrets.token_bytes(32), name=cfg.cluster)
             log.info(
                 "started a new cluster %r (%s): this is its first node; let others in "
-                "with `meshctl approve NAME` or `meshctl invite`", cluster.name, cluster.id,
+                "with `meshctl approve CODE` or `meshctl invite`", cluster.name, cluster.id,
             )  # fmt: skip
             return cluster
+    what = "a member that knows the code" if cfg.join_code else "members to approve this node"
+    _say(f"looking for {what} ({_where(cfg, found)})")
+    shown: list[str] = []
 
-    def pending(message: str) -> None:
-        # The id lets the approver check, in `meshctl members` or `meshctl top`, that the
-        # node waiting there is this one and not a look-alike of the same name.
-        message = f"{message} (this node: {cfg.name}, id {identity.node_id})"
-        log.warning("asked to join: %s", message)
-        print(f"meshd: {message}", file=sys.stderr, flush=True)
+    def on_code(code: str) -> None:
+        shown[:] = [code]
 
+    def on_pending(desks: list[DeskSeen]) -> None:
+        # The code is on this screen only: typed on a member, it proves each side to the
+        # other. The id lets the approver tell this node from a look-alike of its name.
+        where = "; ".join(f"cluster {d.name!r} (id {d.cluster}) at {d.address}" for d in desks)
+        _say(
+            f"waiting for a member to approve: run `meshctl approve {shown[0]}` on a "
+            f"member ({where}; this node: {cfg.name}, id {identity.node_id})"
+        )
+
+    # Bonjour may find the desk that knows the code after one that refuses; seeds are all
+    # there from the start.
+    refuse_after = cfg.settle_s if cfg.discovery else 0.0
     try:
         outcome = await ask_to_join(
-            ctx, identity.key, cfg.name, candidates, code=cfg.join_code, on_pending=pending
-        )
+            ctx, identity.key, cfg.name, candidates, code=cfg.join_code, on_code=on_code,
+            on_pending=on_pending, search_s=JOIN_SEARCH_S, refuse_after_s=refuse_after,
+        )  # fmt: skip
     except JoinRefusedError as e:
         raise RuntimeError(f"could not join: {e}") from None
+    except NoClusterFoundError as e:
+        raise RuntimeError(
+            f"no cluster found: no join desk answered within {e.searched_s:.0f} s "
+            f"({_where(cfg, found)}; asked: {', '.join(e.asked) or 'none'})"
+        ) from None
     log.info("joined cluster %r (%s) through %s", outcome.cluster.name, outcome.cluster.id,
              outcome.via)  # fmt: skip
     return outcome.cluster
+
+
+def _say(message: str) -> None:
+    log.warning("%s", message)
+    print(f"meshd: {message}", file=sys.stderr, flush=True)
+
+
+def _where(cfg: NodeConfig, found: dict[str, PeerAddr]) -> str:
+    """Where this node looks for members, for the messages that say so."""
+    bonjour = f"Bonjour: {len(found)} meshd node(s) seen" if cfg.discovery else "Bonjour off"
+    seeds = ", ".join(f"{h}:{join_port_of(p)}" for h, p in cfg.peers) or "none"
+    return f"{bonjour}; seeds' join ports: {seeds}"
 
 
 async def _browse(cfg: NodeConfig, identity: Identity, found: dict[str, PeerAddr]):

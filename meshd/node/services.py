@@ -16,7 +16,7 @@ import zmq.asyncio
 
 import meshd
 from meshd.crdt.hlc import physical, wall_ms
-from meshd.crdt.views import Instance, InstanceSpec, Member, health_key, member_key, members
+from meshd.crdt.views import Instance, InstanceSpec, health_key, member_key, members
 from meshd.domain.job import Job
 from meshd.transport import wire
 from meshd.transport.addresses import choose_address, interface_addresses, virtual_addresses
@@ -29,6 +29,7 @@ from .access import Access
 from .cluster import ClusterView
 from .config import NodeConfig
 from .instances import Instances
+from .member_views import MemberView, NotOwner, NotSecured, PendingView, pending_view
 from .metrics import Metrics
 from .presence import Presence
 from .probes import PROBE_TIMEOUT_S, Target, probe_all
@@ -41,40 +42,7 @@ from .twins import Twins
 if TYPE_CHECKING:  # zeroconf is imported only when discovery runs
     from meshd.transport.discovery import Discovery
 
-__all__ = ["MemberView", "NodeServices", "NotSecured", "PendingView", "Vitals"]
-
-
-class NotSecured(Exception):
-    """An open cluster has no members to approve or invite."""
-
-
-class NotOwner(PermissionError):
-    """This node is no owner of its cluster: it may not remove another member."""
-
-
-class MemberView(msgspec.Struct, kw_only=True):
-    """A member of the cluster."""
-
-    id: str
-    name: str
-    #: Who approved it (its own id: it came with the cluster's key).
-    by: str
-    at_ms: int
-    #: May remove members and make owners.
-    owner: bool = False
-
-    @classmethod
-    def of(cls, m: Member) -> MemberView:
-        """The view of a member entry."""
-        return cls(id=m.id, name=m.name, by=m.by, at_ms=m.at_ms, owner=m.owner)
-
-
-class PendingView(msgspec.Struct, kw_only=True):
-    """A node waiting at this node's join desk for approval."""
-
-    id: str
-    name: str
-    waiting_s: float
+__all__ = ["NodeServices", "Vitals"]
 
 
 class Vitals(msgspec.Struct, kw_only=True):
@@ -224,19 +192,18 @@ class NodeServices:
             for m in sorted(members(self._state.map).values(), key=lambda m: (m.name, m.id))
         ]
         now = time.monotonic()
-        pending = [
-            PendingView(id=p.node_id, name=p.name, waiting_s=round(now - p.first_seen, 1))
-            for p in desk.pending.values()
-        ]
+        pending = [pending_view(p, now) for p in desk.pending.values()]
         return ms, pending
 
-    def approve(self, ref: str) -> MemberView:
-        """Let a pending node in (by name or id); LookupError when none or several match."""
+    def approve(self, code: str, node: str = "") -> list[PendingView]:
+        """Approve the waiting node whose screen shows ``code`` (``node``: its id or a
+        prefix, optional); it is a member once it confirms the code. LookupError when
+        ``code`` is no code or no waiting node shows it."""
         desk = self._access.desk
         if desk is None:
             raise NotSecured("an open cluster (--open) lets every node in")
-        p = desk.approve(ref)
-        return MemberView(id=p.node_id, name=p.name, by=self._state.node_id, at_ms=0)
+        now = time.monotonic()
+        return [pending_view(p, now) for p in desk.approve(code, node)]
 
     def invite(self) -> tuple[str, float]:
         """A pairing code for ``meshd up --join CODE`` and the seconds it stays good."""

@@ -22,6 +22,37 @@ from meshd.domain.facts import Sha256
 from meshd.domain.job import Job
 from meshd.domain.sampling import Sampling
 
+from .join_wire import (  # the join plane's messages, part of this module's names
+    MAX_JOIN_FRAME as MAX_JOIN_FRAME,
+)
+from .join_wire import (
+    JoinAccepted as JoinAccepted,
+)
+from .join_wire import (
+    JoinChallenge as JoinChallenge,
+)
+from .join_wire import (
+    JoinConfirm as JoinConfirm,
+)
+from .join_wire import (
+    JoinHello as JoinHello,
+)
+from .join_wire import (
+    JoinIdent as JoinIdent,
+)
+from .join_wire import (
+    JoinMessage as JoinMessage,
+)
+from .join_wire import (
+    JoinPending as JoinPending,
+)
+from .join_wire import (
+    JoinRefused as JoinRefused,
+)
+from .join_wire import (
+    JoinWho as JoinWho,
+)
+
 #: Largest control-plane frame a node accepts (gossip, hello, pulls).
 MAX_CONTROL_FRAME = 4 * 1024 * 1024
 #: Hard ceiling handed to ZeroMQ (ZMQ_MAXMSGSIZE): a peer sending more is disconnected
@@ -392,91 +423,6 @@ class SliceRefusal(msgspec.Struct, tag=True, kw_only=True):
 TransferMessage = SliceAsk | SliceOffer | ChunkAsk | ChunkData | SliceRefusal
 
 
-# -- joining: the plain (not CURVE) join port of a member ----------------------------
-#: Largest frame the join port takes: a join request is a few hundred bytes.
-MAX_JOIN_FRAME = 64 * 1024
-
-
-class JoinHello(msgspec.Struct, tag=True, kw_only=True):
-    """A node that is not a member asks to join (sent again until it is answered).
-
-    ``proof``: the node holds the cluster key (a secret file) and vouches for itself.
-    ``invite`` + ``spake``: it holds a pairing code (SPAKE2, message A). Neither: it
-    waits for a member to approve it.
-    """
-
-    name: str
-    key: bytes
-    version: str = ""
-    #: The wire protocol the joiner speaks (1: a meshd from before it was sent).
-    protocol: int = 1
-    proof: bytes = b""
-    invite: str = ""
-    spake: bytes = b""
-
-
-class JoinChallenge(msgspec.Struct, tag=True, kw_only=True):
-    """Pairing code, step 1: the member's SPAKE2 message B and its key confirmation."""
-
-    spake: bytes
-    confirm: bytes
-
-
-class JoinConfirm(msgspec.Struct, tag=True, kw_only=True):
-    """Pairing code, step 2: the joiner's key confirmation."""
-
-    key: bytes
-    invite: str
-    confirm: bytes
-
-
-class JoinPending(msgspec.Struct, tag=True, kw_only=True):
-    """The request is held until a member approves it."""
-
-    cluster: str
-    name: str
-    message: str
-
-
-class JoinAccepted(msgspec.Struct, tag=True, kw_only=True):
-    """The node is a member: the cluster's members, and its key for the joiner only
-    (sealed to the joiner's key, or encrypted with the pairing's session key)."""
-
-    cluster: str
-    name: str
-    members: list[Entry]
-    sealed_key: bytes = b""
-    #: The cluster came from a secret file: its holders vouch for themselves.
-    self_vouch: bool = False
-
-
-class JoinRefused(msgspec.Struct, tag=True, kw_only=True):
-    """No: ``code`` is ``wrong_code``, ``unknown_invite``, ``busy``, ``bad_request``..."""
-
-    code: str
-    message: str
-
-
-class JoinWho(msgspec.Struct, tag=True, kw_only=True):
-    """Which node answers at this join port? (A seed names an address, not a node; the
-    sockets of a secured cluster need the key of the node they dial.)"""
-
-
-class JoinIdent(msgspec.Struct, tag=True, kw_only=True):
-    """The answer to :class:`JoinWho`: the node's Ed25519 public key and the protocol it
-    speaks. Claimed, not proven: the CURVE handshake with it proves it."""
-
-    key: bytes
-    protocol: int = 1
-
-
-JoinMessage = (
-    JoinHello | JoinChallenge | JoinConfirm | JoinPending | JoinAccepted | JoinRefused
-    | JoinWho | JoinIdent
-)  # fmt: skip
-
-#: The gossip plane: greetings, deltas and digests on PUB/SUB, anti-entropy on the
-#: mesh ROUTER.
 GossipMessage = Hello | Welcome | Delta | Digest | Pull | PullReply | Refused
 #: What a runner's ROUTER takes: a request's start, steps, tokens, releases, drafts.
 StageMessage = Generate | Activation | Token | Release | Propose | Proposal

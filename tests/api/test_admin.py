@@ -26,8 +26,8 @@ from meshd.api.services import ApiSettings
 from meshd.cli import meshd as meshd_cli
 from meshd.cli.keys import meshctl_keys, node_keys
 from meshd.cli.meshctl import main as meshctl
+from meshd.node.member_views import MemberView
 from meshd.node.owner import OWNER_FILE, ensure_owner_token, read_owner_token
-from meshd.node.services import MemberView
 
 API, ADMIN_KEY, OWNER = "sk-inference", "admin-remote-key", "o" * 43
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -65,7 +66,8 @@ def test_a_new_machine_finds_the_cluster_over_bonjour_and_joins_by_approval(
         while time.monotonic() < deadline and "waiting for a member" not in log1.read_text():
             time.sleep(0.3)
         assert _nodes(h1) == {}  # not in yet: no API, no state
-        r = h0.run([sys.executable, "-m", "meshd.cli.meshctl", "approve", "h1"], timeout=15)
+        code = re.findall(r"meshctl approve ([0-9A-Z]{4}-[0-9A-Z]{4})", log1.read_text())[-1]
+        r = h0.run([sys.executable, "-m", "meshd.cli.meshctl", "approve", code], timeout=30)
         assert r.returncode == 0, r.stderr
         _assert_both_see_both(h0, h1, tmp_path)
 

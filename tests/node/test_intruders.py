@@ -21,6 +21,7 @@ import zmq
 
 from meshd.crdt.views import Health, NodeCard, health_key, node_key
 from meshd.models import DEFAULT_MODEL
+from meshd.node.joining import MAX_PENDING_PER_ADDRESS, approval_tag, new_approval_code
 from meshd.transport import wire
 from meshd.transport.identity import NodeKey, curve_public_of
 from meshd.transport.security import PROTOCOL, CurveKeys, secure
@@ -98,7 +99,11 @@ def test_a_key_that_is_no_members_gets_nothing_in(cluster: Cluster) -> None:
         j.setsockopt(zmq.LINGER, 0)
         j.setsockopt(zmq.RCVTIMEO, 3000)
         j.connect(f"tcp://127.0.0.1:{a.mesh_port + 1}")
-        j.send(wire.encode(wire.JoinHello(name="eve", key=stranger.public, protocol=PROTOCOL)))
+        tag = approval_tag(new_approval_code(), stranger.public)  # a code only eve shows
+        hello = wire.JoinHello(
+            name="eve", key=stranger.public, spake=b"A" * 33, tag=tag, protocol=PROTOCOL
+        )
+        j.send(wire.encode(hello))
         assert isinstance(msgspec.msgpack.decode(j.recv(), type=wire.JoinMessage),
                           wire.JoinPending)  # fmt: skip
         j.send(
@@ -110,16 +115,15 @@ def test_a_key_that_is_no_members_gets_nothing_in(cluster: Cluster) -> None:
         assert isinstance(got, wire.JoinRefused) and got.code == "bad_proof"
         for i in range(300):
             k = NodeKey.generate().public
-            j.send(
-                wire.encode(wire.JoinHello(name=f"flood{i}", key=k, protocol=PROTOCOL))
-                if i % 2
-                else b"\x93junk"
+            flood = wire.JoinHello(
+                name=f"flood{i}", key=k, spake=b"A" * 33, tag=b"a", protocol=PROTOCOL
             )
+            j.send(wire.encode(flood) if i % 2 else b"\x93junk")
         time.sleep(1.0)
         j.close()
         members = a.get("/v1/members")
         assert [x["name"] for x in members["data"]] == ["a"]
-        assert len(members["pending"]) <= 32
+        assert len(members["pending"]) == MAX_PENDING_PER_ADDRESS  # per address: eve, 3 more
         assert a.alive() and a.get("/healthz")["status"] == "ok"
     finally:
         ctx.destroy(linger=0)
