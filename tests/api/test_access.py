@@ -148,8 +148,9 @@ def test_another_user_of_the_machine_reads_no_token_and_administers_nothing(
         )  # fmt: skip
 
     token = keyed.data_dir / OWNER_FILE
-    assert as_nobody("ls", str(keyed.data_dir)).returncode == 0  # the folder is open...
-    r = as_nobody("cat", str(token))  # ...the token is not
+    assert as_nobody("ls", str(keyed.data_dir)).returncode != 0  # the data dir is 0700...
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600  # ...and the token 0600 in it
+    r = as_nobody("cat", str(token))
     assert r.returncode != 0 and "Permission denied" in r.stderr and not r.stdout
     url = _local(keyed)
     curl = ("curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-H",

@@ -34,7 +34,7 @@ from meshd.node.joining import (
 )
 from meshd.transport import wire
 from meshd.transport.identity import NodeKey
-from meshd.transport.security import cluster_id_of
+from meshd.transport.security import PROTOCOL, cluster_id_of
 from tests.node.local import Local, local_node
 
 pytestmark = pytest.mark.timeout(60)
@@ -179,7 +179,7 @@ async def test_a_flood_from_several_addresses_neither_pushes_out_nor_passes_for_
                 code = new_approval_code()
                 hello = wire.JoinHello(
                     name=name, key=fake.public, spake=secrets.token_bytes(33),
-                    tag=approval_tag(code, fake.public),
+                    tag=approval_tag(code, fake.public), protocol=PROTOCOL,
                 )  # fmt: skip
                 reply = await _ask_from(ctx, src, real.desk.port, hello)
                 answers.setdefault(src, []).append(getattr(reply, "code", type(reply).__name__))
@@ -219,7 +219,7 @@ async def test_names_are_printable_not_id_like_nor_a_members_and_gone_joiners_dr
             k = key or NodeKey.generate()
             tag = approval_tag(new_approval_code(), k.public)
             a = spake2.SPAKE2_A(b"ABCDEFGH", **APPROVAL_IDS)
-            return desk.hello(wire.JoinHello(name=name, key=k.public, spake=a.start(), tag=tag),
+            return desk.hello(wire.JoinHello(name=name, key=k.public, spake=a.start(), tag=tag, protocol=PROTOCOL),
                               now, "10.0.0.9")  # fmt: skip
 
         for bad in ("0123456789abcdef", "lap\x1b[2Jtop", "evil\nname", "a\u202etxt", " "):
@@ -234,10 +234,12 @@ async def test_names_are_printable_not_id_like_nor_a_members_and_gone_joiners_dr
         now += PENDING_TTL_S + 1
         assert isinstance(hello("gamma"), wire.JoinPending)
         assert [p.name for p in desk.pending.values()] == ["gamma"]
-        # An older joiner (no code) gets nothing, and no unproven yes exists.
+        # An older joiner (no code, an older protocol) gets nothing but both versions
+        # named, and no unproven yes exists.
         k = NodeKey.generate()
         got = desk.hello(wire.JoinHello(name="old", key=k.public), now, "10.0.0.9")
-        assert isinstance(got, wire.JoinRefused) and got.code == "old_version"
+        assert isinstance(got, wire.JoinRefused) and got.code == "old_protocol"
+        assert f"protocol {PROTOCOL}" in got.message and "protocol 1" in got.message
         assert real.member_names() == ["alpha"]
 
 
@@ -297,7 +299,7 @@ async def test_a_look_alike_sharing_the_codes_tag_is_challenged_and_cannot_confi
         code = new_approval_code()
         mallory = NodeKey.generate()  # its tag collides with the code (1 in 256 by chance)
         a = spake2.SPAKE2_A(b"ZZZZZZZZ", **APPROVAL_IDS)  # it can only guess the code
-        hello = wire.JoinHello(name="laptop", key=mallory.public, spake=a.start(),
+        hello = wire.JoinHello(name="laptop", key=mallory.public, spake=a.start(), protocol=PROTOCOL,
                                tag=approval_tag(code, mallory.public))  # fmt: skip
         assert isinstance(desk.hello(hello, now, "10.0.0.66"), wire.JoinPending)
         assert [p.node_id for p in desk.approve(code)] == [mallory.node_id]
