@@ -219,8 +219,10 @@ async def test_names_are_printable_not_id_like_nor_a_members_and_gone_joiners_dr
             k = key or NodeKey.generate()
             tag = approval_tag(new_approval_code(), k.public)
             a = spake2.SPAKE2_A(b"ABCDEFGH", **APPROVAL_IDS)
-            return desk.hello(wire.JoinHello(name=name, key=k.public, spake=a.start(), tag=tag, protocol=PROTOCOL),
-                              now, "10.0.0.9")  # fmt: skip
+            hello = wire.JoinHello(
+                name=name, key=k.public, spake=a.start(), tag=tag, protocol=PROTOCOL
+            )
+            return desk.hello(hello, now, "10.0.0.9")
 
         for bad in ("0123456789abcdef", "lap\x1b[2Jtop", "evil\nname", "a\u202etxt", " "):
             got = hello(bad)
@@ -299,8 +301,8 @@ async def test_a_look_alike_sharing_the_codes_tag_is_challenged_and_cannot_confi
         code = new_approval_code()
         mallory = NodeKey.generate()  # its tag collides with the code (1 in 256 by chance)
         a = spake2.SPAKE2_A(b"ZZZZZZZZ", **APPROVAL_IDS)  # it can only guess the code
-        hello = wire.JoinHello(name="laptop", key=mallory.public, spake=a.start(), protocol=PROTOCOL,
-                               tag=approval_tag(code, mallory.public))  # fmt: skip
+        hello = wire.JoinHello(name="laptop", key=mallory.public, spake=a.start(),
+                               tag=approval_tag(code, mallory.public), protocol=PROTOCOL)  # fmt: skip
         assert isinstance(desk.hello(hello, now, "10.0.0.66"), wire.JoinPending)
         assert [p.node_id for p in desk.approve(code)] == [mallory.node_id]
         challenge = desk.hello(hello, now, "10.0.0.66")
