@@ -301,8 +301,10 @@ async def test_a_look_alike_sharing_the_codes_tag_is_challenged_and_cannot_confi
         code = new_approval_code()
         mallory = NodeKey.generate()  # its tag collides with the code (1 in 256 by chance)
         a = spake2.SPAKE2_A(b"ZZZZZZZZ", **APPROVAL_IDS)  # it can only guess the code
-        hello = wire.JoinHello(name="laptop", key=mallory.public, spake=a.start(),
-                               tag=approval_tag(code, mallory.public), protocol=PROTOCOL)  # fmt: skip
+        tag = approval_tag(code, mallory.public)
+        hello = wire.JoinHello(
+            name="laptop", key=mallory.public, spake=a.start(), tag=tag, protocol=PROTOCOL
+        )
         assert isinstance(desk.hello(hello, now, "10.0.0.66"), wire.JoinPending)
         assert [p.node_id for p in desk.approve(code)] == [mallory.node_id]
         challenge = desk.hello(hello, now, "10.0.0.66")
