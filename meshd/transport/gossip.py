@@ -117,6 +117,7 @@ class Gossip:
         self.pub = open_socket(ctx, zmq.PUB, CONTROL, keys, server=True)
         self.pub_port = bind(self.pub, bind_host)
         self._pub_lock = asyncio.Lock()
+        self._reporter: HandshakeReporter | None = None
         # The SUB dials every peer, each with its own key, set before each connect
         # (set_peer); until the first, it names this node's own.
         own = keys.public if keys is not None else None
@@ -138,10 +139,14 @@ class Gossip:
         if self.keys is not None:
             # The SUB names every peer it dials, so a peer without the secret is
             # reported by address; the bound sockets count intruders.
-            reporter = HandshakeReporter(self.counters.add)
+            self._reporter = HandshakeReporter(self.counters.add)
             for name, sock in (("mesh", self.router), ("pub", self.pub), ("sub", self.sub)):
-                watch = watch_handshakes(sock, name, reporter, bound=sock is not self.sub)
-                self._tasks.append(asyncio.create_task(watch, name=f"hs-{name}"))
+                self._watch(name, sock)
+
+    def _watch(self, name: str, sock: zmq.asyncio.Socket) -> None:
+        if self._reporter is not None:
+            watch = watch_handshakes(sock, name, self._reporter, bound=sock is not self.sub)
+            self._tasks.append(asyncio.create_task(watch, name=f"hs-{name}"))
 
     async def stop(self) -> None:
         """Stop loops and close sockets (after the last publish has had its linger)."""
@@ -207,6 +212,7 @@ class Gossip:
                     await asyncio.sleep(0.02)  # libzmq releases the port asynchronously
                     continue
                 self.pub = pub
+                self._watch("pub", pub)
                 return
 
     async def publish_digest(self) -> None:
