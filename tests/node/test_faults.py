@@ -199,7 +199,7 @@ def test_sigterm_drain_moves_the_stage_and_the_stream_completes(cluster: Cluster
     assert "draining" in b.log()
 
 
-def test_sigkill_middle_stage_20_times_no_hang_and_no_wrong_text(
+def test_sigkill_middle_stage_again_and_again_no_hang_and_no_wrong_text(
     cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     nodes, reference = faultlab.three_nodes_and_reference(cluster, 200)
@@ -212,4 +212,7 @@ def test_sigkill_middle_stage_20_times_no_hang_and_no_wrong_text(
     assert all(t.ended_or_resumed_s < 2.0 for t in trials if t.outcome == "error")
 
 
-TRIALS = 20
+#: Kills in a row in every run: enough that a kill landing at another moment of the
+#: stream (a hop, a step, a repair under way) is met, at ~23 s a trial. The statistics
+#: of many (20 by default, with the timings) are bench/faults.py's.
+TRIALS = 5
