@@ -141,7 +141,7 @@ MODULE_SIZES: dict[str, int] = {
     "meshd/api/ollama.py": 532,
     "meshd/api/responses_schemas.py": 602,
     "meshd/api/schemas.py": 962,
-    "meshd/cli/meshctl.py": 508,
+    "meshd/cli/meshctl.py": 491,
     "meshd/cli/meshd.py": 505,
     "meshd/cli/top.py": 704,
     "meshd/engines/llama_stage.py": 898,

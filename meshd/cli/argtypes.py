@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-from meshd.api.origins import parse_allowed
-
 
 def positive_int(text: str) -> int:
     """A whole number >= 1."""
@@ -43,6 +41,10 @@ def positive_float(text: str) -> float:
 
 def allowed_host(text: str) -> str:
     """An ``--allow-host`` entry: a host name or address, with an optional ``:PORT``."""
+    # imported here: meshctl imports this module, and must start in 0.3 s (the API's
+    # modules bring starlette, msgspec and the models' numpy)
+    from meshd.api.origins import parse_allowed
+
     if parse_allowed(text) is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a host name or address [:PORT]")
     return text

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
-import httpx
-
 from meshd.domain.text import loggable, printable
+
+if TYPE_CHECKING:
+    import httpx
 
 #: Port a node serves its HTTP API on unless told otherwise.
 DEFAULT_PORT = 7470
@@ -147,6 +148,10 @@ class NodeClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if admin:
             headers[ADMIN_HEADER] = admin
+        # httpx is imported with the first client, not with this module: it takes
+        # 0.2 s, and meshctl must start (--help, usage errors, `secret`) in 0.3 s.
+        import httpx
+
         self._http = httpx.Client(
             base_url=self.base_url, timeout=timeout, trust_env=False, headers=headers
         )
@@ -209,6 +214,8 @@ class NodeClient:
 
     def chat_stream(self, body: dict[str, Any], timeout: float = 600.0) -> Iterator[str]:
         """``POST /v1/chat/completions`` with ``stream``: yield the text deltas."""
+        import httpx  # loaded by __init__ already (see there)
+
         body = {**body, "stream": True}
         try:
             with self._http.stream(
@@ -241,6 +248,8 @@ class NodeClient:
     def _send(
         self, method: str, path: str, body: Any = None, timeout: float | None = None
     ) -> dict[str, Any]:
+        import httpx  # loaded by __init__ already (see there)
+
         try:
             resp = self._http.request(method, path, json=body, timeout=timeout or self.timeout)
         except httpx.TransportError as exc:
@@ -290,6 +299,8 @@ def _error_text(resp: httpx.Response) -> str:
 
 
 def _reason(exc: httpx.TransportError) -> str:
+    import httpx  # loaded by NodeClient already (see there)
+
     text = str(exc).strip()
     if isinstance(exc, httpx.TimeoutException):
         return f"timed out ({text})" if text and "timed out" not in text else text or "timed out"

@@ -20,15 +20,16 @@ import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from meshd.node.config import ADMIN_KEY_ENV, API_KEY_ENV
-from meshd.node.identity import default_data_dir
+# Each of these is stdlib only: meshctl imports this module, and must start in 0.3 s.
+from meshd.node.local import ADMIN_KEY_ENV, API_KEY_ENV, default_data_dir
 from meshd.node.owner import read_owner_token
-from meshd.transport.security import read_private
+from meshd.transport.secret_files import read_private
 
-from .settings import ConfigError, Resolved, mark_secret
+if TYPE_CHECKING:
+    from .settings import Resolved
 
 __all__ = ["add_key_flags", "add_meshctl_key_flags", "meshctl_keys", "node_keys", "refuse_argv"]
 
@@ -55,6 +56,8 @@ def add_key_flags(up: argparse.ArgumentParser) -> None:
     """The key settings of ``meshd up``: ``--api-key-file``/``--admin-key-file``, and
     ``--api-key``/``--admin-key``, which exist for ``$MESHD_API_KEY``/``$MESHD_ADMIN_KEY``
     and the config file only (:func:`refuse_argv` refuses them as flags)."""
+    from .settings import mark_secret  # imported here, as in refuse_argv
+
     for key, env, opens in _KEYS:
         option = "--" + key.replace("_", "-")
         up.add_argument(
@@ -73,6 +76,10 @@ def add_key_flags(up: argparse.ArgumentParser) -> None:
 
 def refuse_argv(resolved: Resolved) -> None:
     """Raise :class:`ConfigError` when a key came as a flag (``meshd up --api-key KEY``)."""
+    # imported here: only ``meshd up`` reads settings, and meshctl (which imports this
+    # module) must start in 0.3 s (settings brings tomllib, difflib, dataclasses)
+    from .settings import ConfigError
+
     for key, env, _ in _KEYS:
         if resolved.sources.get(key) == "flag":
             raise ConfigError(_refused("--" + key.replace("_", "-"), env))

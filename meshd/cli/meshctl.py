@@ -20,11 +20,9 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-from meshd.transport.security import SecretError, new_secret, write_secret
-
-from .approving import approve_and_wait, pending_lines
+# What every command needs only: meshctl must start in 0.3 s, so each command imports
+# the rest itself (rich's tables, the secret file's zmq) when it runs.
 from .argtypes import positive_float, positive_int
 from .client import (
     DEFAULT_TIMEOUT,
@@ -34,9 +32,8 @@ from .client import (
     NodeUnreachable,
     parse_node,
 )
-from .instances import print_instances, wait_serving
 from .keys import add_meshctl_key_flags, meshctl_keys
-from .top import nodes_table, run_top, stdout_console
+from .secret import add_secret
 
 EXIT_OK = 0
 EXIT_NODE_ERROR = 1
@@ -52,11 +49,15 @@ Command = Callable[[argparse.Namespace, NodeClient], int]
 
 def cmd_top(args: argparse.Namespace, client: NodeClient) -> int:
     """Live view of nodes, memory, runners and instances."""
+    from .top import run_top
+
     return run_top(client, interval=args.interval, once=args.once, as_json=args.json)
 
 
 def cmd_nodes(args: argparse.Namespace, client: NodeClient) -> int:
     """The nodes this node knows, as a table or (``--json``) the raw list."""
+    from .top import nodes_table, stdout_console
+
     cluster = client.cluster()
     if args.json:
         sys.stdout.write(json.dumps(cluster.get("nodes") or [], indent=2) + "\n")
@@ -70,6 +71,7 @@ def cmd_models(args: argparse.Namespace, client: NodeClient) -> int:
     """The models the cluster holds: format, size, the nodes that hold each, and
     whether an instance serves it."""
     from .models import model_rows, models_table
+    from .top import stdout_console
 
     rows = model_rows(client.cluster())
     if args.json:
@@ -84,6 +86,8 @@ def cmd_models(args: argparse.Namespace, client: NodeClient) -> int:
 
 def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
     """Place a model on the cluster and print the plan."""
+    from .instances import print_instances, wait_serving
+
     body: dict = {"model": args.model}
     if args.nodes and args.nodes.strip().isdigit():
         # `--nodes 2` reads as "over two nodes" (a count); names are comma-separated.
@@ -122,6 +126,8 @@ def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
 
 def cmd_ls(args: argparse.Namespace, client: NodeClient) -> int:
     """List the placed instances and the state of each stage."""
+    from .instances import print_instances
+
     data = client.instances().get("data") or []
     if args.json:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
@@ -324,6 +330,8 @@ def _add_doctor(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
 def cmd_members(args: argparse.Namespace, client: NodeClient) -> int:
     """The cluster's members, and the nodes waiting for approval at this node; `meshctl
     members rm NAME|ID` removes one for good (an owner's node only)."""
+    from .approving import pending_lines
+
     if args.action == "rm":
         if not args.ref:
             print("meshctl members rm: name the member (its name or id)", file=sys.stderr)
@@ -349,6 +357,8 @@ def cmd_members(args: argparse.Namespace, client: NodeClient) -> int:
 
 def cmd_approve(args: argparse.Namespace, client: NodeClient) -> int:
     """Let a waiting node in by the code its `meshd up` shows (`meshctl members` lists them)."""
+    from .approving import approve_and_wait
+
     got, joined = approve_and_wait(client, args.code, args.id)
     who = ", ".join(f"{p.get('name')} ({p.get('id')})" for p in got)
     print(f"{who} is a member now" if joined else f"approved {who}, not confirmed yet: is it up?")
@@ -385,33 +395,6 @@ def _add_members(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     i.set_defaults(func=cmd_invite)
 
 
-def cmd_secret(args: argparse.Namespace) -> int:
-    """Make a fresh cluster secret: print it, or write it to a file (mode 0600)."""
-    if args.output is None:
-        print(new_secret())
-        return EXIT_OK
-    try:
-        write_secret(args.output, force=args.force)
-    except (SecretError, OSError) as exc:
-        print(f"meshctl: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    print(
-        f"wrote a new cluster secret to {args.output}; copy it to every node and start "
-        f"each with `meshd up --secret-file {args.output}`",
-        file=sys.stderr,
-    )
-    return EXIT_OK
-
-
-def _add_secret(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("secret", help="Cluster secrets (CURVE keys for every socket).")
-    ssub = p.add_subparsers(dest="secret_command", metavar="ACTION", required=True)
-    new = ssub.add_parser("new", help=cmd_secret.__doc__, description=cmd_secret.__doc__)
-    new.add_argument("-o", "--output", type=Path, metavar="PATH", help="write it here")
-    new.add_argument("--force", action="store_true", help="replace an existing file")
-    p.set_defaults(func=None, local=cmd_secret)
-
-
 def _add_pull(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     from .pull import cmd_pull
 
@@ -429,7 +412,7 @@ def _add_pull(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
 
 COMMANDS = [
     _add_top, _add_nodes, _add_models, _add_place, _add_ls, _add_rm, _add_chat, _add_members,
-    _add_secret, _add_doctor, _add_pull,
+    add_secret, _add_doctor, _add_pull,
 ]  # fmt: skip
 
 

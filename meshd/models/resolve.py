@@ -32,8 +32,6 @@ from typing import Literal
 
 import msgspec
 
-from .gguf import is_gguf
-
 __all__ = [
     "ALIASES",
     "ALIAS_SYNONYMS",
@@ -291,6 +289,10 @@ def _snapshot(repo_dir: Path) -> Path | None:
 
 
 def _from_path(asked: str, path: Path, spec: str | None, looked: list[str]) -> ResolvedModel:
+    # imported here: meshctl reads this module's names (the default model, the quant
+    # preference) at start, and must start in 0.3 s (gguf brings numpy)
+    from .gguf import is_gguf
+
     path = path.absolute()
     if path.is_file():
         if not is_gguf(path):

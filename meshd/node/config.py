@@ -14,7 +14,7 @@ from meshd.models import DEFAULT_MODEL
 from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
 from meshd.transport import gossip
 
-from .identity import default_data_dir
+from .local import default_data_dir
 
 #: The OpenAI-compatible HTTP API.
 DEFAULT_API_PORT = 7470
@@ -22,12 +22,6 @@ DEFAULT_API_PORT = 7470
 DEFAULT_MESH_PORT = 7471
 DEFAULT_CLUSTER = "default"
 HEARTBEAT_INTERVAL = 0.5
-#: Environment variable with the API key (inference and reading; never argv, where
-#: ``ps`` shows it: else ``--api-key-file``).
-API_KEY_ENV = "MESHD_API_KEY"
-#: Environment variable with the admin key (remote administration; else
-#: ``--admin-key-file``). The node's owner needs none: ``owner.py``.
-ADMIN_KEY_ENV = "MESHD_ADMIN_KEY"
 #: Requests in flight per node before the API answers 429 (8 runner slots, 8x queued).
 DEFAULT_MAX_REQUESTS = 64
 #: ``max_tokens`` cap; unset ``max_tokens`` also stops here (or at the context's end).

@@ -45,17 +45,6 @@ class DataDirLockedError(RuntimeError):
     """Another meshd process holds this data directory."""
 
 
-def default_data_dir() -> Path:
-    """``$MESHD_DATA_DIR``, else the platform's per-user data folder + ``/meshd``."""
-    env = os.environ.get("MESHD_DATA_DIR")
-    if env:
-        return Path(env).expanduser()
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Application Support" / "meshd"
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "meshd"
-
-
 _IOREG_UUID = re.compile(r'"IOPlatformUUID"\s*=\s*"([^"]+)"')
 
 

@@ -3,7 +3,7 @@
 The API takes administration (invites, members, placing and removing instances) only
 with an admin credential (``meshd.api.auth``). On the node's own machine that is this
 token: made at the node's first start (0600, with
-:func:`~meshd.transport.security.write_private`), read by ``meshctl`` run by the same
+:func:`~meshd.transport.secret_files.write_private`), read by ``meshctl`` run by the same
 user, which sends it with no flag. Another user of the machine cannot read the file, so
 cannot administer the cluster, though it may still reach the loopback API.
 
@@ -19,7 +19,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from meshd.transport.security import write_private
+from meshd.transport.secret_files import write_private
 
 __all__ = ["OWNER_FILE", "ensure_owner_token", "read_owner_token"]
 
