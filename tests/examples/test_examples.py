@@ -374,7 +374,11 @@ def test_three_nodes_answers_through_a_split(model_path: Path, tmp_path: Path) -
     answer = out.split("--- answer ---\n", 1)[1].split("--- end ---", 1)[0]
     assert answer.strip(), out
     # The split is over a and b (meshctl ls), and each node had a data dir of its own.
-    assert re.search(r"\ba\[0:(\d+)\) llama_cpp ready\b.*\n.*\bb\[\1:\d+\) llama_cpp ready", out)
+    assert re.search(
+        r"\ba \([0-9a-f]{8}\)\[0:(\d+)\) llama_cpp ready\b.*\n.*"
+        r"\bb \([0-9a-f]{8}\)\[\1:\d+\) llama_cpp ready",
+        out,
+    )  # meshctl ls: each stage's node by name and id
     assert {p.name for p in (tmp_path / "work").iterdir() if p.is_dir()} == {"a", "b", "c"}
 
 

@@ -36,11 +36,19 @@ class HandMember:
         self.cluster_key = cluster_key_from_secret(secret_file.read_text())
         self.node = node
         self.introduce()
-        ident = self.join(wire.JoinWho())
-        assert isinstance(ident, wire.JoinIdent), ident
-        #: The node's own CURVE key: what a socket dialling it names.
-        self.server_key = curve_public_of(ident.key)
+        self._server_keys: dict[int, bytes] = {}
         self.clock = HLC()
+
+    @property
+    def server_key(self) -> bytes:
+        """The CURVE key of the node this member talks to now (``self.node``, which a
+        test may point elsewhere): what a socket dialling it names."""
+        port = self.node.mesh_port
+        if port not in self._server_keys:
+            ident = self.join(wire.JoinWho())
+            assert isinstance(ident, wire.JoinIdent), ident
+            self._server_keys[port] = curve_public_of(ident.key)
+        return self._server_keys[port]
 
     def introduce(self) -> None:
         """Vouch for this member's key at the node's join desk (the secret file's way)."""
