@@ -197,8 +197,8 @@ class JoinDesk:
             if not hmac.compare_digest(h.proof, member_proof(self.cluster.key, h.key)):
                 self.count("bad_proof")
                 return _refused("bad_proof", "not this cluster's secret")
-            if not member:
-                self._admit(nid, clean_name(h.name) or nid, h.key)
+            if not member:  # vouched for by its proof: an owner, as it says of itself
+                self._admit(nid, clean_name(h.name) or nid, h.key, proof=h.proof)
             return self._accepted(h.key)
         if not h.spake:
             # An older joiner: it asks without a code, and nothing would prove this desk
@@ -334,10 +334,11 @@ class JoinDesk:
             self_vouch=self.cluster.self_vouch,
         )
 
-    def _admit(self, nid: str, name: str, key: bytes) -> None:
+    def _admit(self, nid: str, name: str, key: bytes, proof: bytes = b"") -> None:
         self.pending.pop(nid, None)
+        by = nid if proof else self.state.node_id
         self.write_member(
-            Member(id=nid, name=name, key=key, by=self.state.node_id, at_ms=int(time.time() * 1000))
+            Member(id=nid, name=name, key=key, by=by, at_ms=int(time.time() * 1000), proof=proof)
         )
         log.info("node %r (%s) is a member now", name, nid)
 
