@@ -221,3 +221,12 @@ def test_a_card_or_heartbeat_that_no_node_could_read_is_refused() -> None:
         e = sign_entry(b, Entry(key, HLC().now(), b.node_id, msgspec.msgpack.encode(raw)))
         assert refused(r, e) == {"bad_value": 1}
         assert key not in r.map
+
+
+def test_a_secrets_holder_re_stamps_itself_past_an_older_approval() -> None:
+    """A restarted secret-file node's own entry (vouched, an owner) is taken by every
+    node, whatever approval of it they hold: else the states never agree again."""
+    owner, c = NodeKey.generate(), NodeKey.generate()
+    r = watching(owner, self_vouch=True)
+    assert refused(r, member_entry(c, owner)) == {}  # approved: no proof, no owner
+    assert refused(r, member_entry(c, c, proof=True, owner=True)) == {}
