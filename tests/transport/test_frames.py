@@ -11,12 +11,15 @@ from __future__ import annotations
 import time
 
 import pytest
+import spake2
 import zmq
 
 from meshd.crdt.hlc import HLC
 from meshd.crdt.lww import Entry
 from meshd.crdt.views import NodeCard, encode, node_key
+from meshd.node.joining import APPROVAL_IDS, approval_tag, new_approval_code, normal_code
 from meshd.transport import wire
+from meshd.transport.identity import NodeKey
 from meshd.transport.security import PROTOCOL
 from tests.cluster import Cluster, NodeProc, wait_for
 
@@ -145,7 +148,11 @@ def test_garbage_on_the_join_desk_of_a_secured_node_is_dropped_and_counted(
         d = ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
         d.connect(f"tcp://127.0.0.1:{n.mesh_port + 1}")
-        d.send(wire.encode(wire.JoinHello(name="x", key=b"k" * 32, protocol=PROTOCOL)))
+        key = NodeKey.generate().public
+        spake = spake2.SPAKE2_A(normal_code(new_approval_code()).encode(), **APPROVAL_IDS)
+        hello = wire.JoinHello(name="x", key=key, spake=spake.start(), protocol=PROTOCOL,
+                               tag=approval_tag(new_approval_code(), key))  # fmt: skip
+        d.send(wire.encode(hello))
         assert d.poll(3000)
         assert isinstance(wire.decode_join(d.recv()), wire.JoinPending)
         d.close()
