@@ -176,8 +176,8 @@ class DealerCache(Generic[S]):
         self._options = options
         self._limit = limit
         self._socks: OrderedDict[str, S] = OrderedDict()
-        #: Addr -> endpoint, resolved once per address rather than once per message.
-        self._resolved: OrderedDict[tuple[int, ...] | tuple, str] = OrderedDict()
+        #: Addr -> (endpoint, socket slot), resolved once per address, not per message.
+        self._resolved: OrderedDict[tuple, tuple[str, str]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._socks)
@@ -190,14 +190,14 @@ class DealerCache(Generic[S]):
         that is no member here; nothing is left open then. A DEALER is kept per node
         and endpoint: the key that must answer is part of what it dials.
         """
-        key = (addr.port, *addr.addresses)
-        ep = self._resolved.get(key)
-        if ep is None:
+        key = (addr.node, addr.port, *addr.addresses)
+        hit = self._resolved.get(key)
+        if hit is None:
             ep = endpoint(addr, self._own)
-            self._resolved[key] = ep
+            hit = self._resolved[key] = (ep, f"{addr.node}@{ep}")
             if len(self._resolved) > 4 * self._limit:
                 self._resolved.popitem(last=False)
-        slot = f"{addr.node}@{ep}"
+        ep, slot = hit
         sock = self._socks.get(slot)
         if sock is not None:
             self._socks.move_to_end(slot)
