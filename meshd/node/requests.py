@@ -95,8 +95,9 @@ class Requests:
         state.changes.listen(self._wake)
 
     def in_flight(self) -> int:
-        """Requests this node owns now."""
-        return self.dataplane.in_flight()
+        """Requests this node owns now, those waiting for a replay's plan included (no
+        pipeline is open for them then, but the drain must still wait for them)."""
+        return sum(self.load.values())
 
     def abort(self, reason: str) -> None:
         """End every open request with ``node_stopping`` (the node is stopping and
@@ -195,6 +196,8 @@ class Requests:
             self.load[counted] -= 1
             if not self.load[counted]:
                 del self.load[counted]
+            # The drain waits for this node's requests to end.
+            self.state.changes.notify()
 
     async def _attempt(
         self,
@@ -253,8 +256,6 @@ class Requests:
         finally:
             self._open.pop(req, None)
             self.dataplane.close(req)
-            # The drain waits for this node's requests to end.
-            self.state.changes.notify()
             if not done:
                 await self._release_everywhere(req, inst, route)
 
