@@ -26,6 +26,11 @@ os.environ["HF_HUB_CACHE"] = str(_EMPTY_CONFIG.parent / "hf-hub")
 # whole model's runner would spin its OpenMP threads through the others' steps
 # (meshd.engines.threads.runner_spincount). Runners yield soon, as where nodes share.
 os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINCOUNT))
+# Under pytest-xdist two files' nodes share the cores at once: a runner of each on one
+# thread keeps one from stalling at the other's barriers (as a busy household machine
+# is best served: issue #36's figures).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("MESHD_THREADS", "1")
 
 # The tests administer their nodes as each node's owner would (tests/cluster.py): the
 # nodes and meshctl take this admin key, the test process's requests carry it.

@@ -76,15 +76,22 @@ SUBJECTS = [
 ]  # fmt: skip
 
 
-def _cases() -> list[tuple[str, str]]:
-    """50 different (schema name, prompt) pairs."""
+#: Prompts a run asks: each schema four times, every verb, subject and schema a new
+#: pairing. Many more (bench-sized statistics) cost minutes of a 2-core CI run and
+#: check the same mask; 12 still meet strings, numbers, enums, a nested object and an
+#: array on every schema.
+CASES = 12
+
+
+def _cases(n: int = CASES) -> list[tuple[str, str]]:
+    """``n`` different (schema name, prompt) pairs."""
     out: list[tuple[str, str]] = []
     verbs = ["Describe", "Give me JSON about", "Write a record for", "Tell me about"]
-    for i in range(50):
-        subject = SUBJECTS[i % len(SUBJECTS)]
+    for i in range(n):
+        subject = SUBJECTS[(i * 7) % len(SUBJECTS)]
         name = list(SCHEMAS)[i % 3]
         out.append((name, f"{verbs[i % len(verbs)]} {subject}, as a {name} record."))
-    assert len(set(out)) == 50
+    assert len(set(out)) == n
     return out
 
 
@@ -100,7 +107,7 @@ def _ask(client, name: str, prompt: str, **kw):
     )
 
 
-def test_fifty_prompts_give_fifty_answers_that_parse_and_validate(client) -> None:
+def test_a_dozen_prompts_give_a_dozen_answers_that_parse_and_validate(client) -> None:
     cases = _cases()
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda c: _ask(client, *c), cases))
@@ -110,7 +117,7 @@ def test_fifty_prompts_give_fifty_answers_that_parse_and_validate(client) -> Non
         doc = json.loads(choice.message.content)
         jsonschema.validate(doc, SCHEMAS[name])
     # The model still chooses what to say: not every answer is the same.
-    assert len({a.choices[0].message.content for a in answers}) > 25
+    assert len({a.choices[0].message.content for a in answers}) > CASES // 2
 
 
 def test_json_object_mode_gives_an_object_and_streams_the_same_text(client) -> None:
