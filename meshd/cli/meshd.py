@@ -52,6 +52,7 @@ from meshd.node.config import (
     parse_size,
 )
 from meshd.node.daemon import ApiAddress, Node
+from meshd.node.dependencies import warn_untested
 from meshd.node.owner import ensure_owner_token
 from meshd.transport.addresses import local_addresses
 from meshd.transport.security import SECRET_ENV, load_secret
@@ -405,6 +406,7 @@ async def up(cfg: NodeConfig) -> int:
     started, the API serves the node's services; at the stop, the node drains, leaves,
     the API stops, the node closes.
     """
+    warn_untested()
     host = cfg.api_listen_host()
     bound: list[socket.socket] = []
 
@@ -464,10 +466,7 @@ def _settings(argv: list[str]) -> tuple[argparse.Namespace, Resolved]:
 
 
 def _show(resolved: Resolved, as_json: bool) -> int:
-    if as_json:
-        print(json.dumps(resolved.as_json(), indent=2))
-    else:
-        print(resolved.as_text())
+    print(json.dumps(resolved.as_json(), indent=2) if as_json else resolved.as_text())
     return 0
 
 

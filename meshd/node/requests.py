@@ -193,11 +193,14 @@ class Requests:
                     until = min(deadline, beat) if acked else deadline
                     await self.state.changes.wait(until - now)
         finally:
-            self.load[counted] -= 1
-            if not self.load[counted]:
-                del self.load[counted]
-            # The drain waits for this node's requests to end.
-            self.state.changes.notify()
+            self._uncount(counted)
+
+    def _uncount(self, instance: str) -> None:
+        self.load[instance] -= 1
+        if not self.load[instance]:
+            del self.load[instance]
+        # The drain waits for this node's requests to end.
+        self.state.changes.notify()
 
     async def _attempt(
         self,

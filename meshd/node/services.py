@@ -28,6 +28,7 @@ from . import diagnosis as dx
 from .access import Access
 from .cluster import ClusterView
 from .config import NodeConfig
+from .dependencies import untested
 from .instances import Instances
 from .member_views import MemberView, NotOwner, NotSecured, PendingView, pending_view
 from .metrics import Metrics
@@ -349,6 +350,7 @@ class NodeServices:
             dialled={n: ep.host for n, ep in self._gossip.peers().items() if n[:1] != "@"},
             disk_path=str(disk),
             disk_free=free,
+            untested=tuple(untested()),
         )
 
     def _clock_ahead(self, view: ClusterView) -> dict[str, int]:
