@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,16 +14,25 @@ import numpy as np
 N_LAYERS = 4
 
 
-def _copy_tokenizer(w: gguf.GGUFWriter, src: gguf.GGUFReader) -> int:
-    """Copy every ``tokenizer.*`` key of ``src`` into ``w``; the vocabulary's size."""
-    n_vocab = 0
-    for f in src.fields.values():
+@functools.lru_cache(maxsize=4)
+def _tokenizer_fields(path: str) -> tuple[tuple[str, Any, Any, Any], ...]:
+    """Every ``tokenizer.*`` key of the GGUF at ``path``: (name, value, type, item type).
+    Read once a process: gguf-py's reader takes seconds over a 49k-token vocabulary."""
+    out = []
+    for f in gguf.GGUFReader(path).fields.values():
         if f.name.startswith("tokenizer."):
             sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-            value = f.contents()
-            if f.name == "tokenizer.ggml.tokens":
-                n_vocab = len(value)
-            w.add_key_value(f.name, value, f.types[0], sub_type=sub)
+            out.append((f.name, f.contents(), f.types[0], sub))
+    return tuple(out)
+
+
+def _copy_tokenizer(w: gguf.GGUFWriter, src: Path) -> int:
+    """Copy every ``tokenizer.*`` key of ``src`` into ``w``; the vocabulary's size."""
+    n_vocab = 0
+    for name, value, kind, sub in _tokenizer_fields(str(src)):
+        if name == "tokenizer.ggml.tokens":
+            n_vocab = len(value)
+        w.add_key_value(name, value, kind, sub_type=sub)
     return n_vocab
 
 
@@ -46,7 +56,7 @@ def write_model(
     """A 4-layer, 64-wide GGUF of ``arch`` with seeded random F32 weights and the
     tokenizer of ``tokenizer_from``; ``metadata``: more keys (a float is written as
     float32, an int as int32)."""
-    src = gguf.GGUFReader(tokenizer_from)
+
     rng = np.random.default_rng(7)
     hidden, heads, kv, ffn = 64, 4, 2, 128
     hd = hidden // heads
@@ -70,7 +80,7 @@ def write_model(
             w.add_uint32(key, int(value))
         else:
             w.add_int32(key, value)
-    n_vocab = _copy_tokenizer(w, src)
+    n_vocab = _copy_tokenizer(w, tokenizer_from)
 
     def t(*shape: int, scale: float = 0.05) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -120,7 +130,7 @@ def write_bert(path: Path, tokenizer_from: Path, *, pooling: int = 1) -> Path:
     """A 4-layer, 64-wide BERT (encoder-only, non-causal) GGUF with seeded random F32
     weights, the tokenizer of ``tokenizer_from`` and llama.cpp pooling type ``pooling``
     (1 mean, 2 CLS, 3 last): an embedding-only model as llama.cpp runs them."""
-    src = gguf.GGUFReader(tokenizer_from)
+
     rng = np.random.default_rng(11)
     hidden, heads, ffn, n_ctx = 64, 4, 128, 512
     w = gguf.GGUFWriter(str(path), "bert")
@@ -133,7 +143,7 @@ def write_bert(path: Path, tokenizer_from: Path, *, pooling: int = 1) -> Path:
     w.add_causal_attention(False)
     w.add_pooling_type(gguf.PoolingType(pooling))
     w.add_token_type_count(2)
-    n_vocab = _copy_tokenizer(w, src)
+    n_vocab = _copy_tokenizer(w, tokenizer_from)
 
     def t(*shape: int, scale: float = 0.05) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)

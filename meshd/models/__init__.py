@@ -12,7 +12,8 @@ vocabularies and chat templates, layer-range slices. Reads files; starts no proc
 | ``mlx_layout`` | what MLX can load and under which mlx-lm names |
 | ``vocab`` | Hugging Face ``tokenizer.json`` vocabularies |
 | ``chat`` | chat templates, found and rendered |
-| ``slicing`` | sub-GGUFs of a layer range |
+| ``slicing`` | sub-GGUFs of a layer range (the cache) |
+| ``slice_writer`` | a slice's bytes: header records copied but the few a range changes |
 | ``convert`` | a GGUF written out as an MLX folder (tests, benchmarks) |
 """
 

@@ -24,11 +24,14 @@ from .errors import ModelFormatError
 
 __all__ = [
     "GgufHeader",
+    "KvRecord",
     "SpecialTokens",
     "architecture",
+    "encode_kv",
     "is_gguf",
     "open_gguf",
     "read_header",
+    "read_kv_records",
     "read_metadata",
     "special_tokens",
 ]
@@ -172,6 +175,19 @@ class _Cursor:
         return items
 
 
+@dataclass(frozen=True, slots=True)
+class KvRecord:
+    """One key/value of a GGUF header as stored: its bytes (key included), to copy as
+    they are, and its value (None for a long or a string array)."""
+
+    key: str
+    #: The GGUF value type, and an array's item type (None for a scalar or string).
+    kind: int
+    item: int | None
+    value: Any
+    raw: bytes
+
+
 #: What struct and index arithmetic raise on bytes that stop making sense.
 _CORRUPT = (struct.error, IndexError, OverflowError)
 
@@ -283,6 +299,52 @@ def read_header(path: Path) -> GgufHeader:
                 nbytes[name] = end - offset
     offsets = {name: data_start + o for name, o in relative.items()}
     return GgufHeader(kv=kv, tensors=tensors, nbytes=nbytes, offsets=offsets, vocab_hash=vocab_hash)
+
+
+def read_kv_records(path: Path) -> tuple[str, int, list[KvRecord]]:
+    """The byte order (``<`` or ``>``), the GGUF version and every key/value record of
+    ``path``'s header, in file order (slicing copies them). Raises ModelFormatError for
+    a file that is not GGUF v2/v3 or is truncated."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cur = _Cursor(buf, path)
+        version = struct.unpack_from(cur.order + "I", buf, 4)[0]
+        records = []
+        try:
+            cur.scalar(10)  # tensor count
+            for _ in range(cur.count(_GGUF_ARRAY, "key/values")):
+                start = cur.pos
+                key = cur.string()
+                kind = cur.scalar(4)
+                item = None
+                if kind == _GGUF_ARRAY:
+                    item = struct.unpack_from(cur.order + "I", buf, cur.pos)[0]
+                value = cur.value(kind, arrays=True)
+                records.append(KvRecord(key, kind, item, value, bytes(buf[start : cur.pos])))
+        except _CORRUPT as e:
+            raise _truncated(path, e) from e
+    return cur.order, version, records
+
+
+def encode_kv(order: str, key: str, kind: int, value: Any, item: int | None = None) -> bytes:
+    """One key/value record as a GGUF header stores it (scalars, strings, arrays of
+    either)."""
+    return (
+        _encode(order, _GGUF_STRING, key)
+        + struct.pack(order + "I", kind)
+        + (_encode(order, kind, value, item))
+    )
+
+
+def _encode(order: str, kind: int, value: Any, item: int | None = None) -> bytes:
+    if kind == _GGUF_STRING:
+        b = str(value).encode()
+        return struct.pack(order + "Q", len(b)) + b
+    if kind == _GGUF_ARRAY:
+        if item is None or item == _GGUF_ARRAY:
+            raise ValueError("an array needs a scalar or string item type")
+        head = struct.pack(order + "IQ", item, len(value))
+        return head + b"".join(_encode(order, item, v) for v in value)
+    return struct.pack(order + _GGUF_SCALARS[kind], value)
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:

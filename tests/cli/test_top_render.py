@@ -478,8 +478,11 @@ def fake_node() -> Iterator[str]:
 
 
 def test_meshctl_top_once_and_nodes_over_http(
-    fake_node: str, capsys: pytest.CaptureFixture[str]
+    fake_node: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A wide terminal, whatever runs the test (an xdist worker's output is no terminal:
+    # 80 columns, where `nodes` leaves out the platform column first).
+    monkeypatch.setenv("COLUMNS", "160")
     assert main(["top", "--once", "--node", fake_node]) == 0
     out = capsys.readouterr().out
     assert "studio[0:48) mlx ready" in out and "laptop" in out

@@ -94,7 +94,6 @@ Stage = LlamaStage | MlxStage
 def _write_f32_llama(path: Path, tokenizer_from: Path, *, tied: bool = False) -> None:
     """The synthetic F32 model of the module docstring; ``tied``: no output head (the
     embedding is the head, so the current token itself leads and greedy repeats it)."""
-    src = gguf.GGUFReader(tokenizer_from)
     rng = np.random.default_rng(3)
     hd = HIDDEN // HEADS
     w = gguf.GGUFWriter(str(path), "llama")
@@ -106,7 +105,7 @@ def _write_f32_llama(path: Path, tokenizer_from: Path, *, tied: bool = False) ->
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    n_vocab = _copy_tokenizer(w, src)
+    n_vocab = _copy_tokenizer(w, tokenizer_from)
 
     def t(*shape: int, scale: float = 0.05) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
