@@ -300,7 +300,7 @@ def _add_rm(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) ->
 
 
 def _add_chat(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    from meshd.models.resolve import DEFAULT_MODEL
+    from meshd.models.defaults import DEFAULT_MODEL
 
     p = sub.add_parser("chat", parents=[common], help="Chat with a model (one-shot or REPL).")
     p.add_argument("prompt", nargs="*", help="one-shot prompt; none starts a session")

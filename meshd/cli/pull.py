@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import PurePosixPath
 
-from meshd.models.resolve import GGUF_QUANT_PREFERENCE
+from meshd.models.defaults import GGUF_QUANT_PREFERENCE
 
 __all__ = ["PullError", "choose_files", "cmd_pull", "parse_spec", "pull"]
 

@@ -3,6 +3,7 @@ vocabularies and chat templates, layer-range slices. Reads files; starts no proc
 
 | module | owns |
 |---|---|
+| ``defaults`` | the default model's name, its install line, the GGUF quantisation order |
 | ``resolve`` | a name (alias, path, HF repo id) -> a file or folder on this machine |
 | ``inventory`` | the names of every model this node holds (its card's ``models``) |
 | ``gguf`` | GGUF headers (key/values, tensor descriptors) without loading the file |
@@ -17,16 +18,23 @@ vocabularies and chat templates, layer-range slices. Reads files; starts no proc
 | ``convert`` | a GGUF written out as an MLX folder (tests, benchmarks) |
 """
 
-from .errors import ModelFormatError, UnsupportedModelError
-from .resolve import (
-    DEFAULT_MODEL,
-    AmbiguousModelError,
-    ModelNotFoundError,
-    ResolvedModel,
-    canonical_name,
-    local_models,
-    resolve_model,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .defaults import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from .errors import ModelFormatError, UnsupportedModelError
+    from .resolve import (
+        AmbiguousModelError,
+        ModelNotFoundError,
+        ResolvedModel,
+        canonical_name,
+        local_models,
+        resolve_model,
+    )
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -39,3 +47,14 @@ __all__ = [
     "local_models",
     "resolve_model",
 ]
+
+#: Loaded on first use: importing a submodule (``meshd.models.defaults`` for a command
+#: line's parser) must not load msgspec and the resolver with it.
+_LAZY = {"ModelFormatError": ".errors", "UnsupportedModelError": ".errors"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(_LAZY.get(name, ".resolve"), __name__)
+    return getattr(module, name)

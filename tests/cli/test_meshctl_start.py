@@ -26,6 +26,7 @@ HEAVY = (
     "numpy", "gguf", "zmq", "nacl", "spake2", "llama_cpp", "mlx", "mlx_lm",
     "huggingface_hub", "httpx", "rich", "starlette", "uvicorn", "meshd.transport.security",
     "meshd.api", "meshd.engines", "meshd.placement", "meshd.crdt", "meshd.node.config",
+    "msgspec", "meshd.models.resolve",
 )  # fmt: skip
 
 _PROBE = """
