@@ -26,10 +26,8 @@ __all__ = [
     "GgufHeader",
     "KvRecord",
     "SpecialTokens",
-    "architecture",
     "encode_kv",
     "is_gguf",
-    "open_gguf",
     "read_header",
     "read_kv_records",
     "read_metadata",
@@ -345,37 +343,6 @@ def _encode(order: str, kind: int, value: Any, item: int | None = None) -> bytes
         head = struct.pack(order + "IQ", item, len(value))
         return head + b"".join(_encode(order, item, v) for v in value)
     return struct.pack(order + _GGUF_SCALARS[kind], value)
-
-
-def open_gguf(path: Path) -> gguf.GGUFReader:
-    """Open a GGUF file with ``gguf.GGUFReader`` (to copy tensors: slicing), turning any
-    parse failure into ModelFormatError.
-
-    A missing file raises FileNotFoundError (a caller may want to fetch it); anything
-    that is there but does not parse is a ModelFormatError.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no model file at {path}")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:
-        # GGUFReader reports bad files with ValueError, IndexError, struct and numpy
-        # errors depending on where the bytes stop making sense: one typed error here.
-        raise ModelFormatError(f"{path} is not a readable GGUF file: {e}") from e
-
-
-def _field(reader: gguf.GGUFReader, key: str) -> Any:
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
-
-
-def architecture(reader: gguf.GGUFReader, path: Path | str = "") -> str:
-    """The ``general.architecture`` of an open GGUF file."""
-    arch = _field(reader, "general.architecture")
-    if not isinstance(arch, str) or not arch:
-        raise ModelFormatError(f"{path}: GGUF metadata lacks general.architecture")
-    return arch
 
 
 def special_tokens(path: Path) -> SpecialTokens:
