@@ -52,16 +52,17 @@ def write_model(
     bias: bool = False,
     tied: bool = True,
     metadata: Mapping[str, float | int] | None = None,
+    context: int = 512,
 ) -> Path:
     """A 4-layer, 64-wide GGUF of ``arch`` with seeded random F32 weights and the
     tokenizer of ``tokenizer_from``; ``metadata``: more keys (a float is written as
-    float32, an int as int32)."""
+    float32, an int as int32); ``context``: the trained context it declares."""
 
     rng = np.random.default_rng(7)
     hidden, heads, kv, ffn = 64, 4, 2, 128
     hd = hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(512)
+    w.add_context_length(context)
     w.add_embedding_length(hidden)
     w.add_block_count(N_LAYERS)
     w.add_feed_forward_length(ffn)
