@@ -87,7 +87,11 @@ def wins(new: Entry, old: Entry | None) -> bool:
 class LWWMap:
     """A replica of the cluster's shared state. Pure: no clocks, no I/O."""
 
-    __slots__ = ("_buckets", "_entries", "covered", "horizon", "rejected_below_horizon")
+    # __weakref__: readers may keep what they derived from a map for as long as it lives
+    # (meshd.crdt.views decodes each entry once).
+    __slots__ = (
+        "__weakref__", "_buckets", "_entries", "covered", "horizon", "rejected_below_horizon",
+    )  # fmt: skip
 
     def __init__(self, entries: Iterable[Entry] = ()) -> None:
         self._entries: dict[str, Entry] = {}

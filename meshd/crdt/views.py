@@ -13,6 +13,7 @@ views (and never crashes a reader), so an old node cannot break a new one.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any, Literal, TypeVar
 
@@ -72,7 +73,7 @@ class Member(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     owner: bool = False
 
 
-class NodeCard(msgspec.Struct, kw_only=True, omit_defaults=True):
+class NodeCard(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """What a node can do, written once at start (and when it changes)."""
 
     id: str
@@ -111,7 +112,7 @@ class NodeCard(msgspec.Struct, kw_only=True, omit_defaults=True):
 RunnerStateName = Literal["fetching", "loading", "ready", "failed", "stopped"]
 
 
-class RunnerStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
+class RunnerStatus(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """State of one runner subprocess, as reported by the node that runs it."""
 
     instance: str
@@ -134,7 +135,7 @@ class RunnerStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
 HealthState = Literal["up", "draining", "stopped"]
 
 
-class ModelSpeed(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ModelSpeed(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """How a model's requests through one node's API went over the last minute
     (``meshd.node.speed``): what ``meshctl top`` adds up across nodes."""
 
@@ -149,7 +150,7 @@ class ModelSpeed(msgspec.Struct, kw_only=True, omit_defaults=True):
     hop_ms: float = 0.0
 
 
-class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Health(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """A heartbeat. Liveness is judged by when a reader *received* a newer one."""
 
     seq: int
@@ -241,7 +242,7 @@ class PlanBasis(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     sources: list[NodeSource] = []
 
 
-class Instance(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Instance(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """A placed model: its spec, its plan, the plan's generation and what it came from."""
 
     id: str
@@ -279,9 +280,27 @@ def decode(value: bytes, typ: type[T]) -> T | None:
         return None
 
 
+#: Per map, what each key's entry decoded to, kept while that very entry is the live
+#: one. The views are read many times a second (liveness, repairs, drafts, the API)
+#: and a value is only replaced, never changed in place, so each entry is decoded
+#: once: decoding every card at every read cost a node with 100 members of 58 KB
+#: cards most of a core (tests/node/test_bounds.py, the 6 MiB sync).
+_decoded: weakref.WeakKeyDictionary[LWWMap, dict[str, tuple[Entry, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _view(m: LWWMap, prefix: str, typ: type[T]) -> Iterator[tuple[str, T, str]]:
+    memo = _decoded.get(m)
+    if memo is None or len(memo) > 2 * len(m) + 64:  # keys deleted and collected since
+        memo = _decoded[m] = {k: v for k, v in (memo or {}).items() if m.get(k) is v[0]}
     for e in m.live(prefix):
-        v = decode(e.value or b"", typ)
+        held = memo.get(e.key)
+        if held is not None and held[0] is e:
+            v = held[1]
+        else:
+            v = decode(e.value or b"", typ)
+            memo[e.key] = (e, v)
         if v is not None:
             yield e.key[len(prefix) :], v, e.writer
 

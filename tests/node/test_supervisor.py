@@ -14,6 +14,7 @@ import asyncio
 from dataclasses import fields
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from meshd.crdt.views import Instance
@@ -138,10 +139,8 @@ async def test_a_new_generation_keeps_the_runner_and_a_new_range_replaces_it(
 
     def plan(gen: int, end: int) -> dict[str, Instance]:
         i = inst("x", "a", gen=gen, model=DEFAULT_MODEL)
-        stage = i.stages[0]
-        i.stages = [type(stage)(node="a", start=0, end=end, engine="llama_cpp")]
-        i.facts = facts
-        return {"x": i}
+        stage = type(i.stages[0])(node="a", start=0, end=end, engine="llama_cpp")
+        return {"x": msgspec.structs.replace(i, stages=[stage], facts=facts)}
 
     n = facts.n_layers
     try:
