@@ -61,6 +61,21 @@ def _find_model() -> Path | None:
     return path if path.is_file() else None
 
 
+#: Packages whose files share a package-scoped cluster (their conftest.py): one worker
+#: runs all their files, in a row, so the cluster is started once. pytest-xdist's
+#: loadgroup keeps each other file whole on one worker (as loadfile would).
+SHARED_CLUSTER_PACKAGES = ("tests/api/", "tests/fuzz/")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Group the files of a package that shares a cluster on one xdist worker."""
+    for item in items:
+        for package in SHARED_CLUSTER_PACKAGES:
+            if item.nodeid.startswith(package):
+                item.add_marker(pytest.mark.xdist_group(package.rstrip("/")))
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     """A fresh set of meshd processes on loopback, all stopped at teardown."""
