@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,6 +57,14 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def mlx_folder(models_dir: Path) -> Path:
+    """The default model as an MLX folder, under the nodes' --models (converted once)."""
+    from meshd.models.convert import gguf_to_mlx_folder
+
+    return gguf_to_mlx_folder(Path(resolve_model(DEFAULT_MODEL).path), models_dir / "smol-mlx")
+
+
+@pytest.fixture(scope="module")
 def trio(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[list[NodeProc]]:
     with Cluster(tmp_path_factory.mktemp("mixed")) as c:
         roots = ["--models", str(models_dir)]
@@ -102,12 +111,10 @@ def test_mlx_hops_in_half_precision_keep_the_greedy_tokens(
 
 
 def test_an_mlx_folder_splits_over_two_nodes_with_the_ggufs_tokens(
-    trio: list[NodeProc], wholes: dict[str, str], models_dir: Path
+    trio: list[NodeProc], wholes: dict[str, str], mlx_folder: Path
 ) -> None:
-    from meshd.models.convert import gguf_to_mlx_folder
-
     # Under the nodes' --models: b and c load it though the placement came through a.
-    folder = gguf_to_mlx_folder(Path(resolve_model(DEFAULT_MODEL).path), models_dir / "smol-mlx")
+    folder = mlx_folder
     r = httpx.post(trio[0].api + "/v1/instances", timeout=60, json={
         "model": str(folder), "nodes": ["b", "c"]})  # fmt: skip
     assert r.status_code == 201, r.text
@@ -131,14 +138,17 @@ def test_an_mlx_folder_splits_over_two_nodes_with_the_ggufs_tokens(
 
 
 def test_a_folder_of_an_unsupported_architecture_is_a_400(
-    trio: list[NodeProc], models_dir: Path
+    trio: list[NodeProc], models_dir: Path, mlx_folder: Path
 ) -> None:
     import json
 
-    from meshd.models.convert import gguf_to_mlx_folder
-
-    folder = gguf_to_mlx_folder(Path(resolve_model(DEFAULT_MODEL).path), models_dir / "odd")
-    cfg = json.loads((folder / "config.json").read_text())
+    # The converted folder's files (linked, not copied) under a config of another kind.
+    folder = models_dir / "odd"
+    folder.mkdir()
+    for f in mlx_folder.iterdir():
+        if f.name != "config.json":
+            os.link(f, folder / f.name)
+    cfg = json.loads((mlx_folder / "config.json").read_text())
     cfg["model_type"] = cfg["architectures"] = "qwen3_moe"
     (folder / "config.json").write_text(json.dumps(cfg))
     before = trio[0].get("/v1/instances")["data"]

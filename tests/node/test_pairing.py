@@ -165,7 +165,14 @@ def test_open_still_forms_an_open_cluster(cluster: Cluster) -> None:
 def test_a_secured_node_and_an_open_one_do_not_mix(cluster: Cluster) -> None:
     a = cluster.start("a", secret=False)
     b = cluster.start("b", peers=[a], extra_args=["--open"])
-    time.sleep(4)
+
+    def turned_away() -> int:
+        """b's clear-text connections that a's sockets refused (no CURVE handshake)."""
+        mesh = a.get("/healthz")["dropped"].get("mesh", {})
+        return sum(n for reason, n in mesh.items() if reason.startswith("handshake"))
+
+    # Looked at once b's hello has reached a and been refused: the only way in b has.
+    wait_for(turned_away, 15)
     assert [n["name"] for n in a.cluster()["nodes"]] == ["a"]
     assert [n["name"] for n in b.cluster()["nodes"]] == ["b"]
     assert json.dumps(a.cluster()).count(b.node_id) == 0

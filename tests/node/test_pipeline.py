@@ -123,53 +123,6 @@ def complete(via: NodeProc, prompt: str, **kw) -> dict:
     return r.json()
 
 
-@pytest.mark.parametrize("n_stages", [1, 2, 3])
-def test_greedy_output_of_a_pipeline_equals_llama_cpp_on_the_whole_model(
-    trio: list[NodeProc], reference: dict[str, tuple[str, str]], n_stages: int
-) -> None:
-    holders = trio[:n_stages]
-    via = trio[-1]  # with 1 or 2 stages, a node holding no stage serves the API
-    inst = place(trio[0], holders)
-    try:
-        assert len(inst["stages"]) == n_stages
-        for p in PROMPTS:
-            got = complete(via, p)
-            text, finish = reference[p]
-            assert (got["choices"][0]["text"], got["choices"][0]["finish_reason"]) == (text, finish)
-            if finish == "length":  # an answer may end on its own (EOS) first
-                assert got["usage"]["completion_tokens"] == MAX_TOKENS
-    finally:
-        remove(trio[0], inst, trio)
-
-
-def test_two_requests_at_once_through_two_stages_both_complete(
-    trio: list[NodeProc], reference: dict[str, tuple[str, str]]
-) -> None:
-    inst = place(trio[0], trio[:2])
-    try:
-        results: dict[str, str] = {}
-
-        def run(p: str) -> None:
-            results[p] = complete(trio[2], p, logprobs=3)
-
-        threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS[:2]]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert set(results) == set(PROMPTS[:2])
-        for p, body in results.items():
-            assert body["usage"]["completion_tokens"] == MAX_TOKENS
-            # Each its own answer: the reference's, but where a batch of two summed
-            # floats in another order than one alone and flipped a near-tie.
-            assert agrees_up_to_a_near_tie(body["choices"][0]["logprobs"], reference[p][0]), (
-                body["choices"][0]["text"],
-                reference[p][0],
-            )
-    finally:
-        remove(trio[0], inst, trio)
-
-
 def _active(nodes: list[NodeProc], instance: str) -> int:
     n_active = 0
     for m in nodes[0].cluster()["nodes"]:
@@ -179,109 +132,183 @@ def _active(nodes: list[NodeProc], instance: str) -> int:
     return n_active
 
 
-def test_client_disconnect_mid_stream_frees_the_kv_on_every_stage(
+class Serving:
+    """The one instance of the default model on the trio (a request for the model goes
+    to whichever instance serves it: one at a time). A test that asks for the nodes it
+    is on gets it again, if no request is left in it, rather than waiting for another
+    to load; tests are ordered so that each set of nodes is placed once."""
+
+    def __init__(self, trio: list[NodeProc]) -> None:
+        self.trio = trio
+        self.inst: dict | None = None
+        self.holders: list[str] = []
+
+    def on(self, holders: list[NodeProc], fresh: bool = False) -> dict:
+        """The instance on ``holders`` (stage order); ``fresh``: newly placed, no
+        request served before (no prefix of another request cached)."""
+        names = [n.name for n in holders]
+        if (
+            not fresh
+            and self.inst is not None
+            and self.holders == names
+            and _active(self.trio, self.inst["id"]) == 0
+        ):
+            return self.inst
+        if self.inst is not None:
+            inst, self.inst = self.inst, None
+            remove(self.trio[0], inst, self.trio)
+        self.inst, self.holders = place(self.trio[0], holders), names
+        return self.inst
+
+
+@pytest.fixture(scope="module")
+def serving(trio: list[NodeProc]) -> Serving:
+    return Serving(trio)
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 3])
+def test_greedy_output_of_a_pipeline_equals_llama_cpp_on_the_whole_model(
     trio: list[NodeProc],
+    reference: dict[str, tuple[str, str]],
+    serving: Serving,
+    n_stages: int,
 ) -> None:
-    inst = place(trio[0], trio)
-    try:
-        body = {
-            "model": DEFAULT_MODEL, "prompt": "Write a very long story.", "max_tokens": 2000,
-            "temperature": 0, "stream": True, "ignore_eos": True,
-        }  # fmt: skip
-        with httpx.stream("POST", trio[1].api + "/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            # Keep the line iterator referenced: dropping a half-read httpx iterator
-            # closes the connection, which is the disconnect this test makes below.
-            lines = r.iter_lines()
-            got = 0
-            while got < 5:
-                if next(lines).startswith("data: {"):
-                    got += 1
-            # Mid-stream: every stage holds the request.
-            wait_for(lambda: _active(trio, inst["id"]) == 3, 5, interval=0.05)
-            r.close()
-        t0 = time.monotonic()
-        wait_for(lambda: _active(trio, inst["id"]) == 0, 5, interval=0.05)
-        assert time.monotonic() - t0 < 5
-    finally:
-        remove(trio[0], inst, trio)
+    holders = trio[:n_stages]
+    via = trio[-1]  # with 1 or 2 stages, a node holding no stage serves the API
+    inst = serving.on(holders, fresh=True)
+    assert len(inst["stages"]) == n_stages
+    for p in PROMPTS:
+        got = complete(via, p)
+        text, finish = reference[p]
+        assert (got["choices"][0]["text"], got["choices"][0]["finish_reason"]) == (text, finish)
+        if finish == "length":  # an answer may end on its own (EOS) first
+            assert got["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+# The tests below run on the instance the one above left on all three nodes, then on
+# two, then on one.
+
+
+def test_client_disconnect_mid_stream_frees_the_kv_on_every_stage(
+    trio: list[NodeProc], serving: Serving
+) -> None:
+    inst = serving.on(trio)
+    body = {
+        "model": DEFAULT_MODEL, "prompt": "Write a very long story.", "max_tokens": 2000,
+        "temperature": 0, "stream": True, "ignore_eos": True,
+    }  # fmt: skip
+    with httpx.stream("POST", trio[1].api + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        # Keep the line iterator referenced: dropping a half-read httpx iterator
+        # closes the connection, which is the disconnect this test makes below.
+        lines = r.iter_lines()
+        got = 0
+        while got < 5:
+            if next(lines).startswith("data: {"):
+                got += 1
+        # Mid-stream: every stage holds the request.
+        wait_for(lambda: _active(trio, inst["id"]) == 3, 5, interval=0.05)
+        r.close()
+    t0 = time.monotonic()
+    wait_for(lambda: _active(trio, inst["id"]) == 0, 5, interval=0.05)
+    assert time.monotonic() - t0 < 5
 
 
 def test_client_gone_from_a_non_streaming_request_frees_the_kv_on_every_stage(
-    trio: list[NodeProc],
+    trio: list[NodeProc], serving: Serving
 ) -> None:
-    inst = place(trio[0], trio)
-    try:
-        body = {
-            "model": DEFAULT_MODEL, "prompt": "Write a very long story.", "max_tokens": 2000,
-            "temperature": 0, "ignore_eos": True,
-        }  # fmt: skip
-        # The client gives up (a read timeout, as an SDK's retry logic would) while the
-        # pipeline is generating: nobody will read the answer, so it must stop.
-        outcome: list[BaseException] = []
+    inst = serving.on(trio)
+    body = {
+        "model": DEFAULT_MODEL, "prompt": "Write a very long story.", "max_tokens": 2000,
+        "temperature": 0, "ignore_eos": True,
+    }  # fmt: skip
+    # The client gives up (a read timeout, as an SDK's retry logic would) while the
+    # pipeline is generating: nobody will read the answer, so it must stop.
+    outcome: list[BaseException] = []
 
-        def ask() -> None:
-            try:
-                httpx.post(
-                    trio[1].api + "/v1/completions", json=body,
-                    timeout=httpx.Timeout(5, read=2.0),
-                )  # fmt: skip
-            except httpx.ReadTimeout as e:
-                outcome.append(e)
+    def ask() -> None:
+        try:
+            httpx.post(
+                trio[1].api + "/v1/completions", json=body,
+                timeout=httpx.Timeout(5, read=2.0),
+            )  # fmt: skip
+        except httpx.ReadTimeout as e:
+            outcome.append(e)
 
-        t = threading.Thread(target=ask, daemon=True)
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    wait_for(lambda: _active(trio, inst["id"]) == 3, 5, interval=0.05)  # generating
+    t.join(10)
+    assert outcome, "the request was expected to time out at the client"
+    t0 = time.monotonic()
+    wait_for(lambda: _active(trio, inst["id"]) == 0, 3, interval=0.05)
+    assert time.monotonic() - t0 < 3
+    assert trio[1].get("/healthz")["requests_in_flight"] == 0
+
+
+def test_two_requests_at_once_through_two_stages_both_complete(
+    trio: list[NodeProc], reference: dict[str, tuple[str, str]], serving: Serving
+) -> None:
+    serving.on(trio[:2])
+    results: dict[str, str] = {}
+
+    def run(p: str) -> None:
+        results[p] = complete(trio[2], p, logprobs=3)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS[:2]]
+    for t in threads:
         t.start()
-        wait_for(lambda: _active(trio, inst["id"]) == 3, 5, interval=0.05)  # generating
-        t.join(10)
-        assert outcome, "the request was expected to time out at the client"
-        t0 = time.monotonic()
-        wait_for(lambda: _active(trio, inst["id"]) == 0, 3, interval=0.05)
-        assert time.monotonic() - t0 < 3
-        assert trio[1].get("/healthz")["requests_in_flight"] == 0
-    finally:
-        remove(trio[0], inst, trio)
-
-
-def test_openai_client_against_a_node_that_holds_no_stage(trio: list[NodeProc]) -> None:
-    openai = pytest.importorskip("openai")
-    inst = place(trio[0], trio[:2])
-    try:
-        client = openai.OpenAI(base_url=trio[2].api + "/v1", api_key="unused", timeout=60)
-        models = [m.id for m in client.models.list()]
-        assert DEFAULT_MODEL in models
-        msgs = [{"role": "user", "content": "Name a colour."}]
-        whole = client.chat.completions.create(
-            model=DEFAULT_MODEL, messages=msgs, max_tokens=16, temperature=0
+    for t in threads:
+        t.join(120)
+    assert set(results) == set(PROMPTS[:2])
+    for p, body in results.items():
+        assert body["usage"]["completion_tokens"] == MAX_TOKENS
+        # Each its own answer: the reference's, but where a batch of two summed
+        # floats in another order than one alone and flipped a near-tie.
+        assert agrees_up_to_a_near_tie(body["choices"][0]["logprobs"], reference[p][0]), (
+            body["choices"][0]["text"],
+            reference[p][0],
         )
-        text = whole.choices[0].message.content
-        assert text and whole.usage.completion_tokens <= 16
-        stream = client.chat.completions.create(
-            model=DEFAULT_MODEL, messages=msgs, max_tokens=16, temperature=0, stream=True,
-            stream_options={"include_usage": True},
-        )  # fmt: skip
-        parts, usage = [], None
-        for ev in stream:
-            if ev.choices and ev.choices[0].delta.content:
-                parts.append(ev.choices[0].delta.content)
-            if ev.usage is not None:
-                usage = ev.usage
-        assert "".join(parts) == text
-        assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
-        with pytest.raises(openai.NotFoundError):
-            client.chat.completions.create(model="no-such-model", messages=msgs, max_tokens=4)
-    finally:
-        remove(trio[0], inst, trio)
 
 
-def test_prompt_over_the_context_is_a_400_and_changes_nothing(trio: list[NodeProc]) -> None:
-    inst = place(trio[0], trio[:1])
-    try:
-        long = "word " * 9000
-        r = httpx.post(trio[1].api + "/v1/completions",
-                       json={"model": DEFAULT_MODEL, "prompt": long, "max_tokens": 4},
-                       timeout=60)  # fmt: skip
-        assert r.status_code == 400, r.text
-        assert r.json()["error"]["code"] == "context_length_exceeded"
-        assert complete(trio[1], PROMPTS[0])["choices"][0]["text"]
-    finally:
-        remove(trio[0], inst, trio)
+def test_openai_client_against_a_node_that_holds_no_stage(
+    trio: list[NodeProc], serving: Serving
+) -> None:
+    openai = pytest.importorskip("openai")
+    serving.on(trio[:2])
+    client = openai.OpenAI(base_url=trio[2].api + "/v1", api_key="unused", timeout=60)
+    models = [m.id for m in client.models.list()]
+    assert DEFAULT_MODEL in models
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    whole = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=msgs, max_tokens=16, temperature=0
+    )
+    text = whole.choices[0].message.content
+    assert text and whole.usage.completion_tokens <= 16
+    stream = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=msgs, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    parts, usage = [], None
+    for ev in stream:
+        if ev.choices and ev.choices[0].delta.content:
+            parts.append(ev.choices[0].delta.content)
+        if ev.usage is not None:
+            usage = ev.usage
+    assert "".join(parts) == text
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=msgs, max_tokens=4)
+
+
+def test_prompt_over_the_context_is_a_400_and_changes_nothing(
+    trio: list[NodeProc], serving: Serving
+) -> None:
+    serving.on(trio[:1])
+    long = "word " * 9000
+    r = httpx.post(trio[1].api + "/v1/completions",
+                   json={"model": DEFAULT_MODEL, "prompt": long, "max_tokens": 4},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert complete(trio[1], PROMPTS[0])["choices"][0]["text"]

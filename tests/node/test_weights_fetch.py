@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,8 +140,9 @@ def test_a_node_without_the_model_fetches_its_slice_verifies_it_and_serves(
 def test_a_holder_killed_mid_transfer_leaves_the_fetch_to_the_other_holder(
     cluster: Cluster, tmp_path: Path, reference: str
 ) -> None:
-    # Two chunks (8 MiB) a second from each holder: the 50 MB slice takes seconds.
-    slow = {"MESHD_TEST_SERVE_DELAY_S": "1.0"}
+    # Two chunks (8 MiB) each half second from each holder: the 65 MB slice takes two
+    # seconds from both, four from one, and a is killed as its first chunk lands.
+    slow = {"MESHD_TEST_SERVE_DELAY_S": "0.5"}
     a = cluster.start("a", extra_args=["--models", str(models_dir(tmp_path / "a"))], env=slow)
     c = cluster.start(
         "c", peers=[a], extra_args=["--models", str(models_dir(tmp_path / "c"))], env=slow
@@ -250,11 +252,16 @@ def test_an_mlx_folder_travels_as_the_folder_of_a_stages_layers(
 def test_a_node_holding_another_file_under_the_name_fetches_the_placed_one(
     cluster: Cluster, tmp_path: Path, model_path: Path, reference: str
 ) -> None:
-    from tests.synthetic import write_model
-
     other = tmp_path / "b" / "models"
     other.mkdir(parents=True)
-    write_model(other / "smol.gguf", model_path, "llama")  # same name, another model
+    # Same name, another file: the model with its last byte changed (same header and
+    # facts, another sha256: only the hash tells them apart).
+    shutil.copyfile(model_path, other / "smol.gguf")
+    with open(other / "smol.gguf", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
     a = cluster.start("a", extra_args=["--models", str(models_dir(tmp_path / "a"))])
     b = cluster.start("b", peers=[a], extra_args=["--models", str(other)])
     wait_for(lambda: all(len(n.cluster()["nodes"]) == 2 for n in (a, b)), 15)
