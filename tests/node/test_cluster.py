@@ -72,7 +72,8 @@ class Three:
 
     cluster: Cluster
     nodes: list[NodeProc]
-    #: Seconds from the three being up to their agreeing on the same state.
+    #: Seconds from the three being up to their agreeing on who is in the cluster,
+    #: each alive (their whole states then agree within seconds too).
     converged_s: float
     #: (incarnation, heartbeat number) of each node when they first agreed.
     agreed_beats: list[tuple[str, int]]
@@ -86,15 +87,19 @@ def three(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Three]:
         agreed_at: list[float] = []
 
         def agreed() -> bool:
-            # Timed from when the look began: its nine HTTP reads take a while on a busy
+            # Timed from when the look began: its six HTTP reads take a while on a busy
             # machine (another test's nodes beside these), which is not the gossip's time.
             began = time.monotonic()
-            ok = _all_agree(nodes) and _same_state(nodes)
+            ok = _all_agree(nodes)
             if ok:
                 agreed_at.append(began)
             return ok
 
         wait_for(agreed, timeout=10.0)
+        # The same entries too, heartbeats included: not timed, since three digests read
+        # one after another match only between heartbeats, a window a busy machine
+        # narrows (a run on four workers measured 3.6 s that way).
+        wait_for(lambda: _same_state(nodes), timeout=10.0)
         yield Three(cluster, nodes, agreed_at[0] - t0, [_beat(n) for n in nodes])
 
 
