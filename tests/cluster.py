@@ -127,13 +127,16 @@ class Cluster:
         model: str | None = None,
         env: dict[str, str] | None = None,
         secret: bool = True,
+        ctrl_c: bool = False,
     ) -> NodeProc:
         """Start `meshd up --name NAME` seeded with ``peers``; wait for its ready line.
 
         ``model``: what `meshd up` should make the cluster serve (default: nothing, so
         control-plane tests load no weights). ``env``: variables added to this process's
         environment for the node. ``secret``: False starts it as a user would, with no
-        way in but approval (or what ``extra_args`` say)."""
+        way in but approval (or what ``extra_args`` say). ``ctrl_c``: the node takes
+        SIGINT as at a terminal, even where this process was started ignoring it (a
+        background job of a script: its children inherit the ignoring)."""
         data_dir = data_dir or self.tmp / name
         args = [
             sys.executable, "-m", "meshd.cli.meshd", "up",
@@ -158,6 +161,7 @@ class Cluster:
         proc = subprocess.Popen(
             args, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "MESHD_ADMIN_KEY": ADMIN_KEY, **(env or {})},
+            preexec_fn=_default_sigint if ctrl_c else None,
         )  # fmt: skip
         _LIVE.add(proc)
         n = NodeProc(name, data_dir, args, proc, log_path)
@@ -208,6 +212,10 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _model_arg(args: list[str]) -> str | None:

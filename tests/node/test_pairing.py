@@ -135,7 +135,8 @@ def test_ctrl_c_while_looking_for_a_cluster_exits_130_in_one_line(cluster: Clust
     with socket.socket() as s:  # a seed where nothing answers (its join port neither)
         s.bind(("127.0.0.1", 0))
         seed = f"127.0.0.1:{s.getsockname()[1]}"
-        b = cluster.start("b", secret=False, extra_args=["--peer", seed], wait=False)
+        b = cluster.start("b", secret=False, extra_args=["--peer", seed], wait=False,
+                          ctrl_c=True)  # fmt: skip
         wait_for(lambda: "looking for members to approve this node" in b.log(), 30)
     b.proc.send_signal(signal.SIGINT)
     assert b.proc.wait(10) == 130
