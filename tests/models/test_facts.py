@@ -21,7 +21,9 @@ from tests.conftest import MODEL_SHA256
 
 
 @pytest.mark.timeout(60)
-def test_default_model_facts_come_from_its_metadata(model_path: Path, tmp_path: Path) -> None:
+def test_default_model_facts_come_from_its_metadata(
+    model_path: Path, tmp_path: Path, model_reader: gguf.GGUFReader
+) -> None:
     facts = read_facts(model_path, "smollm2", cache_dir=tmp_path)
     assert facts.name == "smollm2"
     assert facts.sha256 == MODEL_SHA256
@@ -41,7 +43,7 @@ def test_default_model_facts_come_from_its_metadata(model_path: Path, tmp_path: 
     assert facts.quant_types == ["F32", "Q4_1", "Q8_0"]
     assert facts.engines == ["llama_cpp", "mlx"]
 
-    reader = gguf.GGUFReader(model_path)
+    reader = model_reader
     tensor_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     assert sum(facts.layer_bytes) + facts.embed_bytes + facts.head_bytes == tensor_bytes
 
@@ -109,13 +111,15 @@ def test_non_gguf_files_raise_model_format_error(tmp_path: Path, model_path: Pat
         read_facts(tmp_path / "missing.gguf", "x", sha256="0")
 
 
-def test_header_reader_sizes_every_tensor_as_the_gguf_package_does(model_path: Path) -> None:
+def test_header_reader_sizes_every_tensor_as_the_gguf_package_does(
+    model_path: Path, model_reader: gguf.GGUFReader
+) -> None:
     # read_header skips the vocabulary (GGUFReader takes seconds on it); the tensor
     # table it returns must still be the file's, byte for byte.
     from meshd.models.gguf import read_header
 
     header = read_header(model_path)
-    reader = gguf.GGUFReader(model_path)
+    reader = model_reader
     want = {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in reader.tensors}
     got = {n: (header.tensors[n][0], header.nbytes[n]) for n in header.tensors}
     assert got == want
@@ -146,10 +150,12 @@ def _vocab_file(path: Path, tokens: list[str]) -> Path:
 
 
 @pytest.mark.timeout(60)
-def test_the_token_list_fingerprint_leaves_out_padding(model_path: Path, tmp_path: Path) -> None:
+def test_the_token_list_fingerprint_leaves_out_padding(
+    model_path: Path, tmp_path: Path, model_reader: gguf.GGUFReader
+) -> None:
     # Two sizes of one family (Qwen2.5 0.5B and 7B) store one token list padded to
     # their embeddings' rows: they may draft for each other. Another list may not.
-    tokens = gguf.GGUFReader(model_path).fields["tokenizer.ggml.tokens"].contents()
+    tokens = model_reader.fields["tokenizer.ggml.tokens"].contents()
     base = read_header(_vocab_file(tmp_path / "a.gguf", tokens)).vocab_hash
     padded = [*tokens, *(f"[PAD{i}]" for i in range(len(tokens), len(tokens) + 40))]
     other = [*tokens[:-1], "something else"]

@@ -27,13 +27,13 @@ def _tensors(reader: gguf.GGUFReader) -> dict[str, gguf.ReaderTensor]:
 
 @pytest.mark.timeout(90)
 def test_middle_slice_holds_its_layers_renamed_and_all_metadata(
-    model_path: Path, slice_dir: Path
+    model_path: Path, slice_dir: Path, model_reader: gguf.GGUFReader
 ) -> None:
     path = slice_gguf(model_path, 10, 20, slice_dir, MODEL_SHA256)
     assert path == slice_dir / MODEL_SHA256[:16] / "10-20.gguf"
     assert path == slice_path(slice_dir, MODEL_SHA256, 10, 20)
 
-    src = gguf.GGUFReader(model_path)
+    src = model_reader
     sub = gguf.GGUFReader(path)
     src_t, sub_t = _tensors(src), _tensors(sub)
 
