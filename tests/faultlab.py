@@ -214,8 +214,8 @@ def kill_middle(
 def runner_pids(instance: str, stage: int | None = None) -> list[int]:
     """Pids of the runner processes of ``instance`` (of one stage if given)."""
     pattern = f"meshd.engines.runner.*{instance}"
-    if stage is not None:
-        pattern += f'.*"stage":{stage},'
+    if stage is not None:  # argv: ... -m meshd.engines.runner INSTANCE STAGE
+        pattern += f" {stage}$"
     out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
 
