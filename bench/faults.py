@@ -11,7 +11,7 @@ completion from a, SIGKILLs the middle node b mid-stream, and measures from the 
     plan) or ended with a typed error;
 (c) until the repaired instance (generation + 1, every stage ready) serves again.
 
-b is restarted under the same id between trials. Then ``--runner-trials`` trials kill
+b is restarted under the same id before the next trial. Then ``--runner-trials`` trials kill
 only b's stage-1 runner subprocess (b stays up): (a) is then when the stage stops
 being ready, (c) when the restarted runner is ready again.
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print(faultlab.summary(trials))
         runner = []
         for i in range(args.runner_trials):
-            runner.append(faultlab.kill_runner(nodes, reference, args.tokens))
+            runner.append(faultlab.kill_runner(cl, nodes, reference, args.tokens))
             print(f"  runner trial {i + 1}/{args.runner_trials}: {runner[-1]}", file=sys.stderr)
         if runner:
             print("\nSIGKILL of the middle stage's runner only (its node stays up)")

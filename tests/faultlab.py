@@ -73,19 +73,63 @@ def place(via: NodeProc, nodes: list[NodeProc]) -> dict:
     return inst
 
 
-def three_nodes_and_reference(cluster: Cluster, n_tokens: int) -> tuple[list[NodeProc], str]:
-    """Nodes a, b, c on loopback and the uninterrupted greedy text of an ``n_tokens``
-    stream through a 3-stage [a, b, c] plan (placed, streamed, then deleted: each
-    trial places its own)."""
+def three_nodes(cluster: Cluster) -> list[NodeProc]:
+    """Nodes a, b, c on loopback, each seeing the others."""
     a = cluster.start("a")
     b = cluster.start("b", peers=[a])
     c = cluster.start("c", peers=[a])
     wait_for(lambda: all(len(n.cluster()["nodes"]) == 3 for n in (a, b, c)), 10)
-    inst = place(a, [a, b, c])
+    return [a, b, c]
+
+
+def clear(cluster: Cluster, nodes: list[NodeProc]) -> list[NodeProc]:
+    """``nodes`` all up and serving nothing: a node a kill or a drain left down is
+    restarted (under the same id, in its place in ``nodes``), every instance removed."""
+    down = [k for k, n in enumerate(nodes) if not n.alive()]
+    for k in down:
+        nodes[k] = cluster.restart(nodes[k])
+    a = nodes[0]
+    if down:
+        wait_for(lambda: all(a.liveness().get(n.name) == "alive" for n in nodes[1:]), 20, 0.05)
+    for i in a.get("/v1/instances")["data"]:
+        httpx.delete(f"{a.api}/v1/instances/{i['id']}", timeout=10)
+    return nodes
+
+
+def fresh_plan(cluster: Cluster, nodes: list[NodeProc], reuse: bool = False) -> dict:
+    """A new instance on ``nodes`` in stage order, every stage ready, on :func:`clear`
+    nodes.
+
+    ``reuse``: keep the one instance there if nothing has touched its plan yet (its
+    first generation, on these nodes, ready, every node up): a test's reference stream
+    may share it with the stream it kills. Each kill needs a plan of its own otherwise
+    (and a runner's restarts count towards its crash-loop breaker)."""
+    a = nodes[0]
+    old = a.get("/v1/instances")["data"] if reuse else []
+    if len(old) == 1 and all(n.alive() for n in nodes):
+        v, ids = a.get(f"/v1/instances/{old[0]['id']}"), [n.node_id for n in nodes]
+        untouched = v["generation"] == 1 and [s["node"] for s in v["stages"]] == ids
+        if untouched and all(s["state"] == "ready" for s in v["stages"]):
+            return v
+    return place(a, clear(cluster, nodes))
+
+
+def uninterrupted(via: NodeProc, n_tokens: int, **sampling: object) -> str:
+    """The text of an uninterrupted stream (see :func:`stream`), checked whole."""
     events: list[tuple[float, str]] = []
-    stream(a, events, n_tokens)
-    httpx.delete(f"{a.api}/v1/instances/{inst['id']}", timeout=10)
-    return [a, b, c], text_of(events)
+    stream(via, events, n_tokens, **sampling)
+    assert events and events[-1][1] == "data: [DONE]", events[-3:]
+    assert not any('"error"' in line for _, line in events), events[-3:]
+    return text_of(events)
+
+
+def three_nodes_and_reference(cluster: Cluster, n_tokens: int) -> tuple[list[NodeProc], str]:
+    """Nodes a, b, c on loopback and the uninterrupted greedy text of an ``n_tokens``
+    stream through a 3-stage [a, b, c] plan (placed and streamed once: each trial places
+    its own)."""
+    nodes = three_nodes(cluster)
+    fresh_plan(cluster, nodes)
+    return nodes, uninterrupted(nodes[0], n_tokens)
 
 
 def _watch(
@@ -135,16 +179,17 @@ def _ended(
     return ("error" if errored else "continued"), first_after, ok
 
 
-def kill_middle(cluster: Cluster, nodes: list[NodeProc], reference: str, n_tokens: int) -> Trial:
-    """Place [a, victim, c], stream from a, SIGKILL the victim mid-stream, measure, restart."""
-    a, victim, c = nodes
-    for i in a.get("/v1/instances")["data"]:
-        httpx.delete(f"{a.api}/v1/instances/{i['id']}", timeout=10)
-    inst = place(a, [a, victim, c])
+def kill_middle(
+    cluster: Cluster, nodes: list[NodeProc], reference: str, n_tokens: int, after: int = 10
+) -> Trial:
+    """Place [a, victim, c], stream from a, SIGKILL the victim once ``after`` events
+    came, measure."""
+    inst = fresh_plan(cluster, nodes)
+    a, victim = nodes[0], nodes[1]
     events: list[tuple[float, str]] = []
     t = threading.Thread(target=stream, args=(a, events, n_tokens), daemon=True)
     t.start()
-    wait_for(lambda: len(events) >= 10, 30, interval=0.01)
+    wait_for(lambda: len(events) >= after, 30, interval=0.01)
     victim.kill()
     killed = time.monotonic()
     marks: dict[str, float] = {}
@@ -162,33 +207,28 @@ def kill_middle(cluster: Cluster, nodes: list[NodeProc], reference: str, n_token
     if t.is_alive():
         return Trial("hang", detected - killed, float("inf"), float("inf"), False)
     outcome, first_after, ok = _ended(events, killed, reference)
-    # Bring the victim back under the same id for the next trial.
-    back = cluster.restart(victim)
-    nodes[1] = back
-    wait_for(lambda: a.liveness().get(back.name) == "alive", 20, interval=0.05)
+    # The victim comes back under the same id with the next plan (fresh_plan).
     return Trial(outcome, detected - killed, first_after, served - killed, ok, suspect - killed)
 
 
 def runner_pids(instance: str, stage: int | None = None) -> list[int]:
     """Pids of the runner processes of ``instance`` (of one stage if given)."""
     pattern = f"meshd.engines.runner.*{instance}"
-    if stage is not None:
-        pattern += f'.*"stage":{stage},'
+    if stage is not None:  # argv: ... -m meshd.engines.runner INSTANCE STAGE
+        pattern += f" {stage}$"
     out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
 
 
-def kill_runner(nodes: list[NodeProc], reference: str, n_tokens: int) -> Trial:
+def kill_runner(cluster: Cluster, nodes: list[NodeProc], reference: str, n_tokens: int) -> Trial:
     """Place [a, b, c], stream from a, SIGKILL only b's runner (b stays up), measure.
 
     ``detected``: the stage stops being ready; ``served``: it is ready again."""
     import os
     import signal
 
-    a, b, c = nodes
-    for i in a.get("/v1/instances")["data"]:
-        httpx.delete(f"{a.api}/v1/instances/{i['id']}", timeout=10)
-    inst = place(a, [a, b, c])
+    inst = fresh_plan(cluster, nodes)
+    a = nodes[0]
     (pid,) = runner_pids(inst["id"], stage=1)
     events: list[tuple[float, str]] = []
     t = threading.Thread(target=stream, args=(a, events, n_tokens), daemon=True)
