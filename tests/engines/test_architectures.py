@@ -8,7 +8,9 @@ tokenizer): no download, and every tensor shape is the architecture's own.
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,42 +33,38 @@ pytestmark = pytest.mark.timeout(300)
 def greedy(chain: list[LlamaStage], prompt: list[int], n: int = 8):
     """Greedy tokens and their logits through a chain of stages."""
     pos, cur, toks, logits = 0, np.asarray(prompt, np.int32), [], []
-    for _ in range(n):
-        x = chain[0].forward([StageInput(seq=0, pos=pos, tokens=cur)])[0]
-        for s in chain[1:]:
-            x = s.forward([StageInput(seq=0, pos=pos, hidden=x)])[0]
-        pos += len(cur)
-        tok = int(np.argmax(x))
-        toks.append(tok)
-        logits.append(x)
-        cur = np.array([tok], np.int32)
-    for s in chain:
-        s.free(0)
+    try:
+        for _ in range(n):
+            x = chain[0].forward([StageInput(seq=0, pos=pos, tokens=cur)])[0]
+            for s in chain[1:]:
+                x = s.forward([StageInput(seq=0, pos=pos, hidden=x)])[0]
+            pos += len(cur)
+            tok = int(np.argmax(x))
+            toks.append(tok)
+            logits.append(x)
+            cur = np.array([tok], np.int32)
+    finally:
+        # Shared module stages: a failing run must not leave its sequence behind.
+        for s in chain:
+            s.free(0)
     return toks, logits
 
 
 PROMPT = "Once upon a time there was a little girl who lived in a village near the forest"
 
+Run = tuple[list[int], list[np.ndarray]]
 
-def whole_and_split(path: Path, cuts: tuple[int, ...]):
-    """Greedy tokens and logits of the whole model and of its slices cut at ``cuts``."""
-    sha = file_sha256(path)
-    bounds = [0, *cuts, N_LAYERS]
-    ranges = list(itertools.pairwise(bounds))
-    slices = [slice_gguf(path, a, b, path.parent / "slices", sha) for a, b in ranges]
-    whole = LlamaStage(path, first=True, last=True, n_ctx=256, n_seq_max=1, exact=True)
-    split = [
-        LlamaStage(p, first=i == 0, last=i == len(slices) - 1, n_ctx=256, n_seq_max=1,
-                   exact=True)
-        for i, p in enumerate(slices)
-    ]  # fmt: skip
-    try:
+
+def _stage(path: Path, first: bool, last: bool) -> LlamaStage:
+    return LlamaStage(path, first=first, last=last, n_ctx=256, n_seq_max=1, exact=True)
+
+
+def run_whole(path: Path) -> tuple[list[int], Run]:
+    """The prompt's tokens, and greedy tokens and logits of the whole model."""
+    with _stage(path, True, True) as whole:
         prompt = whole.tokenize(PROMPT, add_special=False, parse_special=False)
         assert len(prompt) > 8  # longer than the sliding windows below
-        return greedy([whole], prompt), greedy(split, prompt)
-    finally:
-        for s in [whole, *split]:
-            s.close()
+        return prompt, greedy([whole], prompt)
 
 
 U = np.uint32
@@ -90,29 +88,70 @@ MATRIX = {
 }  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def models(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Each case's model, written once for the module."""
+    folder = tmp_path_factory.mktemp("archs")
+
+    @functools.cache
+    def get(case: str) -> Path:
+        arch, opts, meta = MATRIX[case]
+        return write_model(folder / f"{case}.gguf", model_path, arch, metadata=meta, **opts)
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def slice_stages(models: Callable[[str], Path]) -> Iterator[Callable[[str, int, int], LlamaStage]]:
+    """Stages of each case's slices, loaded once for the module: both cuts start with
+    layer [0, 1) (greedy frees its sequence after each run)."""
+    opened: dict[tuple[str, int, int], LlamaStage] = {}
+
+    def get(case: str, a: int, b: int) -> LlamaStage:
+        if (case, a, b) not in opened:
+            path = models(case)
+            part = slice_gguf(path, a, b, path.parent / "slices", file_sha256(path))
+            opened[case, a, b] = _stage(part, a == 0, b == N_LAYERS)
+        return opened[case, a, b]
+
+    yield get
+    for stage in opened.values():
+        stage.close()
+
+
+@pytest.fixture(scope="module")
+def whole_runs(models: Callable[[str], Path]) -> Callable[[str], tuple[list[int], Run]]:
+    """Each case's whole-model run, made once: every cut is held to the same one."""
+    return functools.cache(lambda case: run_whole(models(case)))
+
+
 @pytest.mark.parametrize("cuts", [(1,), (1, 3)], ids=["2-stages", "3-stages"])
 @pytest.mark.parametrize("case", list(MATRIX))
 def test_a_model_cut_in_stages_gives_the_whole_models_logits(
-    model_path: Path, tmp_path: Path, case: str, cuts: tuple[int, ...]
+    models: Callable[[str], Path],
+    slice_stages: Callable[[str, int, int], LlamaStage],
+    whole_runs: Callable[[str], tuple[list[int], Run]],
+    case: str,
+    cuts: tuple[int, ...],
 ) -> None:
-    arch, opts, meta = MATRIX[case]
-    path = write_model(tmp_path / f"{arch}.gguf", model_path, arch, metadata=meta, **opts)
-    (one, one_logits), (two, two_logits) = whole_and_split(path, cuts)
+    arch = MATRIX[case][0]
+    prompt, (one, one_logits) = whole_runs(case)
+    ranges = itertools.pairwise([0, *cuts, N_LAYERS])
+    two, two_logits = greedy([slice_stages(case, a, b) for a, b in ranges], prompt)
     assert two == one
     worst = max(float(np.abs(a - b).max()) for a, b in zip(one_logits, two_logits, strict=True))
     assert worst <= 1e-4, worst
-    facts = read_facts(path, arch, sha256="0" * 64)
+    facts = read_facts(models(case), arch, sha256="0" * 64)
     nodes = {n: NodeResources(id=n, name=n, backends=["llama_cpp-cpu"], mem_available=1 << 40)
              for n in ("a", "b")}  # fmt: skip
     assert len(place(InstanceSpec(model=arch, min_nodes=2), facts, nodes)) == 2
 
 
-def test_a_gemma2_slice_keeps_its_layers_window_flags(model_path: Path, tmp_path: Path) -> None:
+def test_a_gemma2_slice_keeps_its_layers_window_flags(models: Callable[[str], Path]) -> None:
     import gguf
 
-    path = write_model(tmp_path / "g2.gguf", model_path, "gemma2",
-                       metadata={"gemma2.attention.sliding_window": U(4)})  # fmt: skip
-    part = slice_gguf(path, 1, 3, tmp_path / "slices", file_sha256(path))
+    path = models("gemma2-scaled-and-windowed")  # a window of 4, every 2nd layer global
+    part = slice_gguf(path, 1, 3, path.parent / "slices", file_sha256(path))
     flags = gguf.GGUFReader(part).fields["gemma2.attention.sliding_window_pattern"].contents()
     # Layers 1 and 2 of the model: global, then windowed (every 2nd layer is global).
     assert [bool(x) for x in flags] == [False, True]

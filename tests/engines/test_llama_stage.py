@@ -21,7 +21,7 @@ from tests.conftest import MODEL_SHA256
 
 REPO = Path(__file__).resolve().parents[2]
 N_CTX = 1024
-N_GEN = 20
+N_GEN = 10
 LOGITS_TOL = 1e-4
 
 PROMPTS = {
@@ -30,9 +30,11 @@ PROMPTS = {
         "Überraschung! Ein Café in Zürich, naïve crème brûlée — 日本語の文章。Привет, мир! 🙂"
     ),
     "chat": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    # 256 tokens (the chain test holds it to at least 250): every long prompt's token
+    # costs each run ~10 ms of prefill, the most of any part of this file.
     "long": " ".join(
         f"Note {i}: the quick brown fox jumps over the lazy dog near river {i % 7}."
-        for i in range(20)
+        for i in range(14)
     ),
 }
 
@@ -213,13 +215,15 @@ def test_prefill_longer_than_the_batch_is_split_in_order(
     model_path: Path, slice_dir: Path, whole: LlamaStage
 ) -> None:
     head = slice_gguf(model_path, 0, 10, slice_dir, MODEL_SHA256)
-    prompt_a = np.asarray(_tokens(whole, PROMPTS["long"]), np.int32)
-    prompt_b = np.asarray(_tokens(whole, PROMPTS["non_ascii"]), np.int32)
+    prompt_a = np.asarray(_tokens(whole, PROMPTS["non_ascii"]), np.int32)
+    prompt_b = np.asarray(_tokens(whole, PROMPTS["chat"]), np.int32)
     kw = {"first": True, "last": False, "n_ctx": N_CTX, "n_seq_max": 2, "exact": True}
-    with LlamaStage(head, n_batch=512, **kw) as big, LlamaStage(head, n_batch=32, **kw) as small:
-        assert small.n_batch == 32
-        # Two requests in one call, together ~10 batches of 32: request a spans
-        # several decodes and b starts inside one of them.
+    # Batches of 8 rows: short prompts span several of them (long ones prove no more).
+    with LlamaStage(head, n_batch=512, **kw) as big, LlamaStage(head, n_batch=8, **kw) as small:
+        assert small.n_batch == 8
+        # Two requests in one call, 49 + 16 tokens in 9 batches: request a spans
+        # seven decodes and b starts inside the last of them.
+        assert len(prompt_a) % small.n_batch and len(prompt_a) > 4 * small.n_batch
         items = [StageInput(0, 0, tokens=prompt_a), StageInput(1, 0, tokens=prompt_b)]
         chunked = small.forward(items)
         ref_a = big.forward([items[0]])[0]
@@ -232,7 +236,7 @@ def test_prefill_longer_than_the_batch_is_split_in_order(
 
     # Logits of a split prefill match the unsplit one (and name the same token).
     with LlamaStage(
-        model_path, first=True, last=True, n_ctx=N_CTX, n_seq_max=1, exact=True, n_batch=32
+        model_path, first=True, last=True, n_ctx=N_CTX, n_seq_max=1, exact=True, n_batch=8
     ) as one:
         split = one.forward([StageInput(0, 0, tokens=prompt_a)])[0]
     unsplit = whole.forward([StageInput(0, 0, tokens=prompt_a)])[0]
@@ -315,10 +319,15 @@ def test_stage_refuses_inputs_that_do_not_fit(
         assert tiny.n_past(0) == 5 and tiny.n_past(1) == 8
 
 
-@pytest.mark.timeout(240)
-def test_every_sequence_can_fill_its_context_in_a_fragmented_cache(model_path: Path) -> None:
+@pytest.mark.timeout(120)
+def test_every_sequence_can_fill_its_context_in_a_fragmented_cache(
+    model_path: Path, slice_dir: Path
+) -> None:
+    # The cache is the same whatever the layers: one layer's stage fills it 7x faster
+    # than the whole model's.
+    head = slice_gguf(model_path, 0, 1, slice_dir, MODEL_SHA256)
     # 2 x 128 positions: exactly the 256 cells llama.cpp allocates (it pads to 256).
-    with LlamaStage(model_path, first=True, last=True, n_ctx=128, n_seq_max=2) as stage:
+    with LlamaStage(head, first=True, last=False, n_ctx=128, n_seq_max=2) as stage:
         one = np.asarray([100], np.int32)
         for pos in range(128):
             # One row each per step: the two requests' cells alternate in the cache.
@@ -326,7 +335,7 @@ def test_every_sequence_can_fill_its_context_in_a_fragmented_cache(model_path: P
         stage.free(0)
         # Seq 0's cells are now 128 single-cell holes; a full-length prefill fits.
         out = stage.forward([StageInput(0, 0, tokens=np.arange(300, 428, dtype=np.int32))])
-        assert out[0].shape == (stage.n_vocab,)
+        assert out[0].shape == (128, stage.hidden_size)
         assert (stage.n_past(0), stage.n_past(1)) == (128, 128)
 
 
@@ -400,9 +409,10 @@ def test_plain_attention_holds_its_scores_to_a_budget_by_taking_fewer_rows_a_cal
     with plain:
         assert plain.flash_attn is False
         assert plain.n_batch == PLAIN_ATTENTION_BYTES // (32768 * 9 * 4) < 512
-        # A prompt of several calls gives what one call of flash attention does.
-        prompt = np.asarray(_tokens(plain, PROMPTS["long"]) * 3, np.int32)
-        assert len(prompt) > plain.n_batch
+        # A prompt of several calls (256 tokens: 3 of up to 113) gives what one call of
+        # flash attention does; its top logit leads by 2.4 on both, so no tie can flip.
+        prompt = np.asarray(_tokens(plain, PROMPTS["long"]), np.int32)
+        assert len(prompt) > 2 * plain.n_batch
         got = plain.forward([StageInput(seq=0, pos=0, tokens=prompt)])[0]
     with LlamaStage(
         model_path, first=True, last=True, n_ctx=4096, n_seq_max=8, flash_attn=True

@@ -3,10 +3,12 @@ and, whole or cut in two or three, gives what mlx-lm's whole model gives.
 
 The folders are written here: config.json, seeded random float32 weights in mlx-lm's
 (Hugging Face's) names, and a tokenizer.json built from the default model's
-vocabulary, so no download is needed and every tensor shape is the architecture's
-own. Gemma 3 gets a window of 4 with every second layer sliding, and every prompt is
-longer than that, so its windowed layers, their pattern by absolute layer index and
-its scaled embedding all count: a stage that got any of them wrong fails.
+vocabulary (its first 2,048 tokens and the merges among them: every stage loads its
+tokenizer, 0.3 s for all 49,152), so no download is needed and every tensor shape is
+the architecture's own. Gemma 3 gets a window of 4 with every second layer sliding,
+and every prompt is longer than that, so its windowed layers, their pattern by
+absolute layer index and its scaled embedding all count: a stage that got any of them
+wrong fails.
 
 Measured (float32, CPU), stage chains (whole, 2 and 3 stages) vs mlx-lm's whole model,
 max |dlogits|: 0 for llama, mistral, qwen2, qwen3 and phi3; ~2e-5 for Gemma 3 and ~5e-6
@@ -34,6 +36,7 @@ from meshd.models.folder_slicing import slice_folder, unpack_folder_slice
 pytestmark = pytest.mark.timeout(120)
 
 N_LAYERS = 4
+N_VOCAB = 2048
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 4, 2, 16, 128
 WINDOW = 4
 N_GEN = 5
@@ -169,13 +172,22 @@ def write_folder(path: Path, arch: str, tokenizer: Path, n_vocab: int) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
-    """tokenizer.json + tokenizer_config.json of the default model's vocabulary."""
+    """tokenizer.json + tokenizer_config.json of the default model's first ``N_VOCAB``
+    tokens (byte-level BPE: ids follow the merges' order, so the merges whose parts and
+    result are all kept give the same tokenizer over a smaller vocabulary)."""
     import mlx.core as mx
 
     from meshd.models.convert import _gguf_tokenizer
 
     out = tmp_path_factory.mktemp("tokenizer")
     _, md = mx.load(str(model_path), return_metadata=True)
+    tokens = md["tokenizer.ggml.tokens"][:N_VOCAB]
+    kept = set(tokens)
+    md["tokenizer.ggml.tokens"] = tokens
+    md["tokenizer.ggml.token_type"] = md["tokenizer.ggml.token_type"][:N_VOCAB]
+    md["tokenizer.ggml.merges"] = [
+        m for m in md["tokenizer.ggml.merges"] if {*m.split(" "), m.replace(" ", "")} <= kept
+    ]
     tok, cfg = _gguf_tokenizer(md, model_path)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -205,15 +217,19 @@ def _stage(path: Path, start: int, end: int, n_seq_max: int = 2) -> MlxStage:
 
 @pytest.fixture(scope="module")
 def chains(folder: Path) -> Iterator[dict[str, list[MlxStage]]]:
-    """The folder's model whole, cut at 1, and cut at 1 and 3."""
+    """The folder's model whole, cut at 1, and cut at 1 and 3 (the last two share their
+    stage of layer 0: no test runs both at once)."""
     cuts = {"whole": [0, N_LAYERS], "two": [0, 1, N_LAYERS], "three": [0, 1, 3, N_LAYERS]}
-    out = {
-        name: [_stage(folder, a, b) for a, b in itertools.pairwise(c)] for name, c in cuts.items()
-    }
-    yield out
-    for chain in out.values():
-        for s in chain:
-            s.close()
+    stages: dict[tuple[int, int], MlxStage] = {}
+
+    def stage(a: int, b: int) -> MlxStage:
+        if (a, b) not in stages:
+            stages[a, b] = _stage(folder, a, b)
+        return stages[a, b]
+
+    yield {name: [stage(a, b) for a, b in itertools.pairwise(c)] for name, c in cuts.items()}
+    for s in stages.values():
+        s.close()
 
 
 @pytest.fixture(scope="module")

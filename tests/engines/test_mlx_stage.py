@@ -40,7 +40,7 @@ N_CTX = 256
 #: llama.cpp's OpenMP workers spinning beside it (or fighting other processes on a
 #: busy 2-core box) slowed the mixed tests 5x. One thread gives the same numbers.
 LLAMA_THREADS = 1
-N_GEN = 20
+N_GEN = 10
 #: MLX chain vs MLX whole model: the same float32 operations on the same rows.
 CHAIN_TOL = 1e-5
 #: Mixed chains vs the whole llama.cpp model on F32 weights (logits reach ~66).
@@ -433,11 +433,14 @@ def test_mixed_chains_give_a_whole_models_tokens(
             mlx_tokens, _ = whole_runs[name]["mlx"]
             for label, chain in chains.items():
                 prompt = _tokens(chain[0], text)
-                tokens, _ = _greedy(chain, prompt)
-                assert tokens in (llama_tokens, mlx_tokens), (name, label)
                 # On llama.cpp's own tokens, step by step.
-                _, forced = _greedy(chain, prompt, forced=llama_tokens)
+                tokens, forced = _greedy(chain, prompt, forced=llama_tokens)
                 assert _worst(forced, llama_logits) <= Q4_TOL, (name, label)
+                # A chain that picked each of llama.cpp's tokens there was fed its own
+                # choices: that was its greedy run. Otherwise it runs free.
+                if tokens != llama_tokens:
+                    tokens, _ = _greedy(chain, prompt)
+                assert tokens in (llama_tokens, mlx_tokens), (name, label)
     finally:
         for chain in chains.values():
             for s in chain:
