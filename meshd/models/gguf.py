@@ -122,6 +122,16 @@ class _Cursor:
         self.pos = end
         return text
 
+    def skip_strings(self, count: int) -> None:
+        """Read past ``count`` strings by their lengths. A vocabulary and its merges
+        are 100k strings: decoding each only to drop it took a second a read."""
+        buf, order, pos = self.buf, self.order + "Q", self.pos
+        for _ in range(count):
+            pos += 8 + struct.unpack_from(order, buf, pos)[0]
+        if pos > len(buf):
+            raise ModelFormatError(f"{self.path}: GGUF header is truncated")
+        self.pos = pos
+
     def token_list_hash(self) -> str:
         """Read past a string array (the cursor at its item type) and return a hash
         of its stored bytes up to its last entry that is not padding: converters pad
@@ -158,6 +168,9 @@ class _Cursor:
         item = self.scalar(4)
         count = self.count(item, "array items")
         fmt = _GGUF_SCALARS.get(item)
+        if item == _GGUF_STRING:
+            self.skip_strings(count)
+            return None
         if fmt is None:
             for _ in range(count):
                 self.value(item, arrays=False, depth=depth + 1)
