@@ -300,6 +300,29 @@ def act_as_owner() -> None:
     httpx.AsyncHTTPTransport.handle_async_request = handle_async  # type: ignore[method-assign]
 
 
+def share_tls_context() -> None:
+    """From now on, this process's httpx clients share one default TLS context.
+
+    ``httpx.get`` builds a client, and every client built its own context, loading the
+    CA bundle: 40 ms of CPU a call. The tests poll their nodes' APIs thousands of times
+    (plain HTTP on loopback, no TLS at all), so that load was a large part of the
+    suite's CPU, taken from the nodes being waited on."""
+    import httpx._transports.default as transports
+
+    build = transports.create_ssl_context
+    shared: dict[tuple[object, ...], Any] = {}
+
+    def create(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return build(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        if key not in shared:
+            shared[key] = build(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[key]
+
+    transports.create_ssl_context = create  # type: ignore[assignment]
+
+
 @contextlib.contextmanager
 def as_stranger() -> Iterator[None]:
     """Requests made inside carry no admin credential of :func:`act_as_owner`'s."""

