@@ -472,17 +472,12 @@ class Supervisor:
     async def _spawn(self, r: RunnerProc) -> None:
         key, cfg = r.key, msgspec.structs.replace(r.config, generation=r.generation)
         r.state, r.port, r.active, r.draft = "loading", 0, 0, None
-        # The context it allocates is said here: the one figure an operator needs to
-        # see that a default context (memory-chosen, docs/operations.md) took effect.
+        # Its context is said: an operator sees the (memory-chosen) default take effect.
         log.info(
             "starting runner %s stage %d [%d, %d), %d tokens of context%s",
-            key.instance,
-            key.stage,
-            key.start,
-            key.end,
-            cfg.n_ctx,
+            key.instance, key.stage, key.start, key.end, cfg.n_ctx,
             f" with a {cfg.kv_cache} KV cache" if cfg.kv_cache != "f16" else "",
-        )
+        )  # fmt: skip
         argv, config_line = runner_command(cfg)
         r.proc = await asyncio.create_subprocess_exec(
             *argv,
