@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import httpx
 
 from meshd.api.app import ROUTES
 from meshd.api.auth import ADMIN_HEADER, Access, access_of
+from meshd.node.cluster_store import KEY_FILE, STATE_FILE, ClusterStore
 from meshd.transport.security import write_secret
 
 #: The tests play the owner of every node they start: each node takes this admin key
@@ -155,6 +157,7 @@ class Cluster:
         extra = list(extra_args or [])
         if secret and not {"--secret-file", "--join", "--open"} & set(extra):
             args += ["--secret-file", str(self.secret_file)]
+            self._seed_secret(data_dir)
         args += extra
         log_path = self.tmp / f"{name}-{len(self.nodes)}.log"
         f = open(log_path, "wb")  # noqa: SIM115 - closed with the process
@@ -169,6 +172,22 @@ class Cluster:
         if wait:
             self.wait_ready(n, timeout)
         return n
+
+    def _seed_secret(self, data_dir: Path) -> None:
+        """Give a new data dir the cluster files a node writes from the secret at its
+        first start (derived once a cluster, here, as a node keeps them across its
+        restarts). The derivation is Argon2, slow on purpose: 0.6 s of CPU for each of
+        the suite's hundreds of nodes. Tests that pass their own ``--secret-file``
+        (tests/node/test_security.py, test_partition.py, cli/test_doctor.py) and
+        tests/node/test_data_dir.py still see a node derive it."""
+        if (data_dir / STATE_FILE).exists():
+            return
+        seed = self.tmp / ".secret-seed"
+        if not (seed / STATE_FILE).exists():
+            ClusterStore(seed).from_secret(self.secret_file.read_text(), self.cluster_name)
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for name in (KEY_FILE, STATE_FILE):
+            shutil.copy2(seed / name, data_dir / name)
 
     def wait_ready(self, n: NodeProc, timeout: float = 30.0) -> NodeProc:
         """Block until the node printed its ready line (or fail with its log)."""

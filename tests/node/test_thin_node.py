@@ -26,7 +26,8 @@ def test_a_node_without_the_model_file_places_and_serves_it(
     thin = cluster.start("thin", peers=[holder], env={"PYTHONPATH": str(shadow.parent)})
 
     def card(of: str) -> dict:
-        return next(n["card"] for n in thin.cluster()["nodes"] if n["name"] == of)
+        # {} until ``of`` is in thin's view (the holder joins it a moment after start).
+        return next((n["card"] for n in thin.cluster()["nodes"] if n["name"] == of), {})
 
     wait_for(lambda: card("holder").get("model_facts"), 10)
     assert not card("thin").get("models")  # it really lacks the file
