@@ -19,12 +19,12 @@ import pytest
 from meshd.crdt.views import InstanceSpec
 from meshd.domain.facts import ModelFacts
 from meshd.engines.llama_stage import LlamaStage
-from meshd.engines.stage import StageInput
 from meshd.models.facts import read_facts
 from meshd.models.hashing import file_sha256
 from meshd.models.slicing import slice_gguf
 from meshd.placement import PlacementError, place
 from meshd.placement.resources import NodeResources
+from tests.engines.chains import greedy as greedy_chain
 from tests.synthetic import N_LAYERS, write_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,22 +32,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def greedy(chain: list[LlamaStage], prompt: list[int], n: int = 8):
     """Greedy tokens and their logits through a chain of stages."""
-    pos, cur, toks, logits = 0, np.asarray(prompt, np.int32), [], []
-    try:
-        for _ in range(n):
-            x = chain[0].forward([StageInput(seq=0, pos=pos, tokens=cur)])[0]
-            for s in chain[1:]:
-                x = s.forward([StageInput(seq=0, pos=pos, hidden=x)])[0]
-            pos += len(cur)
-            tok = int(np.argmax(x))
-            toks.append(tok)
-            logits.append(x)
-            cur = np.array([tok], np.int32)
-    finally:
-        # Shared module stages: a failing run must not leave its sequence behind.
-        for s in chain:
-            s.free(0)
-    return toks, logits
+    return greedy_chain(chain, prompt, n)
 
 
 PROMPT = "Once upon a time there was a little girl who lived in a village near the forest"

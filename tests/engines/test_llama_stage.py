@@ -18,6 +18,7 @@ from meshd.engines.stage import ContextFullError, StageInput, StageInputError
 from meshd.engines.threads import runner_env
 from meshd.models.slicing import slice_gguf
 from tests.conftest import MODEL_SHA256
+from tests.engines.chains import greedy
 
 REPO = Path(__file__).resolve().parents[2]
 N_CTX = 1024
@@ -47,26 +48,7 @@ def _tokens(stage: LlamaStage, text: str) -> list[int]:
 def _greedy(
     chain: Sequence[LlamaStage], prompt: Sequence[int], n: int = N_GEN, seq: int = 0
 ) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens (and the logits they came from) through a chain of stages."""
-    out: list[int] = []
-    logits: list[np.ndarray] = []
-    pos = 0
-    cur = np.asarray(prompt, np.int32)
-    try:
-        for _ in range(n):
-            x = chain[0].forward([StageInput(seq=seq, pos=pos, tokens=cur)])[0]
-            for stage in chain[1:]:
-                x = stage.forward([StageInput(seq=seq, pos=pos, hidden=x)])[0]
-            pos += len(cur)
-            tok = int(np.argmax(x))
-            out.append(tok)
-            logits.append(x)
-            cur = np.array([tok], np.int32)
-    finally:
-        # Shared module fixtures: a failing test must not leave a sequence behind.
-        for stage in chain:
-            stage.free(seq)
-    return out, logits
+    return greedy(chain, prompt, n, seq)
 
 
 @pytest.fixture(scope="module")
