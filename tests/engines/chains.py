@@ -1,5 +1,5 @@
-"""Greedy decoding through a chain of in-process stages: the reference the engine tests
-compare splits, batches and architectures with."""
+"""Greedy decoding through a chain of stages, token ids in and hidden rows handed
+on, for the tests that hold a split to its whole model (or one engine to another)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from meshd.engines.stage import Stage, StageInput
 def greedy(
     chain: Sequence[Stage], prompt: Sequence[int], n: int, seq: int = 0
 ) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens (and the logits they came from) through a chain of stages."""
-    out: list[int] = []
+    """``n`` greedy tokens and the logits of each step through ``chain`` (sequence
+    ``seq`` of every stage, freed after, also when a step fails: stages a module's
+    tests share must not keep it)."""
+    tokens: list[int] = []
     logits: list[np.ndarray] = []
     pos = 0
     cur = np.asarray(prompt, np.int32)
@@ -23,13 +25,17 @@ def greedy(
             x = chain[0].forward([StageInput(seq=seq, pos=pos, tokens=cur)])[0]
             for stage in chain[1:]:
                 x = stage.forward([StageInput(seq=seq, pos=pos, hidden=x)])[0]
+            assert x.shape == (chain[-1].n_vocab,)
             pos += len(cur)
-            tok = int(np.argmax(x))
-            out.append(tok)
+            tokens.append(int(np.argmax(x)))
             logits.append(x)
-            cur = np.array([tok], np.int32)
+            cur = np.array([tokens[-1]], np.int32)
     finally:
-        # Stages shared by a module's tests: a failing run must not leave its sequence.
         for stage in chain:
             stage.free(seq)
-    return out, logits
+    return tokens, logits
+
+
+def worst(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
+    """The largest absolute difference between two runs' logits, step by step."""
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
