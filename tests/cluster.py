@@ -39,6 +39,12 @@ _READY = re.compile(
 )
 _LIVE: set[subprocess.Popen] = set()
 
+#: The context (``--context``) of the models a test node places: each runner clears KV
+#: for 8 requests of it at start, 1.5 GB and ~1 s of CPU at the default model's 8192
+#: tokens against 0.4 GB and ~0.3 s at 2048, and no test but tests/node/test_context.py
+#: (which says None: placement's memory-chosen default) fills more.
+TEST_CONTEXT = 2048
+
 
 def _kill_all() -> None:
     for p in list(_LIVE):
@@ -130,6 +136,7 @@ class Cluster:
         env: dict[str, str] | None = None,
         secret: bool = True,
         ctrl_c: bool = False,
+        context: int | None = TEST_CONTEXT,
     ) -> NodeProc:
         """Start `meshd up --name NAME` seeded with ``peers``; wait for its ready line.
 
@@ -138,7 +145,8 @@ class Cluster:
         environment for the node. ``secret``: False starts it as a user would, with no
         way in but approval (or what ``extra_args`` say). ``ctrl_c``: the node takes
         SIGINT as at a terminal, even where this process was started ignoring it (a
-        background job of a script: its children inherit the ignoring)."""
+        background job of a script: its children inherit the ignoring). ``context``: the
+        node's ``--context`` (:data:`TEST_CONTEXT`; None: placement's default)."""
         data_dir = data_dir or self.tmp / name
         args = [
             sys.executable, "-m", "meshd.cli.meshd", "up",
@@ -154,6 +162,8 @@ class Cluster:
         args += ["--no-model"] if model is None else ["--model", model]
         for p in peers or []:
             args += ["--peer", f"127.0.0.1:{p.mesh_port}"]
+        if context is not None:
+            args += ["--context", str(context)]
         extra = list(extra_args or [])
         if secret and not {"--secret-file", "--join", "--open"} & set(extra):
             args += ["--secret-file", str(self.secret_file)]
@@ -209,7 +219,7 @@ class Cluster:
         return self.start(
             n.name, data_dir=n.data_dir, mesh_port=n.mesh_port, timeout=timeout,
             extra_args=list(_peer_args(n.args)) + list(_access_args(n.args)),
-            model=_model_arg(n.args),
+            model=_model_arg(n.args), context=_context_arg(n.args),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -239,6 +249,10 @@ def _default_sigint() -> None:
 
 def _model_arg(args: list[str]) -> str | None:
     return args[args.index("--model") + 1] if "--model" in args else None
+
+
+def _context_arg(args: list[str]) -> int | None:
+    return int(args[args.index("--context") + 1]) if "--context" in args else None
 
 
 def _access_args(args: list[str]) -> Iterator[str]:

@@ -16,7 +16,13 @@ from meshd.api.app import create_app
 from meshd.api.origins import allowed_hosts
 from meshd.api.server import ApiServer, bind_api
 from meshd.api.services import ApiSettings
-from meshd.cli.argtypes import allowed_host, nonnegative_float, positive_float, positive_int
+from meshd.cli.argtypes import (
+    allowed_host,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 from meshd.cli.keys import add_key_flags, node_keys, refuse_argv
 from meshd.cli.settings import (
     CONFIG_ENV,
@@ -204,6 +210,15 @@ def _node_flags(up: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="most memory this node offers the cluster, e.g. 8G (default: all it has)",
     )
     up.add_argument(
+        "--context",
+        type=nonnegative_int,
+        default=0,
+        metavar="TOKENS",
+        help="context each request gets in the models this node places without one "
+        "(the default model, a request's model, POST /v1/instances with no context); "
+        "0, the default: the model's trained context as far as memory allows",
+    )
+    up.add_argument(
         "--slice-cache",
         "--cache-size",
         type=_size,
@@ -369,6 +384,7 @@ def _config(args: argparse.Namespace) -> NodeConfig:
         model="" if args.no_model else args.model,
         model_dirs=list(args.models),
         max_memory=args.max_memory,
+        context=args.context,
         slice_cache=args.slice_cache,
         secret=load_secret(args.secret_file),
         join_code=args.join,

@@ -151,6 +151,9 @@ class NodeConfig:
     #: placement reserves KV memory for, so they share its constants.
     n_ctx: int = KV_TOKENS
     n_seq_max: int = KV_SEQUENCES
+    #: Context (tokens) of the models this node places when nothing else says one
+    #: (``--context``): a cap on their KV memory; 0: placement's memory-chosen default.
+    context: int = 0
     #: Most memory (bytes) this node offers the cluster; 0 = what the machine has.
     max_memory: int = 0
     #: The cluster's secret (``--secret-file``): a node holding it is a member at once.

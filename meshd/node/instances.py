@@ -153,6 +153,7 @@ class Instances:
         self, spec: InstanceSpec, facts: ModelFacts, instance_id: str | None = None
     ) -> Instance:
         """Compute a plan and write it; raise PlacementError when none fits."""
+        spec = self._with_node_context(spec, facts)
         stages, nodes, context = self.state.view().place_new(spec, facts)
         inst = Instance(
             id=instance_id or secrets.token_hex(4),
@@ -169,6 +170,17 @@ class Instances:
             ", ".join(f"{s.node}[{s.start}:{s.end}) {s.engine}" for s in stages),
         )  # fmt: skip
         return inst
+
+    def _with_node_context(self, spec: InstanceSpec, facts: ModelFacts) -> InstanceSpec:
+        """``spec`` with this node's ``--context`` when it says no context (within the
+        model's trained one). In the spec, not the policy: every node that checks the
+        plan derives the same context from it."""
+        want = self.config.context
+        if spec.context or not want:
+            return spec
+        if facts.n_ctx_train > 0:
+            want = min(want, facts.n_ctx_train)
+        return msgspec.structs.replace(spec, context=want)
 
     async def place_requested(self, spec: InstanceSpec) -> Instance:
         """Place ``spec`` as a user asked for it (``POST /v1/instances``).

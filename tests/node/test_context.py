@@ -25,12 +25,13 @@ def _complete(node: NodeProc, words: int, model: str = DEFAULT_MODEL) -> httpx.R
 
 @pytest.fixture(scope="module")
 def long_model(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder holding a 64-wide model trained on 8192 tokens, with the default model's
-    tokenizer: a prompt of thousands of tokens is prefilled in a second or two (the
-    default model's takes ~40 s on one thread), so the contexts asked for can be filled
-    for real."""
+    """A folder holding a 64-wide model trained on 8192 tokens (and one on 2048), with
+    the default model's tokenizer: a prompt of thousands of tokens is prefilled in a
+    second or two (the default model's takes ~40 s on one thread), so the contexts
+    asked for can be filled for real."""
     d = tmp_path_factory.mktemp("long-model")
     write_model(d / "long.gguf", model_path, "llama", context=8192)
+    write_model(d / "short.gguf", model_path, "llama", context=2048)
     return d
 
 
@@ -79,12 +80,32 @@ def test_an_instance_serves_the_context_it_was_placed_with(
     assert [i["context"] for i in a.get("/v1/instances")["data"]] == [2048]
 
 
+def test_a_nodes_context_setting_is_what_the_models_it_places_get(
+    cluster: Cluster, long_model: Path
+) -> None:
+    # `meshd up --context`: the model it serves gets it, the runner is started with it,
+    # and a prompt over it is refused, typed.
+    a = cluster.start("a", model="long", context=3000, extra_args=["--models", str(long_model)])
+    inst = wait_for(lambda: next(iter(a.get("/v1/instances")["data"]), None), 30)
+    assert inst["context"] == 3000
+    wait_serving(a, inst["id"])
+    assert "3000 tokens of context" in a.log()
+    r = _complete(a, 3100, "long")
+    assert r.status_code == 400, r.text[:300]
+    assert "3000" in r.json()["error"]["message"]
+    # A model trained on less gets its trained context; a placement that says one, it.
+    r = httpx.post(a.api + "/v1/instances", timeout=60, json={"model": "short"})
+    assert r.status_code == 201 and r.json()["context"] == 2048, r.text
+    r = httpx.post(a.api + "/v1/instances", timeout=60, json={"model": "long", "context": 5000})
+    assert r.status_code == 201 and r.json()["context"] == 5000, r.text
+
+
 def test_an_instance_placed_without_a_context_gets_the_longest_its_memory_allows(
     cluster: Cluster,
 ) -> None:
     # 2.5 GiB usable: the trained 8192 tokens' KV (1.5 GB for 8 requests) is more than
     # the half of it a default context may take, so the instance gets the base 4096.
-    small = cluster.start("small", extra_args=["--max-memory", "3G"])
+    small = cluster.start("small", context=None, extra_args=["--max-memory", "3G"])
     r = httpx.post(small.api + "/v1/instances", timeout=60, json={"model": DEFAULT_MODEL})
     assert r.status_code == 201, r.text
     inst = wait_serving(small, r.json()["id"])
@@ -94,7 +115,7 @@ def test_an_instance_placed_without_a_context_gets_the_longest_its_memory_allows
     assert httpx.delete(small.api + f"/v1/instances/{inst['id']}", timeout=30).status_code == 200
     # 8 GiB offered: the model's trained context, which its runner is started with (a
     # runner serves what it is started with: the test above fills such a context).
-    roomy = cluster.start("roomy", extra_args=["--max-memory", "8G"])
+    roomy = cluster.start("roomy", context=None, extra_args=["--max-memory", "8G"])
     r = httpx.post(roomy.api + "/v1/instances", timeout=60,
                    json={"model": DEFAULT_MODEL, "nodes": ["roomy"]})  # fmt: skip
     assert r.status_code == 201, r.text
