@@ -203,8 +203,9 @@ def test_cancel_reaches_the_stages_after_a_dead_one(cluster: Cluster) -> None:
     # a only serves the API; c can hold its own share of the model but not all of it
     # (a stage needs ~0.55 GiB plus ~27 MiB a layer, the whole model 1.3 GiB), so when
     # b dies nothing repairs the plan and c keeps its runner: the request's KV there
-    # must still be freed.
-    a = cluster.start("a", extra_args=["--max-memory", "1M"])
+    # must still be freed. At the memory-chosen context (8192 tokens), which this
+    # arithmetic is for.
+    a = cluster.start("a", context=None, extra_args=["--max-memory", "1M"])
     b = cluster.start("b", peers=[a])
     c = cluster.start("c", peers=[a], extra_args=["--max-memory", "1G"])
     wait_for(lambda: all(len(n.cluster()["nodes"]) == 3 for n in (a, b, c)), 10)

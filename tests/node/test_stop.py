@@ -31,8 +31,9 @@ def _stop_time(node: NodeProc) -> float:
 
 
 def test_an_idle_node_whose_instance_cannot_move_stops_at_once(cluster: Cluster) -> None:
-    # a offers too little memory for the whole model: without b it has nowhere to go.
-    a = cluster.start("a", extra_args=["--max-memory", "900M"])
+    # a offers too little memory for the whole model at the memory-chosen context
+    # (8192 tokens): without b it has nowhere to go.
+    a = cluster.start("a", context=None, extra_args=["--max-memory", "900M"])
     b = cluster.start("b", peers=[a])
     wait_for(lambda: len(b.cluster()["nodes"]) == 2, 15)
     _place(a, ["a", "b"])
