@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import msgspec
 
 from .errors import ModelFormatError
@@ -252,6 +251,10 @@ def read_header(path: Path) -> GgufHeader:
     """
     if not path.is_file():
         raise FileNotFoundError(f"no model file at {path}")
+    # Here, not at the top: the gguf package brings numpy and yaml (~0.1 s), which a
+    # node that reads no model's header at start (and meshctl) need not pay.
+    import gguf
+
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         cur = _Cursor(buf, path)
         try:

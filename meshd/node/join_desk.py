@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import nacl.exceptions
-import spake2
 import zmq
 import zmq.asyncio
 
@@ -162,6 +161,8 @@ class JoinDesk:
         except wire.FrameError as e:
             self.count(e.reason)
             return None
+        import spake2  # at the first join asked, not at every node's start (~0.06 s)
+
         try:
             if isinstance(msg, wire.JoinWho):
                 return wire.JoinIdent(key=self.own_key, protocol=PROTOCOL)
@@ -286,6 +287,8 @@ class JoinDesk:
     def _challenge(
         self, nid: str, h: wire.JoinHello, invite: str, name: str, password: bytes, now: float
     ) -> wire.JoinMessage:
+        import spake2
+
         b = spake2.SPAKE2_B(password, **(INVITE_IDS if invite else APPROVAL_IDS))
         msg_b = b.start()
         session = b.finish(h.spake)
