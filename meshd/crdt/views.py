@@ -255,6 +255,10 @@ class Instance(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     #: the longest the plan's memory allows, see ``placement.default_context``); the
     #: runners allocate it. 0 in a record written before it was kept.
     context: int = 0
+    #: The clock of its first placement, kept by its repairs and by a restore after a
+    #: restart: with ``id``, which instance this is (``meshd.node.kept``: a removal
+    #: names it). 0 in a record written before it was kept.
+    placed: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -479,5 +479,5 @@ class ClusterView:
         basis = PlanBasis(spec=relaxed, nodes=list(nodes.values()), previous=inst.stages)
         return Instance(
             id=inst.id, spec=inst.spec, stages=stages, generation=inst.generation + 1,
-            facts=inst.facts, basis=basis, context=context,
+            facts=inst.facts, basis=basis, context=context, placed=inst.placed,
         )  # fmt: skip

@@ -169,8 +169,7 @@ class Node:
         return node
 
     def _scan_models(self) -> list[str]:
-        cfg = self.config
-        return held_models(cfg.model_dirs, [cfg.model] if cfg.model else [])
+        return held_models(self.config.model_dirs, [m for m in [self.config.model] if m])
 
     async def _run_parts(self) -> None:
         cfg = self.config
@@ -187,8 +186,8 @@ class Node:
             self.tasks.spawn(self.access.desk.run(), name="join-desk")
         if cfg.discovery:
             await self._start_discovery()
-        if cfg.model:
-            self.tasks.spawn(self.instances.serve_default(cfg.model), name="model")
+        self.tasks.spawn(self.instances.at_start(cfg.model), name="model")
+        self.tasks.spawn(self.instances.kept.run(), name="keep-placements")
         self.tasks.spawn(
             self.presence.watch_models(self._scan_models, self.instances.facts, cfg.models_rescan),
             name="models",
@@ -290,6 +289,7 @@ class Node:
 
     def _reconcile(self) -> None:
         self.supervisor.schedule(lambda: instances(self.state.map))
+        self.instances.kept.changed()
 
     def _give_way(self) -> None:
         # No goodbye and no drain: the id is the other process's now.

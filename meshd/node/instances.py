@@ -30,6 +30,7 @@ from meshd.placement import PlacementError
 from .cluster import ClusterView, fetch_progress
 from .config import NodeConfig
 from .errors import ModelLoading, RequestFailed
+from .kept import KeptPlacements
 from .plan_basis import signed_sources
 from .plans import left_out
 from .roots import ModelRoots
@@ -41,6 +42,8 @@ log = logging.getLogger("meshd.inference")
 
 #: Repairs run at most this often, however fast the cluster changes.
 _REPAIR_FLOOR_S = 0.1
+#: A kept instance that did not fit is tried again at each change, and at least this often.
+_RESTORE_RETRY_S = 30.0
 
 
 def _check_mlx(resolve: Callable[[str], ResolvedModel], model: str, pinned: bool) -> None:
@@ -99,6 +102,8 @@ class Instances:
         self._aborted = aborted
         #: This node's model roots: the only files it reads for a name (see roots.py).
         self.roots = roots
+        #: The placements kept in the data dir (see kept.py).
+        self.kept = KeptPlacements(config.data_dir, state)
         self._facts: dict[str, ModelFacts] = {}
         self._facts_locks: dict[str, asyncio.Lock] = {}
         self._unrepairable: set[tuple[str, int]] = set()
@@ -150,9 +155,14 @@ class Instances:
 
     # -- placing -------------------------------------------------------------------
     async def place(
-        self, spec: InstanceSpec, facts: ModelFacts, instance_id: str | None = None
+        self,
+        spec: InstanceSpec,
+        facts: ModelFacts,
+        instance_id: str | None = None,
+        placed: int = 0,
     ) -> Instance:
-        """Compute a plan and write it; raise PlacementError when none fits."""
+        """Compute a plan and write it; raise PlacementError when none fits. ``placed``:
+        the clock of its first placement (a restored instance's; 0: now)."""
         spec = self._with_node_context(spec, facts)
         stages, nodes, context = self.state.view().place_new(spec, facts)
         inst = Instance(
@@ -163,6 +173,7 @@ class Instances:
             facts=facts,
             basis=PlanBasis(spec=spec, nodes=list(nodes.values())),
             context=context,
+            placed=placed or self.state.replica.clock.now(),
         )
         self.state.write(instance_key(inst.id), self._signed(inst))
         log.info(
@@ -257,16 +268,39 @@ class Instances:
                 raise ModelLoading(model, detail, *fetch_progress(states))
             await self.state.changes.wait(left)
 
-    async def serve_default(self, model: str) -> None:
-        """Make sure the cluster has an instance of ``model`` (``meshd up``'s default).
+    async def at_start(self, model: str) -> None:
+        """Once the first peers have had ``settle_s`` to answer (so a node joining a
+        cluster that serves its models does not place them again): place anew the
+        instances kept on disk that the cluster has no entry for (a whole-house restart),
+        then make sure the cluster serves ``model`` (``meshd up``'s default; "" none),
+        then restore the kept ones that did not fit yet, as the cluster changes.
 
-        Waits ``settle_s`` for the first peers to answer so a node joining a cluster
-        that already serves the model does not place it again; the instance id is the
-        same on every node, so nodes starting together converge on one instance.
+        The default's instance id is the same on every node, so nodes starting together
+        converge on one instance.
         """
         # Read the model's facts while peers answer: the first request needs them too.
-        reading = asyncio.ensure_future(self.facts(model))
+        reading = asyncio.ensure_future(self.facts(model)) if model else None
         await asyncio.sleep(self.config.settle_s)
+        tried: dict[str, str] = {}
+        await self._restore(tried)
+        if reading is not None:
+            await self._serve_default(model, reading)
+        while self.kept.pending():
+            await self.state.changes.wait(_RESTORE_RETRY_S)
+            await self._restore(tried)
+
+    async def _restore(self, tried: dict[str, str]) -> None:
+        for k in self.kept.pending():
+            try:
+                facts = await self.facts(k.spec.model)
+                await self.place(k.spec, facts, k.id, placed=k.placed)
+                log.info("restored instance %s of %s, as kept on disk", k.id, k.spec.model)
+            except Exception as e:  # said once, tried again at the next change
+                if tried.get(k.id) != str(e):
+                    log.warning("instance %s of %s kept on disk waits: %s", k.id, k.spec.model, e)
+                tried[k.id] = str(e)
+
+    async def _serve_default(self, model: str, reading: asyncio.Future[ModelFacts]) -> None:
         try:
             facts = await reading
         except Exception as e:
