@@ -52,7 +52,7 @@ def test_placements_come_back_after_a_power_cut_and_a_removal_stays(cluster: Clu
     a, b = cluster.restart(a), cluster.restart(b)
     inst = wait_for(lambda: a.get(f"/v1/instances/{x}"), 60)
     assert {k: inst[k] for k in SETTINGS} == SETTINGS
-    assert [s["node"] for s in inst["stages"]] == ["a", "b"]
+    assert [s["node"] for s in inst["stages"]] == [a.node_id, b.node_id]
     wait_serving(a, x)
     assert y not in _ids(a) | _ids(b)
     r = httpx.post(a.api + "/v1/completions", timeout=60,
