@@ -30,6 +30,7 @@ from .outbox import STREAM_INTERVAL_S
 
 __all__ = [
     "REQUEST_EXPIRY_S",
+    "STAGE_FAULT",
     "STREAM_INTERVAL_S",
     "Expired",
     "Failed",
@@ -159,8 +160,14 @@ class Ready(msgspec.Struct, tag="ready", tag_field="event"):
     layer_ms: float = 0.0
 
 
+#: How a runner's failure reason starts when its output was corrupt (see
+#: ``meshd.engines.guard``): its node gives it up at once, and the stage moves.
+STAGE_FAULT = "faulty output"
+
+
 class Failed(msgspec.Struct, tag="failed", tag_field="event"):
-    """The stage could not load (the runner exits after this)."""
+    """The stage could not load (the runner exits after this), or its output was
+    corrupt (``reason`` starts with :data:`STAGE_FAULT`; its node stops it)."""
 
     reason: str
 

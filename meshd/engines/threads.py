@@ -93,6 +93,7 @@ RUNNER_ENV_KEEP = (
     "VIRTUAL_ENV", "LD_LIBRARY_PATH", "DYLD_", "OMP_", "GOMP_", "KMP_", "MKL_",
     "OPENBLAS_", THREADS_ENV, "HF_", "HUGGINGFACE_", "XDG_CACHE_HOME", "CUDA_", "NVIDIA_",
     "HIP_", "ROCM_", "MLX_", "METAL_", "GGML_", "LLAMA_", "SYSTEMROOT", "WINDIR",
+    "MESHD_FAULT_INJECT",  # a fault drill (meshd.engines.guard)
 )  # fmt: skip
 
 

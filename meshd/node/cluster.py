@@ -33,6 +33,7 @@ from meshd.crdt.views import (
 )
 from meshd.domain.facts import ModelFacts
 from meshd.domain.nodes import NodeResources
+from meshd.engines.protocol import STAGE_FAULT
 from meshd.models import canonical_name
 from meshd.placement import (
     Placement,
@@ -84,9 +85,8 @@ REFUSED = "refused by this node"
 
 def gave_up(status: RunnerStatus) -> bool:
     """True when a runner will not come back on its own: placement should move it."""
-    return status.state == "failed" and status.reason.startswith(
-        (CRASH_LOOP, MODEL_MISSING, FETCH_FAILED, REFUSED)
-    )
+    why = (CRASH_LOOP, MODEL_MISSING, FETCH_FAILED, REFUSED, STAGE_FAULT)  # faulty output
+    return status.state == "failed" and status.reason.startswith(why)
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,13 @@ __all__ = ["ModelLoading", "RequestFailed"]
 class RequestFailed(Exception):
     """A request ended without a result. ``code`` is stable; ``status`` is the HTTP one."""
 
-    def __init__(self, code: str, message: str, status: int = 502) -> None:
+    def __init__(self, code: str, message: str, status: int = 502, node: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.status = status
+        #: The node at fault (``stage_fault``): a replay waits for a plan without it.
+        self.node = node
 
 
 class ModelLoading(Exception):

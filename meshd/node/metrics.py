@@ -83,6 +83,14 @@ class Metrics:
         self.runners = Gauge(
             "meshd_runners", "Runner subprocesses on this node by state", ["state"], registry=r
         )
+        self.stage_faults = Counter(
+            "meshd_stage_faults",
+            "Runners on this node given up because their output was corrupt (NaN, Inf, or "
+            "past the bound: meshd.engines.guard), by instance",
+            ["instance"], registry=r,
+        )  # fmt: skip
+        #: What ``stage_faults`` counted so far (a sync adds the supervisor's new ones).
+        self.stage_faults_seen: dict[str, int] = {}
         self.dropped = Counter(
             "meshd_dropped_frames", "Frames dropped by socket and reason",
             ["socket", "reason"], registry=r,

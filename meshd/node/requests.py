@@ -39,8 +39,9 @@ log = logging.getLogger("meshd.inference")
 #: request is replayed on the instance's next plan. ``generation_mismatch`` is what a
 #: runner answers once the plan moved on (a drain, a repair, a crash-loop move).
 REPLAYABLE = frozenset(
-    {"stage_lost", "generation_mismatch", "wrong_stage", "not_ready", "prefix_miss"}
-)
+    {"stage_lost", "generation_mismatch", "wrong_stage", "not_ready", "prefix_miss",
+     "stage_fault"}
+)  # fmt: skip
 
 #: Yielded by :meth:`Requests.generate` while a request waits for its repair: no
 #: output, only a sign of life (the API turns it into an SSE ``: keep-alive`` comment).
@@ -56,13 +57,16 @@ def replay_target(
     """The plan a broken request can be replayed on now, None to keep waiting, or
     :class:`RequestFailed` when waiting cannot help. Pure: asked again at every change
     of the cluster, since what is possible changes while a request waits (a stage
-    fails, another node dies, the node stops: ``aborted``)."""
+    fails, another node dies, the node stops: ``aborted``). A plan that still has the
+    node whose output was corrupt (``cause.node``) waits: that node gives its runner
+    up, and the repair moves the stage."""
     if aborted is not None:
         raise RequestFailed("node_stopping", f"{cause.message}; {aborted}", 503)
     cur = view.instances.get(inst.id)
     if cur is None:
         raise RequestFailed("instance_deleted", f"instance {inst.id} was deleted", 503)
-    if view.is_ready(cur) and all(view.is_alive(s.node) for s in cur.stages):
+    ready = view.is_ready(cur) and all(view.is_alive(s.node) for s in cur.stages)
+    if ready and cause.node not in {s.node for s in cur.stages}:
         return cur
     # Strict: a node that is only suspect counts as lost here, so that a request
     # whose stage died ends within the bound (suspect after 1.2 s) when nothing
@@ -246,9 +250,11 @@ class Requests:
                         "bad_sampling",
                         "not_generative",
                     )
+                    at = chunk.error.stage
                     raise RequestFailed(
-                        chunk.error.code, chunk.error.message, 400 if bad_input else 502
-                    )
+                        chunk.error.code, chunk.error.message, 400 if bad_input else 502,
+                        node=inst.stages[at].node if 0 <= at < len(inst.stages) else "",
+                    )  # fmt: skip
                 if chunk.finish_reason is not None:
                     # The last stage released the request and started the release
                     # walk from stage 0: nothing is left to free.

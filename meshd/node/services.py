@@ -159,6 +159,11 @@ class NodeServices:
         for (iid, _), runner in self._supervisor.runners.items():
             if runner.proposed:
                 self.metrics.proposed.labels(iid).set(runner.proposed)
+        seen = self.metrics.stage_faults_seen
+        for iid, n in self._supervisor.stage_faults.items():
+            if n > seen.get(iid, 0):
+                self.metrics.stage_faults.labels(iid).inc(n - seen.get(iid, 0))
+                seen[iid] = n
 
     async def instance_for(self, model: str, context: int = 0) -> Instance:
         """The ready instance serving ``model``, placing one if needed (with ``context``

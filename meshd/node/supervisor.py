@@ -31,24 +31,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from statistics import fmean
 
 import msgspec
 
 from meshd.crdt.views import Instance, RunnerStatus
-from meshd.domain.facts import ModelFacts
 from meshd.engines.protocol import (
+    STAGE_FAULT,
     Failed,
     Listening,
     Load,
     Ready,
     RunnerConfig,
-    SetDraft,
     SetGeneration,
     SetMembers,
     SocketKeys,
@@ -57,13 +54,11 @@ from meshd.engines.protocol import (
     runner_command,
 )
 from meshd.engines.threads import runner_env, runner_spincount
-from meshd.models.folder import folder_sha256
-from meshd.models.hashing import file_sha256
 from meshd.models.slicing import trim_slices
-from meshd.transport import wire
 from meshd.transport.security import CurveKeys
 
 from .cluster import CRASH_LOOP, FETCH_FAILED, MODEL_MISSING, REFUSED, gave_up
+from .runner_procs import RunnerProc, decode_bps, is_placed_file, public_reason, tell_drafts
 from .stage_runners import (
     Desired,
     StageId,
@@ -105,105 +100,6 @@ Fetch = Callable[[Instance, int, Path, Callable[[int, int, float], None]], Await
 FETCH_BEAT_S = 1.0
 
 
-@dataclass
-class RunnerProc:
-    key: StageKey
-    config: RunnerConfig
-    proc: asyncio.subprocess.Process | None = None
-    state: str = "loading"
-    reason: str = ""
-    port: int = 0
-    generation: int = 0
-    active: int = 0
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    #: Monotonic times of unexpected exits (crash-loop breaker).
-    crashes: list[float] = field(default_factory=list)
-    #: While fetching its slice: bytes verified, of the total, and the rate.
-    fetched: int = 0
-    fetch_total: int = 0
-    fetch_rate: float = 0.0
-    #: Milliseconds per layer of its decode steps, and the mean bytes of its layers:
-    #: together, how fast this machine reads weights (``Supervisor.decode_bps``).
-    layer_ms: float = 0.0
-    layer_bytes: float = 0.0
-    #: The draft model its process was told to ask (stage 0): instance and address.
-    draft: tuple[str, wire.Addr] | None = None
-    #: Tokens it drafted for other models' requests (a draft model's runner).
-    proposed: int = 0
-
-    def status(self) -> RunnerStatus:
-        fetching = self.state == "fetching"
-        return RunnerStatus(
-            instance=self.key.instance,
-            generation=self.generation,
-            stage=self.key.stage,
-            state=self.state,  # type: ignore[arg-type]  # one of RunnerStatus's literals
-            reason=self.reason,
-            port=self.port,
-            active=self.active,
-            fetched=self.fetched if fetching else 0,
-            fetch_total=self.fetch_total if fetching else 0,
-            fetch_rate=round(self.fetch_rate, 1) if fetching else 0.0,
-        )
-
-
-_PATH = re.compile(r"(?<![\w.])(?:~|/)[^\s'\"():,]*")
-
-
-def public_reason(reason: str) -> str:
-    """A runner's failure as it may travel in the heartbeat: paths replaced, so that no
-    peer learns what is on this node's disk (the node's own log keeps the whole text)."""
-    return _PATH.sub("<path>", reason)[:300]
-
-
-async def is_placed_file(
-    path: str, facts: ModelFacts | None, cache_dir: Path, running: RunnerProc | None = None
-) -> bool:
-    """Whether the local file is the placed one (by sha256, cached by path, size and
-    mtime); True when that cannot be told here (the runner checks again), or when a
-    runner already runs on it (checked before it started, not at every reconcile)."""
-    if facts is None or not facts.sha256:
-        return True
-    if running is not None and running.key.model_path == path:
-        return True
-    p = Path(path)
-    digest = folder_sha256 if p.is_dir() else file_sha256
-    try:
-        local = await asyncio.to_thread(digest, p, cache_dir)
-    except OSError:
-        return True  # the runner says what is wrong with it
-    return local == facts.sha256
-
-
-def decode_bps(runners: Iterable[RunnerProc]) -> float:
-    """Bytes of weights a decode step reads per second here, as this node's ready
-    runners measured it (their mean, by layer bytes); 0.0 before any measured.
-
-    Decode reads every weight once a step, so the rate is the machine's, not the
-    model's: placement predicts any model's ms per layer from it."""
-    timed = [r for r in runners if r.state == "ready" and r.layer_ms > 0 and r.layer_bytes > 0]
-    if not timed:
-        return 0.0
-    rate = fmean(r.layer_bytes / (r.layer_ms / 1000) for r in timed)
-    return float(f"{rate:.3g}")
-
-
-def tell_drafts(
-    runners: Iterable[RunnerProc], pick: Callable[[str], tuple[str, wire.Addr] | None]
-) -> None:
-    """Tell each stage 0 among ``runners`` the draft model ``pick(instance)`` names
-    for its instance, where that changed (see ``meshd.placement.drafts``)."""
-    for r in runners:
-        p = r.proc
-        if r.key.stage != 0 or p is None or p.stdin is None or p.returncode is not None:
-            continue
-        choice = pick(r.key.instance)
-        if choice != r.draft:
-            r.draft = choice
-            iid, addr = choice if choice else (None, None)
-            p.stdin.write(encode(SetDraft(instance=iid, addr=addr)) + b"\n")
-
-
 class Supervisor:
     """Starts, retunes and stops this node's runner subprocesses.
 
@@ -236,6 +132,8 @@ class Supervisor:
         #: Member id -> CURVE key (Z85): whom runners admit and how they dial a node.
         self.members: dict[str, bytes] = {}
         self.runners: dict[StageId, RunnerProc] = {}
+        #: Runners given up for a corrupt output, by instance (``meshd_stage_faults``).
+        self.stage_faults: dict[str, int] = {}
         #: Stages the plans give this node (its cores are split among them).
         self.n_runners = 0
         #: Given-up runners whose stage moved away, by instance (see the module doc).
@@ -512,11 +410,13 @@ class Supervisor:
             elif isinstance(ev, Failed):
                 r.state, r.reason = "failed", public_reason(ev.reason)
                 log.warning("runner %s stage %d failed: %s", r.key.instance, r.key.stage, r.reason)
+                if r.reason.startswith(STAGE_FAULT):
+                    self._give_up_faulty(r)
             elif ev is None:
                 continue
             self.on_status()
         code = await r.proc.wait()
-        if r.state == "stopped":
+        if r.state == "stopped" or r.reason.startswith(STAGE_FAULT):
             return
         reason = r.reason if r.state == "failed" and r.reason else f"exited with code {code}"
         now = asyncio.get_running_loop().time()
@@ -543,6 +443,16 @@ class Supervisor:
         await asyncio.sleep(delay)
         if r.state != "stopped" and self.runners.get((r.key.instance, r.key.stage)) is r:
             await self._spawn(r)
+
+    def _give_up_faulty(self, r: RunnerProc) -> None:
+        """A runner whose output was corrupt is given up at once, not restarted: the
+        stage moves (a replay of the same computation here would fault again), and the
+        heartbeat keeps saying why."""
+        self.stage_faults[r.key.instance] = self.stage_faults.get(r.key.instance, 0) + 1
+        r.reason += time.strftime("; given up at %Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        if r.proc is not None and r.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                r.proc.terminate()
 
     def _retune(self, r: RunnerProc, generation: int) -> None:
         r.generation = generation

@@ -299,11 +299,13 @@ class Usage(msgspec.Struct, frozen=True, array_like=True):
     chained_steps: int = 0
 
 
-class ChunkError(msgspec.Struct, frozen=True, kw_only=True):
+class ChunkError(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Why a request ended without a result. ``code`` is stable, ``message`` is for people."""
 
     code: str
     message: str
+    #: The stage at fault, by its index in the plan (``stage_fault``); -1: none said.
+    stage: int = -1
 
 
 class TopLogprob(msgspec.Struct, array_like=True):
@@ -475,8 +477,7 @@ def decode_transfer(frame: bytes | memoryview) -> TransferMessage:
 
 
 def decode_gossip(frame: bytes | memoryview, limit: int = MAX_CONTROL_FRAME) -> GossipMessage:
-    """Decode one gossip-plane header frame, or raise :class:`FrameError`
-    (``oversized``/``malformed``)."""
+    """Decode one gossip-plane header frame, or raise :class:`FrameError`."""
     return _decode(_gossip_decoder, frame, limit)
 
 
@@ -486,6 +487,5 @@ def decode_stage(frame: bytes | memoryview, limit: int = MAX_DATA_FRAME) -> Stag
 
 
 def decode_output(frame: bytes | memoryview, limit: int = MAX_CONTROL_FRAME) -> OutputMessage:
-    """Decode one header frame sent to an API node's data ROUTER, or raise
-    :class:`FrameError`."""
+    """Decode one header frame sent to an API node's data ROUTER (or FrameError)."""
     return _decode(_output_decoder, frame, limit)

@@ -25,6 +25,7 @@ from meshd.crdt.views import (
 )
 from meshd.domain.facts import ModelFacts
 from meshd.domain.nodes import Device
+from meshd.engines.protocol import STAGE_FAULT
 from meshd.node.cluster import CRASH_LOOP, MODEL_MISSING, ClusterView, gave_up
 from meshd.node.errors import RequestFailed
 from meshd.node.requests import replay_target
@@ -287,6 +288,23 @@ def test_a_broken_request_is_replayed_on_the_repaired_plan_once_it_is_ready() ->
              {"a": health(runner("x", 0, gen=2)), "c": health(runner("x", 1, gen=2))}, [new],
              liveness={"b": "dead", "c": "alive"})  # fmt: skip
     assert replay_target(v, old, CAUSE) == new
+
+
+def test_a_request_a_stage_corrupted_waits_for_a_plan_without_that_node() -> None:
+    # The fault's error arrives before the node's heartbeat gives the runner up: the
+    # plan still looks ready, with the faulty node in it. Waiting, then the repair.
+    fault = RequestFailed("stage_fault", "stage 1: 3 NaN in its output", node="b")
+    old = inst("x", "a", "b")
+    v = view([card("a"), card("b"), card("c")],
+             {"a": health(runner("x", 0)), "b": health(runner("x", 1))}, [old])  # fmt: skip
+    assert replay_target(v, old, CAUSE) == old and replay_target(v, old, fault) is None
+    given_up = runner("x", 1, "failed", reason=f"{STAGE_FAULT}: 3 NaN in its output")
+    assert gave_up(given_up)
+    new = inst("x", "a", "c", gen=2)
+    v = view([card("a"), card("b"), card("c")],
+             {"a": health(runner("x", 0, gen=2)), "b": health(given_up),
+              "c": health(runner("x", 1, gen=2))}, [new])  # fmt: skip
+    assert replay_target(v, old, fault) == new
 
 
 def test_a_broken_request_waits_while_the_repair_loads() -> None:

@@ -16,7 +16,8 @@ import zmq
 
 from meshd.engines.calibrate import LayerClock
 from meshd.engines.draft_model import DraftClient, DraftServer
-from meshd.engines.protocol import GenerationAdopted, Load, RunnerConfig
+from meshd.engines.guard import fault_injection, output_fault
+from meshd.engines.protocol import STAGE_FAULT, Failed, GenerationAdopted, Load, RunnerConfig
 from meshd.engines.stage import Stage
 from meshd.transport import wire
 from meshd.transport.tensors import TensorError, decode_rows, encode_rows
@@ -71,6 +72,10 @@ class RunnerCore:
         self.spec = Speculation(cfg, self.n_ctx, stage.n_vocab, self.drafts, self.work.append)
         self.requests = Requests(self.seats, links, self.drafts)
         self.reqs = self.requests.held
+        #: The fault drill, when ``$MESHD_FAULT_INJECT`` asks for one (meshd.engines.guard).
+        self.inject = fault_injection()
+        #: Why this stage's output was corrupt, once it was (reported once).
+        self.faulted = ""
         #: A whole-model stage: drafts for other models' requests (it may be a draft
         #: model; see meshd.engines.draft_model).
         self.draft_server = (
@@ -291,10 +296,15 @@ class RunnerCore:
             self.links.fail(r.reply_to, r.req, "bad_input", f"stage {self.cfg.stage}: {d.error}")
             self.release(r.req, "cancel")
             return
+        out = d.out if self.inject is None else self.inject(d.out)
+        why = output_fault(out, self.cfg.send_dtype if self.output is None else "f32")
+        if why is not None:
+            self.fault(r, why)
+            return
         r.last_active = time.monotonic()
         compute = [*w.compute, d.spent]
         if self.output is None:
-            rows = encode_rows(d.out, self.cfg.send_dtype)
+            rows = encode_rows(out, self.cfg.send_dtype)
             act = wire.Activation(
                 req=r.req, instance=self.cfg.instance, generation=self.generation,
                 pos=w.pos, rows=rows.shape[0], hidden=rows.shape[1], start=w.start,
@@ -303,11 +313,23 @@ class RunnerCore:
             )  # fmt: skip
             self.links.send(r.route[self.cfg.stage + 1], act, rows.data)
             return
-        nxt = self.output.after(r, w, d.out, compute)
+        nxt = self.output.after(r, w, out, compute)
         if isinstance(nxt, Ended):
             self.end(r, nxt)
         elif nxt is not None:
             self.feed_back(r, *nxt)
+
+    def fault(self, r: Request, why: str) -> None:
+        """This stage's output for ``r`` is corrupt: ``r`` ends with a ``stage_fault``
+        naming this stage (its API node replays it on a plan without it), and the runner
+        says it failed, once: its node gives it up, so the stage moves."""
+        where = f"stage {self.cfg.stage} (layers {self.cfg.start}-{self.cfg.end - 1})"
+        self.links.fail(r.reply_to, r.req, "stage_fault", f"{where}: {why}", blame=True)
+        self.release(r.req, "cancel")
+        if not self.faulted:
+            self.faulted = why
+            log.error("%s computed a corrupt output: %s", where, why)
+            emit(Failed(reason=f"{STAGE_FAULT}: {why}"))
 
     def feed_back(self, r: Request, tok: int, pos: int) -> None:
         """Send the token just drawn to stage 0 (or queue it here), to run at ``pos``:

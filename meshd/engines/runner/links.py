@@ -68,11 +68,14 @@ class Links:
         """Queue ``c`` for its API node (see :class:`Outbox`)."""
         self.outbox.put(reply_to, c)
 
-    def fail(self, reply_to: wire.Addr, req: str, code: str, message: str) -> None:
-        """End ``req`` at its API node with a typed error."""
+    def fail(
+        self, reply_to: wire.Addr, req: str, code: str, message: str, *, blame: bool = False
+    ) -> None:
+        """End ``req`` at its API node with a typed error (``blame``: this stage is at
+        fault, and the error says which stage it is)."""
         log.info("request %s ends at stage %d: %s: %s", req, self.stage, code, message,
                  extra={"req": req})  # fmt: skip
-        self.outbox.put(reply_to, error_chunk(req, code, message))
+        self.outbox.put(reply_to, error_chunk(req, code, message, self.stage if blame else -1))
 
     def token(
         self, to: wire.Addr, req: str, generation: int, tok: int, pos: int, epoch: int
@@ -105,6 +108,6 @@ class Links:
         self.dealers.close()
 
 
-def error_chunk(req: str, code: str, message: str) -> wire.DataChunk:
-    """The chunk that ends ``req`` with a typed error."""
-    return wire.DataChunk(req=req, error=wire.ChunkError(code=code, message=message))
+def error_chunk(req: str, code: str, message: str, stage: int = -1) -> wire.DataChunk:
+    """The chunk that ends ``req`` with a typed error (``stage``: the one at fault)."""
+    return wire.DataChunk(req=req, error=wire.ChunkError(code=code, message=message, stage=stage))

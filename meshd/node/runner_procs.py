@@ -1,0 +1,122 @@
+"""A runner subprocess as its node tracks it (:class:`RunnerProc`), and the questions
+the supervisor asks of them: the failure a heartbeat may carry, whether a local file is
+the placed one, the machine's decode speed, which draft model each stage 0 asks."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import fmean
+
+from meshd.crdt.views import RunnerStatus
+from meshd.domain.facts import ModelFacts
+from meshd.engines.protocol import RunnerConfig, SetDraft, encode
+from meshd.models.folder import folder_sha256
+from meshd.models.hashing import file_sha256
+from meshd.transport import wire
+
+from .stage_runners import StageKey
+
+__all__ = ["RunnerProc", "decode_bps", "is_placed_file", "public_reason", "tell_drafts"]
+
+
+@dataclass
+class RunnerProc:
+    key: StageKey
+    config: RunnerConfig
+    proc: asyncio.subprocess.Process | None = None
+    state: str = "loading"
+    reason: str = ""
+    port: int = 0
+    generation: int = 0
+    active: int = 0
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    #: Monotonic times of unexpected exits (crash-loop breaker).
+    crashes: list[float] = field(default_factory=list)
+    #: While fetching its slice: bytes verified, of the total, and the rate.
+    fetched: int = 0
+    fetch_total: int = 0
+    fetch_rate: float = 0.0
+    #: Milliseconds per layer of its decode steps, and the mean bytes of its layers:
+    #: together, how fast this machine reads weights (``Supervisor.decode_bps``).
+    layer_ms: float = 0.0
+    layer_bytes: float = 0.0
+    #: The draft model its process was told to ask (stage 0): instance and address.
+    draft: tuple[str, wire.Addr] | None = None
+    #: Tokens it drafted for other models' requests (a draft model's runner).
+    proposed: int = 0
+
+    def status(self) -> RunnerStatus:
+        fetching = self.state == "fetching"
+        return RunnerStatus(
+            instance=self.key.instance,
+            generation=self.generation,
+            stage=self.key.stage,
+            state=self.state,  # type: ignore[arg-type]  # one of RunnerStatus's literals
+            reason=self.reason,
+            port=self.port,
+            active=self.active,
+            fetched=self.fetched if fetching else 0,
+            fetch_total=self.fetch_total if fetching else 0,
+            fetch_rate=round(self.fetch_rate, 1) if fetching else 0.0,
+        )
+
+
+_PATH = re.compile(r"(?<![\w.])(?:~|/)[^\s'\"():,]*")
+
+
+def public_reason(reason: str) -> str:
+    """A runner's failure as it may travel in the heartbeat: paths replaced, so that no
+    peer learns what is on this node's disk (the node's own log keeps the whole text)."""
+    return _PATH.sub("<path>", reason)[:300]
+
+
+async def is_placed_file(
+    path: str, facts: ModelFacts | None, cache_dir: Path, running: RunnerProc | None = None
+) -> bool:
+    """Whether the local file is the placed one (by sha256, cached by path, size and
+    mtime); True when that cannot be told here (the runner checks again), or when a
+    runner already runs on it (checked before it started, not at every reconcile)."""
+    if facts is None or not facts.sha256:
+        return True
+    if running is not None and running.key.model_path == path:
+        return True
+    p = Path(path)
+    digest = folder_sha256 if p.is_dir() else file_sha256
+    try:
+        local = await asyncio.to_thread(digest, p, cache_dir)
+    except OSError:
+        return True  # the runner says what is wrong with it
+    return local == facts.sha256
+
+
+def decode_bps(runners: Iterable[RunnerProc]) -> float:
+    """Bytes of weights a decode step reads per second here, as this node's ready
+    runners measured it (their mean, by layer bytes); 0.0 before any measured.
+
+    Decode reads every weight once a step, so the rate is the machine's, not the
+    model's: placement predicts any model's ms per layer from it."""
+    timed = [r for r in runners if r.state == "ready" and r.layer_ms > 0 and r.layer_bytes > 0]
+    if not timed:
+        return 0.0
+    rate = fmean(r.layer_bytes / (r.layer_ms / 1000) for r in timed)
+    return float(f"{rate:.3g}")
+
+
+def tell_drafts(
+    runners: Iterable[RunnerProc], pick: Callable[[str], tuple[str, wire.Addr] | None]
+) -> None:
+    """Tell each stage 0 among ``runners`` the draft model ``pick(instance)`` names
+    for its instance, where that changed (see ``meshd.placement.drafts``)."""
+    for r in runners:
+        p = r.proc
+        if r.key.stage != 0 or p is None or p.stdin is None or p.returncode is not None:
+            continue
+        choice = pick(r.key.instance)
+        if choice != r.draft:
+            r.draft = choice
+            iid, addr = choice if choice else (None, None)
+            p.stdin.write(encode(SetDraft(instance=iid, addr=addr)) + b"\n")
