@@ -64,18 +64,30 @@ def _find_model() -> Path | None:
 
 
 #: Packages whose files share a package-scoped cluster (their conftest.py): one worker
-#: runs all their files, in a row, so the cluster is started once. pytest-xdist's
-#: loadgroup keeps each other file whole on one worker (as loadfile would).
+#: runs all their files, in a row, so the cluster is started once.
 SHARED_CLUSTER_PACKAGES = ("tests/api/", "tests/fuzz/")
+#: Where the long work units are, run first so that short files fill the end of the run
+#: on both workers rather than one worker finishing a long file alone.
+HEAVY_FIRST = (*SHARED_CLUSTER_PACKAGES, "tests/node/")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Group the files of a package that shares a cluster on one xdist worker."""
+    """One xdist work unit per file (per package for :data:`SHARED_CLUSTER_PACKAGES`),
+    the long ones first.
+
+    pytest-xdist's ``loadgroup`` hands out a test with no group on its own: a file's
+    tests would then run on both workers, and each would build the file's module-scoped
+    fixtures (a cluster, loaded stages, quantized models) again.
+    """
     for item in items:
-        for package in SHARED_CLUSTER_PACKAGES:
-            if item.nodeid.startswith(package):
-                item.add_marker(pytest.mark.xdist_group(package.rstrip("/")))
+        path = item.nodeid.split("::", 1)[0]
+        group = next((p for p in SHARED_CLUSTER_PACKAGES if path.startswith(p)), path)
+        item.add_marker(pytest.mark.xdist_group(group.rstrip("/")))
+    # Stable: each file's tests keep their order.
+    items.sort(key=lambda it: next(
+        (k for k, p in enumerate(HEAVY_FIRST) if it.nodeid.startswith(p)), len(HEAVY_FIRST)
+    ))  # fmt: skip
 
 
 @pytest.fixture

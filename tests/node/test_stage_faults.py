@@ -45,4 +45,8 @@ def test_corrupt_stages_are_failed_over_and_the_stream_completes(cluster: Cluste
     assert {s["node"] for s in view["stages"]} == {a.node_id}
     for n in (b, c):
         assert metric_total(n, "meshd_stage_faults_total") == 1
-    assert a.log().count("replaying after") == 2 and "stage_fault" in a.log()
+    # Each replay says why: the fault's own error, or its stage seen failed first (the
+    # runner's node beats at once; either may reach a first).
+    replays = [ln for ln in a.log().splitlines() if "replaying after" in ln]
+    assert len(replays) == 2 and all("stage_fault" in ln or "faulty output" in ln
+                                     for ln in replays), replays  # fmt: skip
