@@ -38,12 +38,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import gguf
 import numpy as np
 import numpy.typing as npt
 
 from .errors import ModelFormatError
 from .gguf import read_header
+
+# ``gguf`` is imported in the functions that use it: the package brings yaml and its
+# readers (~0.1 s), which every node would pay at start for DEQUANT_TYPES alone.
 
 __all__ = [
     "DEQUANT_TYPES",
@@ -127,6 +129,8 @@ def affine_blocks(
     """Scale and offset of every 32-value group of an exact type's raw blocks
     (``(n_blocks, type_size)`` bytes): float32 arrays ``(n_blocks, groups_per_block)``
     with ``value = scale * q + offset`` for the group's integer ``q``."""
+    import gguf
+
     if type_name in ("Q4_0", "Q5_0", "Q8_0"):
         # Symmetric: q is stored with a fixed offset (8, 16, 128 for int8 made unsigned).
         d = _f16(blocks[:, :2])
@@ -161,6 +165,8 @@ def _exact(
     raw: npt.NDArray[np.uint8], type_name: str, rows: int, cols: int
 ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
     """An exact type's packed weight, scales and offsets for MLX."""
+    import gguf
+
     qtype = gguf.GGMLQuantizationType[type_name]
     _, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(-1, type_size)
@@ -185,6 +191,7 @@ def to_mlx(
     MLX arrays named as ``mx.load`` names them: ``{name: array}`` for a plain tensor,
     ``{base.weight, base.scales, base.biases}`` for a quantized matrix (``name`` ends
     in ``.weight``)."""
+    import gguf
     import mlx.core as mx
 
     if type_name not in DEQUANT_TYPES:
@@ -217,6 +224,8 @@ def tensor_infos(path: Path | str) -> dict[str, TensorInfo]:
     ModelFormatError for a file that is no GGUF, is cut short or holds a tensor of a
     type this gguf package does not know, FileNotFoundError for a missing one.
     """
+    import gguf
+
     path = Path(path)
     header = read_header(path)
     file_size = path.stat().st_size

@@ -18,8 +18,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import gguf
-
 from .errors import ModelFormatError
 from .gguf import GGUF_MAGIC, KvRecord, encode_kv, read_header, read_kv_records
 from .scaling import layer_count_defaults, swa_layers
@@ -36,7 +34,7 @@ _ARRAY, _BOOL, _UINT32, _FLOAT32 = 9, 7, 4, 6
 def layer_count(meta: Mapping[str, Any], path: Path | str) -> tuple[str, int]:
     """The architecture and block count a header's key/values state (ModelFormatError
     without)."""
-    arch = meta.get(gguf.Keys.General.ARCHITECTURE)
+    arch = meta.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ModelFormatError(f"{path}: GGUF metadata lacks general.architecture")
     n = meta.get(f"{arch}.block_count")
@@ -138,6 +136,8 @@ def _type_id(type_name: str) -> int:
     newer than the gguf package)."""
     if type_name.startswith("type "):
         return int(type_name.split()[1])
+    import gguf  # here: the package brings yaml and its readers (~0.1 s) to a node's start
+
     return int(gguf.GGMLQuantizationType[type_name].value)
 
 

@@ -17,16 +17,18 @@ import logging
 import secrets
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import zmq.asyncio
-
-from meshd.transport.discovery import PeerAddr
 
 from .cluster_store import ClusterStore, StoredCluster
 from .config import NodeConfig
 from .identity import Identity
 from .join_client import DeskSeen, JoinRefusedError, NoClusterFoundError, ask_to_join
 from .joining import CODE_CHARS, code_chars, name_problem, normal_code
+
+if TYPE_CHECKING:  # zeroconf (~25 ms) only where discovery runs
+    from meshd.transport.discovery import PeerAddr
 
 __all__ = ["enroll", "join_port_of"]
 
