@@ -138,11 +138,10 @@ def test_greedy_output_with_a_draft_model_is_the_output_without(
         assert len(primes) == 1 and primes[0].pos == 0
         assert all(m.pos >= len(primes[0].tokens) for m in asks), asks
         u = spec[-1].usage
-        # Same weights: the model's drafts are the target's own greedy tokens, so
-        # (with whatever prompt lookup drafted and got accepted) nearly all hold.
-        assert u.accepted_tokens >= 0.9 * sum(m.k for m in asks) > 0, (u, asks)
         # The usage tells the model's drafts from the lookup's (they crossed the split
-        # named as the model's): at most what was asked, nearly all kept.
+        # named as the model's): at most what was asked (an answer that comes after
+        # its step gave up waiting is dropped, as a loaded machine makes some), and,
+        # the weights being the same, the target's own greedy tokens: nearly all held.
         assert 0 < u.model_drafted_tokens <= sum(m.k for m in asks), (u, asks)
         assert u.model_accepted_tokens >= 0.9 * u.model_drafted_tokens, u
         assert u.model_drafted_tokens <= u.drafted_tokens, u

@@ -188,7 +188,10 @@ async def test_a_flood_from_several_addresses_neither_pushes_out_nor_passes_for_
             assert got.count("JoinPending") == MAX_PENDING_PER_ADDRESS, (src, got)
             assert set(got) <= {"JoinPending", "busy", "bad_name"}
         assert laptop.node_id in real.desk.pending  # never pushed out
-        for ref in ("laptop", laptop.node_id, laptop.node_id[:8]):
+        # An 8-character id prefix would have a code's shape and, against 13 one-byte
+        # tags, match one by chance 5% of the time (by design: that node is challenged
+        # and cannot confirm); a shorter prefix is what proves nothing, always.
+        for ref in ("laptop", laptop.node_id, laptop.node_id[:6]):
             with pytest.raises(LookupError, match="code"):
                 real.desk.approve(ref)
         # (A look-alike may share the code's 8-bit tag: it is challenged too, and cannot
