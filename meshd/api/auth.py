@@ -36,6 +36,7 @@ from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import ApiError, dialect_of
+from .limits import client_id, set_client
 
 __all__ = [
     "ADMIN_HEADER",
@@ -188,6 +189,8 @@ class AccessGuard:
         who = self._who(admin, host)
         if access is Access.USE:
             if who or self._api_key is None or _same(bearer, self._api_key):
+                # Who asks, for the turns the queues take (the task is this request's).
+                set_client(client_id(bearer, host, self._api_key))
                 await self.app(scope, receive, send)
                 return
             refusal = invalid_api_key(bool(bearer))

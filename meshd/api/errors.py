@@ -227,13 +227,9 @@ def upstream_failed(msg: str) -> ApiError:
 
 def overloaded(retry_after: float) -> ApiError:
     """429 ``overloaded``: too many requests in flight; the client should back off."""
-    return ApiError(
-        429,
-        f"The node is overloaded; retry in {max(1, math.ceil(retry_after))}s.",
-        type="rate_limit_error",
-        code="overloaded",
-        retry_after=retry_after,
-    )
+    wait = max(1, math.ceil(retry_after))
+    return ApiError(429, f"The node is overloaded; retry in {wait}s.", type="rate_limit_error",
+                    code="overloaded", retry_after=retry_after)  # fmt: skip
 
 
 def payload_too_large(max_bytes: int) -> ApiError:
@@ -273,6 +269,7 @@ def internal_error() -> ApiError:
 
 #: Retry-After given while a model loads, or a request waits for a stage to come back.
 LOADING_RETRY_S = 5.0
+OVERLOADED_RETRY_S = 1.0  # a 429's, when nothing better is known (limits.Admission)
 #: Retry-After while a stage fetches its weights follows the fetch's rate, up to this.
 MAX_FETCH_RETRY_S = 60.0
 
@@ -287,9 +284,10 @@ def request_failed(e: RequestFailed) -> ApiError:
     if e.status == 503:
         return ApiError(503, e.message, type="service_unavailable", code=e.code,
                         retry_after=LOADING_RETRY_S)  # fmt: skip
-    if e.status == 504:
-        return ApiError(504, e.message, type="server_error", code=e.code)
-    return ApiError(502, e.message, type="server_error", code=e.code)
+    if e.status == 429:  # the stage 0 queue is full: as when this node is
+        return overloaded(OVERLOADED_RETRY_S)
+    return ApiError(e.status if e.status == 504 else 502, e.message, type="server_error",
+                    code=e.code)  # fmt: skip
 
 
 def node_error(

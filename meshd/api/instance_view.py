@@ -89,7 +89,8 @@ class SpeedView(msgspec.Struct, kw_only=True):
     #: Tokens a second streamed, and requests in flight (sums over those nodes).
     tokens_s: float
     in_flight: int
-    #: Requests holding KV on its stage 0 now.
+    #: Requests holding KV on its stage 0 now, and queued there for a sequence.
+    busy: int
     queue: int
     #: Time to first token, between tokens, and per hop between stages: the medians
     #: each node measured, weighted by its tokens/s.
@@ -172,7 +173,7 @@ def _stages(
 
 def _speed(s: InstanceSpeed) -> SpeedView:
     return SpeedView(
-        tokens_s=s.tokens_s, in_flight=s.in_flight, queue=s.queue,
+        tokens_s=s.tokens_s, in_flight=s.in_flight, busy=s.busy, queue=s.queue,
         ttft_ms=s.ttft_ms, itl_ms=s.itl_ms, hop_ms=s.hop_ms,
     )  # fmt: skip
 

@@ -34,13 +34,12 @@ from meshd.node.metrics import Metrics
 from meshd.transport import wire
 
 from .errors import ApiError, bad_request, node_error, overloaded, request_failed
-from .limits import Ticket
+from .limits import Ticket, current_client
 from .sampling import check_max_tokens, pipeline_sampling
 from .services import ApiContext
 
 __all__ = [
     "DRAINING_RETRY_S",
-    "OVERLOADED_RETRY_S",
     "Collected",
     "GenerateRequest",
     "Run",
@@ -56,8 +55,6 @@ __all__ = [
 T = TypeVar("T")
 log = logging.getLogger("meshd.api")
 
-#: Retry-After given when the node carries its limit of requests.
-OVERLOADED_RETRY_S = 1.0
 #: Retry-After given while the node drains (stops): another node answers at once.
 DRAINING_RETRY_S = 1.0
 #: The metrics label of a model the cluster does not know.
@@ -151,6 +148,7 @@ class Run:
         self.t_first = 0.0
         self.t_last = 0.0
         self._closed = False
+        metrics.queue_wait.labels(model).observe(first.waited_s)
         metrics.in_flight.inc()
         metrics.speed.began(model)
 
@@ -255,10 +253,11 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
             503, "this node is draining (shutting down); send the request to another node",
             type="service_unavailable", code="draining", retry_after=DRAINING_RETRY_S,
         )  # fmt: skip
-    ticket = ctx.admission.enter()
+    client = current_client()
+    ticket = ctx.admission.enter(client)
     if ticket is None:
         metrics.requests.labels(route, model, "429").inc()
-        raise overloaded(OVERLOADED_RETRY_S)
+        raise overloaded(ctx.admission.retry_after())
     try:
         max_tokens = check_max_tokens(req.max_tokens, ctx.settings.max_tokens, req.max_tokens_param)
         inst = await instance_of(ctx, req.model, req.context)
@@ -276,13 +275,15 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
         job = Job(
             messages=req.messages, prompt=req.prompt, prompt_tokens=req.prompt_tokens,
             sampling=params, tools=req.tools, embed=req.embed, count_only=req.count_only,
-            cache_prompt=req.cache_prompt, speculate=req.speculate,
+            cache_prompt=req.cache_prompt, speculate=req.speculate, client=client,
         )  # fmt: skip
         chunks = services.generate(inst, job)
         first = await _first(chunks)
     except ApiError as e:
         ticket.release()
         metrics.requests.labels(route, model, str(e.status)).inc()
+        if e.status == 429:  # stage 0's queue was full (other nodes' requests too)
+            raise overloaded(ctx.admission.retry_after()) from None
         raise
     except BaseException:
         ticket.release()

@@ -161,7 +161,10 @@ async def up(cfg: NodeConfig) -> int:
             card.addresses, local_addresses(), [host, socket.gethostname()], allow=cfg.allow_hosts
         ),
     )
-    server = ApiServer(create_app(node.services, settings), sock, stop_grace=cfg.api_stop_grace)
+    app = create_app(node.services, settings)
+    server = ApiServer(
+        app, sock, stop_grace=cfg.api_stop_grace, retry_after=app.state.ctx.admission.retry_after
+    )
     try:
         await server.start()
         loop = asyncio.get_running_loop()

@@ -123,8 +123,10 @@ class RunnerStatus(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     reason: str = ""
     #: The runner's ROUTER port (on the node's addresses); 0 until it listens.
     port: int = 0
-    #: Requests holding a KV sequence on this runner right now.
+    #: Requests holding a KV sequence on this runner right now, and (stage 0) those
+    #: queued for one.
     active: int = 0
+    waiting: int = 0
     #: While ``fetching`` (the stage's slice from the nodes that hold the model): bytes
     #: verified so far, of ``fetch_total``, at ``fetch_rate`` bytes per second.
     fetched: int = 0

@@ -37,3 +37,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     #: split instance does (a verified batch of rows sums in another order than one
     #: row a step, and on one node the extra rows cost about what they save).
     speculate: bool | None = None
+    #: Who asked, as the API node tells its clients apart (a hash of the API key,
+    #: else the address): stage 0's queue takes turns between clients, so one client's
+    #: many requests do not hold back another's few ("": a client of its own).
+    client: str = ""

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from meshd.transport import wire
 
 #: Default longest wait of a token: short beside what a reader notices (a screen
@@ -53,11 +55,9 @@ def merge(a: wire.DataChunk, b: wire.DataChunk) -> wire.DataChunk:
         compute = [x + y for x, y in zip(a.compute, b.compute, strict=True)]
     else:
         compute = b.compute or a.compute
-    return wire.DataChunk(
-        req=b.req, text=a.text + b.text, tokens=a.tokens + b.tokens,
-        n_prompt=b.n_prompt, n_cached=b.n_cached, finish_reason=b.finish_reason,
-        usage=b.usage, error=b.error, compute=compute, logprobs=a.logprobs + b.logprobs,
-        tool_format=b.tool_format, embedding=b.embedding, stop_sequence=b.stop_sequence,
+    return msgspec.structs.replace(
+        b, text=a.text + b.text, tokens=a.tokens + b.tokens, compute=compute,
+        logprobs=a.logprobs + b.logprobs,
     )  # fmt: skip
 
 

@@ -173,13 +173,16 @@ class Failed(msgspec.Struct, tag="failed", tag_field="event"):
 
 
 class Load(msgspec.Struct, tag="load", tag_field="event"):
-    """Requests holding KV on this stage now, its decode steps' milliseconds per
-    layer as they run (see ``calibrate.LayerClock``; 0: none timed), and the tokens
-    it has drafted for other models' requests so far (a draft model's runner)."""
+    """Requests holding KV on this stage now (and waiting for a sequence), its decode
+    steps' milliseconds per layer as they run (see ``calibrate.LayerClock``; 0: none
+    timed), and the tokens it has drafted for other models' requests so far (a draft
+    model's runner)."""
 
     active: int
     layer_ms: float = 0.0
     proposed: int = 0
+    #: Stage 0: requests queued for a sequence.
+    waiting: int = 0
 
 
 class GenerationAdopted(msgspec.Struct, tag="generation", tag_field="event"):

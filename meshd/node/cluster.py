@@ -180,16 +180,14 @@ class ClusterView:
 
     def least_loaded(self, model: str, load: Mapping[str, int]) -> Instance | None:
         """The ready instance of ``model`` with the fewest requests: ``load`` (this
-        node's own, by instance id, exact) or the instance's first stage's ``active``
+        node's own, by instance id, exact) or those its first stage holds and queues
         (every node's, as of its last heartbeat), the larger; ties on id."""
 
         def depth(i: Instance) -> int:
             h = self.healths.get(i.stages[0].node) if i.stages else None
-            active = max(
-                (r.active for r in (h.runners if h else []) if r.instance == i.id and r.stage == 0),
-                default=0,
-            )
-            return max(load.get(i.id, 0), active)
+            held = [r.active + r.waiting for r in (h.runners if h else [])
+                    if r.instance == i.id and r.stage == 0]  # fmt: skip
+            return max([load.get(i.id, 0), *held])
 
         ready = [i for i in self.replicas(model) if self.is_ready(i)]
         return min(ready, key=lambda i: (depth(i), i.id)) if ready else None

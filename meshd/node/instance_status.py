@@ -85,7 +85,9 @@ class InstanceSpeed:
     #: Tokens per second streamed, and requests in flight (sums over those nodes).
     tokens_s: float = 0.0
     in_flight: int = 0
-    #: Requests holding KV on its stage 0 now (that node's last heartbeat).
+    #: Requests holding KV on its stage 0 now, and queued there for a sequence (that
+    #: node's last heartbeat).
+    busy: int = 0
     queue: int = 0
     #: Time to first token, between tokens, and per hop: the medians each node
     #: measured, weighted by its tokens/s (None: nobody measured one).
@@ -115,9 +117,7 @@ def speed_of(healths: Mapping[str, Health], inst: Instance) -> InstanceSpeed:
         m for _, h in sorted(healths.items()) if (m := h.serving.get(inst.spec.model)) is not None
     ]
     h0 = healths.get(inst.stages[0].node) if inst.stages else None
-    queue = sum(
-        r.active for r in (h0.runners if h0 else []) if r.instance == inst.id and r.stage == 0
-    )
+    firsts = [r for r in (h0.runners if h0 else []) if r.instance == inst.id and r.stage == 0]
 
     def med(figure: Callable[[ModelSpeed], float]) -> float | None:
         return _weighted([(figure(m), m.tokens_s) for m in measured])
@@ -129,7 +129,8 @@ def speed_of(healths: Mapping[str, Health], inst: Instance) -> InstanceSpeed:
     return InstanceSpeed(
         tokens_s=round(sum(m.tokens_s for m in measured), 2),
         in_flight=sum(m.in_flight for m in measured),
-        queue=queue,
+        busy=sum(r.active for r in firsts),
+        queue=sum(r.waiting for r in firsts),
         ttft_ms=med(lambda m: m.ttft_ms),
         itl_ms=med(lambda m: m.itl_ms),
         hop_ms=med(lambda m: m.hop_ms),

@@ -36,28 +36,7 @@ class Metrics:
             "Prompt tokens taken from the prefix cache (not computed again)",
             ["model"], registry=r,
         )  # fmt: skip
-        self.drafted_tokens = Counter(
-            "meshd_draft_tokens",
-            "Tokens drafted for speculative decoding, by who wrote them (lookup: the "
-            "request's own text; model: a draft model)",
-            ["model", "proposer"], registry=r,
-        )  # fmt: skip
-        self.accepted_tokens = Counter(
-            "meshd_draft_tokens_accepted", "Drafted tokens the model agreed with",
-            ["model", "proposer"], registry=r,
-        )  # fmt: skip
-        self.chained_steps = Counter(
-            "meshd_draft_steps_chained",
-            "Drafted steps that held whole while the step after them was already on its "
-            "way (speculation overlapped across a split's stages)",
-            ["model"], registry=r,
-        )  # fmt: skip
-        self.proposed = Gauge(
-            "meshd_draft_model_tokens",
-            "Tokens a draft model's runner on this node drafted for other models' requests "
-            "(since it started)",
-            ["instance"], registry=r,
-        )  # fmt: skip
+        self._draft_metrics(r)
         self.completion_tokens = Counter(
             "meshd_completion_tokens", "Tokens generated", ["model"], registry=r
         )
@@ -80,6 +59,7 @@ class Metrics:
             ["model"], buckets=_FAST, registry=r,
         )  # fmt: skip
         self.in_flight = Gauge("meshd_requests_in_flight", "Requests this node owns", registry=r)
+        self._queue_metrics(r)
         self.runners = Gauge(
             "meshd_runners", "Runner subprocesses on this node by state", ["state"], registry=r
         )
@@ -94,6 +74,50 @@ class Metrics:
         self.dropped = Counter(
             "meshd_dropped_frames", "Frames dropped by socket and reason",
             ["socket", "reason"], registry=r,
+        )  # fmt: skip
+
+    def _draft_metrics(self, r: CollectorRegistry) -> None:
+        """Speculative decoding's counters."""
+        self.drafted_tokens = Counter(
+            "meshd_draft_tokens",
+            "Tokens drafted for speculative decoding, by who wrote them (lookup: the "
+            "request's own text; model: a draft model)",
+            ["model", "proposer"], registry=r,
+        )  # fmt: skip
+        self.accepted_tokens = Counter(
+            "meshd_draft_tokens_accepted", "Drafted tokens the model agreed with",
+            ["model", "proposer"], registry=r,
+        )  # fmt: skip
+        self.chained_steps = Counter(
+            "meshd_draft_steps_chained",
+            "Drafted steps that held whole while the step after them was already on its "
+            "way (speculation overlapped across a split's stages)",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.proposed = Gauge(
+            "meshd_draft_model_tokens",
+            "Tokens a draft model's runner on this node drafted for other models' requests "
+            "(since it started)",
+            ["instance"], registry=r,
+        )  # fmt: skip
+
+    def _queue_metrics(self, r: CollectorRegistry) -> None:
+        """How requests wait their turn in their stage 0's queue."""
+        self.queue_wait = Histogram(
+            "meshd_queue_wait_seconds",
+            "Time a request waited for a sequence in its stage 0's queue (its turn)",
+            ["model"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.queued = Gauge(
+            "meshd_requests_queued",
+            "Requests this node owns that wait for a sequence in their stage 0's queue",
+            registry=r,
+        )  # fmt: skip
+        self.stage_queue = Gauge(
+            "meshd_stage_queue_depth",
+            "Requests (of any node) queued for a sequence on this node's stage 0 runners, "
+            "by instance",
+            ["instance"], registry=r,
         )  # fmt: skip
 
     def count_drafts(self, model: str, usage: wire.Usage) -> None:

@@ -96,6 +96,8 @@ class Requests:
         self._open: dict[str, asyncio.Queue[wire.DataChunk]] = {}
         #: Requests this node's API runs on each instance now (by instance id).
         self.load: dict[str, int] = {}
+        #: Requests waiting for a sequence on their stage 0, and their place there.
+        self.queued: dict[str, int] = {}
         state.changes.listen(self._wake)
 
     def in_flight(self) -> int:
@@ -238,6 +240,12 @@ class Requests:
             while True:
                 chunk = await self._next(q, inst, timeout)
                 timeout = self.config.chunk_timeout
+                if chunk.queued:
+                    # Its turn has not come: stage 0 is alive and says so every few
+                    # seconds; a wait in the queue is no silence of the pipeline.
+                    self.queued[req] = chunk.queued
+                    continue
+                self.queued.pop(req, None)
                 if chunk.n_prompt and not chunk.tokens:
                     # The acknowledgement: the prefill of the prompt (and of a replay's
                     # tokens) comes next, silent and longer the longer the prompt.
@@ -251,8 +259,10 @@ class Requests:
                         "not_generative",
                     )
                     at = chunk.error.stage
+                    full = chunk.error.code == "overloaded"  # stage 0's queue is full
                     raise RequestFailed(
-                        chunk.error.code, chunk.error.message, 400 if bad_input else 502,
+                        chunk.error.code, chunk.error.message,
+                        400 if bad_input else 429 if full else 502,
                         node=inst.stages[at].node if 0 <= at < len(inst.stages) else "",
                     )  # fmt: skip
                 if chunk.finish_reason is not None:
@@ -264,6 +274,7 @@ class Requests:
                     return
         finally:
             self._open.pop(req, None)
+            self.queued.pop(req, None)
             self.dataplane.close(req)
             if not done:
                 await self._release_everywhere(req, inst, route)

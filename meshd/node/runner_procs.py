@@ -33,6 +33,7 @@ class RunnerProc:
     port: int = 0
     generation: int = 0
     active: int = 0
+    waiting: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     #: Monotonic times of unexpected exits (crash-loop breaker).
     crashes: list[float] = field(default_factory=list)
@@ -59,6 +60,7 @@ class RunnerProc:
             reason=self.reason,
             port=self.port,
             active=self.active,
+            waiting=self.waiting,
             fetched=self.fetched if fetching else 0,
             fetch_total=self.fetch_total if fetching else 0,
             fetch_rate=round(self.fetch_rate, 1) if fetching else 0.0,

@@ -156,9 +156,12 @@ class NodeServices:
             by_state[r.state] = by_state.get(r.state, 0) + 1
         for st in ("fetching", "loading", "ready", "failed"):
             self.metrics.runners.labels(st).set(by_state.get(st, 0))
-        for (iid, _), runner in self._supervisor.runners.items():
+        for (iid, stage), runner in self._supervisor.runners.items():
             if runner.proposed:
                 self.metrics.proposed.labels(iid).set(runner.proposed)
+            if stage == 0:
+                self.metrics.stage_queue.labels(iid).set(runner.waiting)
+        self.metrics.queued.set(len(self._requests.queued))
         seen = self.metrics.stage_faults_seen
         for iid, n in self._supervisor.stage_faults.items():
             if n > seen.get(iid, 0):

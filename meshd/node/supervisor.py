@@ -369,7 +369,7 @@ class Supervisor:
 
     async def _spawn(self, r: RunnerProc) -> None:
         key, cfg = r.key, msgspec.structs.replace(r.config, generation=r.generation)
-        r.state, r.port, r.active, r.draft = "loading", 0, 0, None
+        r.state, r.port, r.active, r.waiting, r.draft = "loading", 0, 0, 0, None
         # Its context is said: an operator sees the (memory-chosen) default take effect.
         log.info(
             "starting runner %s stage %d [%d, %d), %d tokens of context%s",
@@ -405,7 +405,7 @@ class Supervisor:
                 log.info("runner %s stage %d ready on port %d (%.3f ms a layer)",
                          r.key.instance, r.key.stage, r.port, r.layer_ms)  # fmt: skip
             elif isinstance(ev, Load):
-                r.active, r.proposed = ev.active, ev.proposed
+                r.active, r.waiting, r.proposed = ev.active, ev.waiting, ev.proposed
                 r.layer_ms = ev.layer_ms or r.layer_ms
             elif isinstance(ev, Failed):
                 r.state, r.reason = "failed", public_reason(ev.reason)

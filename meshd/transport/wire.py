@@ -22,35 +22,18 @@ from meshd.domain.facts import Sha256
 from meshd.domain.job import Job
 from meshd.domain.sampling import Sampling
 
-from .join_wire import (  # the join plane's messages, part of this module's names
-    MAX_JOIN_FRAME as MAX_JOIN_FRAME,
-)
-from .join_wire import (
-    JoinAccepted as JoinAccepted,
-)
-from .join_wire import (
-    JoinChallenge as JoinChallenge,
-)
-from .join_wire import (
-    JoinConfirm as JoinConfirm,
-)
-from .join_wire import (
-    JoinHello as JoinHello,
-)
-from .join_wire import (
-    JoinIdent as JoinIdent,
-)
-from .join_wire import (
-    JoinMessage as JoinMessage,
-)
-from .join_wire import (
-    JoinPending as JoinPending,
-)
-from .join_wire import (
-    JoinRefused as JoinRefused,
-)
-from .join_wire import (
-    JoinWho as JoinWho,
+# The join plane's messages are this module's names too (wire.JoinHello, ...).
+from .join_wire import (  # noqa: F401
+    MAX_JOIN_FRAME,
+    JoinAccepted,
+    JoinChallenge,
+    JoinConfirm,
+    JoinHello,
+    JoinIdent,
+    JoinMessage,
+    JoinPending,
+    JoinRefused,
+    JoinWho,
 )
 
 #: Largest control-plane frame a node accepts (gossip, hello, pulls).
@@ -352,6 +335,12 @@ class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     embedding: bytes = b""
     #: The stop string that ended the answer (with ``finish_reason`` "stop").
     stop_sequence: str | None = None
+    #: Stage 0's notice to a request waiting for a sequence: its place (1: next) and
+    #: the seconds it expects to wait (0: not measured yet); nothing else is set.
+    queued: int = 0
+    eta_s: float = 0.0
+    #: On stage 0's acknowledgement: seconds the request waited for its sequence.
+    waited_s: float = 0.0
 
 
 class DataChunks(msgspec.Struct, tag=True, kw_only=True):

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from meshd.api.server import HEADER_TIMEOUT_S, MAX_CONNECTIONS_PER_IP
+from meshd.api.server import HEADER_TIMEOUT_S, MAX_CONNECTIONS_PER_IP, OVER_CAP_HEADER_TIMEOUT_S
 from tests.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,13 +74,47 @@ def test_half_open_connections_do_not_stop_a_normal_client(cluster: Cluster) -> 
             r = httpx.get(a.api + "/healthz", timeout=5)
             assert r.status_code == 200
         assert time.monotonic() - t0 < 5.0
-        # Past the cap, the address's extra connections were closed at once...
+        # Past twice the cap, the address's extra connections were closed at once,
+        # those past the cap once their headers were a little late...
         time.sleep(0.5)
+        closed = sum(1 for s in held if _closed(s))
+        assert closed >= 500 - 2 * MAX_CONNECTIONS_PER_IP, closed
+        time.sleep(OVER_CAP_HEADER_TIMEOUT_S)
         closed = sum(1 for s in held if _closed(s))
         assert closed >= 500 - MAX_CONNECTIONS_PER_IP, closed
         # ...and the rest go when their headers are late.
         time.sleep(HEADER_TIMEOUT_S + 1.0)
         assert all(_closed(s) for s in held)
+        assert httpx.get(a.api + "/healthz", timeout=5).status_code == 200
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_connection_past_the_cap_is_answered_429_in_its_dialect_not_reset(
+    cluster: Cluster,
+) -> None:
+    a = cluster.start("a")
+    host, port = a.api.removeprefix("http://").rsplit(":", 1)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(MAX_CONNECTIONS_PER_IP):
+            s = socket.socket()
+            s.bind(("127.0.0.3", 0))
+            s.connect((host, int(port)))
+            held.append(s)
+        transport = httpx.HTTPTransport(local_address="127.0.0.3")
+        with httpx.Client(transport=transport, base_url=a.api, timeout=10) as c:
+            for path, body_of in (
+                ("/api/chat", lambda j: j["error"]),
+                ("/v1/messages", lambda j: j["error"]["message"]),
+                ("/v1/chat/completions", lambda j: j["error"]["message"]),
+            ):
+                r = c.post(path, content=CHAT, headers={"Content-Type": "application/json"})
+                assert r.status_code == 429, r.text
+                assert int(r.headers["Retry-After"]) >= 1
+                assert "Too many connections" in body_of(r.json())
+        # Another address is served as ever.
         assert httpx.get(a.api + "/healthz", timeout=5).status_code == 200
     finally:
         for s in held:

@@ -64,7 +64,7 @@ def _serving() -> dict:
         "tokens_s": 10.0, "in_flight": 1, "ttft_ms": 200.0, "itl_ms": 41.0,
         "stage_ms": [14.5, 9.0, 4.0], "hop_ms": 2.5}}}  # fmt: skip
     runners = cluster["nodes"][0]["health"]["runners"]
-    runners[0] |= {"active": 3, "stage": 0}
+    runners[0] |= {"active": 3, "waiting": 5, "stage": 0}
     return cluster
 
 
@@ -72,7 +72,8 @@ def test_an_instance_adds_up_what_every_node_measured() -> None:
     cluster = _serving()
     (view,) = instances_of(cluster)
     s = view["speed"]
-    assert s["tokens_s"] == 40.0 and s["in_flight"] == 3 and s["queue"] == 3
+    assert s["tokens_s"] == 40.0 and s["in_flight"] == 3
+    assert s["busy"] == 3 and s["queue"] == 5
     # medians weighted by each node's tokens/s
     assert s["ttft_ms"] == pytest.approx((120 * 30 + 200 * 10) / 40)
     assert view["stages"][0]["ms_per_token"] == pytest.approx((12.5 * 30 + 14.5 * 10) / 40)

@@ -168,8 +168,9 @@ class ApiSide:
         self.router.setsockopt(zmq.LINGER, 0)
         self.port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self._dealers: dict[int, zmq.Socket] = {}
-        #: Every chunk received, by request id, in arrival order.
+        #: Every chunk received, by request id, in arrival order; and all of them.
         self.chunks: dict[str, list[wire.DataChunk]] = {}
+        self.arrived: list[wire.DataChunk] = []
         #: Messages received (a DataChunks batch counts once).
         self.received = 0
 
@@ -213,6 +214,7 @@ class ApiSide:
                 self.received += 1
                 for c in chunks:
                     self.chunks.setdefault(c.req, []).append(c)
+                    self.arrived.append(c)
 
     def wait(self, req: str, match: Callable[[wire.DataChunk], bool], timeout: float) -> None:
         """Receive until a chunk of ``req`` satisfies ``match``."""

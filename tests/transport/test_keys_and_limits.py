@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import zmq
 
-from meshd.api.limits import Admission
 from meshd.transport.ratelimit import PeerRateLimiter
 from meshd.transport.security import (
     SECRET_ENV,
@@ -86,13 +85,3 @@ def test_rate_limiter_buckets_are_per_peer_and_refill() -> None:
     assert sum(rl.allow("a") for _ in range(10)) == 5
     rl.allow("c")  # evicts the least recently used bucket
     assert len(rl._buckets) == 2
-
-
-def test_admission_is_bounded_and_tickets_release_once() -> None:
-    adm = Admission(2)
-    t1, t2 = adm.enter(), adm.enter()
-    assert t1 and t2 and adm.enter() is None
-    t1.release()
-    t1.release()
-    assert adm.in_flight == 1
-    assert adm.enter() is not None and adm.enter() is None

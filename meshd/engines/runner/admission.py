@@ -219,7 +219,7 @@ def admit(
     r = Request(
         g.req, seq, list(g.route), g.reply_to, job.sampling, n_prompt=n,
         generation=g.generation, embed=job.embed, slot=seq, n_cached=n_cached, source=source,
-        tokens=None if job.embed else [*prompt, *resume],
+        tokens=None if job.embed else [*prompt, *resume], client=job.client,
     )  # fmt: skip
     start = wire.Start(
         route=r.route, reply_to=r.reply_to, sampling=r.sampling, n_prompt=n, resume=resume,

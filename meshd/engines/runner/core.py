@@ -33,9 +33,10 @@ from .step import Done, Stepper, take_batch
 
 log = logging.getLogger("meshd.runner")
 
-#: Requests stage 0 queues per KV slot before it refuses more (``overloaded``): the
-#: API nodes' own admission keeps far below this; a flood of Generates does not grow it.
-MAX_WAITING_PER_SEQ = 8
+#: Requests stage 0 queues per KV slot before it refuses more (``overloaded``): room
+#: for several API nodes' admitted requests (a waiting Generate costs only its
+#: message), while a flood of Generates does not grow it.
+MAX_WAITING_PER_SEQ = 32
 
 
 class RunnerCore:
@@ -70,7 +71,9 @@ class RunnerCore:
         #: Stage 0: drafts from a draft model's runner, when the node names one.
         self.drafts = DraftClient(cfg.instance, links.send)
         self.spec = Speculation(cfg, self.n_ctx, stage.n_vocab, self.drafts, self.work.append)
-        self.requests = Requests(self.seats, links, self.drafts)
+        self.requests = Requests(
+            self.seats, links, self.drafts, MAX_WAITING_PER_SEQ * cfg.n_seq_max
+        )
         self.reqs = self.requests.held
         #: The fault drill, when ``$MESHD_FAULT_INJECT`` asks for one (meshd.engines.guard).
         self.inject = fault_injection()
@@ -89,7 +92,8 @@ class RunnerCore:
         """Tell the supervisor how many requests hold KV here (it shows in the heartbeat)."""
         ds = self.draft_server
         emit(Load(active=len(self.reqs), layer_ms=round(self.clock.ms, 4),
-                  proposed=ds.proposed if ds is not None else 0))  # fmt: skip
+                  proposed=ds.proposed if ds is not None else 0,
+                  waiting=len(self.requests.waiting)))  # fmt: skip
 
     # -- messages ----------------------------------------------------------------------
     def handle(self, msg: wire.StageMessage, raw: list[zmq.Frame]) -> None:
@@ -121,12 +125,15 @@ class RunnerCore:
             self.refuse_generation(g)
         elif g.req in self.requests.cancelled:
             self.counters.drop("cancelled")
-        elif self.seats.has_room():
+        elif self.seats.has_room() and not self.requests.waiting:
+            self.requests.waiting.turn(g.job.client)
             self.admit(capped(g, self.cfg.max_tokens))
-        elif len(self.requests.waiting) >= MAX_WAITING_PER_SEQ * self.cfg.n_seq_max:
+        elif self.requests.waiting.full():
             self.links.fail(g.reply_to, g.req, "overloaded", "stage 0 has too many queued")
         else:
-            self.requests.waiting.append(capped(g, self.cfg.max_tokens))
+            self.requests.waiting.add(capped(g, self.cfg.max_tokens), time.monotonic())
+            self.requests.tell_places()
+            self.report_load()
 
     def on_activation(self, a: wire.Activation, raw: list[zmq.Frame]) -> None:
         """A later stage: hidden rows of a request's step (its first brings ``start``)."""
@@ -218,8 +225,9 @@ class RunnerCore:
             f"plan generation {g.generation} != runner generation {self.generation}",
         )  # fmt: skip
 
-    def admit(self, g: wire.Generate) -> None:
-        """Stage 0: take ``g`` (see :func:`.admission.admit`) and queue its prompt."""
+    def admit(self, g: wire.Generate, waited_s: float = 0.0) -> None:
+        """Stage 0: take ``g`` (see :func:`.admission.admit`) and queue its prompt;
+        ``waited_s``: how long it waited for its sequence."""
         assert self.prompts is not None  # stage 0
         try:
             got = admit(g, self.prompts, self.seats, self.cfg, self.n_ctx)
@@ -239,7 +247,8 @@ class RunnerCore:
         self.report_load()
         fmt = self.prompts.tool_format if g.job.tools else None
         self.links.chunk(g.reply_to, wire.DataChunk(
-            req=g.req, n_prompt=r.n_prompt, tool_format=fmt, n_cached=r.n_cached
+            req=g.req, n_prompt=r.n_prompt, tool_format=fmt, n_cached=r.n_cached,
+            waited_s=round(waited_s, 3),
         ))  # fmt: skip
         if self.start_output(r, got.start.resume):
             self.work.extend(got.work)
@@ -257,14 +266,21 @@ class RunnerCore:
         return True
 
     def admit_waiting(self) -> None:
-        """Admit queued requests while slots are free."""
+        """Admit queued requests, each client in turn, while slots are free."""
         waiting = self.requests.waiting
+        took = False
         while waiting and self.seats.has_room():
-            g = waiting.popleft()
-            if g.generation != self.generation:
-                self.refuse_generation(g)  # the plan moved on while it waited
+            now = time.monotonic()
+            w = waiting.take(self.requests.seated(), now)
+            assert w is not None
+            took = True
+            if w.g.generation != self.generation:
+                self.refuse_generation(w.g)  # the plan moved on while it waited
             else:
-                self.admit(g)
+                self.admit(w.g, waited_s=now - w.since)
+        if took:
+            self.requests.tell_places()
+            self.report_load()
 
     # -- compute -----------------------------------------------------------------------
     def step(self) -> None:
@@ -379,8 +395,6 @@ class RunnerCore:
             self.report_load()
             self.counters.superseded += len(stale)
             log.info("plan generation %d: freed %d older request(s)", generation, len(stale))
-        waiting = self.requests.waiting
-        for g in [g for g in waiting if g.generation != generation]:
-            waiting.remove(g)
+        for g in self.requests.waiting.drop_generation(generation):
             self.refuse_generation(g)
         self.admit_waiting()

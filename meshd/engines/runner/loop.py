@@ -31,6 +31,7 @@ from .core import RunnerCore
 from .links import Links, emit
 from .state import Counters
 from .stdin import StdinLines
+from .waiting import NOTICE_MIN_S
 
 log = logging.getLogger("meshd.runner")
 
@@ -67,6 +68,7 @@ class Runner:
         #: When to time a decode step again while idle: the timing at load ran beside
         #: other stages loading on the same cores (see :meth:`retime`).
         self._retime_at = [time.monotonic() + t for t in RETIME_AFTER_S]
+        self._next_notice = 0.0
 
     def serve(self, stdin: StdinLines) -> None:
         """Serve until the node closes stdin or says ``stop``."""
@@ -161,7 +163,11 @@ class Runner:
         return True
 
     def tick(self, now: float) -> None:
-        """What is due by the clock: expiring idle requests, timing a step again."""
+        """What is due by the clock: the waiting requests' places, expiring idle
+        requests, timing a step again."""
+        if now >= self._next_notice:
+            self._next_notice = now + NOTICE_MIN_S / 2
+            self.core.requests.tell_places()
         if now >= self._next_expiry_check:
             self._next_expiry_check = now + self._expiry_every
             self.expire(now)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 from meshd.engines.draft_model import DraftClient
 from meshd.transport import wire
@@ -16,6 +17,7 @@ from meshd.transport import wire
 from .links import Links
 from .seats import Seats
 from .state import Request
+from .waiting import WaitQueue
 
 log = logging.getLogger("meshd.runner")
 
@@ -28,12 +30,12 @@ class Requests:
     """The requests holding a sequence here, and stage 0's queue of those waiting
     for one."""
 
-    def __init__(self, seats: Seats, links: Links, drafts: DraftClient) -> None:
+    def __init__(self, seats: Seats, links: Links, drafts: DraftClient, max_waiting: int) -> None:
         self.seats = seats
         self.links = links
         self.drafts = drafts
         self.held: dict[str, Request] = {}
-        self.waiting: collections.deque[wire.Generate] = collections.deque()
+        self.waiting = WaitQueue(max_waiting)
         #: Recently cancelled ids this stage did not hold (oldest first).
         self.cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -62,15 +64,27 @@ class Requests:
         return r
 
     def _release_unheld(self, req: str, reason: str) -> None:
-        for g in self.waiting:
-            if g.req == req:
-                self.waiting.remove(g)
-                log.info("request %s cancelled while queued", req, extra={"req": req})
-                return
+        if self.waiting.remove(req) is not None:
+            log.info("request %s cancelled while queued", req, extra={"req": req})
+            return
         if reason == "cancel":
             self.cancelled[req] = None
             if len(self.cancelled) > MAX_CANCELLED:
                 self.cancelled.popitem(last=False)
+
+    def seated(self) -> collections.Counter[str]:
+        """How many requests each client has holding a sequence here."""
+        return collections.Counter(r.client for r in self.held.values())
+
+    def tell_places(self) -> None:
+        """Tell the waiting requests whose notice is due their place (see
+        :mod:`.waiting`): their API nodes' sign that the queue is alive."""
+        if not self.waiting:
+            return
+        for n in self.waiting.notices(self.seated(), time.monotonic()):
+            self.links.chunk(
+                n.g.reply_to, wire.DataChunk(req=n.g.req, queued=n.place, eta_s=n.eta_s)
+            )
 
     def free(self, r: Request) -> None:
         """Give ``r``'s KV slot back here (nothing is sent)."""

@@ -48,6 +48,8 @@ class Request:
     flight: InFlight = field(default_factory=InFlight)
     #: Stage 0 and last stage: restarts of its steps so far (``wire.Token.epoch``).
     epoch: int = 0
+    #: Stage 0: who asked (``Job.client``), for the queue's turns between clients.
+    client: str = ""
     #: time.perf_counter() when its last token was fed (0: none yet).
     fed_at: float = 0.0
     #: It has drafted: a step may come back to an earlier position (the rejected
