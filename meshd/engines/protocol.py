@@ -29,9 +29,11 @@ from meshd.transport.wire import Addr
 from .outbox import STREAM_INTERVAL_S
 
 __all__ = [
+    "BEAT_S",
     "REQUEST_EXPIRY_S",
     "STAGE_FAULT",
     "STREAM_INTERVAL_S",
+    "Beat",
     "Expired",
     "Failed",
     "GenerationAdopted",
@@ -198,7 +200,21 @@ class Expired(msgspec.Struct, tag="expired", tag_field="event"):
     total: int
 
 
-RunnerEvent = Listening | Ready | Failed | Load | GenerationAdopted | Expired
+class Beat(msgspec.Struct, tag="beat", tag_field="event"):
+    """The runner lives (sent every :data:`BEAT_S` by a thread of its own, so it comes
+    during a long step too): the engine step under way has run ``step_s`` seconds of
+    the ``expect_s`` its measured speed predicts (0: between steps). A runner whose
+    beats stop, or whose step runs far past its prediction, has stalled (see
+    ``meshd.node.watchdog``)."""
+
+    step_s: float = 0.0
+    expect_s: float = 0.0
+
+
+#: How often a runner beats.
+BEAT_S = 0.25
+
+RunnerEvent = Listening | Ready | Failed | Load | GenerationAdopted | Expired | Beat
 
 
 # -- commands: supervisor -> runner (stdin) --------------------------------------------

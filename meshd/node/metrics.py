@@ -63,18 +63,28 @@ class Metrics:
         self.runners = Gauge(
             "meshd_runners", "Runner subprocesses on this node by state", ["state"], registry=r
         )
+        self._fault_metrics(r)
+        self.dropped = Counter(
+            "meshd_dropped_frames", "Frames dropped by socket and reason",
+            ["socket", "reason"], registry=r,
+        )  # fmt: skip
+
+    def _fault_metrics(self, r: CollectorRegistry) -> None:
+        """Runners this node ended for a fault of theirs."""
         self.stage_faults = Counter(
             "meshd_stage_faults",
             "Runners on this node given up because their output was corrupt (NaN, Inf, or "
             "past the bound: meshd.engines.guard), by instance",
             ["instance"], registry=r,
         )  # fmt: skip
-        #: What ``stage_faults`` counted so far (a sync adds the supervisor's new ones).
-        self.stage_faults_seen: dict[str, int] = {}
-        self.dropped = Counter(
-            "meshd_dropped_frames", "Frames dropped by socket and reason",
-            ["socket", "reason"], registry=r,
+        self.stage_stalls = Counter(
+            "meshd_stage_stalls",
+            "Runners on this node ended (and restarted) because they made no progress "
+            "(meshd.node.watchdog), by instance",
+            ["instance"], registry=r,
         )  # fmt: skip
+        #: What each counted so far, by its name (a sync adds the supervisor's new ones).
+        self.seen: dict[str, dict[str, int]] = {}
 
     def _draft_metrics(self, r: CollectorRegistry) -> None:
         """Speculative decoding's counters."""

@@ -5,7 +5,10 @@ the placed one, the machine's decode speed, which draft model each stage 0 asks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +16,17 @@ from statistics import fmean
 
 from meshd.crdt.views import RunnerStatus
 from meshd.domain.facts import ModelFacts
-from meshd.engines.protocol import RunnerConfig, SetDraft, encode
+from meshd.engines.protocol import (
+    Beat,
+    Failed,
+    Listening,
+    Load,
+    Ready,
+    RunnerConfig,
+    RunnerEvent,
+    SetDraft,
+    encode,
+)
 from meshd.models.folder import folder_sha256
 from meshd.models.hashing import file_sha256
 from meshd.transport import wire
@@ -21,6 +34,9 @@ from meshd.transport import wire
 from .stage_runners import StageKey
 
 __all__ = ["RunnerProc", "decode_bps", "is_placed_file", "public_reason", "tell_drafts"]
+
+
+log = logging.getLogger("meshd.supervisor")
 
 
 @dataclass
@@ -49,6 +65,39 @@ class RunnerProc:
     draft: tuple[str, wire.Addr] | None = None
     #: Tokens it drafted for other models' requests (a draft model's runner).
     proposed: int = 0
+    #: Its last beat (monotonic), what it said, and why it stalled, if it did
+    #: (``meshd.node.watchdog``).
+    last_beat: float = 0.0
+    step_s: float = 0.0
+    expect_s: float = 0.0
+    stall: str = ""
+
+    def take(self, ev: RunnerEvent | None) -> bool:
+        """Note what the runner said on stdout; whether its status changed (a beat
+        or a line that is no event changes nothing the heartbeat carries)."""
+        if isinstance(ev, Beat):
+            self.last_beat, self.step_s, self.expect_s = time.monotonic(), ev.step_s, ev.expect_s
+            return False
+        k = self.key
+        if isinstance(ev, Listening):
+            self.port = ev.port
+        elif isinstance(ev, Ready):
+            self.state, self.layer_ms, self.last_beat = "ready", ev.layer_ms, time.monotonic()
+            log.info("runner %s stage %d ready on port %d (%.3f ms a layer)",
+                     k.instance, k.stage, self.port, self.layer_ms)  # fmt: skip
+        elif isinstance(ev, Load):
+            self.active, self.waiting, self.proposed = ev.active, ev.waiting, ev.proposed
+            self.layer_ms = ev.layer_ms or self.layer_ms
+        elif isinstance(ev, Failed):
+            self.state, self.reason = "failed", public_reason(ev.reason)
+            log.warning("runner %s stage %d failed: %s", k.instance, k.stage, self.reason)
+        return ev is not None
+
+    def signal(self, *, kill: bool) -> None:
+        """SIGTERM the process (SIGKILL with ``kill``), if it still runs."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill() if kill else self.proc.terminate()
 
     def status(self) -> RunnerStatus:
         fetching = self.state == "fetching"

@@ -162,11 +162,14 @@ class NodeServices:
             if stage == 0:
                 self.metrics.stage_queue.labels(iid).set(runner.waiting)
         self.metrics.queued.set(len(self._requests.queued))
-        seen = self.metrics.stage_faults_seen
-        for iid, n in self._supervisor.stage_faults.items():
-            if n > seen.get(iid, 0):
-                self.metrics.stage_faults.labels(iid).inc(n - seen.get(iid, 0))
-                seen[iid] = n
+        m, sup = self.metrics, self._supervisor
+        for name, counter, counts in (("faults", m.stage_faults, sup.stage_faults),
+                                      ("stalls", m.stage_stalls, sup.stalls)):  # fmt: skip
+            seen = m.seen.setdefault(name, {})
+            for iid, n in counts.items():
+                if n > seen.get(iid, 0):
+                    counter.labels(iid).inc(n - seen.get(iid, 0))
+                    seen[iid] = n
 
     async def instance_for(self, model: str, context: int = 0) -> Instance:
         """The ready instance serving ``model``, placing one if needed (with ``context``

@@ -29,7 +29,6 @@ configured by one :class:`~.supervisor_settings.SupervisorSettings`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -42,9 +41,6 @@ from meshd.crdt.views import Instance, RunnerStatus
 from meshd.engines.protocol import (
     STAGE_FAULT,
     Failed,
-    Listening,
-    Load,
-    Ready,
     RunnerConfig,
     SetGeneration,
     SetMembers,
@@ -75,6 +71,7 @@ from .stage_runners import (
     undesired,
 )
 from .supervisor_settings import SupervisorSettings
+from .watchdog import watch
 
 __all__ = [
     "Fetch",
@@ -132,8 +129,10 @@ class Supervisor:
         #: Member id -> CURVE key (Z85): whom runners admit and how they dial a node.
         self.members: dict[str, bytes] = {}
         self.runners: dict[StageId, RunnerProc] = {}
-        #: Runners given up for a corrupt output, by instance (``meshd_stage_faults``).
+        #: Runners given up for a corrupt output, and ended for a stall, by instance
+        #: (``meshd_stage_faults``, ``meshd_stage_stalls``).
         self.stage_faults: dict[str, int] = {}
+        self.stalls: dict[str, int] = {}
         #: Stages the plans give this node (its cores are split among them).
         self.n_runners = 0
         #: Given-up runners whose stage moved away, by instance (see the module doc).
@@ -369,7 +368,7 @@ class Supervisor:
 
     async def _spawn(self, r: RunnerProc) -> None:
         key, cfg = r.key, msgspec.structs.replace(r.config, generation=r.generation)
-        r.state, r.port, r.active, r.waiting, r.draft = "loading", 0, 0, 0, None
+        r.state, r.port, r.active, r.waiting, r.draft, r.stall = "loading", 0, 0, 0, None, ""
         # Its context is said: an operator sees the (memory-chosen) default take effect.
         log.info(
             "starting runner %s stage %d [%d, %d), %d tokens of context%s",
@@ -393,32 +392,23 @@ class Supervisor:
 
     async def _watch(self, r: RunnerProc) -> None:
         assert r.proc is not None and r.proc.stdout is not None
+        dog = asyncio.create_task(watch(r, lambda why: self._stalled(r, why)))
         while True:
             line = await r.proc.stdout.readline()
             if not line:
+                dog.cancel()
                 break
             ev = decode_event(line)
-            if isinstance(ev, Listening):
-                r.port = ev.port
-            elif isinstance(ev, Ready):
-                r.state, r.layer_ms = "ready", ev.layer_ms
-                log.info("runner %s stage %d ready on port %d (%.3f ms a layer)",
-                         r.key.instance, r.key.stage, r.port, r.layer_ms)  # fmt: skip
-            elif isinstance(ev, Load):
-                r.active, r.waiting, r.proposed = ev.active, ev.waiting, ev.proposed
-                r.layer_ms = ev.layer_ms or r.layer_ms
-            elif isinstance(ev, Failed):
-                r.state, r.reason = "failed", public_reason(ev.reason)
-                log.warning("runner %s stage %d failed: %s", r.key.instance, r.key.stage, r.reason)
-                if r.reason.startswith(STAGE_FAULT):
-                    self._give_up_faulty(r)
-            elif ev is None:
+            if not r.take(ev):
                 continue
+            if isinstance(ev, Failed) and r.reason.startswith(STAGE_FAULT):
+                self._give_up_faulty(r)
             self.on_status()
         code = await r.proc.wait()
         if r.state == "stopped" or r.reason.startswith(STAGE_FAULT):
             return
-        reason = r.reason if r.state == "failed" and r.reason else f"exited with code {code}"
+        failed = r.reason if r.state == "failed" else ""
+        reason = r.stall or failed or f"exited with code {code}"
         now = asyncio.get_running_loop().time()
         r.crashes = [t for t in r.crashes if now - t < self.settings.restart_window] + [now]
         if len(r.crashes) > self.settings.max_restarts:
@@ -433,7 +423,7 @@ class Supervisor:
             log.error("runner %s stage %d given up: %s", r.key.instance, r.key.stage, r.reason)
             self.on_status()
             return
-        delay = self.settings.restart_backoff * 2 ** (len(r.crashes) - 1)
+        delay = 0.0 if r.stall else self.settings.restart_backoff * 2 ** (len(r.crashes) - 1)
         log.warning(
             "runner %s stage %d %s; restarting in %.1f s",
             r.key.instance, r.key.stage, reason, delay,
@@ -450,9 +440,16 @@ class Supervisor:
         heartbeat keeps saying why."""
         self.stage_faults[r.key.instance] = self.stage_faults.get(r.key.instance, 0) + 1
         r.reason += time.strftime("; given up at %Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        if r.proc is not None and r.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                r.proc.terminate()
+        r.signal(kill=False)
+
+    def _stalled(self, r: RunnerProc, why: str) -> None:
+        """A runner that makes no progress ends now (SIGKILL: a stopped process heeds
+        nothing else) and restarts, at once; its requests replay meanwhile."""
+        self.stalls[r.key.instance] = self.stalls.get(r.key.instance, 0) + 1
+        log.warning("runner %s stage %d %s: ending it", r.key.instance, r.key.stage, why)
+        r.stall, r.state, r.reason = why, "loading", f"restarting after: {why}"
+        self.on_status()
+        r.signal(kill=True)
 
     def _retune(self, r: RunnerProc, generation: int) -> None:
         r.generation = generation
@@ -464,13 +461,11 @@ class Supervisor:
         r.state = "stopped"
         p = r.proc
         if p is not None and p.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.terminate()
+            r.signal(kill=False)
             try:
                 await asyncio.wait_for(p.wait(), self.settings.stop_grace)
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    p.kill()
+                r.signal(kill=True)
                 await p.wait()
         for t in r.tasks:
             t.cancel()

@@ -402,11 +402,15 @@ def test_penalties_cost_little_on_a_49k_vocab() -> None:
     )  # fmt: skip
 
     def per_call(params: Sampling) -> float:
+        """The least of 5 rounds: what the code costs, not what the busy machine did."""
         s = Sampler(params, history=history)
-        t0 = time.perf_counter()
-        for i in range(200):
-            s.sample(x, i)
-        return (time.perf_counter() - t0) / 200
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for i in range(40):
+                s.sample(x, i)
+            rounds.append((time.perf_counter() - t0) / 40)
+        return min(rounds)
 
     per_call(full)  # warm up
     assert per_call(full) < per_call(plain) + 1e-3  # under a millisecond more per token

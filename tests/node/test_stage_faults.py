@@ -1,23 +1,36 @@
-"""A stage whose output is corrupt is failed over, end to end: two real nodes run the
-runners' fault drill ($MESHD_FAULT_INJECT, meshd.engines.guard), one making NaN and one
-huge finite values. The stream goes on with nothing lost on a plan without them; each
-node gives its runner up, with the reason shown and the fault counted in /metrics; no
-error reaches the client, and none is blamed on it."""
+"""Stages that fail without dying, end to end.
+
+A stage whose output is corrupt is failed over: two real nodes run the runners' fault
+drill ($MESHD_FAULT_INJECT, meshd.engines.guard), one making NaN and one huge finite
+values. The stream goes on with nothing lost on a plan without them; each node gives
+its runner up, with the reason shown and the fault counted in /metrics; no error
+reaches the client, and none is blamed on it.
+
+A stage that stops (SIGSTOP: alive, silent) is found stalled by its node within
+seconds (meshd.node.watchdog), ended and started again, and the stream resumes with
+nothing lost, long before the pipeline's silence timeout."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
+import time
 
 import pytest
 
 from meshd.engines.guard import FAULT_ENV
+from meshd.node.watchdog import SILENCE_S
 from tests import faultlab
-from tests.cluster import Cluster, metric_total, wait_for
+from tests.cluster import Cluster, metric_total, wait_for, wait_serving
 
 pytestmark = pytest.mark.timeout(240)
 
 N_TOKENS = 80
+#: Stall found (SILENCE_S), the runner restarted (0.5 s back-off, ~1 s load), the
+#: request replayed: what a stopped stage costs a stream, with room for a busy machine.
+STALL_BOUND_S = SILENCE_S + 3.0
 
 
 def test_corrupt_stages_are_failed_over_and_the_stream_completes(cluster: Cluster) -> None:
@@ -50,3 +63,35 @@ def test_corrupt_stages_are_failed_over_and_the_stream_completes(cluster: Cluste
     replays = [ln for ln in a.log().splitlines() if "replaying after" in ln]
     assert len(replays) == 2 and all("stage_fault" in ln or "faulty output" in ln
                                      for ln in replays), replays  # fmt: skip
+
+
+def test_a_stopped_stage_is_found_stalled_and_the_stream_resumes_within_seconds(
+    cluster: Cluster,
+) -> None:
+    a = cluster.start("a")
+    b = cluster.start("b", peers=[a])
+    wait_for(lambda: all(len(n.cluster()["nodes"]) == 2 for n in (a, b)), 10)
+    inst = faultlab.place(a, [a, b])
+    (pid,) = faultlab.runner_pids(inst["id"], stage=1)
+    events: list[tuple[float, str]] = []
+    t = threading.Thread(target=faultlab.stream, args=(a, events, N_TOKENS), daemon=True)
+    t.start()
+    wait_for(lambda: len(events) >= 15, 30, interval=0.01)
+    # Alive but stopped: no exit, no closed socket, no error; only silence.
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    t.join(60)
+    assert not t.is_alive() and events[-1][1] == "data: [DONE]", events[-3:]
+    assert not any('"error"' in line for _, line in events), [e for e in events if "error" in e[1]]
+    numbers = [int(x) for x in re.findall(r"\d+", faultlab.text_of(events))]
+    assert numbers == list(range(11, 11 + len(numbers))) and len(numbers) >= 20, numbers
+    resumed = next(at for at, _ in events if at > stopped) - stopped
+    print(f"\nSIGSTOP -> stream resumed: {resumed:.1f} s")
+    assert resumed < 2 * STALL_BOUND_S, resumed
+    # b found its runner stalled, ended it (a stopped process heeds SIGKILL) and
+    # started it again: counted, said in its log, serving again.
+    assert metric_total(b, "meshd_stage_stalls_total") == 1
+    assert "stalled: no sign of life" in b.log()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    wait_serving(a, inst["id"], 30)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 import zmq
 
@@ -22,10 +23,15 @@ from .state import Counters
 log = logging.getLogger("meshd.runner")
 
 
+_EMITTING = threading.Lock()
+
+
 def emit(event: RunnerEvent) -> None:
-    """One status line for the supervisor."""
-    sys.stdout.write(encode(event).decode() + "\n")
-    sys.stdout.flush()
+    """One status line for the supervisor (whole, whichever thread sends it)."""
+    line = encode(event).decode() + "\n"
+    with _EMITTING:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 class Links:

@@ -28,6 +28,7 @@ from meshd.transport.security import HANDSHAKE_EVENTS, CurveKeys, HandshakeRepor
 from meshd.transport.sockets import decode_frame
 
 from .core import RunnerCore
+from .heart import Heart
 from .links import Links, emit
 from .state import Counters
 from .stdin import StdinLines
@@ -69,14 +70,14 @@ class Runner:
         #: other stages loading on the same cores (see :meth:`retime`).
         self._retime_at = [time.monotonic() + t for t in RETIME_AFTER_S]
         self._next_notice = 0.0
+        self.heart = Heart()
 
     def serve(self, stdin: StdinLines) -> None:
-        """Serve until the node closes stdin or says ``stop``."""
-        core = self.core
+        """Serve until the node closes stdin or says ``stop``, beating all along."""
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(stdin.fd, zmq.POLLIN)
-        mon = None
+        mon, reporter = None, None
         if self.keys is not None:
             mon = self.router.get_monitor_socket(HANDSHAKE_EVENTS)
             poller.register(mon, zmq.POLLIN)
@@ -84,6 +85,20 @@ class Runner:
         if not self.control(stdin.buffered()):
             self.links.flush()
             return
+        self.heart.start()
+        try:
+            self._serve(poller, stdin, mon, reporter)
+        finally:
+            self.heart.stop()
+
+    def _serve(
+        self,
+        poller: zmq.Poller,
+        stdin: StdinLines,
+        mon: zmq.Socket[bytes] | None,
+        reporter: HandshakeReporter | None,
+    ) -> None:
+        core = self.core
         while True:
             events = dict(poller.poll(self._poll_ms()))
             if self.router in events:
@@ -96,15 +111,25 @@ class Runner:
                 ds.report(core.report_load)
             if core.drafts.pending:
                 core.spec.run_undrafted(core.reqs, time.monotonic())
-            if mon is not None and mon in events:
+            if mon is not None and reporter is not None and mon in events:
                 reporter.event("stage", mon.recv_multipart())
             if stdin.fd in events and not self.control(stdin.read()):
                 self.links.flush()
                 return
             if core.work:
+                self.heart.stepping(self.expected_s())
                 core.step()
+                self.heart.idle()
             self.links.flush()
             self.tick(time.monotonic())
+
+    def expected_s(self) -> float:
+        """What the next step should take at most, from the measured decode speed:
+        every queued row as a decode step of its own (a prefill's rows cost less
+        each), so it errs long (0: not measured yet)."""
+        clock = self.core.clock
+        rows = sum(w.rows for w in self.core.work)
+        return clock.ms * clock.n_layers * max(1, rows) / 1000
 
     def _poll_ms(self) -> int:
         """How long the loop may sleep: not at all with work queued, else until the
