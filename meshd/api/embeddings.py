@@ -8,11 +8,12 @@ instances answer alike. A few inputs run at once: the stages batch them.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import base64
+import sys
 
 import msgspec
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -25,7 +26,7 @@ from .errors import bad_request, request_failed
 from .runs import Collected, GenerateRequest, admit, unless_gone
 from .services import ApiContext, context
 
-__all__ = ["MAX_PARALLEL_INPUTS", "embed_inputs", "embeddings"]
+__all__ = ["MAX_PARALLEL_INPUTS", "embed_inputs", "embeddings", "float32_list"]
 
 #: Inputs of one request in flight at once (each holds a request slot of the node).
 MAX_PARALLEL_INPUTS = 8
@@ -60,7 +61,15 @@ async def embeddings(request: Request) -> Response:
 def _encoded(vector: bytes, fmt: str) -> list[float] | str:
     if fmt == "base64":
         return base64.b64encode(vector).decode("ascii")
-    return np.frombuffer(vector, "<f4").tolist()
+    return float32_list(vector)
+
+
+def float32_list(vector: bytes) -> list[float]:
+    """An embedding as the wire carries it (little-endian float32) as Python floats."""
+    floats = array.array("f", vector)
+    if sys.byteorder == "big":
+        floats.byteswap()
+    return floats.tolist()
 
 
 async def embed_inputs(

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from meshd.crdt.views import InstanceSpec
 from meshd.placement.place import KV_CACHE_TYPES
-from meshd.transport.tensors import ACTIVATION_DTYPES
+from meshd.transport.dtypes import ACTIVATION_DTYPES
 
 from .bodies import parse_body
 from .errors import ApiError, node_error

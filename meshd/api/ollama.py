@@ -28,7 +28,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
@@ -52,7 +51,7 @@ from .answers import (
     whole,
 )
 from .bodies import parse_body
-from .embeddings import embed_inputs
+from .embeddings import embed_inputs, float32_list
 from .errors import ApiError, bad_request, model_not_found, node_error
 from .logprobs import chat_logprobs
 from .runs import GenerateRequest, Run, admit, instance_of, unless_gone
@@ -329,7 +328,7 @@ async def _vectors(request: Request, model: str, inputs: list[str]) -> tuple[lis
     got = await unless_gone(embed_inputs(ctx, _model(ctx, model), list(inputs)), request)
     if got is None:
         raise _Gone
-    vectors = [np.frombuffer(c.embedding, "<f4").tolist() for c in got]
+    vectors = [float32_list(c.embedding) for c in got]
     return vectors, sum(c.usage.prompt_tokens for c in got), int((time.perf_counter() - t0) * 1e9)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from .errors import ModelFormatError
+from .quant_types import GGML_TYPES
 
 __all__ = [
     "GgufHeader",
@@ -251,10 +252,6 @@ def read_header(path: Path) -> GgufHeader:
     """
     if not path.is_file():
         raise FileNotFoundError(f"no model file at {path}")
-    # Here, not at the top: the gguf package brings numpy and yaml (~0.1 s), which a
-    # node that reads no model's header at start (and meshctl) need not pay.
-    import gguf
-
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         cur = _Cursor(buf, path)
         try:
@@ -286,16 +283,15 @@ def read_header(path: Path) -> GgufHeader:
                 kind = cur.scalar(4)
                 offset = cur.scalar(10)
                 relative[name] = offset
-                try:
-                    qtype = gguf.GGMLQuantizationType(kind)
-                except ValueError:
-                    # A type newer than this gguf package: llama.cpp may still run it;
-                    # its size comes from where the next tensor starts (below).
+                known = GGML_TYPES.get(kind)
+                if known is None:
+                    # A type newer than this table: llama.cpp may still run it; its
+                    # size comes from where the next tensor starts (below).
                     tensors[name] = (f"type {kind}", shape)
                     unsized.append((offset, name))
                     continue
-                block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-                tensors[name] = (qtype.name, shape)
+                type_name, block_size, type_size = known
+                tensors[name] = (type_name, shape)
                 nbytes[name] = math.prod(shape) // block_size * type_size
                 starts.append(offset)
         except _CORRUPT as e:

@@ -43,6 +43,7 @@ import numpy.typing as npt
 
 from .errors import ModelFormatError
 from .gguf import read_header
+from .quant_types import DEQUANT_TYPES, EXACT_BITS, GROUP_SIZE, REQUANT_BITS
 
 # ``gguf`` is imported in the functions that use it: the package brings yaml and its
 # readers (~0.1 s), which every node would pay at start for DEQUANT_TYPES alone.
@@ -60,46 +61,6 @@ __all__ = [
     "to_mlx",
 ]
 
-#: MLX group size of every quantized matrix this module builds (the smallest MLX
-#: supports, and the block of every 32-value GGUF type and of a K-quant's sub-block).
-GROUP_SIZE = 32
-
-#: GGUF types repacked without error: type -> MLX bits (the file's own width).
-EXACT_BITS: dict[str, int] = {
-    "Q4_0": 4,
-    "Q4_1": 4,
-    "Q5_0": 5,
-    "Q5_1": 5,
-    "Q8_0": 8,
-    "Q4_K": 4,
-    "Q5_K": 5,
-}
-
-#: GGUF types dequantized by gguf-py and re-quantized by ``mx.quantize``: type -> MLX
-#: bits. 8 bits for the 6.5-bit Q6_K; 6 bits for the others (<= 4.5 bits a weight):
-#: at the file's own width the MLX grid (not the file's) about doubles the error
-#: (measured figures: module docstring).
-REQUANT_BITS: dict[str, int] = {
-    "Q6_K": 8,
-    "Q3_K": 6,
-    "Q2_K": 6,
-    "IQ4_NL": 6,
-    "IQ4_XS": 6,
-    "IQ3_S": 6,
-    "IQ3_XXS": 6,
-    "IQ2_S": 6,
-    "IQ2_XS": 6,
-    "IQ2_XXS": 6,
-    "IQ1_S": 6,
-    "IQ1_M": 6,
-    "TQ1_0": 6,
-    "TQ2_0": 6,
-    "MXFP4": 6,
-    "NVFP4": 6,
-}
-
-_PLAIN = frozenset({"F32", "F16", "BF16"})
-
 
 class TensorInfo(NamedTuple):
     """One tensor of a GGUF file: its type, numpy shape (rows first) and bytes."""
@@ -112,10 +73,6 @@ class TensorInfo(NamedTuple):
     def raw(self, data: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
         """Its bytes in ``data``, the whole file (``np.memmap(path, np.uint8)``)."""
         return data[self.start : self.start + self.size]
-
-
-#: Every GGUF tensor type this module turns into MLX arrays.
-DEQUANT_TYPES = frozenset(_PLAIN | EXACT_BITS.keys() | REQUANT_BITS.keys())
 
 
 def _f16(col: npt.NDArray[np.uint8]) -> npt.NDArray[np.float32]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .errors import ModelFormatError, UnsupportedModelError
 from .gguf import GgufHeader, read_header
-from .gguf_dequant import DEQUANT_TYPES
+from .quant_types import DEQUANT_TYPES
 
 __all__ = [
     "GGUF_GROUP_SIZE",

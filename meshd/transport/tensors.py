@@ -13,10 +13,10 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from .dtypes import ACTIVATION_DTYPES
+
 __all__ = ["ACTIVATION_DTYPES", "TensorError", "decode_rows", "encode_rows", "itemsize"]
 
-#: Wire names of the activation types, in the order of preference for exactness.
-ACTIVATION_DTYPES: Final = ("f32", "f16", "bf16")
 _ITEMSIZE: Final = {"f32": 4, "f16": 2, "bf16": 2}
 
 

@@ -9,11 +9,10 @@ import jsonschema
 import numpy as np
 import pytest
 
+from meshd.engines.constraint import Constraint, GrammarVocab
 from meshd.engines.grammar import (
     DEFAULT_MAX_STRING,
-    Constraint,
     GrammarError,
-    GrammarVocab,
     bounded_strings,
     check_grammar,
     closed_objects,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshd.engines.constraint import Constraint, GrammarVocab
 from meshd.engines.detok import TextStream
-from meshd.engines.grammar import Constraint, GrammarVocab
 from meshd.engines.sampling import Draw, Sampler
 from meshd.engines.stage import Stage, StageInput
 from meshd.models.pooling import Pooling, pool, pooling_of

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meshd.domain.sampling import Sampling
+from meshd.engines.constraint import Constraint
 from meshd.engines.detok import TextStream
 from meshd.engines.drafting import DraftBudget, InFlight
-from meshd.engines.grammar import Constraint
 from meshd.engines.sampling import Sampler
 from meshd.transport import wire
 
