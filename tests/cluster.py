@@ -41,9 +41,10 @@ _LIVE: set[subprocess.Popen] = set()
 
 #: The context (``--context``) of the models a test node places: each runner clears KV
 #: for 8 requests of it at start, 1.5 GB and ~1 s of CPU at the default model's 8192
-#: tokens against 0.4 GB and ~0.3 s at 2048, and no test but tests/node/test_context.py
-#: (which says None: placement's memory-chosen default) fills more.
-TEST_CONTEXT = 2048
+#: tokens against 0.2 GB and 0.5 s to load the whole model at 1024 (0.8 s at 2048), and
+#: no test but tests/node/test_context.py (which says None: placement's memory-chosen
+#: default) fills more.
+TEST_CONTEXT = 1024
 
 
 def _kill_all() -> None:

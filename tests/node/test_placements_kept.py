@@ -14,8 +14,8 @@ from tests.cluster import Cluster, NodeProc, wait_for, wait_serving
 
 pytestmark = pytest.mark.timeout(240)
 
-#: The settings a restore must bring back (the node's own --context is 2048).
-SETTINGS = {"context": 1024, "kv_cache": "q8_0", "speculate": False}
+#: The settings a restore must bring back (the node's own --context is TEST_CONTEXT).
+SETTINGS = {"context": 512, "kv_cache": "q8_0", "speculate": False}
 
 
 def _kept(n: NodeProc) -> dict:
