@@ -1,0 +1,37 @@
+"""Tool calls as models write them: which format a model uses, how a conversation with
+tools is shown to it, how its calls are read back, and the grammar that forces one.
+
+A model learns one way of calling a function, and its chat template shows it
+(:func:`tool_format` reads which; :mod:`.formats` lists them, one module per family):
+
+* ``hermes`` (Hermes, Qwen 2/2.5/3, SmolLM3, ...): ``<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>``, one block per call;
+* ``llama3`` (Llama 3.1+): the whole answer is ``{"name": ..., "parameters": {...}}``
+  (after a ``<|python_tag|>`` control token, which renders as nothing);
+* ``mistral``: ``[TOOL_CALLS]`` (a control token, so nothing in the text) and a JSON
+  list of ``{"name": ..., "arguments": {...}}``;
+* ``generic``: a template that knows no tools. The tools and the ``hermes`` syntax are
+  explained in a system message (:func:`generic_tool_prompt`), earlier calls and tool
+  results are shown in that syntax, so any model can call a tool.
+
+:class:`ToolCallParser` reads any of them from text as it streams; every API dialect
+uses it, so the rules are written once.
+"""
+
+from .base import ParsedCall
+from .formats import ToolFormat, tool_format
+from .hermes import HERMES_CLOSE, HERMES_OPEN
+from .parser import ToolCallParser, forced_call_lark
+from .prompts import generic_tool_prompt, template_messages
+
+__all__ = [
+    "HERMES_CLOSE",
+    "HERMES_OPEN",
+    "ParsedCall",
+    "ToolCallParser",
+    "ToolFormat",
+    "forced_call_lark",
+    "generic_tool_prompt",
+    "template_messages",
+    "tool_format",
+]

@@ -1,0 +1,75 @@
+"""Pieces of the grammars that force a call (``tool_choice`` ``required`` or a named
+function), in llguidance's Lark dialect: markers as text or as the model's own
+control token, and JSON under a schema.
+
+A marker the model's vocabulary holds as a control token (gpt-oss's
+``<|channel|>``, Granite's ``<|tool_call|>``) is written as that token
+(``<[id]>``): one token, as the model writes it; spelt out as text it would cost
+several, and read as text the model never wrote."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .base import Tools
+
+__all__ = [
+    "NO_ARGUMENTS",
+    "LarkMaker",
+    "Marks",
+    "json_rule",
+    "lit",
+    "parameters",
+    "picked",
+]
+
+#: The schema of a function that declares no parameters (as OpenAI reads it).
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+#: How forced JSON is laid out: as :data:`meshd.engines.grammar.JSON_STYLE` (the
+#: separators most JSON in training data uses; no free whitespace to pad with).
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+#: A format's forced-call grammar: ``(tools, name, marks) -> Lark``, one call of
+#: ``name`` (None: any of ``tools``) in the format, its markers written by ``marks``.
+LarkMaker = Callable[[Tools, "str | None", "Marks"], str]
+
+
+def lit(text: str) -> str:
+    """``text`` as a Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def json_rule(schema: Mapping[str, Any]) -> str:
+    """A Lark expression for JSON text valid under ``schema``, laid out compactly."""
+    return "%json " + json.dumps({**schema, "x-guidance": _JSON_STYLE}, ensure_ascii=False)
+
+
+def picked(tools: Tools, name: str | None) -> list[Mapping[str, Any]]:
+    """The tools a forced call may call: the one named ``name``, or all (None)."""
+    return [t for t in tools if name is None or t.get("name") == name]
+
+
+def parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON schema of ``tool``'s arguments (none declared: it takes none)."""
+    return dict(tool.get("parameters") or NO_ARGUMENTS)
+
+
+class Marks:
+    """Writes a format's markers into a grammar: as the control token where the
+    model's vocabulary has one (``specials``: marker text -> token id), else as text."""
+
+    def __init__(self, specials: Mapping[str, int] | None) -> None:
+        self._specials = dict(specials or {})
+
+    def __call__(self, text: str) -> str:
+        """``text`` as a Lark item: its control token, or the literal."""
+        token = self._specials.get(text)
+        return f"<[{token}]>" if token is not None else lit(text)
+
+    def special(self, text: str) -> bool:
+        """Whether ``text`` is one control token of the model."""
+        return text in self._specials
