@@ -15,13 +15,17 @@ A model learns one way of calling a function, and its chat template shows it
   results are shown in that syntax, so any model can call a tool.
 
 :class:`ToolCallParser` reads any of them from text as it streams; every API dialect
-uses it, so the rules are written once.
+uses it. Where a format's markers are control tokens of the model (which a reply
+shows as nothing), stage 0 finds them (:func:`control_tokens` over
+:func:`tool_markers`), writes them into a forced call's grammar as those tokens and has
+the last stage show them as text, so the parser sees them.
 """
 
 from .base import ParsedCall
 from .formats import ToolFormat, tool_format
+from .grammar import control_tokens
 from .hermes import HERMES_CLOSE, HERMES_OPEN
-from .parser import ToolCallParser, forced_call_lark
+from .parser import ToolCallParser, forced_call_lark, tool_markers
 from .prompts import generic_tool_prompt, template_messages
 
 __all__ = [
@@ -30,8 +34,10 @@ __all__ = [
     "ParsedCall",
     "ToolCallParser",
     "ToolFormat",
+    "control_tokens",
     "forced_call_lark",
     "generic_tool_prompt",
     "template_messages",
     "tool_format",
+    "tool_markers",
 ]

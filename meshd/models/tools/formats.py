@@ -1,5 +1,5 @@
 """Every tool-call format by name: how it is told from a chat template, how its calls
-are read, and the grammar that forces one.
+are read, the grammar that forces one, and the markers it needs shown.
 
 The name travels on the wire (``DataChunk.tool_format``), from stage 0, which read
 the template, to the API node, which reads the calls: names are kept as they are."""
@@ -12,7 +12,7 @@ from typing import Literal
 
 from .base import Reader, Tools
 from .grammar import LarkMaker
-from .hermes import hermes_lark, hermes_reader
+from .hermes import HERMES_CLOSE, HERMES_OPEN, hermes_lark, hermes_reader
 from .json_answer import json_answer_lark, json_answer_reader
 
 __all__ = ["FORMATS", "Format", "ToolFormat", "tool_format"]
@@ -29,10 +29,14 @@ class Format:
     reader: Callable[[Tools], Reader]
     #: The grammar of one forced call.
     lark: LarkMaker
+    #: Markers that may be control tokens of the model, which the answer must show
+    #: as text for :attr:`reader` to see them (none for llama3 and mistral, whose
+    #: readers expect their control tokens to show as nothing).
+    markers: tuple[str, ...] = ()
 
 
 FORMATS: dict[ToolFormat, Format] = {
-    "hermes": Format(hermes_reader, hermes_lark),
+    "hermes": Format(hermes_reader, hermes_lark, (HERMES_OPEN, HERMES_CLOSE)),
     "generic": Format(hermes_reader, hermes_lark),
     "llama3": Format(json_answer_reader, json_answer_lark("parameters", as_list=False)),
     "mistral": Format(json_answer_reader, json_answer_lark("arguments", as_list=True)),

@@ -5,12 +5,13 @@ control token, and JSON under a schema.
 A marker the model's vocabulary holds as a control token (gpt-oss's
 ``<|channel|>``, Granite's ``<|tool_call|>``) is written as that token
 (``<[id]>``): one token, as the model writes it; spelt out as text it would cost
-several, and read as text the model never wrote."""
+several, and read as text the model never wrote. Stage 0 knows the ids
+(:func:`control_tokens`)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .base import Tools
@@ -19,6 +20,7 @@ __all__ = [
     "NO_ARGUMENTS",
     "LarkMaker",
     "Marks",
+    "control_tokens",
     "json_rule",
     "lit",
     "parameters",
@@ -73,3 +75,22 @@ class Marks:
     def special(self, text: str) -> bool:
         """Whether ``text`` is one control token of the model."""
         return text in self._specials
+
+
+def control_tokens(
+    texts: Iterable[str],
+    tokenize: Callable[[str], Sequence[int]],
+    piece: Callable[[int, bool], bytes],
+) -> dict[str, int]:
+    """Which of ``texts`` (a format's markers) are one control token of a model, and
+    its id: ``tokenize`` parses special tokens; ``piece(id, special)`` renders a
+    token, its text only when ``special`` for a control token."""
+    found: dict[str, int] = {}
+    for text in texts:
+        ids = list(tokenize(text))
+        if len(ids) != 1:
+            continue
+        shown = piece(ids[0], True)
+        if shown == text.encode("utf-8") and not piece(ids[0], False):
+            found[text] = ids[0]
+    return found

@@ -10,7 +10,7 @@ from .base import Part, Tools
 from .formats import FORMATS, ToolFormat
 from .grammar import Marks, picked
 
-__all__ = ["ToolCallParser", "forced_call_lark"]
+__all__ = ["ToolCallParser", "forced_call_lark", "tool_markers"]
 
 
 class ToolCallParser:
@@ -47,10 +47,16 @@ def forced_call_lark(
     """A Lark grammar (llguidance's dialect) whose every sentence is one call, in the
     model's format, of ``name`` (None: any of ``tools``) with arguments valid under its
     schema (``tool_choice`` ``required`` or a named function). ``specials`` maps the
-    format's markers that are control tokens of the model to their ids; the others
-    are written as text.
+    format's markers that are control tokens of the model to their ids
+    (:func:`~.grammar.control_tokens`); the others are written as text.
 
     Raises ValueError when no tool is left to call."""
     if not picked(tools, name):
         raise ValueError(f"no tool named {name!r} to call" if name else "no tool to call")
     return FORMATS[fmt].lark(tools, name, Marks(specials))
+
+
+def tool_markers(fmt: ToolFormat) -> tuple[str, ...]:
+    """The markers of ``fmt`` that the answer must show as text where they are
+    control tokens of the model (the last stage renders those tokens so)."""
+    return FORMATS[fmt].markers
