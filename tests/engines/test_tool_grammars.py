@@ -162,18 +162,18 @@ def test_a_forced_call_is_one_call_the_parser_reads_with_valid_arguments(fmt, vo
 
 
 def test_the_forced_wrapper_costs_one_token_a_marker() -> None:
-    """Hermes' call of a function without arguments: two markers, two tokens."""
-    specials = _specials(SPECIAL, "hermes")
-    grammar = lark_grammar(forced_call_lark(TOOLS, "hermes", "noop", specials))
+    """DeepSeek V3.1's call around ``{}``: five markers, five tokens, and the name."""
+    specials = _specials(SPECIAL, "deepseek_v31")
+    grammar = lark_grammar(forced_call_lark(TOOLS, "deepseek_v31", "noop", specials))
     tokens = _walk(SPECIAL, grammar, np.random.default_rng(0))
-    assert len(tokens) == 2 + len('\n{"name": "noop", "arguments": {}}\n')
+    assert len(tokens) == 5 + len("noop") + len("{}")
 
 
 def test_stage_0_shows_the_format_markers_only_to_requests_with_tools() -> None:
-    template = "{% if tools %}{{ tools }} Call with <tool_call>{...}</tool_call>{% endif %}"
+    template = "{% if tools %}{{ tools }}{% endif %}<|tool_calls_section_begin|><|tool_call_begin|>"
     prompts = Prompts(SPECIAL, template)  # type: ignore[arg-type]
-    assert prompts.tool_format == "hermes"
-    ids = sorted(SPECIAL.tokenize("".join(tool_markers("hermes")), parse_special=True))
+    assert prompts.tool_format == "kimi_k2"
+    ids = sorted(SPECIAL.tokenize("".join(tool_markers("kimi_k2")), parse_special=True))
     with_tools = Job(tools=ToolUse(tools=[ToolSpec(name="noop")], choice="required"))
     assert prompts.shown_specials(with_tools) == ids
     assert prompts.shown_specials(Job(prompt="hi")) == []

@@ -10,6 +10,16 @@ A model learns one way of calling a function, and its chat template shows it
   (after a ``<|python_tag|>`` control token, which renders as nothing);
 * ``mistral``: ``[TOOL_CALLS]`` (a control token, so nothing in the text) and a JSON
   list of ``{"name": ..., "arguments": {...}}``;
+* ``qwen3_coder``: ``<tool_call><function=NAME><parameter=P>value</parameter>...``;
+* ``pythonic`` (Llama 4): ``[get_weather(city="Paris"), ...]``;
+* ``deepseek_r1`` (DeepSeek V3, R1) and ``deepseek_v31``: calls between
+  ``<｜tool▁call▁begin｜>`` and ``<｜tool▁call▁end｜>``;
+* ``harmony`` (gpt-oss): a ``commentary`` message ``to=functions.NAME``;
+* ``granite`` (Granite 3.x): ``<|tool_call|>`` and a JSON list;
+* ``kimi_k2``: a ``<|tool_calls_section_begin|>`` section of ``functions.NAME:N`` calls;
+* ``glm45`` (GLM-4.5/4.6): ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>``;
+* ``command_r`` (Command R/R+: ``Action: ```json [...]```) and ``command_r7b``
+  (``<|START_ACTION|>[...]<|END_ACTION|>``);
 * ``generic``: a template that knows no tools. The tools and the ``hermes`` syntax are
   explained in a system message (:func:`generic_tool_prompt`), earlier calls and tool
   results are shown in that syntax, so any model can call a tool.

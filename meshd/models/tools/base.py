@@ -26,6 +26,7 @@ __all__ = [
     "loads",
     "named_call",
     "partial_suffix",
+    "section",
 ]
 
 #: The functions a request offers, each ``{"name", "description"?, "parameters"?}``.
@@ -153,3 +154,30 @@ class BlockReader:
         emit(out, self._held[: len(self._held) - keep])
         self._held = self._held[len(self._held) - keep :]
         return out
+
+
+def section(begin: str, end: str, call_begin: str, one: Block) -> Block:
+    """The :data:`Block` of a format that groups its calls in a section between
+    ``begin`` and ``end``, each call opening with ``call_begin`` and read by ``one``
+    (which also reads a call the model wrote without its section). A section is read
+    whole: if any of its calls does not parse, all of it is given back as text."""
+
+    def block(text: str, final: bool) -> tuple[int, list[Part]] | None:
+        if not text.startswith(begin):
+            return one(text, final)
+        stop = text.find(end)
+        if stop < 0 and not final:
+            return None
+        n = len(text) if stop < 0 else stop + len(end)
+        head, *pieces = text[len(begin) : stop if stop >= 0 else n].split(call_begin)
+        calls: list[Part] = []
+        for piece in pieces:
+            read = one(call_begin + piece, True)
+            if read is None or read[0] < len(call_begin + piece.rstrip()):
+                return n, [text[:n]]
+            calls += read[1]
+        if head.strip() or not pieces or not all(isinstance(c, ParsedCall) for c in calls):
+            return n, [text[:n]]
+        return n, calls
+
+    return block

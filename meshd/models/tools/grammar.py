@@ -1,6 +1,6 @@
 """Pieces of the grammars that force a call (``tool_choice`` ``required`` or a named
 function), in llguidance's Lark dialect: markers as text or as the model's own
-control token, and JSON under a schema.
+control token, JSON under a schema, a raw value, and a run of optional items.
 
 A marker the model's vocabulary holds as a control token (gpt-oss's
 ``<|channel|>``, Granite's ``<|tool_call|>``) is written as that token
@@ -25,6 +25,7 @@ __all__ = [
     "lit",
     "parameters",
     "picked",
+    "sequence",
 ]
 
 #: The schema of a function that declares no parameters (as OpenAI reads it).
@@ -58,6 +59,31 @@ def picked(tools: Tools, name: str | None) -> list[Mapping[str, Any]]:
 def parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON schema of ``tool``'s arguments (none declared: it takes none)."""
     return dict(tool.get("parameters") or NO_ARGUMENTS)
+
+
+def sequence(items: Sequence[tuple[str, bool]], sep: str, prefix: str) -> tuple[str, list[str]]:
+    """A Lark expression for ``items`` (each ``(expression, required)``) in order,
+    each optional one present or not, ``sep`` (a literal, may be "") between those
+    present; and the rules it uses, named from ``prefix``. Without a separator the
+    items simply follow each other; with one, ``first{i}`` is the run from item
+    ``i`` whose first present item comes with no separator before it."""
+    if not items:
+        return "", []
+    if not sep:
+        return " ".join(e if req else f"({e})?" for e, req in items), []
+    rules = []
+    # rest{i}: items i.. after one already present: each present one after sep.
+    for i, (e, req) in enumerate(items):
+        tail = f" rest{prefix}{i + 1}" if i + 1 < len(items) else ""
+        body = f"{lit(sep)} {e}" if req else f"({lit(sep)} {e})?"
+        rules.append(f"rest{prefix}{i}: {body}{tail}")
+    # first{i}: items i.., none present yet (non-empty unless every one is optional).
+    for i, (e, req) in enumerate(items):
+        tail = f" rest{prefix}{i + 1}" if i + 1 < len(items) else ""
+        skip = f" | first{prefix}{i + 1}" if not req and i + 1 < len(items) else ""
+        rules.append(f"first{prefix}{i}: {e}{tail}{skip}")
+    whole = f"first{prefix}0"
+    return (whole if any(req for _, req in items) else f"({whole})?"), rules
 
 
 class Marks:

@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .formats import ToolFormat
+from .formats import FORMATS, ToolFormat
 from .hermes import HERMES_CLOSE, HERMES_OPEN
 
 __all__ = ["generic_tool_prompt", "template_messages"]
@@ -47,22 +47,27 @@ def template_messages(
     as a JSON string, ``tool`` turns with ``tool_call_id``).
 
     A template with tool support gets the tools (as ``[{"type": "function", "function":
-    ...}]``) and the turns as transformers passes them. A ``generic`` one gets no tools:
+    ...}]``) and the turns as transformers passes them (arguments as a mapping, except
+    for templates that join them as text; call ids in the model's own shape where its
+    template shows them). A ``generic`` one gets no tools:
     a system message explains them, calls become ``<tool_call>`` text and results
     ``<tool_response>`` user text, consecutive user turns merged (templates that insist
     on alternating roles accept that).
     """
     if fmt != "generic":
+        family = FORMATS[fmt]
         out = []
         for m in messages:
             m = dict(m)
-            if m.get("tool_calls"):
+            if m.get("tool_calls") and not family.string_arguments:
                 m["tool_calls"] = [
                     {**c, "function": {**c["function"],
                                        "arguments": _arguments(c["function"]["arguments"])}}
                     for c in m["tool_calls"]
                 ]  # fmt: skip
             out.append(m)
+        if family.history is not None:
+            out = family.history(out)
         return out, [{"type": "function", "function": dict(t)} for t in tools]
     shown: list[dict[str, Any]] = []
     # No tools (tool_choice "none" over a history with calls): no prompt to add.
