@@ -115,7 +115,7 @@ def _calls(body: a.MessagesRequest, run: Run) -> ChoiceCalls | None:
         return None
     c = body.tool_choice
     parallel = not (c is not None and c.disable_parallel_tool_use)
-    return ChoiceCalls(run.tool_format, parallel=parallel, new_id=_tool_use_id)
+    return ChoiceCalls(run.tool_format, parallel=parallel, new_id=_tool_use_id, tools=run.tools)
 
 
 def _stop_reason(reason: str, stop_sequence: str | None) -> str:

@@ -265,7 +265,7 @@ def _piece(
 
 def _calls(body: o.ChatRequest | o.GenerateRequest, run: Run) -> ChoiceCalls | None:
     if isinstance(body, o.ChatRequest) and body.tool_mode is not None:
-        return ChoiceCalls(run.tool_format)
+        return ChoiceCalls(run.tool_format, tools=run.tools)
     return None
 
 

@@ -71,7 +71,9 @@ def _calls(body: _Body, run: Run) -> ChoiceCalls | None:
     """The tool-call reader of one choice (None: the request offers no tools)."""
     if not isinstance(body, schemas.ChatCompletionRequest) or body.tool_mode is None:
         return None
-    return ChoiceCalls(run.tool_format, parallel=body.parallel_tool_calls is not False)
+    return ChoiceCalls(
+        run.tool_format, parallel=body.parallel_tool_calls is not False, tools=run.tools
+    )
 
 
 async def completions(request: Request) -> Response:

@@ -143,7 +143,9 @@ def _calls(body: rs.ResponseRequest, run: Run) -> ChoiceCalls | None:
     """The tool-call reader of the answer (None: the request offers no tools)."""
     if body.tool_mode is None:
         return None
-    return ChoiceCalls(run.tool_format, parallel=body.parallel_tool_calls is not False)
+    return ChoiceCalls(
+        run.tool_format, parallel=body.parallel_tool_calls is not False, tools=run.tools
+    )
 
 
 def _status(finish_reason: str) -> rs.ItemStatus:

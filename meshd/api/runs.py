@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -25,7 +25,7 @@ import msgspec
 from starlette.requests import Request
 
 from meshd.crdt.views import Instance
-from meshd.domain.chat import ChatTurn, ToolUse
+from meshd.domain.chat import ChatTurn, ToolSpec, ToolUse
 from meshd.domain.job import Job
 from meshd.domain.sampling import SamplingChoice
 from meshd.models import canonical_name
@@ -126,14 +126,17 @@ class Run:
         metrics: Metrics,
         t0: float,
         path: str = "",
+        tools: Sequence[ToolSpec] = (),
     ) -> None:
         self.chunks = chunks
         self.first = first
         self.n_prompt = first.n_prompt or 0
         #: Prompt tokens stage 0 took from the prefix cache.
         self.n_cached = first.n_cached
-        #: How the model writes tool calls (stage 0 says, when the request has tools).
+        #: How the model writes tool calls (stage 0 says, when the request has tools),
+        #: and the functions the request offers.
         self.tool_format = first.tool_format
+        self.tools = tools
         self.model = model
         self.route = route
         self.ticket = ticket
@@ -295,8 +298,9 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
         for st in inst.stages
     )
     return Run(
-        chunks, first, model=model, route=route, ticket=ticket, metrics=metrics, t0=t0, path=path
-    )
+        chunks, first, model=model, route=route, ticket=ticket, metrics=metrics, t0=t0, path=path,
+        tools=req.tools.tools if req.tools is not None else [],
+    )  # fmt: skip
 
 
 async def instance_of(ctx: ApiContext, model: str, context: int = 0) -> Instance:

@@ -5,12 +5,13 @@ keeps one when the client asked for no parallel calls."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast, get_args
 
 import msgspec
 
+from meshd.domain.chat import ToolSpec
 from meshd.models.tools import ParsedCall, ToolCallParser, ToolFormat
 
 __all__ = ["Call", "ChoiceCalls", "json_text", "new_call_id"]
@@ -54,10 +55,16 @@ class ChoiceCalls:
         *,
         parallel: bool = True,
         new_id: Callable[[], str] = new_call_id,
+        tools: Sequence[ToolSpec] = (),
     ) -> None:
         """``fmt``: the model's tool format (stage 0 says which); ``parallel`` False
-        keeps only the first call; ``new_id`` names each call (the dialect's style)."""
-        self._parser = ToolCallParser(cast(ToolFormat, fmt) if fmt in _FORMATS else "generic")
+        keeps only the first call; ``new_id`` names each call (the dialect's style);
+        ``tools``: the functions offered, whose schemas type arguments that a format
+        writes as raw text."""
+        self._parser = ToolCallParser(
+            cast(ToolFormat, fmt) if fmt in _FORMATS else "generic",
+            [{"name": t.name, "parameters": t.parameters} for t in tools],
+        )
         self._parallel = parallel
         self._new_id = new_id
         #: Every call so far, in order.

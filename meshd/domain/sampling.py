@@ -235,6 +235,10 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: Constrain the output to this grammar (llguidance's JSON definition, see
     #: ``meshd.engines.grammar``); None: free text.
     grammar: str | None = None
+    #: Control tokens the text shows as their own text, where other control tokens
+    #: show as nothing: the markers of the model's tool-call format, which the API
+    #: node reads calls by (stage 0 sets them for a request with tools).
+    shown_specials: list[int] = []
 
     def check(self, n_vocab: int = 0) -> None:
         """Raise :class:`SamplingError` for the first value that breaks its rule, or a

@@ -18,13 +18,22 @@ before it (OpenAI's semantics).
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["MAX_STOPS", "IncrementalDetokenizer", "StopMatcher", "TextStream"]
+__all__ = ["MAX_STOPS", "IncrementalDetokenizer", "StopMatcher", "TextStream", "showing"]
 
 MAX_STOPS = 16
 """Most stop strings in one request (OpenAI allows 4; Anthropic and Ollama clients may
 send more; matching cost grows with the count)."""
+
+
+def showing(piece: Callable[..., bytes], shown: Iterable[int]) -> Callable[[int], bytes]:
+    """A token's bytes by ``piece`` (a stage's ``token_to_piece``), the control tokens
+    in ``shown`` as their text where the others render as nothing."""
+    ids = frozenset(shown)
+    if not ids:
+        return piece
+    return lambda token: piece(token, special=token in ids)
 
 
 class IncrementalDetokenizer:

@@ -12,7 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshd.engines.detok import MAX_STOPS, IncrementalDetokenizer, StopMatcher, TextStream
+from meshd.engines.detok import (
+    MAX_STOPS,
+    IncrementalDetokenizer,
+    StopMatcher,
+    TextStream,
+    showing,
+)
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -326,3 +332,14 @@ def test_a_primed_stream_continues_held_text_exactly() -> None:
         replay.prime(range(k))
         after = "".join(replay.push(t)[0] for t in range(k, len(pieces))) + replay.finish()
         assert before + after == whole
+
+
+def test_a_request_shows_the_control_tokens_it_names_and_no_others() -> None:
+    texts = {0: b"<|tool_call|>", 1: b"<|im_end|>", 2: b"hi"}
+
+    def piece(token: int, *, special: bool = False) -> bytes:
+        return texts[token] if special or token == 2 else b""
+
+    stream = TextStream(showing(piece, [0]))
+    assert [stream.push(t)[0] for t in (2, 0, 1, 2)] == ["hi", "<|tool_call|>", "", "hi"]
+    assert showing(piece, []) is piece  # no request shows any: the stage's own

@@ -161,7 +161,9 @@ def test_mlx_and_llama_read_the_same_vocabulary(model_path: Path, vocab) -> None
     assert other.eos == vocab.eos
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "generic", "llama3", "mistral"])
+@pytest.mark.parametrize(
+    "fmt", ["hermes", "generic", "llama3", "mistral", "qwen3_coder", "glm45", "pythonic", "harmony"]
+)
 def test_a_forced_call_is_always_a_call_the_parser_reads_with_valid_arguments(
     stage, vocab, fmt
 ) -> None:
@@ -181,7 +183,7 @@ def test_a_forced_call_is_always_a_call_the_parser_reads_with_valid_arguments(
     check_grammar(grammar)
     rng = np.random.default_rng(3)
     for _ in range(5):
-        p = ToolCallParser(fmt)
+        p = ToolCallParser(fmt, tools)
         parts = p.feed(_text(stage, _walk(vocab, grammar, rng))) + p.finish()
         calls = [x for x in parts if isinstance(x, ParsedCall)]
         assert len(calls) == 1 and not [x for x in parts if isinstance(x, str) and x.strip()]

@@ -16,7 +16,14 @@ from meshd.engines.grammar import bounded_strings, check_grammar, closed_objects
 from meshd.engines.protocol import RunnerConfig
 from meshd.engines.stage import Stage
 from meshd.models.chat import CHATML_TEMPLATE, quote_specials, render_chat, split_quoted
-from meshd.models.tools import ToolFormat, forced_call_lark, template_messages, tool_format
+from meshd.models.tools import (
+    ToolFormat,
+    control_tokens,
+    forced_call_lark,
+    template_messages,
+    tool_format,
+    tool_markers,
+)
 from meshd.transport import wire
 
 from .seats import Seats
@@ -73,6 +80,13 @@ class Prompts:
         self.template = template
         #: :func:`tool_format` of the template (how this model writes tool calls).
         self.tool_format: ToolFormat = tool_format(template)
+        #: Its markers that are control tokens of the model, and their ids: a forced
+        #: call writes them as those tokens, and a request with tools shows them.
+        self.tool_specials = control_tokens(
+            tool_markers(self.tool_format),
+            lambda text: stage.tokenize(text, add_special=False, parse_special=True),
+            lambda token, special: stage.token_to_piece(token, special=special),
+        )
         # What chat templates get as bos_token / eos_token: the model's own token text,
         # as llama-cpp-python and transformers pass them.
         self.bos_text, self.eos_text = stage.special_texts()
@@ -140,6 +154,11 @@ class Prompts:
             if not piece(t, special=False) and piece(t, special=True)
         ]
 
+    def shown_specials(self, job: Job) -> list[int]:
+        """The control tokens ``job``'s text shows as text: its tool format's markers
+        when it offers tools (the API node reads the calls by them), else none."""
+        return sorted(self.tool_specials.values()) if job.tools is not None else []
+
     def tool_grammar(self, job: Job) -> str | None:
         """The grammar that constrains ``job``'s output to one call when its
         ``tool_choice`` forces one (``required`` or a function's name), else None;
@@ -158,7 +177,7 @@ class Prompts:
             if t.parameters is not None:
                 d["parameters"] = bounded_strings(closed_objects(t.parameters))
             shown.append(d)
-        grammar = lark_grammar(forced_call_lark(shown, self.tool_format, name))
+        grammar = lark_grammar(forced_call_lark(shown, self.tool_format, name, self.tool_specials))
         check_grammar(grammar)
         return grammar
 
@@ -189,8 +208,15 @@ def admit(
         grammar = prompts.tool_grammar(g.job)
     except ValueError as e:
         raise Refused("bad_sampling", str(e)) from e
+    # Stage 0 decides both for the last stage, whatever the request carried.
+    sampling = g.job.sampling
     if grammar is not None:
-        g = with_sampling(g, msgspec.structs.replace(g.job.sampling, grammar=grammar))
+        sampling = msgspec.structs.replace(sampling, grammar=grammar)
+    shown = prompts.shown_specials(g.job)
+    if shown != sampling.shown_specials:
+        sampling = msgspec.structs.replace(sampling, shown_specials=shown)
+    if sampling is not g.job.sampling:
+        g = with_sampling(g, sampling)
     job = g.job
     try:
         prompt = prompts.tokenize(job)

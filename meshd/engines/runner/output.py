@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshd.engines.constraint import Constraint, GrammarVocab
-from meshd.engines.detok import TextStream
+from meshd.engines.detok import TextStream, showing
 from meshd.engines.sampling import Draw, Sampler
 from meshd.engines.stage import Stage, StageInput
 from meshd.models.pooling import Pooling, pool, pooling_of
@@ -63,7 +63,7 @@ class Output:
         s = r.sampling
         s.check(self.stage.n_vocab)
         r.sampler = Sampler(s, position=len(resume), history=resume)
-        r.text = TextStream(self.stage.token_to_piece, list(s.stop))
+        r.text = TextStream(showing(self.stage.token_to_piece, s.shown_specials), list(s.stop))
         r.text.prime(resume)
         if s.grammar is not None:
             r.constraint = Constraint(self.grammar_vocab(), s.grammar, resume)
