@@ -77,6 +77,16 @@ def routes() -> dict[str, set[str]]:
 ROUTES = routes()
 
 
+def methods_at(path: str) -> set[str]:
+    """Every method some route serves at ``path``: a literal route's path may also fill
+    a parameter of another (``/v1/instances/stream`` is ``/v1/instances/{id}`` too)."""
+    out: set[str] = set()
+    for r in API_ROUTES:
+        if isinstance(r, Route) and r.path_regex.match(path):
+            out.update(r.methods or ())
+    return out
+
+
 # -- strategies ------------------------------------------------------------------------
 #: Strings JSON and UTF-8 make hard: lone surrogates, NUL, BOM, escapes, RTL marks.
 _nasty = st.sampled_from(
@@ -165,6 +175,8 @@ def requests(draw) -> tuple[str, str, str, set[str], bytes | None, str | None, d
     path = _fill(template, ident)
     if "{" in template and (not ident or "/" in ident):
         allowed = set()
+    elif allowed:
+        allowed = methods_at(path)
     body, ctype = draw(bodies(template))
     query = draw(st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=2))
     return method, template, path, allowed, body, ctype, query

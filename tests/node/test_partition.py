@@ -34,11 +34,32 @@ def _up(host: Host, tmp: Path) -> None:
     )  # fmt: skip
 
 
+# A view of the node, one line per line asked for: started once per host, so a poll
+# costs two local HTTP requests, not a Python start in a namespace (hundreds of ms on
+# a busy machine, which would blur the 2 s the heal is timed against).
 _PROBE = r"""
-import json, urllib.request
+import json, sys, urllib.request
 get = lambda p: json.load(urllib.request.urlopen("http://127.0.0.1:7470" + p, timeout=5))
-print(json.dumps([get("/v1/cluster")["nodes"], get("/v1/instances")["data"]]))
+for _ in sys.stdin:
+    try:
+        print(json.dumps([get("/v1/cluster")["nodes"], get("/v1/instances")["data"]]), flush=True)
+    except Exception as e:
+        print(json.dumps(None), flush=True)
 """
+_PROBES: dict[str, subprocess.Popen[str]] = {}
+
+
+def _probe(host: Host) -> list | None:
+    proc = _PROBES.get(host.name)
+    if proc is None or proc.poll() is not None:
+        proc = _PROBES[host.name] = host.popen(
+            [sys.executable, "-S", "-u", "-c", _PROBE],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline() or "null")
 
 
 _ASK = r"""
@@ -60,10 +81,10 @@ def _ask(host: Host) -> str | None:
 
 def _view(host: Host) -> tuple[dict[str, str], list[tuple]] | None:
     """(name -> liveness, instances) as the node in ``host`` sees them."""
-    r = host.run([sys.executable, "-S", "-c", _PROBE], timeout=15)
-    if r.returncode != 0:
+    got = _probe(host)
+    if got is None:
         return None
-    nodes, insts = json.loads(r.stdout)
+    nodes, insts = got
     live = {n["name"]: n["liveness"] for n in nodes}
     plan = sorted(
         (i["id"], i["generation"], tuple((s["node"], s["start"], s["end"]) for s in i["stages"]))
