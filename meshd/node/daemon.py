@@ -427,7 +427,7 @@ async def _assemble(
         identity.node_id, HLC(max_drift_ms=cfg.max_clock_drift_ms), **access.replica_options()
     )
     access.install(replica, cfg.name)
-    backends, devices = await probe()
+    backends, devices = await probe(cache_dir=cfg.cache_dir)
     incarnation = secrets.token_hex(6)
     mesh_port = cfg.mesh_port
     if access.secured and mesh_port == 0:

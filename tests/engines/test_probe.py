@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
 
 from meshd.crdt.views import NodeCard
 from meshd.domain.nodes import Device
-from meshd.engines.probe import Probed, detect_devices, llama_devices, probe
+from meshd.engines import probe as probe_module
+from meshd.engines.probe import PROBE_CACHE, Probed, detect_devices, llama_devices, probe
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,3 +51,34 @@ def test_a_card_carries_its_gpus_and_an_old_card_reads_without() -> None:
     assert back.devices == [d]
     old = msgspec.structs.replace(card, devices=[])
     assert "devices" not in msgspec.msgpack.decode(msgspec.msgpack.encode(old))
+
+
+def test_an_answer_without_a_gpu_is_kept_until_the_engines_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    found = asyncio.run(probe(cache_dir=tmp_path))
+    assert "llama_cpp-cpu" in found.backends and (tmp_path / PROBE_CACHE).is_file()
+
+    async def no_subprocess(timeout: float) -> Probed:
+        raise AssertionError("probed again")
+
+    # The next start takes the kept answer, without the subprocess.
+    monkeypatch.setattr(probe_module, "_probe", no_subprocess)
+    assert asyncio.run(probe(cache_dir=tmp_path)) == found
+    # Other engines installed: probed again.
+    monkeypatch.setattr(probe_module, "install_key", lambda: "another install")
+    with pytest.raises(AssertionError, match="probed again"):
+        asyncio.run(probe(cache_dir=tmp_path))
+
+
+def test_an_answer_with_a_gpu_is_never_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpu = Device(backend="llama_cpp-cuda", name="CUDA0", mem_total=8 << 30, mem_free=7 << 30)
+
+    async def with_a_gpu(timeout: float) -> Probed:
+        return Probed(["llama_cpp-cpu", "llama_cpp-cuda"], [gpu])
+
+    monkeypatch.setattr(probe_module, "_probe", with_a_gpu)
+    assert asyncio.run(probe(cache_dir=tmp_path)).devices == [gpu]
+    assert not (tmp_path / PROBE_CACHE).exists()
