@@ -25,13 +25,15 @@ def test_a_loaded_stage_times_a_decode_step_and_leaves_its_sequence_free() -> No
         # not nothing.
         assert 0.001 < ms < 5.0, ms
         assert stage.n_past(0) == 0
-        # The figure is the time of a real step, per layer.
+        # The figure is the time of a real step, per layer: the least of several, as the
+        # calibration keeps (a busy machine stretches some steps, never shortens one).
         stage.forward([StageInput(seq=1, pos=0, tokens=np.arange(1, 9, dtype=np.int32))])
-        t0 = time.perf_counter()
-        for i in range(4):
+        steps = []
+        for i in range(8):
+            t0 = time.perf_counter()
             stage.forward([StageInput(seq=1, pos=8 + i, tokens=np.array([5], np.int32))])
-        step = (time.perf_counter() - t0) / 4 * 1000 / 30
-        assert ms / 4 < step < ms * 4, (ms, step)
+            steps.append((time.perf_counter() - t0) * 1000 / 30)
+        assert ms / 4 < min(steps) < ms * 4, (ms, steps)
 
 
 def test_the_clock_follows_decode_steps_only() -> None:
