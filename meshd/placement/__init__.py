@@ -12,7 +12,6 @@ from .place import (
     Policy,
     base_context,
     default_context,
-    engine_of,
     instance_context,
     next_generation,
     node_vram,
@@ -26,6 +25,7 @@ from .place import (
     stage_offload,
 )
 from .resources import NodeResources, node_resources
+from .support import engine_of, model_engines
 
 __all__ = [
     "DEFAULT_ENGINE_PREFERENCE",
@@ -40,6 +40,7 @@ __all__ = [
     "engine_of",
     "fmt_bytes",
     "instance_context",
+    "model_engines",
     "next_generation",
     "node_resources",
     "node_vram",

@@ -1,6 +1,7 @@
 """Other architectures through llama.cpp stages: a model cut in two gives what the
 whole model gives, for shapes other than the default model's (attention biases, an
 untied output head); and the one kind that cannot be cut is refused by placement.
+MLX is offered for a GGUF only where its GGUF path builds the architecture (llama).
 
 The models are small GGUFs written here (random weights, the default model's
 tokenizer): no download, and every tensor shape is the architecture's own.
@@ -19,8 +20,10 @@ import pytest
 from meshd.crdt.views import InstanceSpec
 from meshd.domain.facts import ModelFacts
 from meshd.engines.llama_stage import LlamaStage
+from meshd.models.errors import UnsupportedModelError
 from meshd.models.facts import read_facts
 from meshd.models.hashing import file_sha256
+from meshd.models.mlx_layout import check_gguf_for_mlx
 from meshd.models.slicing import slice_gguf
 from meshd.placement import PlacementError, place
 from meshd.placement.resources import NodeResources
@@ -152,3 +155,26 @@ def test_an_architecture_whose_split_is_not_proven_runs_on_one_node() -> None:
     with pytest.raises(PlacementError, match="one node"):
         place(InstanceSpec(model="g3n", min_nodes=2), facts, nodes)
     assert len(place(InstanceSpec(model="g3n"), facts, nodes)) == 1
+
+
+#: A Mac: MLX on Metal ranked first, llama.cpp on Metal too.
+MAC = {"mac": NodeResources(id="mac", name="mac", backends=["mlx-metal", "llama_cpp-metal"],
+                            mem_available=1 << 40)}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(MATRIX))
+def test_mlx_is_offered_for_a_gguf_only_where_it_builds_the_architecture(
+    models: Callable[[str], Path], case: str
+) -> None:
+    arch, path = MATRIX[case][0], models(case)
+    facts = read_facts(path, arch, sha256="0" * 64)
+    if arch == "llama":
+        assert facts.engines == ["llama_cpp", "mlx"]
+        check_gguf_for_mlx(path)
+    else:
+        # The facts and the MLX stage's own check agree, for the architecture's reason.
+        assert facts.engines == ["llama_cpp"]
+        with pytest.raises(UnsupportedModelError, match=f"architecture llama only.*'{arch}'"):
+            check_gguf_for_mlx(path)
+    (stage,) = place(InstanceSpec(model=arch), facts, MAC)
+    assert stage.engine == ("mlx" if arch == "llama" else "llama_cpp")
