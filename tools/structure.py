@@ -150,7 +150,7 @@ MODULE_SIZES: dict[str, int] = {
     "meshd/node/daemon.py": 576,
     "meshd/node/diagnosis.py": 637,
     "meshd/node/supervisor.py": 496,
-    "meshd/placement/place.py": 1133,
+    "meshd/placement/place.py": 1125,
     "meshd/transport/discovery.py": 410,
     "meshd/transport/gossip.py": 462,
     "meshd/transport/wire.py": 480,
@@ -170,7 +170,7 @@ FUNCTION_SIZES: dict[str, int] = {
     "meshd/node/diagnosis.py::_bonjour": 86,
     "meshd/node/requests.py::Requests.generate": 82,
     "meshd/placement/place.py::_repair": 84,
-    "meshd/placement/place.py::place": 121,
+    "meshd/placement/place.py::place": 124,
 }
 
 # TEMPORARY exemptions from the size check, for a module being split while the check

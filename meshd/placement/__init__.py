@@ -25,10 +25,11 @@ from .place import (
     stage_offload,
 )
 from .resources import NodeResources, node_resources
-from .support import engine_of, model_engines
+from .support import SPLIT_PROVEN, engine_of, model_engines, split_refusal
 
 __all__ = [
     "DEFAULT_ENGINE_PREFERENCE",
+    "SPLIT_PROVEN",
     "NodeResources",
     "Offload",
     "Placement",
@@ -50,6 +51,7 @@ __all__ = [
     "plan_digest",
     "predicted_tokens_s",
     "repair_needed",
+    "split_refusal",
     "stage_need",
     "stage_offload",
 ]

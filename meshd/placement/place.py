@@ -44,7 +44,14 @@ from meshd.domain.facts import ModelFacts
 
 from .errors import MiB, PlacementError, fmt_bytes
 from .resources import NodeResources
-from .support import backend_rank, engine_of, model_engines, node_engines, refused_text
+from .support import (
+    backend_rank,
+    engine_of,
+    model_engines,
+    node_engines,
+    refused_text,
+    split_refusal,
+)
 
 #: Backends ranked fastest first: a node runs the model on the engine of its
 #: best-ranked backend that the model supports. MLX where it has a GPU (Metal, CUDA),
@@ -58,17 +65,6 @@ DEFAULT_ENGINE_PREFERENCE: tuple[str, ...] = (
     "llama_cpp-gpu",
     "llama_cpp-cpu",
     "mlx-cpu",
-)
-
-
-#: GGUF architectures never split: their llama.cpp graph feeds a stage more than the
-#: hidden rows (Gemma 3n's per-layer embeddings, hybrid recurrent state), or rescales
-#: them in a way no test has proven a stage undoes (the MoE Granite, MiniCPM 3). Gemma,
-#: Gemma 2/3, Granite and MiniCPM do split: a later stage divides the rows by the
-#: graph's input scale and a slice carries its layers' sliding-window flags
-#: (``meshd.models.scaling``), proven equal to the whole model in tests.
-UNSPLITTABLE_ARCHITECTURES = frozenset(
-    {"gemma3n", "gemma-embedding", "granitemoe", "granitehybrid", "minicpm3"}
 )
 
 
@@ -350,6 +346,9 @@ def place(
     ``spec.nodes``, one entry pins every stage. A node with no usable engine is never
     chosen; the error names the engines that cannot build the model, and why.
 
+    **Splits.** A model whose split is not proven (``support.SPLIT_PROVEN``) runs on
+    one node; asked for more, or fitting no single node, the error says why.
+
     **Fresh plan.** Candidates are ranked by usable memory (budget less the floor),
     most first, ties on node id. For k = ``spec.min_nodes``, k + 1, ..., the top k
     candidates, in rank order, get the layers split in proportion to usable memory
@@ -464,15 +463,8 @@ def _check_spec(spec: InstanceSpec, m: _Model) -> None:
             f"min_nodes={spec.min_nodes} but model {m.name!r} has only {m.n} layer(s)",
         )
     if max(spec.min_nodes, len(spec.nodes)) > m.max_stages:
-        why = (
-            "an encoder (embeddings only) attends both ways over its whole input"
-            if m.embedding_only
-            else "a split of its llama.cpp graph is not proven equal to the whole model"
-        )
         raise PlacementError(
-            "bad_spec",
-            f"model {m.name!r} ({m.arch}) runs on one node: {why}, so its layers cannot "
-            "be split across stages",
+            "bad_spec", f"model {m.name!r} ({m.arch}) runs whole on one node: {m.unsplit}"
         )
     if not m.engines:
         raise PlacementError("no_backend", f"no engine can build model {m.name!r}{m.refused_all}")
@@ -495,11 +487,12 @@ class _Model:
     floor: int
     engines: tuple[str, ...]
     preference: tuple[str, ...]
-    #: Most stages the model may be cut into (1: see UNSPLITTABLE_ARCHITECTURES).
+    #: Most stages the model may be cut into (1: its split is not proven, see support).
     max_stages: int
     arch: str
-    embedding_only: bool = False
-    refused: tuple[tuple[str, str], ...] = ()  # engines that cannot build it, and why
+    #: Why it runs whole ("" when it may be cut), and the engines that cannot build it.
+    unsplit: str = ""
+    refused: tuple[tuple[str, str], ...] = ()
     #: Bytes of a llama.cpp stage's KV element relative to F16 (its cache type).
     kv_factor: float = 1.0
     kv_cache: str = "f16"
@@ -529,6 +522,7 @@ class _Model:
         if facts.n_ctx_train > 0:
             tokens = min(tokens, facts.n_ctx_train)
         engines, refused = model_engines(facts)
+        unsplit = split_refusal(facts)
         return _Model(
             name=name,
             n=facts.n_layers,
@@ -542,11 +536,9 @@ class _Model:
             floor=policy.floor_bytes,
             engines=engines,
             preference=tuple(policy.engine_preference),
-            max_stages=1
-            if facts.embedding_only or facts.architecture in UNSPLITTABLE_ARCHITECTURES
-            else facts.n_layers,
-            embedding_only=facts.embedding_only,
+            max_stages=facts.n_layers if unsplit is None else 1,
             arch=facts.architecture,
+            unsplit=unsplit or "",
             refused=refused,
             kv_factor=KV_CACHE_TYPES.get(policy.kv_cache, 1.0),
             kv_cache=policy.kv_cache,
@@ -874,7 +866,7 @@ def _place_fresh(m: _Model, ranked: Sequence[_Cand], min_nodes: int) -> list[Sta
     if m.max_stages == 1 and len(ranked) > 1:
         err = PlacementError(
             err.reason,
-            f"{err.message} ({m.arch} models are not split across nodes: one must hold it)",
+            f"{err.message} ({m.arch} runs whole on one node, which must hold it: {m.unsplit})",
             err.shortfalls,
         )
     raise err

@@ -1,30 +1,36 @@
 """What a model allows placement: an engine only where it builds the model's
-architecture from its format.
+architecture from its format, and a cut into stages only where the split is proven.
 
 Macs rank ``mlx-metal`` first, so before this rule a Qwen, Gemma or Phi GGUF went to
-MLX there, whose GGUF path builds llama models only.
+MLX there, whose GGUF path builds llama models only; and every architecture but five
+was cut, proven or not (a GPT-2 cut in two answers other text than whole).
 """
 
 from __future__ import annotations
 
 import pytest
+from msgspec.structs import replace
 
 from meshd.crdt.views import Instance, InstanceSpec
 from meshd.crdt.views import Stage as S
 from meshd.domain.builds import buildable_engines
 from meshd.domain.facts import ModelFacts
 from meshd.domain.nodes import NodeResources
-from meshd.placement import PlacementError, model_engines, place
+from meshd.placement import SPLIT_PROVEN, PlacementError, model_engines, place, split_refusal
 
 GiB = 1 << 30
 #: A Mac: MLX on Metal ranked first, llama.cpp on Metal too.
 MAC = ["mlx-metal", "llama_cpp-metal"]
 
 #: The architectures of the engine matrices (tests/engines/test_architectures.py for
-#: GGUFs, test_mlx_architectures.py for folders).
-GGUF_ARCHS = ["gemma", "gemma2", "gemma3", "granite", "llama", "minicpm", "phi3", "qwen2",
-              "qwen3", "qwen3moe"]  # fmt: skip
-FOLDER_ARCHS = ["gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3"]
+#: GGUFs, test_mlx_architectures.py for folders): each test there ties its matrix to
+#: these lists.
+GGUF_ARCHS = sorted(SPLIT_PROVEN["gguf"])
+FOLDER_ARCHS = sorted(SPLIT_PROVEN["mlx"])
+#: Architectures llama.cpp runs whose split no test proves (gpt2 and bloom: measured or
+#: read in llama.cpp's graph to differ cut).
+UNPROVEN = ["bloom", "command-r", "deepseek2", "falcon", "gpt2", "llama4", "mamba",
+            "qwen2vl", "rwkv6", "starcoder2", "t5"]  # fmt: skip
 
 
 def facts(arch: str, fmt: str = "gguf", engines: tuple[str, ...] = ("llama_cpp", "mlx")):
@@ -136,3 +142,44 @@ def test_the_rule_offers_what_each_engine_builds() -> None:
         assert buildable_engines("mlx", arch) == ["mlx"]
     assert buildable_engines("mlx", "gemma3") == ["mlx"]  # an image-text folder
     assert buildable_engines("mlx", "olmo2") == []
+
+
+# -------------------------------------------------------------------------- splits
+
+
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
+def test_an_architecture_proven_to_split_is_cut_when_asked(arch: str) -> None:
+    assert split_refusal(facts(arch)) is None
+    stages = place(InstanceSpec(model="m", min_nodes=2), facts(arch, engines=("llama_cpp",)),
+                   nodes(["llama_cpp-cpu"], ["llama_cpp-cpu"]))  # fmt: skip
+    assert len(stages) == 2
+
+
+@pytest.mark.parametrize("arch", UNPROVEN)
+def test_an_architecture_not_proven_to_split_runs_whole_and_says_why(arch: str) -> None:
+    f = facts(arch, engines=("llama_cpp",))
+    why = split_refusal(f)
+    assert why
+    cpu = ["llama_cpp-cpu"]
+    # Room for the whole model on one node: one stage, wherever min_nodes is not asked.
+    (stage,) = place(InstanceSpec(model="m"), f, nodes(cpu, cpu))
+    assert (stage.start, stage.end) == (0, 4)
+    # Asked for two: refused, with why.
+    with pytest.raises(PlacementError) as err:
+        place(InstanceSpec(model="m", min_nodes=2), f, nodes(cpu, cpu))
+    assert err.value.reason == "bad_spec"
+    assert f"({arch}) runs whole on one node: {why}" in err.value.message
+    # Room for half on each of two nodes: not cut, and the memory error says why.
+    with pytest.raises(PlacementError) as err:
+        place(InstanceSpec(model="m"), f, nodes(cpu, cpu, mem=3 * GiB))
+    assert err.value.reason == "insufficient_memory" and why in err.value.message
+
+
+def test_gpt2s_reason_is_what_its_graph_does_to_a_later_stage() -> None:
+    assert "position embeddings" in (split_refusal(facts("gpt2")) or "")
+    assert "proven for gemma" in (split_refusal(facts("deepseek2")) or "")
+    # Folders: the MLX matrix's list; a GGUF of a folder-only name is not proven.
+    assert split_refusal(facts("mistral", "mlx", ("mlx",))) is None
+    assert split_refusal(facts("mistral")) is not None
+    encoder = replace(facts("qwen3"), embedding_only=True)
+    assert "encoder" in (split_refusal(encoder) or "")
