@@ -9,7 +9,6 @@ into them, the wire carries them, placement and the engines read them.
 ``sampling``   ``SamplingChoice`` (named), ``Sampling`` (resolved), the rules
 ``job``        ``Job``: what a request asks of a model
 ``facts``      ``ModelFacts``: a model, read from its file's header
-``builds``     ``build_refusal``: which engine builds which model (the rule)
 ``nodes``      ``Device``, ``NodeResources``: what a node computes with
 ``text``       ``printable``, ``loggable``: text from the network, safe to show
 =============  ===============================================================

@@ -12,6 +12,7 @@ from .place import (
     Policy,
     base_context,
     default_context,
+    engine_of,
     instance_context,
     next_generation,
     node_vram,
@@ -25,11 +26,9 @@ from .place import (
     stage_offload,
 )
 from .resources import NodeResources, node_resources
-from .support import SPLIT_PROVEN, engine_of, model_engines, split_refusal
 
 __all__ = [
     "DEFAULT_ENGINE_PREFERENCE",
-    "SPLIT_PROVEN",
     "NodeResources",
     "Offload",
     "Placement",
@@ -41,7 +40,6 @@ __all__ = [
     "engine_of",
     "fmt_bytes",
     "instance_context",
-    "model_engines",
     "next_generation",
     "node_resources",
     "node_vram",
@@ -51,7 +49,6 @@ __all__ = [
     "plan_digest",
     "predicted_tokens_s",
     "repair_needed",
-    "split_refusal",
     "stage_need",
     "stage_offload",
 ]
