@@ -13,13 +13,11 @@ for ``n`` choices is ``n`` runs (:func:`admit_choices`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -34,6 +32,7 @@ from meshd.node.metrics import Metrics
 from meshd.transport import wire
 
 from .errors import ApiError, bad_request, node_error, overloaded, request_failed
+from .gone import unless_gone, until_disconnected
 from .limits import Ticket, current_client
 from .sampling import check_max_tokens, pipeline_sampling
 from .services import ApiContext
@@ -52,7 +51,6 @@ __all__ = [
     "until_disconnected",
 ]
 
-T = TypeVar("T")
 log = logging.getLogger("meshd.api")
 
 #: Retry-After given while the node drains (stops): another node answers at once.
@@ -367,27 +365,3 @@ async def collect_all_unless_gone(runs: list[Run], request: Request) -> list[Col
     RequestFailed."""
     answers = await unless_gone(asyncio.gather(*(r.collect() for r in runs)), request)
     return None if answers is None else list(answers)
-
-
-async def unless_gone(work: Awaitable[T], request: Request) -> T | None:
-    """``work``'s result, or None as soon as the client closes the connection (then
-    ``work`` is cancelled: nobody would read what it makes)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(until_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        return None
-    finally:
-        gone.cancel()
-
-
-async def until_disconnected(request: Request) -> None:
-    """Return when the client closes the connection (its body is already read, so the
-    next ASGI message can only be ``http.disconnect``)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
