@@ -44,6 +44,7 @@ from .answers import (
     Finished,
     KeepAlive,
     Text,
+    Thought,
     answer,
     client_closed,
     events,
@@ -122,7 +123,7 @@ def _turn(m: o.Message) -> ChatTurn:
         )
         for i, c in enumerate(m.tool_calls or ())
     ]
-    return ChatTurn(m.role, m.content, calls, None, m.tool_name)
+    return ChatTurn(m.role, m.content, calls, None, m.tool_name, m.thinking)
 
 
 def _request(
@@ -153,6 +154,7 @@ def _request(
         logprobs=body.n_logprobs,
         grammar=body.grammar,
         tools=tools,
+        think=body.think_choice,
     )
 
 
@@ -240,17 +242,18 @@ def _piece(
     text: str = "",
     calls: list[Call] | None = None,
     logprobs: list[wire.TokenLogprob] | None = None,
+    thinking: str = "",
     **done: object,
 ) -> msgspec.Struct:
     lp = chat_logprobs(logprobs).content if logprobs else None
     common: dict[str, Any]  # each field's own type: the response Struct checks them
     common = {"model": body.model, "created_at": _now(), "done": False, "logprobs": lp, **done}
     if chat:
-        msg = o.AssistantMessage(
-            role="assistant", content=text, tool_calls=_tool_calls(calls or [])
-        )
+        calls_ = _tool_calls(calls or [])
+        msg = o.AssistantMessage(role="assistant", content=text, tool_calls=calls_,
+                                 thinking=thinking or None)  # fmt: skip
         return o.ChatResponse(message=msg, **common)
-    return o.GenerateResponse(response=text, **common)
+    return o.GenerateResponse(response=text, thinking=thinking or None, **common)
 
 
 def _calls(body: o.ChatRequest | o.GenerateRequest, run: Run) -> ChoiceCalls | None:
@@ -276,7 +279,7 @@ async def _serve(
     a = answer(got[0], _calls(body, run))
     resp = _piece(
         body, chat=chat, text=a.text if not a.calls else a.text.strip(), calls=a.calls,
-        logprobs=a.logprobs if body.n_logprobs is not None else None,
+        logprobs=a.logprobs if body.n_logprobs is not None else None, thinking=a.reasoning,
         done=True, done_reason=_done_reason(a.finish_reason), **_timings(run, a.usage),
     )  # fmt: skip
     return _json(resp)
@@ -294,6 +297,8 @@ async def _stream(
         if isinstance(e, KeepAlive):
             # NDJSON has no comments: an empty piece keeps the connection busy.
             yield enc.encode(_piece(body, chat=chat)) + b"\n"
+        elif isinstance(e, Thought):  # thoughts stream first, as Ollama's do
+            yield enc.encode(_piece(body, chat=chat, thinking=e.text)) + b"\n"
         elif isinstance(e, Text):
             lp = e.logprobs if body.n_logprobs is not None else None
             if e.text or lp:

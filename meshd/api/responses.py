@@ -79,6 +79,7 @@ def generate_request(body: rs.ResponseRequest) -> GenerateRequest:
         ),
         grammar=fmt.grammar if fmt is not None else None,
         tools=_tool_use(body),
+        think=body.think,
     )
 
 
@@ -87,7 +88,8 @@ def turns(body: rs.ResponseRequest) -> list[ChatTurn]:
 
     A ``function_call`` item joins the assistant turn just before it (an assistant turn
     with calls, as chat completions carry it); a ``function_call_output`` is a ``tool``
-    turn, named after the function it answers (some templates show the name).
+    turn, named after the function it answers (some templates show the name). A
+    ``reasoning`` item's thoughts go with the assistant turn that follows it.
     """
     out: list[ChatTurn] = []
     if body.instructions is not None:
@@ -96,26 +98,31 @@ def turns(body: rs.ResponseRequest) -> list[ChatTurn]:
         out.append(ChatTurn("user", body.input))
         return out
     names: dict[str, str] = {}
+    thoughts = None  # a reasoning item's, for the assistant turn after it
     for item in body.input:
         if item.type == "message":
             # Open models' templates know "system", not OpenAI's newer "developer",
             # which means the same: instructions from the application.
             role = "system" if item.role == "developer" else item.role
             assert role is not None  # checked on decode
-            out.append(ChatTurn(role, item.text))
+            mine = thoughts if role == "assistant" else None
+            out.append(ChatTurn(role, item.text, reasoning=mine))
+            thoughts = None if role == "assistant" else thoughts
         elif item.type == "function_call":
             assert item.call_id is not None and item.name is not None
             call = ToolCallTurn(item.call_id, item.name, item.arguments or "{}")
             names[item.call_id] = item.name
             last = out[-1] if out else None
-            if last is not None and last.role == "assistant":
-                out[-1] = ChatTurn("assistant", last.content, [*last.tool_calls, call])
+            if last is not None and last.role == "assistant" and thoughts is None:
+                out[-1] = msgspec.structs.replace(last, tool_calls=[*last.tool_calls, call])
             else:
-                out.append(ChatTurn("assistant", "", [call]))
+                out.append(ChatTurn("assistant", "", [call], reasoning=thoughts))
+            thoughts = None
         elif item.type == "function_call_output":
             assert item.call_id is not None
             out.append(ChatTurn("tool", item.text, [], item.call_id, names.get(item.call_id)))
-        # "reasoning" items: skipped (the models here take no reasoning state back).
+        elif item.type == "reasoning":
+            thoughts = item.thoughts or None
     return out
 
 
@@ -140,9 +147,12 @@ def _calls(body: rs.ResponseRequest, run: Run) -> ChoiceCalls | None:
 
 
 def _output(a: Answer) -> list[rs.OutputItem]:
-    """A whole answer's output items: its message, then its calls. An answer that only
-    calls has no message (the newlines around its calls are no answer)."""
+    """A whole answer's output items: its thoughts, its message, then its calls. An
+    answer that only calls has no message (the newlines around its calls are no answer)."""
     items: list[rs.OutputItem] = []
+    if a.reasoning:
+        content = [rs.ReasoningText(text=a.reasoning)]
+        items.append(rs.ReasoningItem(id=rs.new_reasoning_id(), content=content))
     if not a.calls or a.text.strip():
         items.append(
             rs.OutputMessage(

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from .responses_schemas import OutputItem, OutputText, Response
+from .responses_schemas import OutputItem, OutputText, ReasoningText, Response
 
 __all__ = [
     "ContentPartAdded",
@@ -21,6 +21,8 @@ __all__ = [
     "OutputItemDone",
     "OutputTextDelta",
     "OutputTextDone",
+    "ReasoningTextDelta",
+    "ReasoningTextDone",
     "ResponseCompleted",
     "ResponseCreated",
     "ResponseEvent",
@@ -77,21 +79,21 @@ class OutputItemDone(_Event, tag="response.output_item.done"):
 
 
 class ContentPartAdded(_Event, tag="response.content_part.added"):
-    """A message's text part opens (empty)."""
+    """A message's text part, or a reasoning item's, opens (empty)."""
 
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class ContentPartDone(_Event, tag="response.content_part.done"):
-    """A message's text part is complete."""
+    """A message's text part, or a reasoning item's, is complete."""
 
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class OutputTextDelta(_Event, tag="response.output_text.delta"):
@@ -112,6 +114,24 @@ class OutputTextDone(_Event, tag="response.output_text.done"):
     content_index: int
     text: str
     logprobs: list[Any] = []
+
+
+class ReasoningTextDelta(_Event, tag="response.reasoning_text.delta"):
+    """More of a reasoning item's thoughts."""
+
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningTextDone(_Event, tag="response.reasoning_text.done"):
+    """A reasoning item's whole thoughts."""
+
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 class FunctionCallArgumentsDelta(_Event, tag="response.function_call_arguments.delta"):
@@ -165,6 +185,8 @@ ResponseEvent = (
     | ContentPartDone
     | OutputTextDelta
     | OutputTextDone
+    | ReasoningTextDelta
+    | ReasoningTextDone
     | FunctionCallArgumentsDelta
     | FunctionCallArgumentsDone
     | ErrorEvent

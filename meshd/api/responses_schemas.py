@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from meshd.domain.reasoning import ThinkChoice
 from meshd.engines.grammar import json_schema_grammar
 
 from .rules import (
@@ -41,6 +42,7 @@ from .rules import (
     check_min,
     check_sampling_fields,
     schema_grammar,
+    think_choice,
     unsupported,
 )
 
@@ -56,6 +58,9 @@ __all__ = [
     "OutputMessage",
     "OutputText",
     "OutputTokensDetails",
+    "ReasoningConfig",
+    "ReasoningItem",
+    "ReasoningText",
     "Response",
     "ResponseRequest",
     "ResponseStatus",
@@ -65,6 +70,7 @@ __all__ = [
     "ToolChoice",
     "new_function_call_id",
     "new_message_id",
+    "new_reasoning_id",
     "new_response_id",
 ]
 
@@ -85,6 +91,11 @@ def new_response_id() -> str:
 def new_message_id() -> str:
     """A fresh output message id, ``msg_`` and 32 hex digits."""
     return "msg_" + uuid.uuid4().hex
+
+
+def new_reasoning_id() -> str:
+    """A fresh reasoning item id, ``rs_`` and 32 hex digits."""
+    return "rs_" + uuid.uuid4().hex
 
 
 def new_function_call_id() -> str:
@@ -136,6 +147,8 @@ class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
     arguments: str | None = None
     output: str | list[InputContent] | None = None
+    #: A ``reasoning`` item's summary (its thoughts are its ``content``).
+    summary: list[InputContent] | None = None
 
     def __post_init__(self) -> None:
         if self.type == "message":
@@ -174,6 +187,12 @@ class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.type == "function_call_output":
             return _content_text(self.output or "", "output")
         return _content_text(self.content or "", "content")
+
+    @property
+    def thoughts(self) -> str:
+        """A ``reasoning`` item's thoughts (its summary where it has no content)."""
+        parts = self.content if isinstance(self.content, list) else []
+        return "\n".join(p.text or "" for p in parts or self.summary or ())
 
 
 class FunctionTool(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -257,6 +276,15 @@ class TextConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     format: TextFormat = msgspec.field(default_factory=lambda: TextFormat(type="text"))
 
 
+class ReasoningConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``reasoning``: how much a thinking model thinks (``none`` turns it off);
+    ``summary`` is accepted (its thoughts come whole, no model here summarises)."""
+
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
 class ResponseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Body of ``POST /v1/responses`` (see the module docstring for what is honoured)."""
 
@@ -278,6 +306,7 @@ class ResponseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: False: at most one call per answer.
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     stream: bool | None = None
     #: Echoed in the response, as OpenAI does; meshd stores nothing.
     metadata: dict[str, Any] | None = None
@@ -311,6 +340,7 @@ class ResponseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
         check_int64(self)
         check_min("max_output_tokens", self.max_output_tokens, 1)
         check_sampling_fields(self)
+        _ = self.think  # raises FieldError for an effort no model knows
         if isinstance(self.input, str):
             if not self.input:
                 raise FieldError("input", "input must be a non-empty string or list of items")
@@ -335,6 +365,12 @@ class ResponseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
             return self.tool_choice.name
         return self.tool_choice or "auto"
 
+    @property
+    def think(self) -> ThinkChoice:
+        """How the model should think (``reasoning.effort``)."""
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        return think_choice(effort, "reasoning.effort")
+
 
 # ---------------------------------------------------------------------------------------
 # the response: output items
@@ -357,6 +393,22 @@ class OutputMessage(msgspec.Struct, kw_only=True, tag="message", tag_field="type
     content: list[OutputText]
 
 
+class ReasoningText(msgspec.Struct, kw_only=True, tag="reasoning_text", tag_field="type"):
+    """The thoughts of a reasoning item, as the model wrote them."""
+
+    text: str
+
+
+class ReasoningItem(msgspec.Struct, kw_only=True, tag="reasoning", tag_field="type"):
+    """A thinking model's thoughts, as an output item before its answer: whole in
+    ``content`` (no model here writes a summary of them)."""
+
+    id: str
+    summary: list[Any] = []
+    content: list[ReasoningText] = []
+    status: ItemStatus = "completed"
+
+
 class FunctionCallItem(msgspec.Struct, kw_only=True, tag="function_call", tag_field="type"):
     """A call the model made, as an output item: ``call_id`` is what its
     ``function_call_output`` answers."""
@@ -368,7 +420,7 @@ class FunctionCallItem(msgspec.Struct, kw_only=True, tag="function_call", tag_fi
     status: ItemStatus
 
 
-OutputItem = OutputMessage | FunctionCallItem
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 # ---------------------------------------------------------------------------------------
@@ -383,7 +435,7 @@ class InputTokensDetails(msgspec.Struct, kw_only=True):
 
 
 class OutputTokensDetails(msgspec.Struct, kw_only=True):
-    """No model here reasons apart from its answer: zero."""
+    """Of the output tokens, a thinking model's thoughts (markers included)."""
 
     reasoning_tokens: int = 0
 
@@ -398,11 +450,12 @@ class ResponseUsage(msgspec.Struct, kw_only=True):
     total_tokens: int
 
     @classmethod
-    def of(cls, input_tokens: int, output_tokens: int) -> ResponseUsage:
+    def of(cls, input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> ResponseUsage:
         """Usage with ``total_tokens`` computed."""
         return cls(
             input_tokens=input_tokens,
             output_tokens=output_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
             total_tokens=input_tokens + output_tokens,
         )
 

@@ -12,7 +12,7 @@ from meshd.transport import wire
 
 from . import responses_events as ev
 from . import responses_schemas as rs
-from .answers import Called, Finished, KeepAlive, Text, events
+from .answers import Called, Finished, KeepAlive, Text, Thought, events
 from .errors import ApiError
 from .runs import Run
 from .schemas import unix_time
@@ -69,16 +69,19 @@ class Draft:
         self, output: list[rs.OutputItem], finish_reason: str, usage: wire.Usage
     ) -> rs.Response:
         """The finished response: ``incomplete`` when cut at ``max_output_tokens``."""
-        u = rs.ResponseUsage.of(usage.prompt_tokens, usage.completion_tokens)
+        u = rs.ResponseUsage.of(
+            usage.prompt_tokens, usage.completion_tokens, usage.reasoning_tokens
+        )
         return self.response(status(finish_reason), output, u)
 
 
 class Stream:
     """Renders :func:`~.answers.events` as the Responses events of one response.
 
-    The message item opens at the first text that is not blank (an answer that only
-    calls has none) and closes before a call item opens; each call is one item, its
-    arguments in one delta (calls are read whole).
+    A reasoning item opens at the first thoughts and closes before the answer's
+    items. The message item opens at the first text that is not blank (an answer that
+    only calls has none) and closes before a call item opens; each call is one item,
+    its arguments in one delta (calls are read whole).
     """
 
     def __init__(self, draft: Draft) -> None:
@@ -89,6 +92,9 @@ class Stream:
         #: The open message: its index in ``items`` and its text so far.
         self.msg: int | None = None
         self.text: list[str] = []
+        #: The open reasoning item: its index in ``items`` and its thoughts so far.
+        self.thought: int | None = None
+        self.thoughts: list[str] = []
 
     def _n(self) -> int:
         """The next event's ``sequence_number``."""
@@ -127,6 +133,9 @@ class Stream:
             if isinstance(e, KeepAlive):
                 # The pipeline broke and the request waits for its repair.
                 yield SSE_KEEPALIVE
+            elif isinstance(e, Thought):
+                for b in self._think(e.text):
+                    yield b
             elif isinstance(e, Text):
                 text = e.text
                 if self.msg is None:
@@ -147,7 +156,11 @@ class Stream:
                     yield b
             elif isinstance(e, Finished):
                 end = e
-                if self.msg is None and not self.items:
+                for b in self._close_thought(status(e.reason)):
+                    yield b
+                if self.msg is None and not any(
+                    not isinstance(i, rs.ReasoningItem) for i in self.items
+                ):
                     # Nothing but blank text: still a message (whole answers have one).
                     for b in self._open_message():
                         yield b
@@ -162,12 +175,54 @@ class Stream:
         last = ev.ResponseIncomplete if resp.status == "incomplete" else ev.ResponseCompleted
         yield self._sse(last(sequence_number=self._n(), response=resp))
 
+    def _think(self, text: str) -> list[bytes]:
+        """More thoughts: in the open reasoning item, or one opened for them."""
+        out = []
+        if self.thought is None:
+            if self.msg is not None:
+                out += self._close_message("completed")
+            self.thought = len(self.items)
+            item = rs.ReasoningItem(id=rs.new_reasoning_id(), status="in_progress")
+            self.items.append(item)
+            self.thoughts = []
+            out += [
+                self._sse(ev.OutputItemAdded(sequence_number=self._n(), output_index=self.thought,
+                                             item=item)),
+                self._sse(ev.ContentPartAdded(sequence_number=self._n(), item_id=item.id,
+                                              output_index=self.thought, content_index=0,
+                                              part=rs.ReasoningText(text=""))),
+            ]  # fmt: skip
+        self.thoughts.append(text)
+        out.append(self._sse(ev.ReasoningTextDelta(
+            sequence_number=self._n(), item_id=self.items[self.thought].id,
+            output_index=self.thought, content_index=0, delta=text,
+        )))  # fmt: skip
+        return out
+
+    def _close_thought(self, status: rs.ItemStatus = "completed") -> list[bytes]:
+        """The events that complete the open reasoning item (none if none is open)."""
+        if self.thought is None:
+            return []
+        i, self.thought = self.thought, None
+        part = rs.ReasoningText(text="".join(self.thoughts))
+        item = rs.ReasoningItem(id=self.items[i].id, content=[part], status=status)
+        self.items[i] = item
+        return [
+            self._sse(ev.ReasoningTextDone(sequence_number=self._n(), item_id=item.id,
+                                           output_index=i, content_index=0, text=part.text)),
+            self._sse(ev.ContentPartDone(sequence_number=self._n(), item_id=item.id,
+                                         output_index=i, content_index=0, part=part)),
+            self._sse(ev.OutputItemDone(sequence_number=self._n(), output_index=i, item=item)),
+        ]  # fmt: skip
+
     def _open_message(self) -> list[bytes]:
+        closed = self._close_thought()
         self.msg = len(self.items)
         item = rs.OutputMessage(id=rs.new_message_id(), status="in_progress", content=[])
         self.items.append(item)
         self.text = []
         return [
+            *closed,
             self._sse(ev.OutputItemAdded(sequence_number=self._n(), output_index=self.msg,
                                          item=item)),
             self._sse(ev.ContentPartAdded(sequence_number=self._n(), item_id=item.id,
@@ -200,6 +255,7 @@ class Stream:
         ]  # fmt: skip
 
     def _call(self, call: Call) -> list[bytes]:
+        closed = self._close_thought()
         i = len(self.items)
         done = call_item(call)
         # Opened with no arguments yet: they follow as one delta.
@@ -209,6 +265,7 @@ class Stream:
         self.items.append(done)
         args = call.arguments
         return [
+            *closed,
             self._sse(ev.OutputItemAdded(sequence_number=self._n(), output_index=i, item=opened)),
             self._sse(ev.FunctionCallArgumentsDelta(sequence_number=self._n(), item_id=done.id,
                                                     output_index=i, delta=args)),

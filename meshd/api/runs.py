@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -25,6 +26,7 @@ from starlette.requests import Request
 from meshd.crdt.views import Instance
 from meshd.domain.chat import ChatTurn, ToolSpec, ToolUse
 from meshd.domain.job import Job
+from meshd.domain.reasoning import ThinkChoice
 from meshd.domain.sampling import SamplingChoice
 from meshd.models import canonical_name
 from meshd.node.errors import RequestFailed
@@ -93,6 +95,9 @@ class GenerateRequest:
     cache_prompt: bool | None = None
     #: May draft tokens for the pipeline to verify (None: as ``cache_prompt``).
     speculate: bool | None = None
+    #: How the model should think, and more variables for its chat template.
+    think: ThinkChoice = field(default_factory=ThinkChoice)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,6 +113,8 @@ class Collected:
     embedding: bytes = b""
     #: The stop string that ended it, if one did.
     stop_sequence: str | None = None
+    #: A thinking model's thoughts, apart from its answer (``text``).
+    reasoning: str = ""
 
 
 class Run:
@@ -199,16 +206,18 @@ class Run:
 
     async def collect(self) -> Collected:
         """The whole answer (raises RequestFailed)."""
-        text, finish, usage, logprobs, embedding = [], "stop", None, [], b""
+        text, thoughts, finish, usage, logprobs, embedding = [], [], "stop", None, [], b""
         matched = None
         async for c in self.pieces():
             text.append(c.text)
+            thoughts.append(c.reasoning)
             logprobs += c.logprobs
             embedding = c.embedding or embedding
             if c.finish_reason:
                 finish, usage, matched = c.finish_reason, c.usage, c.stop_sequence
         usage = usage or wire.Usage(self.n_prompt, 0)
-        return Collected("".join(text), finish, usage, logprobs, embedding, matched)
+        return Collected("".join(text), finish, usage, logprobs, embedding, matched,
+                         "".join(thoughts))  # fmt: skip
 
     def count(self, outcome: str) -> None:
         """Count the request's outcome (``200``, a status, ``client_closed``) and log
@@ -277,6 +286,7 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
             messages=req.messages, prompt=req.prompt, prompt_tokens=req.prompt_tokens,
             sampling=params, tools=req.tools, embed=req.embed, count_only=req.count_only,
             cache_prompt=req.cache_prompt, speculate=req.speculate, client=client,
+            think=req.think, template_kwargs=req.template_kwargs,
         )  # fmt: skip
         chunks = services.generate(inst, job)
         first = await _first(chunks)

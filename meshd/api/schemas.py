@@ -48,6 +48,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from meshd.domain.reasoning import ThinkChoice
 from meshd.domain.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -60,6 +61,7 @@ from .rules import MAX_TOOLS, FieldError, check_function, check_sampling_fields,
 from .rules import check_int64 as _check_int64
 from .rules import check_min as _check_min
 from .rules import check_range as _check_range
+from .rules import think_choice as _think_choice
 from .rules import unsupported as _unsupported
 
 __all__ = [
@@ -84,6 +86,7 @@ __all__ = [
     "CompletionLogprobs",
     "CompletionRequest",
     "CompletionStream",
+    "CompletionTokensDetails",
     "ContentPart",
     "ErrorDetail",
     "ErrorResponse",
@@ -355,6 +358,9 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    #: An earlier answer's thoughts, as they came (vLLM's newer name: ``reasoning``).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         if self.content is None and self.role != "assistant":
@@ -426,9 +432,15 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True, omit_defaults=True
     parallel_tool_calls: bool | None = None
     #: Deprecated form of ``tools``; only empty (or absent) is accepted.
     functions: list[dict[str, Any]] | None = None
+    #: How much a reasoning model thinks (``none`` .. ``xhigh``; see ``think``).
+    reasoning_effort: str | None = None
+    #: Extension (vLLM, llama-server): more variables for the chat template;
+    #: ``enable_thinking: false`` turns thinking off.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check_common(self)
+        _ = self.think  # raises FieldError for an effort no model knows
         if not self.messages:
             raise FieldError("messages", "messages must hold at least one message")
         _check_min("max_completion_tokens", self.max_completion_tokens, 1)
@@ -470,6 +482,16 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True, omit_defaults=True
         if isinstance(self.tool_choice, ToolChoiceFunction):
             return self.tool_choice.function.name
         return self.tool_choice or "auto"
+
+    @property
+    def think(self) -> ThinkChoice:
+        """How the model should think: ``reasoning_effort``, and the template's own
+        ``enable_thinking`` where the client sets it."""
+        enabled = (self.chat_template_kwargs or {}).get("enable_thinking")
+        return _think_choice(
+            self.reasoning_effort, "reasoning_effort",
+            enabled=enabled if isinstance(enabled, bool) else None,
+        )  # fmt: skip
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -534,6 +556,11 @@ class PromptTokensDetails(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(msgspec.Struct, kw_only=True):
+    #: Of the completion tokens, the model's thoughts (markers included).
+    reasoning_tokens: int = 0
+
+
 class Usage(msgspec.Struct, kw_only=True):
     """Token counts of one request."""
 
@@ -542,9 +569,17 @@ class Usage(msgspec.Struct, kw_only=True):
     total_tokens: int
     #: Left out when nothing came from the prefix cache.
     prompt_tokens_details: PromptTokensDetails | msgspec.UnsetType = msgspec.UNSET
+    #: Left out when the model did not think.
+    completion_tokens_details: CompletionTokensDetails | msgspec.UnsetType = msgspec.UNSET
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    def of(
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int = 0,
+        reasoning_tokens: int = 0,
+    ) -> Usage:
         """Usage with ``total_tokens`` computed."""
         return cls(
             prompt_tokens=prompt_tokens,
@@ -552,6 +587,9 @@ class Usage(msgspec.Struct, kw_only=True):
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens)
             if cached_tokens
+            else msgspec.UNSET,
+            completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+            if reasoning_tokens
             else msgspec.UNSET,
         )
 
@@ -563,6 +601,10 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
     content: str | None = None
     #: Left out of the JSON when the answer calls nothing (as OpenAI does).
     tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
+    #: A thinking model's thoughts, under llama-server's and DeepSeek's name and
+    #: vLLM's newer one (left out when it did not think).
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -671,6 +713,9 @@ class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    #: More thoughts (under both names, as :class:`AssistantMessage`).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
@@ -828,6 +873,11 @@ class ChatStream:
                 )
             ]
         )
+
+    def reasoning(self, text: str, *, index: int = 0) -> ChatCompletionChunk:
+        """A chunk adding ``text`` to the thoughts."""
+        delta = ChatDelta(reasoning_content=text, reasoning=text)
+        return self._chunk([ChatCompletionChunkChoice(index=index, delta=delta)])
 
     def tool_call(self, call: ToolCall, n: int, *, index: int = 0) -> list[ChatCompletionChunk]:
         """The chunks of the ``n``-th call of a choice: its name, then its arguments."""

@@ -290,6 +290,8 @@ class Usage(msgspec.Struct, frozen=True, array_like=True):
     #: Drafted steps that held whole while the step after them was already on its
     #: way (speculation pipelined across the stages).
     chained_steps: int = 0
+    #: Of the completion tokens, those of the model's thoughts.
+    reasoning_tokens: int = 0
 
 
 class ChunkError(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -326,6 +328,7 @@ class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     """
 
     req: str
+    #: The answer's text (a thinking model's thoughts come apart, in ``reasoning``).
     text: str = ""
     tokens: list[int] = []
     n_prompt: int | None = None
@@ -351,6 +354,8 @@ class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     eta_s: float = 0.0
     #: On stage 0's acknowledgement: seconds the request waited for its sequence.
     waited_s: float = 0.0
+    #: The thoughts' text that came with ``tokens`` (the last stage splits them).
+    reasoning: str = ""
 
 
 class DataChunks(msgspec.Struct, tag=True, kw_only=True):
