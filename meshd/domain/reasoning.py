@@ -30,8 +30,9 @@ class Thinking(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     format: str
     #: The prompt ended inside the thoughts: the output starts with them.
     open: bool = False
-    #: Thinking is on: a grammar waits for the thoughts to end (off, the model was
-    #: told not to think, so a grammar holds from the first token).
+    #: The model thinks for sure: a grammar waits for the thoughts to end. Otherwise
+    #: (thinking turned off, or a template with no switch, whose model may not think
+    #: at all) a grammar holds from the first token.
     on: bool = True
     #: Most thought tokens (None: no cap).
     budget: int | None = None

@@ -103,6 +103,11 @@ def test_a_grammar_makes_the_model_open_its_thoughts_first() -> None:
     assert stage0(QWEN3, job)[1].forced == ids("<think>\n")
     assert stage0(R1, job)[1].forced == []  # the prompt opened them
     assert stage0(HARMONY, job)[1].forced == ids("<|channel|>analysis<|message|>")
+    # A template with no switch may be a model's that does not think (it only strips
+    # <think> from history): the grammar holds from the first token.
+    plain = QWEN3.replace("enable_thinking is defined and enable_thinking is false", "false")
+    s = stage0(plain, job)[1]
+    assert s.forced == [] and s.thinking is not None and not s.thinking.on
     # A forced call's header follows gpt-oss's thoughts, written by its grammar.
     tools = ToolUse(tools=[ToolSpec(name="noop")], choice="required")
     s = stage0(HARMONY, msgspec.structs.replace(job, tools=tools))[1]

@@ -84,7 +84,8 @@ class Rendered:
     variables: dict[str, Any] = field(default_factory=dict)
     #: The prompt ends inside the thoughts: the output starts with them.
     open: bool = False
-    #: The model may think (not turned off with a switch it has).
+    #: The model thinks for sure (a switch on, a prompt that opens the thoughts,
+    #: gpt-oss), so a grammar waits for its thoughts to end.
     on: bool = True
     #: Tokens the output starts with (the test drill's script).
     script: list[int] = field(default_factory=list)
@@ -124,14 +125,15 @@ class ThinkSetup:
             if isinstance(given, bool):
                 enabled = given  # a client's own chat_template_kwargs switch
             out.variables[sw.variable] = enabled is not False
-            out.on = enabled is not False
         if sw.effort is not None and sw.effort not in out.variables:
             effort = think.effort or (LOWEST_EFFORT if enabled is False else None)
             if effort is not None:
                 out.variables[sw.effort] = effort
-        out.on = self.format is not None and (out.on or self.format == "harmony")
-        if enabled is False and self.format not in (None, "harmony") and sw.variable is None:
-            out.on = sw.soft_off is None  # the soft switch turns it off, where it has one
+        # gpt-oss always thinks; a template's switch says when the others do (and
+        # settle() adds a prompt that opens the thoughts). A template with no switch
+        # leaves it to the model, which may not think at all (Qwen3-Instruct-2507's
+        # still strips <think> from history): a grammar then holds from the first token.
+        out.on = self.format == "harmony" or (sw.variable is not None and enabled is not False)
         last = turns[-1] if turns else None
         if self._script and last is not None and last.content.startswith(self._script):
             out.script = self._tokens(last.content[len(self._script) :])
