@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import shutil
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from meshd.models.gguf import read_header, read_kv_records
+from meshd.models.gguf import encode_kv, read_header, read_kv_records
 
 #: Layers of every synthetic model.
 N_LAYERS = 4
@@ -246,3 +247,34 @@ def write_f32_model(src: Path, dest: Path, n_layers: int, rope_factors: Any = No
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def with_chat_template(src: Path, dest: Path, template: str) -> Path:
+    """A copy of the GGUF ``src`` at ``dest`` whose ``tokenizer.chat_template`` is
+    ``template``: the same weights and vocabulary under another template. The header's
+    records are copied but that one, the tensor descriptors as they are, and the data
+    from a start aligned again (its tensors' offsets are relative to it)."""
+    order, _, records = read_kv_records(src)
+    key = "tokenizer.chat_template"
+    kv = [r.raw for r in records if r.key != key]
+    kv.append(encode_kv(order, key, int(gguf.GGUFValueType.STRING), template))
+    header = read_header(src)
+    align = int(header.kv.get("general.alignment") or 32)
+    with open(src, "rb") as f:
+        head = f.read(24)  # magic, version, tensor count, record count
+        n_tensors = struct.unpack_from(order + "Q", head, 8)[0]
+        f.seek(24 + sum(len(r.raw) for r in records))
+        infos = b""
+        for _ in range(n_tensors):  # name, dims, each dim, type, offset
+            name_len = struct.unpack(order + "Q", f.read(8))[0]
+            part = struct.pack(order + "Q", name_len) + f.read(name_len)
+            n_dims = struct.unpack(order + "I", f.read(4))[0]
+            part += struct.pack(order + "I", n_dims) + f.read(8 * n_dims + 4 + 8)
+            infos += part
+        data_start = -(-f.tell() // align) * align
+        prefix = head[:16] + struct.pack(order + "Q", len(kv)) + b"".join(kv) + infos
+        with open(dest, "wb") as out:
+            out.write(prefix + b"\0" * (-len(prefix) % align))
+            f.seek(data_start)
+            shutil.copyfileobj(f, out, 1 << 22)
+    return dest

@@ -2,9 +2,10 @@
 
 Every dialect's handler admits its runs (:func:`meshd.api.runs.admit_choices`), then
 either takes :func:`whole` answers (read into :class:`Answer`, tool calls split out)
-or renders :func:`events` as its own stream inside :func:`streamed`. Tool calls,
-finish reasons, keep-alives, client disconnects, failures mid-stream and the request
-metrics are handled here once; a dialect only chooses words and shapes.
+or renders :func:`events` as its own stream inside :func:`streamed`. Thoughts (the
+last stage sends them apart from the answer), tool calls, finish reasons,
+keep-alives, client disconnects, failures mid-stream and the request metrics are
+handled here once; a dialect only chooses words and shapes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "Finished",
     "KeepAlive",
     "Text",
+    "Thought",
     "answer",
     "client_closed",
     "events",
@@ -49,6 +51,14 @@ class Text:
     choice: int
     text: str
     logprobs: list[wire.TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Thought:
+    """Thoughts of choice ``choice`` (a thinking model's, before its answer)."""
+
+    choice: int
+    text: str
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,7 @@ class KeepAlive:
     """Nothing to say yet (the pipeline is being repaired): keep the connection busy."""
 
 
-Event = Text | Called | Finished | KeepAlive
+Event = Thought | Text | Called | Finished | KeepAlive
 
 
 @dataclass
@@ -91,6 +101,8 @@ class Answer:
     usage: wire.Usage
     logprobs: list[wire.TokenLogprob]
     stop_sequence: str | None
+    #: The model's thoughts ("": none).
+    reasoning: str = ""
 
 
 def _finish(reason: str, reader: ChoiceCalls | None) -> str:
@@ -100,11 +112,15 @@ def _finish(reason: str, reader: ChoiceCalls | None) -> str:
 def answer(c: Collected, reader: ChoiceCalls | None) -> Answer:
     """``c`` with its tool calls read out (``reader`` None: the request offered none)."""
     if reader is None:
-        return Answer(c.text, [], c.finish_reason, c.usage, c.logprobs, c.stop_sequence)
+        return Answer(
+            c.text, [], c.finish_reason, c.usage, c.logprobs, c.stop_sequence, c.reasoning
+        )
     head, _ = reader.feed(c.text)
     tail, _ = reader.finish()
     reason = _finish(c.finish_reason, reader)
-    return Answer(head + tail, reader.calls, reason, c.usage, c.logprobs, c.stop_sequence)
+    return Answer(
+        head + tail, reader.calls, reason, c.usage, c.logprobs, c.stop_sequence, c.reasoning
+    )
 
 
 def _count(runs: list[Run], outcome: str) -> None:
@@ -185,6 +201,8 @@ async def events(
         if c is KEEPALIVE:
             yield KeepAlive()
             continue
+        if c.reasoning:
+            yield Thought(i, c.reasoning)
         reader = readers[i]
         text = c.text
         new: list[Call] = []

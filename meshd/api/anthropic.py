@@ -4,7 +4,8 @@
 A conversation becomes the one :class:`~.runs.GenerateRequest`: the system prompt a
 system turn, ``tool_use`` blocks the assistant's calls, ``tool_result`` blocks tool
 turns. Answers come from :mod:`.answers`: whole, as a message of ``text`` and
-``tool_use`` blocks, or streamed with Anthropic's events (``message_start``, ``ping``,
+``tool_use`` blocks (after a ``thinking`` block where the model thought), or streamed
+with Anthropic's events (``message_start``, ``ping``,
 ``content_block_start/delta/stop``, ``message_delta``, ``message_stop``; ``ping``
 again while a broken pipeline is repaired; ``error`` on a failure mid-stream).
 
@@ -23,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse
+from meshd.domain.reasoning import ThinkChoice
 from meshd.domain.sampling import SamplingChoice
 from meshd.transport import wire
 
@@ -32,6 +34,7 @@ from .answers import (
     Finished,
     KeepAlive,
     Text,
+    Thought,
     answer,
     client_closed,
     events,
@@ -84,7 +87,8 @@ def _turns(body: a.MessagesRequest | a.CountTokensRequest) -> list[ChatTurn]:
             ]
             for c in calls:
                 names[c.id] = c.name
-            turns.append(ChatTurn("assistant", text, calls))
+            thoughts = "\n".join(b.thinking or "" for b in m.content if b.type == "thinking")
+            turns.append(ChatTurn("assistant", text, calls, reasoning=thoughts or None))
             continue
         # Results first: they answer the calls of the assistant turn just before.
         for b in m.content:
@@ -118,6 +122,17 @@ def _calls(body: a.MessagesRequest, run: Run) -> ChoiceCalls | None:
     return ChoiceCalls(run.tool_format, parallel=parallel, new_id=_tool_use_id, tools=run.tools)
 
 
+#: The signature of every thinking block: Anthropic signs its models' thoughts so that
+#: a client cannot forge them; a local model's thoughts carry no proof (and those sent
+#: back are not checked).
+SIGNATURE = "meshd-local"
+
+
+def _shows_thoughts(body: a.MessagesRequest) -> bool:
+    """Whether thinking blocks carry the thoughts (``display: omitted``: empty)."""
+    return body.thinking is None or body.thinking.display != "omitted"
+
+
 def _stop_reason(reason: str, stop_sequence: str | None) -> str:
     if reason == "tool_calls":
         return "tool_use"
@@ -136,6 +151,7 @@ async def messages(request: Request) -> Response:
         sampling=SamplingChoice(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k),
         stop=list(body.stop_sequences or []),
         tools=_tool_use(body),
+        think=body.thinking.choice if body.thinking is not None else ThinkChoice(),
     )
     run = await admit(context(request), "messages", req)
     if body.stream:
@@ -148,6 +164,9 @@ async def messages(request: Request) -> Response:
         return client_closed()
     ans = answer(got[0], _calls(body, run))
     blocks: list[a.ResponseBlock] = []
+    if ans.reasoning:
+        shown = ans.reasoning if _shows_thoughts(body) else ""
+        blocks.append(a.ResponseBlock(type="thinking", thinking=shown, signature=SIGNATURE))
     text = ans.text.strip() if ans.calls else ans.text
     if text or not ans.calls:
         blocks.append(a.ResponseBlock(type="text", text=text))
@@ -196,17 +215,40 @@ async def _stream(run: Run, body: a.MessagesRequest) -> AsyncGenerator[bytes, No
     yield _event("message_start", {"type": "message_start", "message": start})
     yield _PING
     index = -1  # the block being written
-    in_text = False  # that block is a text block
+    in_text = in_thought = False  # that block is a text block, a thinking block
+    shown = _shows_thoughts(body)
 
     def close() -> bytes:
-        return _event("content_block_stop", {"type": "content_block_stop", "index": index})
+        out = b""
+        if in_thought:  # a thinking block's signature comes last, as Anthropic's does
+            out = _event("content_block_delta", {
+                "type": "content_block_delta", "index": index,
+                "delta": {"type": "signature_delta", "signature": SIGNATURE},
+            })  # fmt: skip
+        return out + _event("content_block_stop", {"type": "content_block_stop", "index": index})
 
     async for e in events([run], [_calls(body, run)]):
         if isinstance(e, KeepAlive):
             yield _PING
+        elif isinstance(e, Thought):
+            if not in_thought:
+                if index >= 0:
+                    yield close()
+                index, in_text, in_thought = index + 1, False, True
+                yield _event("content_block_start", {
+                    "type": "content_block_start", "index": index,
+                    "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+                })  # fmt: skip
+            if shown:
+                yield _event("content_block_delta", {
+                    "type": "content_block_delta", "index": index,
+                    "delta": {"type": "thinking_delta", "thinking": e.text},
+                })  # fmt: skip
         elif isinstance(e, Text) and e.text:
             if not in_text:
-                index, in_text = index + 1, True
+                if index >= 0:
+                    yield close()
+                index, in_text, in_thought = index + 1, True, False
                 yield _event("content_block_start", {
                     "type": "content_block_start", "index": index,
                     "content_block": {"type": "text", "text": ""},
@@ -218,7 +260,7 @@ async def _stream(run: Run, body: a.MessagesRequest) -> AsyncGenerator[bytes, No
         elif isinstance(e, Called):
             if index >= 0:
                 yield close()
-            index, in_text = index + 1, False
+            index, in_text, in_thought = index + 1, False, False
             c = e.call
             yield _event("content_block_start", {
                 "type": "content_block_start", "index": index,
@@ -244,9 +286,11 @@ async def count_tokens(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's tokens as the model reads it
     (its chat template, tools included), counted by stage 0 without running it."""
     body = await parse_body(request, a.CountTokensRequest)
+    think = body.thinking.choice if body.thinking is not None else ThinkChoice()
     req = GenerateRequest(
-        model=body.model, messages=_turns(body), tools=_tool_use(body), count_only=True
-    )
+        model=body.model, messages=_turns(body), tools=_tool_use(body), count_only=True,
+        think=think,
+    )  # fmt: skip
     run = await admit(context(request), "count_tokens", req)
     got = await whole(request, [run])
     if got is None:

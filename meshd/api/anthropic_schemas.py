@@ -3,11 +3,13 @@
 Honoured: ``system`` (a string or text blocks), ``messages`` with text, ``tool_use``
 and ``tool_result`` blocks, ``max_tokens``, ``stop_sequences``, ``temperature`` (0-1),
 ``top_p``, ``top_k``, ``stream``, ``tools`` (custom tools: ``name``, ``description``,
-``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``, with
-``disable_parallel_tool_use``). ``thinking`` blocks of earlier answers are dropped (the
-model never sees them again, as with Anthropic's own models). Accepted and ignored:
-``metadata``, ``cache_control`` anywhere, ``service_tier``, ``container``, and a
-``thinking`` setting (the models meshd serves write no separate reasoning). A 400 names
+``input_schema``), ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``, with
+``disable_parallel_tool_use``) and ``thinking`` (``enabled`` with ``budget_tokens``, a
+cap on the thought tokens; ``disabled``, with the model's own switch; ``adaptive``;
+``display: omitted``). ``thinking`` blocks of earlier answers go back to the template
+as the assistant turn's thoughts (most templates drop past thoughts); their signature
+is not checked, and ``redacted_thinking`` blocks are dropped. Accepted and ignored:
+``metadata``, ``cache_control`` anywhere, ``service_tier``, ``container``. A 400 names
 what cannot be done: image or document blocks, and server tools (web search, code
 execution, ...), which run on Anthropic's side.
 
@@ -20,6 +22,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+
+from meshd.domain.reasoning import ThinkChoice
 
 from .rules import (
     MAX_TOOLS,
@@ -40,6 +44,7 @@ __all__ = [
     "MessagesRequest",
     "ResponseBlock",
     "SystemBlock",
+    "ThinkingConfig",
     "ToolChoice",
     "ToolParam",
     "Usage",
@@ -63,6 +68,8 @@ class Block(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_use_id: str | None = None
     content: str | list[Block] | None = None
     is_error: bool | None = None
+    #: thinking (its signature is not checked: the thoughts are a local model's)
+    thinking: str | None = None
 
     def __post_init__(self) -> None:
         if self.type not in _READ:
@@ -168,6 +175,29 @@ class _Conversation(msgspec.Struct, kw_only=True, omit_defaults=True):
         return "\n".join(b.text for b in self.system)
 
 
+class ThinkingConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``thinking``: ``enabled`` (at most ``budget_tokens`` thought tokens),
+    ``disabled``, or ``adaptive`` (the model decides, as with any other type);
+    ``display: omitted`` sends the thinking blocks empty."""
+
+    type: str
+    budget_tokens: int | None = None
+    display: str | None = None
+
+    def __post_init__(self) -> None:
+        # Another type (Anthropic adds them: ``between_tools``) leaves it to the model.
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise FieldError("budget_tokens", "thinking type 'enabled' needs budget_tokens")
+        check_min("budget_tokens", self.budget_tokens, 1)
+
+    @property
+    def choice(self) -> ThinkChoice:
+        """How the model should think."""
+        enabled = {"enabled": True, "disabled": False}.get(self.type)
+        budget = self.budget_tokens if self.type == "enabled" else None
+        return ThinkChoice(enabled=enabled, budget=budget)
+
+
 class MessagesRequest(_Conversation, kw_only=True, omit_defaults=True):
     """Body of ``POST /v1/messages``."""
 
@@ -178,7 +208,7 @@ class MessagesRequest(_Conversation, kw_only=True, omit_defaults=True):
     top_k: int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: ThinkingConfig | None = None
 
     def __post_init__(self) -> None:
         self._check()
@@ -192,7 +222,7 @@ class MessagesRequest(_Conversation, kw_only=True, omit_defaults=True):
 class CountTokensRequest(_Conversation, kw_only=True, omit_defaults=True):
     """Body of ``POST /v1/messages/count_tokens``."""
 
-    thinking: dict[str, Any] | None = None
+    thinking: ThinkingConfig | None = None
 
     def __post_init__(self) -> None:
         self._check()
@@ -203,13 +233,15 @@ class CountTokensRequest(_Conversation, kw_only=True, omit_defaults=True):
 
 
 class ResponseBlock(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A block of an answer: ``text`` or ``tool_use``."""
+    """A block of an answer: ``thinking``, ``text`` or ``tool_use``."""
 
-    type: Literal["text", "tool_use"]
+    type: Literal["thinking", "text", "tool_use"]
     text: str | None = None
     id: str | None = None
     name: str | None = None
     input: dict[str, Any] | None = None
+    thinking: str | None = None
+    signature: str | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True):

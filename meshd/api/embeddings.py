@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from meshd.node.errors import RequestFailed
 
-from . import schemas
+from . import embedding_schemas as schemas
 from .answers import client_closed
 from .bodies import parse_body
 from .errors import bad_request, request_failed

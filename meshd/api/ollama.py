@@ -44,6 +44,7 @@ from .answers import (
     Finished,
     KeepAlive,
     Text,
+    Thought,
     answer,
     client_closed,
     events,
@@ -51,10 +52,11 @@ from .answers import (
     whole,
 )
 from .bodies import parse_body
-from .embeddings import embed_inputs, float32_list
-from .errors import ApiError, bad_request, model_not_found, node_error
+from .errors import ApiError, model_not_found, node_error
 from .logprobs import chat_logprobs
-from .runs import GenerateRequest, Run, admit, instance_of, unless_gone
+from .ollama_embed import embed, embeddings
+from .ollama_embed import ollama_model as _model
+from .runs import GenerateRequest, Run, admit, instance_of
 from .services import ApiContext, context
 from .toolcalls import Call, ChoiceCalls
 
@@ -92,17 +94,6 @@ def _json(obj: object) -> Response:
     return Response(msgspec.json.encode(obj), media_type="application/json")
 
 
-def _model(ctx: ApiContext, name: str) -> str:
-    """``name`` as the cluster knows it: Ollama clients add ``:latest``."""
-    name = name.strip()
-    view = ctx.services.view()
-    if not view.is_known(name) and name.endswith(":latest"):
-        bare = name.removesuffix(":latest")
-        if view.is_known(bare):
-            return bare
-    return name
-
-
 async def root(request: Request) -> Response:
     """``GET /`` and ``HEAD /``: what Ollama clients probe to find a server."""
     return PlainTextResponse("Ollama is running")
@@ -132,7 +123,7 @@ def _turn(m: o.Message) -> ChatTurn:
         )
         for i, c in enumerate(m.tool_calls or ())
     ]
-    return ChatTurn(m.role, m.content, calls, None, m.tool_name)
+    return ChatTurn(m.role, m.content, calls, None, m.tool_name, m.thinking)
 
 
 def _request(
@@ -163,6 +154,7 @@ def _request(
         logprobs=body.n_logprobs,
         grammar=body.grammar,
         tools=tools,
+        think=body.think_choice,
     )
 
 
@@ -250,17 +242,18 @@ def _piece(
     text: str = "",
     calls: list[Call] | None = None,
     logprobs: list[wire.TokenLogprob] | None = None,
+    thinking: str = "",
     **done: object,
 ) -> msgspec.Struct:
     lp = chat_logprobs(logprobs).content if logprobs else None
     common: dict[str, Any]  # each field's own type: the response Struct checks them
     common = {"model": body.model, "created_at": _now(), "done": False, "logprobs": lp, **done}
     if chat:
-        msg = o.AssistantMessage(
-            role="assistant", content=text, tool_calls=_tool_calls(calls or [])
-        )
+        calls_ = _tool_calls(calls or [])
+        msg = o.AssistantMessage(role="assistant", content=text, tool_calls=calls_,
+                                 thinking=thinking or None)  # fmt: skip
         return o.ChatResponse(message=msg, **common)
-    return o.GenerateResponse(response=text, **common)
+    return o.GenerateResponse(response=text, thinking=thinking or None, **common)
 
 
 def _calls(body: o.ChatRequest | o.GenerateRequest, run: Run) -> ChoiceCalls | None:
@@ -286,7 +279,7 @@ async def _serve(
     a = answer(got[0], _calls(body, run))
     resp = _piece(
         body, chat=chat, text=a.text if not a.calls else a.text.strip(), calls=a.calls,
-        logprobs=a.logprobs if body.n_logprobs is not None else None,
+        logprobs=a.logprobs if body.n_logprobs is not None else None, thinking=a.reasoning,
         done=True, done_reason=_done_reason(a.finish_reason), **_timings(run, a.usage),
     )  # fmt: skip
     return _json(resp)
@@ -304,6 +297,8 @@ async def _stream(
         if isinstance(e, KeepAlive):
             # NDJSON has no comments: an empty piece keeps the connection busy.
             yield enc.encode(_piece(body, chat=chat)) + b"\n"
+        elif isinstance(e, Thought):  # thoughts stream first, as Ollama's do
+            yield enc.encode(_piece(body, chat=chat, thinking=e.text)) + b"\n"
         elif isinstance(e, Text):
             lp = e.logprobs if body.n_logprobs is not None else None
             if e.text or lp:
@@ -316,57 +311,6 @@ async def _stream(
                 **_timings(run, e.usage),
             )  # fmt: skip
             yield enc.encode(last) + b"\n"
-
-
-# ---------------------------------------------------------------------------------------
-# embeddings
-
-
-async def _vectors(request: Request, model: str, inputs: list[str]) -> tuple[list, int, int]:
-    ctx = context(request)
-    t0 = time.perf_counter()
-    got = await unless_gone(embed_inputs(ctx, _model(ctx, model), list(inputs)), request)
-    if got is None:
-        raise _Gone
-    vectors = [float32_list(c.embedding) for c in got]
-    return vectors, sum(c.usage.prompt_tokens for c in got), int((time.perf_counter() - t0) * 1e9)
-
-
-class _Gone(Exception):
-    """The client left before the vectors were ready."""
-
-
-async def embed(request: Request) -> Response:
-    """``POST /api/embed``: one vector per input, unit length (as Ollama's)."""
-    body = await parse_body(request, o.EmbedRequest)
-    if not body.inputs or any(not x for x in body.inputs):
-        raise bad_request(
-            "input must be a non-empty string or list of non-empty strings", param="input"
-        )
-    try:
-        vectors, n, took = await _vectors(request, body.model, body.inputs)
-    except _Gone:
-        return client_closed()
-    if body.dimensions is not None and body.dimensions != len(vectors[0]):
-        raise bad_request(
-            f"dimensions {body.dimensions} is not supported: this model's embeddings have "
-            f"{len(vectors[0])}", param="dimensions",
-        )  # fmt: skip
-    resp = o.EmbedResponse(model=body.model, embeddings=vectors, total_duration=took,
-                           load_duration=0, prompt_eval_count=n)  # fmt: skip
-    return _json(resp)
-
-
-async def embeddings(request: Request) -> Response:
-    """``POST /api/embeddings`` (Ollama's older route): one prompt, one vector."""
-    body = await parse_body(request, o.EmbeddingsRequest)
-    if not body.prompt:
-        raise bad_request("prompt must be a non-empty string", param="prompt")
-    try:
-        vectors, _, _ = await _vectors(request, body.model, [body.prompt])
-    except _Gone:
-        return client_closed()
-    return _json(o.EmbeddingsResponse(embedding=vectors[0]))
 
 
 # ---------------------------------------------------------------------------------------

@@ -5,7 +5,10 @@ Requests follow Ollama's own API documentation; every sampling knob lives in
 ``num_thread``, ``use_mmap``, ``mirostat``, ...) are accepted and ignored, as Ollama
 ignores options a model does not use. What would change the meaning of an answer and
 cannot be done is a 400 naming the field: images, a custom ``template``, a ``suffix``
-(fill-in-the-middle), ``context`` (the token ids of an earlier answer) and ``think``.
+(fill-in-the-middle) and ``context`` (the token ids of an earlier answer). ``think``
+(true, false, or gpt-oss's ``low``/``medium``/``high``) turns a thinking model's
+thoughts on or off with the model's own switch; a model that does not think ignores
+it. Thoughts come in ``message.thinking`` (chat) or ``thinking`` (generate).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from meshd.domain.reasoning import ThinkChoice
 from meshd.domain.sampling import MAX_TOP_LOGPROBS
 
 from .rules import (
@@ -25,6 +29,7 @@ from .rules import (
     check_sampling_fields,
     check_stops,
     schema_grammar,
+    think_choice,
     unsupported,
 )
 from .schemas import ChatTokenLogprob, Tool
@@ -104,7 +109,7 @@ class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
     images: list[str] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None
-    #: An earlier answer's reasoning: not shown to the model again.
+    #: An earlier answer's thoughts: given to the template (most drop past thoughts).
     thinking: str | None = None
 
     def __post_init__(self) -> None:
@@ -117,8 +122,7 @@ class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
 def _check_generation(req: _Generation) -> None:
     if not req.model.strip():
         raise FieldError("model", "model is required")
-    if req.think not in (None, False, "", "none"):
-        raise unsupported("think", f"model {req.model!r} does not support thinking")
+    _ = req.think_choice  # a FieldError for a level no model knows
     check_range("top_logprobs", req.top_logprobs, 0, MAX_TOP_LOGPROBS)
     if req.format not in (None, "", "json") and not isinstance(req.format, dict):
         raise FieldError("format", "format is 'json' or a JSON Schema object")
@@ -147,6 +151,13 @@ class _Generation(msgspec.Struct, kw_only=True, omit_defaults=True):
         if isinstance(self.format, dict):
             return schema_grammar(self.format, "format")
         return None
+
+    @property
+    def think_choice(self) -> ThinkChoice:
+        """How the model should think (``think``: on or off, or gpt-oss's level)."""
+        if isinstance(self.think, bool):
+            return ThinkChoice(enabled=self.think)
+        return think_choice(self.think or None, "think")
 
     @property
     def opts(self) -> Options:
@@ -298,6 +309,8 @@ class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: Literal["assistant"]
     content: str
     tool_calls: list[ToolCall] | None = None
+    #: A thinking model's thoughts (absent when it did not think).
+    thinking: str | None = None
 
 
 class ChatResponse(_Timings, kw_only=True, omit_defaults=True):
@@ -306,6 +319,7 @@ class ChatResponse(_Timings, kw_only=True, omit_defaults=True):
 
 class GenerateResponse(_Timings, kw_only=True, omit_defaults=True):
     response: str
+    thinking: str | None = None
 
 
 class EmbedResponse(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -9,7 +9,7 @@ shape; errors after it are an SSE error event followed by ``[DONE]``.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import cast
+from typing import Any, cast
 
 import msgspec
 from starlette.requests import Request
@@ -26,6 +26,7 @@ from .answers import (
     Finished,
     KeepAlive,
     Text,
+    Thought,
     answer,
     client_closed,
     events,
@@ -53,7 +54,8 @@ async def chat_completions(request: Request) -> Response:
 
 def _turn(m: schemas.ChatMessage) -> ChatTurn:
     calls = [ToolCallTurn(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()]
-    return ChatTurn(m.role, m.text, calls, m.tool_call_id, m.name)
+    thoughts = m.reasoning_content or m.reasoning
+    return ChatTurn(m.role, m.text, calls, m.tool_call_id, m.name, thoughts)
 
 
 def _tool_use(body: _Body) -> ToolUse | None:
@@ -120,7 +122,16 @@ def _generate_request(
         if isinstance(body, schemas.ChatCompletionRequest) and body.response_format
         else None,
         tools=_tool_use(body),
+        **_thinking(body),
     )
+
+
+def _thinking(body: _Body) -> dict[str, Any]:
+    """How a chat request wants the model to think (text completions render no
+    template: their prompt is the model's input as it is)."""
+    if not isinstance(body, schemas.ChatCompletionRequest):
+        return {}
+    return {"think": body.think, "template_kwargs": dict(body.chat_template_kwargs or {})}
 
 
 async def _serve(request: Request, body: _Body, req: GenerateRequest, route: str) -> Response:
@@ -139,6 +150,7 @@ async def _serve(request: Request, body: _Body, req: GenerateRequest, route: str
         answers[0].usage.prompt_tokens,
         sum(a.usage.completion_tokens for a in answers),
         answers[0].usage.cached_tokens,
+        sum(a.usage.reasoning_tokens for a in answers),
     )
     n_top = body.n_logprobs
     resp: msgspec.Struct
@@ -183,12 +195,16 @@ def _tool_call(call: Call) -> schemas.ToolCall:
 
 
 def _message(a: Answer) -> schemas.AssistantMessage:
-    """A whole answer's message, its tool calls read out."""
+    """A whole answer's message, its thoughts and tool calls apart."""
+    thoughts = a.reasoning or msgspec.UNSET
     if not a.calls:
-        return schemas.AssistantMessage(content=a.text)
+        return schemas.AssistantMessage(
+            content=a.text, reasoning_content=thoughts, reasoning=thoughts
+        )
     return schemas.AssistantMessage(
-        content=a.text.strip() or None, tool_calls=[_tool_call(c) for c in a.calls]
-    )
+        content=a.text.strip() or None, tool_calls=[_tool_call(c) for c in a.calls],
+        reasoning_content=thoughts, reasoning=thoughts,
+    )  # fmt: skip
 
 
 async def _stream(runs: list[Run], body: _Body, *, chat: bool) -> AsyncGenerator[bytes, None]:
@@ -206,6 +222,10 @@ async def _stream(runs: list[Run], body: _Body, *, chat: bool) -> AsyncGenerator
         if isinstance(e, KeepAlive):
             # The pipeline broke and the request waits for its repair.
             yield SSE_KEEPALIVE
+        elif isinstance(e, Thought):
+            if chat:
+                assert isinstance(s, schemas.ChatStream)
+                yield sse_data(s.reasoning(e.text, index=e.choice))
         elif isinstance(e, Text):
             if n_top is None or not e.logprobs:
                 yield sse_data(s.content(e.text, index=e.choice))
@@ -227,5 +247,7 @@ async def _stream(runs: list[Run], body: _Body, *, chat: bool) -> AsyncGenerator
     if body.include_usage and usages:
         first = next(iter(usages.values()))
         total = sum(u.completion_tokens for u in usages.values())
-        yield sse_data(s.usage(schemas.Usage.of(first.prompt_tokens, total, first.cached_tokens)))
+        thought = sum(u.reasoning_tokens for u in usages.values())
+        u = schemas.Usage.of(first.prompt_tokens, total, first.cached_tokens, thought)
+        yield sse_data(s.usage(u))
     yield SSE_DONE

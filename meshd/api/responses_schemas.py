@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from meshd.domain.reasoning import ThinkChoice
 from meshd.engines.grammar import json_schema_grammar
 
 from .rules import (
@@ -41,16 +42,11 @@ from .rules import (
     check_min,
     check_sampling_fields,
     schema_grammar,
+    think_choice,
     unsupported,
 )
 
 __all__ = [
-    "ContentPartAdded",
-    "ContentPartDone",
-    "ErrorEvent",
-    "ErrorEventDetail",
-    "FunctionCallArgumentsDelta",
-    "FunctionCallArgumentsDone",
     "FunctionCallItem",
     "FunctionTool",
     "IncompleteDetails",
@@ -59,19 +55,13 @@ __all__ = [
     "InputTokensDetails",
     "ItemStatus",
     "OutputItem",
-    "OutputItemAdded",
-    "OutputItemDone",
     "OutputMessage",
     "OutputText",
-    "OutputTextDelta",
-    "OutputTextDone",
     "OutputTokensDetails",
+    "ReasoningConfig",
+    "ReasoningItem",
+    "ReasoningText",
     "Response",
-    "ResponseCompleted",
-    "ResponseCreated",
-    "ResponseEvent",
-    "ResponseInProgress",
-    "ResponseIncomplete",
     "ResponseRequest",
     "ResponseStatus",
     "ResponseUsage",
@@ -80,6 +70,7 @@ __all__ = [
     "ToolChoice",
     "new_function_call_id",
     "new_message_id",
+    "new_reasoning_id",
     "new_response_id",
 ]
 
@@ -100,6 +91,11 @@ def new_response_id() -> str:
 def new_message_id() -> str:
     """A fresh output message id, ``msg_`` and 32 hex digits."""
     return "msg_" + uuid.uuid4().hex
+
+
+def new_reasoning_id() -> str:
+    """A fresh reasoning item id, ``rs_`` and 32 hex digits."""
+    return "rs_" + uuid.uuid4().hex
 
 
 def new_function_call_id() -> str:
@@ -151,6 +147,8 @@ class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
     arguments: str | None = None
     output: str | list[InputContent] | None = None
+    #: A ``reasoning`` item's summary (its thoughts are its ``content``).
+    summary: list[InputContent] | None = None
 
     def __post_init__(self) -> None:
         if self.type == "message":
@@ -189,6 +187,12 @@ class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.type == "function_call_output":
             return _content_text(self.output or "", "output")
         return _content_text(self.content or "", "content")
+
+    @property
+    def thoughts(self) -> str:
+        """A ``reasoning`` item's thoughts (its summary where it has no content)."""
+        parts = self.content if isinstance(self.content, list) else []
+        return "\n".join(p.text or "" for p in parts or self.summary or ())
 
 
 class FunctionTool(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -272,6 +276,15 @@ class TextConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     format: TextFormat = msgspec.field(default_factory=lambda: TextFormat(type="text"))
 
 
+class ReasoningConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``reasoning``: how much a thinking model thinks (``none`` turns it off);
+    ``summary`` is accepted (its thoughts come whole, no model here summarises)."""
+
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
 class ResponseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Body of ``POST /v1/responses`` (see the module docstring for what is honoured)."""
 
@@ -293,6 +306,7 @@ class ResponseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: False: at most one call per answer.
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     stream: bool | None = None
     #: Echoed in the response, as OpenAI does; meshd stores nothing.
     metadata: dict[str, Any] | None = None
@@ -326,6 +340,7 @@ class ResponseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
         check_int64(self)
         check_min("max_output_tokens", self.max_output_tokens, 1)
         check_sampling_fields(self)
+        _ = self.think  # raises FieldError for an effort no model knows
         if isinstance(self.input, str):
             if not self.input:
                 raise FieldError("input", "input must be a non-empty string or list of items")
@@ -350,6 +365,12 @@ class ResponseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
             return self.tool_choice.name
         return self.tool_choice or "auto"
 
+    @property
+    def think(self) -> ThinkChoice:
+        """How the model should think (``reasoning.effort``)."""
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        return think_choice(effort, "reasoning.effort")
+
 
 # ---------------------------------------------------------------------------------------
 # the response: output items
@@ -372,6 +393,22 @@ class OutputMessage(msgspec.Struct, kw_only=True, tag="message", tag_field="type
     content: list[OutputText]
 
 
+class ReasoningText(msgspec.Struct, kw_only=True, tag="reasoning_text", tag_field="type"):
+    """The thoughts of a reasoning item, as the model wrote them."""
+
+    text: str
+
+
+class ReasoningItem(msgspec.Struct, kw_only=True, tag="reasoning", tag_field="type"):
+    """A thinking model's thoughts, as an output item before its answer: whole in
+    ``content`` (no model here writes a summary of them)."""
+
+    id: str
+    summary: list[Any] = []
+    content: list[ReasoningText] = []
+    status: ItemStatus = "completed"
+
+
 class FunctionCallItem(msgspec.Struct, kw_only=True, tag="function_call", tag_field="type"):
     """A call the model made, as an output item: ``call_id`` is what its
     ``function_call_output`` answers."""
@@ -383,7 +420,7 @@ class FunctionCallItem(msgspec.Struct, kw_only=True, tag="function_call", tag_fi
     status: ItemStatus
 
 
-OutputItem = OutputMessage | FunctionCallItem
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 # ---------------------------------------------------------------------------------------
@@ -398,7 +435,7 @@ class InputTokensDetails(msgspec.Struct, kw_only=True):
 
 
 class OutputTokensDetails(msgspec.Struct, kw_only=True):
-    """No model here reasons apart from its answer: zero."""
+    """Of the output tokens, a thinking model's thoughts (markers included)."""
 
     reasoning_tokens: int = 0
 
@@ -413,11 +450,12 @@ class ResponseUsage(msgspec.Struct, kw_only=True):
     total_tokens: int
 
     @classmethod
-    def of(cls, input_tokens: int, output_tokens: int) -> ResponseUsage:
+    def of(cls, input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> ResponseUsage:
         """Usage with ``total_tokens`` computed."""
         return cls(
             input_tokens=input_tokens,
             output_tokens=output_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
             total_tokens=input_tokens + output_tokens,
         )
 
@@ -454,149 +492,3 @@ class Response(msgspec.Struct, kw_only=True):
     store: bool = False
     background: bool = False
     metadata: dict[str, Any] = {}
-
-
-# ---------------------------------------------------------------------------------------
-# the events of a streamed response
-
-
-class _Event(msgspec.Struct, kw_only=True, tag_field="type"):
-    """Every event: its ``type`` (the class's tag, also the SSE ``event:`` name) and its
-    place in the stream."""
-
-    sequence_number: int
-
-
-class ResponseCreated(_Event, tag="response.created"):
-    """The first event: the response, ``in_progress``, no output yet."""
-
-    response: Response
-
-
-class ResponseInProgress(_Event, tag="response.in_progress"):
-    """The second event: the response is being generated."""
-
-    response: Response
-
-
-class ResponseCompleted(_Event, tag="response.completed"):
-    """The last event of a response that ended by itself: the whole response, usage
-    included."""
-
-    response: Response
-
-
-class ResponseIncomplete(_Event, tag="response.incomplete"):
-    """The last event of a response cut at ``max_output_tokens``."""
-
-    response: Response
-
-
-class OutputItemAdded(_Event, tag="response.output_item.added"):
-    """An output item opens (a message with no content yet, or a call with no
-    arguments)."""
-
-    output_index: int
-    item: OutputItem
-
-
-class OutputItemDone(_Event, tag="response.output_item.done"):
-    """An output item is complete."""
-
-    output_index: int
-    item: OutputItem
-
-
-class ContentPartAdded(_Event, tag="response.content_part.added"):
-    """A message's text part opens (empty)."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    part: OutputText
-
-
-class ContentPartDone(_Event, tag="response.content_part.done"):
-    """A message's text part is complete."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    part: OutputText
-
-
-class OutputTextDelta(_Event, tag="response.output_text.delta"):
-    """More text of a message."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-    logprobs: list[Any] = []
-
-
-class OutputTextDone(_Event, tag="response.output_text.done"):
-    """A message's whole text."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-    logprobs: list[Any] = []
-
-
-class FunctionCallArgumentsDelta(_Event, tag="response.function_call_arguments.delta"):
-    """More of a call's arguments (here all of them at once: a call is read whole)."""
-
-    item_id: str
-    output_index: int
-    delta: str
-
-
-class FunctionCallArgumentsDone(_Event, tag="response.function_call_arguments.done"):
-    """A call's whole arguments."""
-
-    item_id: str
-    output_index: int
-    arguments: str
-
-
-class ErrorEventDetail(msgspec.Struct, kw_only=True):
-    """The nested ``error`` of an error event."""
-
-    type: str
-    code: str | None
-    message: str
-    param: str | None
-
-
-class ErrorEvent(_Event, tag="error"):
-    """A failure after the stream started (its status is sent): the last event.
-
-    ``code``, ``message`` and ``param`` sit at the top level, as OpenAI documents the
-    event (``openai.types.responses.ResponseErrorEvent``); they are repeated under
-    ``error``, as OpenAI's servers send them, which is what makes the ``openai``
-    client raise ``APIError`` rather than hand the event over.
-    """
-
-    code: str | None
-    message: str
-    param: str | None
-    error: ErrorEventDetail
-
-
-ResponseEvent = (
-    ResponseCreated
-    | ResponseInProgress
-    | ResponseCompleted
-    | ResponseIncomplete
-    | OutputItemAdded
-    | OutputItemDone
-    | ContentPartAdded
-    | ContentPartDone
-    | OutputTextDelta
-    | OutputTextDone
-    | FunctionCallArgumentsDelta
-    | FunctionCallArgumentsDone
-    | ErrorEvent
-)

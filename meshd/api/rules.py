@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from meshd.domain.reasoning import ThinkChoice
 from meshd.domain.sampling import CHOICE_FIELDS, field_problem
 from meshd.engines.detok import MAX_STOPS
 from meshd.engines.grammar import GrammarError, check_grammar, json_schema_grammar
@@ -31,6 +32,7 @@ __all__ = [
     "check_sampling_fields",
     "check_stops",
     "schema_grammar",
+    "think_choice",
     "unsupported",
 ]
 
@@ -144,3 +146,25 @@ def check_sampling_fields(body: msgspec.Struct, *, skip: tuple[str, ...] = ()) -
         why = field_problem(name, getattr(body, name))
         if why is not None:
             raise FieldError(name, why)
+
+
+#: The efforts clients name, as the levels models know (gpt-oss's low, medium, high):
+#: OpenAI's ``minimal`` and ``xhigh`` have none of their own; ``none`` is no thinking.
+_EFFORTS: dict[str, str | None] = {
+    "none": None, "minimal": "low", "low": "low", "medium": "medium", "high": "high",
+    "xhigh": "high",
+}  # fmt: skip
+
+
+def think_choice(
+    effort: str | None, param: str, *, enabled: bool | None = None, budget: int | None = None
+) -> ThinkChoice:
+    """How a request wants the model to think: ``effort`` as a client names it (FieldError
+    naming ``param`` for a name no level has), thinking ``enabled`` or not (None: the
+    model's default), at most ``budget`` thought tokens."""
+    if effort is not None and effort not in _EFFORTS:
+        raise FieldError(param, f"{param} is one of {', '.join(_EFFORTS)}; got {effort!r}")
+    if effort == "none":
+        enabled = False
+    level = _EFFORTS[effort] if effort is not None else None
+    return ThinkChoice(enabled=enabled, budget=budget, effort=level)

@@ -13,13 +13,12 @@ for ``n`` choices is ``n`` runs (:func:`admit_choices`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -27,6 +26,7 @@ from starlette.requests import Request
 from meshd.crdt.views import Instance
 from meshd.domain.chat import ChatTurn, ToolSpec, ToolUse
 from meshd.domain.job import Job
+from meshd.domain.reasoning import ThinkChoice
 from meshd.domain.sampling import SamplingChoice
 from meshd.models import canonical_name
 from meshd.node.errors import RequestFailed
@@ -34,6 +34,7 @@ from meshd.node.metrics import Metrics
 from meshd.transport import wire
 
 from .errors import ApiError, bad_request, node_error, overloaded, request_failed
+from .gone import unless_gone, until_disconnected
 from .limits import Ticket, current_client
 from .sampling import check_max_tokens, pipeline_sampling
 from .services import ApiContext
@@ -52,7 +53,6 @@ __all__ = [
     "until_disconnected",
 ]
 
-T = TypeVar("T")
 log = logging.getLogger("meshd.api")
 
 #: Retry-After given while the node drains (stops): another node answers at once.
@@ -95,6 +95,9 @@ class GenerateRequest:
     cache_prompt: bool | None = None
     #: May draft tokens for the pipeline to verify (None: as ``cache_prompt``).
     speculate: bool | None = None
+    #: How the model should think, and more variables for its chat template.
+    think: ThinkChoice = field(default_factory=ThinkChoice)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -110,6 +113,8 @@ class Collected:
     embedding: bytes = b""
     #: The stop string that ended it, if one did.
     stop_sequence: str | None = None
+    #: A thinking model's thoughts, apart from its answer (``text``).
+    reasoning: str = ""
 
 
 class Run:
@@ -201,16 +206,18 @@ class Run:
 
     async def collect(self) -> Collected:
         """The whole answer (raises RequestFailed)."""
-        text, finish, usage, logprobs, embedding = [], "stop", None, [], b""
+        text, thoughts, finish, usage, logprobs, embedding = [], [], "stop", None, [], b""
         matched = None
         async for c in self.pieces():
             text.append(c.text)
+            thoughts.append(c.reasoning)
             logprobs += c.logprobs
             embedding = c.embedding or embedding
             if c.finish_reason:
                 finish, usage, matched = c.finish_reason, c.usage, c.stop_sequence
         usage = usage or wire.Usage(self.n_prompt, 0)
-        return Collected("".join(text), finish, usage, logprobs, embedding, matched)
+        return Collected("".join(text), finish, usage, logprobs, embedding, matched,
+                         "".join(thoughts))  # fmt: skip
 
     def count(self, outcome: str) -> None:
         """Count the request's outcome (``200``, a status, ``client_closed``) and log
@@ -279,6 +286,7 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
             messages=req.messages, prompt=req.prompt, prompt_tokens=req.prompt_tokens,
             sampling=params, tools=req.tools, embed=req.embed, count_only=req.count_only,
             cache_prompt=req.cache_prompt, speculate=req.speculate, client=client,
+            think=req.think, template_kwargs=req.template_kwargs,
         )  # fmt: skip
         chunks = services.generate(inst, job)
         first = await _first(chunks)
@@ -367,27 +375,3 @@ async def collect_all_unless_gone(runs: list[Run], request: Request) -> list[Col
     RequestFailed."""
     answers = await unless_gone(asyncio.gather(*(r.collect() for r in runs)), request)
     return None if answers is None else list(answers)
-
-
-async def unless_gone(work: Awaitable[T], request: Request) -> T | None:
-    """``work``'s result, or None as soon as the client closes the connection (then
-    ``work`` is cancelled: nobody would read what it makes)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(until_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        return None
-    finally:
-        gone.cancel()
-
-
-async def until_disconnected(request: Request) -> None:
-    """Return when the client closes the connection (its body is already read, so the
-    next ASGI message can only be ``http.disconnect``)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

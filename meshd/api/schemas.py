@@ -48,6 +48,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from meshd.domain.reasoning import ThinkChoice
 from meshd.domain.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -60,11 +61,11 @@ from .rules import MAX_TOOLS, FieldError, check_function, check_sampling_fields,
 from .rules import check_int64 as _check_int64
 from .rules import check_min as _check_min
 from .rules import check_range as _check_range
+from .rules import think_choice as _think_choice
 from .rules import unsupported as _unsupported
 
 __all__ = [
     "MAX_CHOICES",
-    "MAX_EMBEDDING_INPUTS",
     "MAX_STOP_SEQUENCES",
     "MAX_TOOLS",
     "AssistantMessage",
@@ -85,11 +86,8 @@ __all__ = [
     "CompletionLogprobs",
     "CompletionRequest",
     "CompletionStream",
+    "CompletionTokensDetails",
     "ContentPart",
-    "Embedding",
-    "EmbeddingList",
-    "EmbeddingRequest",
-    "EmbeddingUsage",
     "ErrorDetail",
     "ErrorResponse",
     "FieldError",
@@ -113,10 +111,6 @@ __all__ = [
     "new_completion_id",
     "unix_time",
 ]
-
-#: Most inputs one embeddings request may carry (OpenAI's limit).
-MAX_EMBEDDING_INPUTS = 2048
-
 
 #: Most stop sequences an OpenAI request may carry (OpenAI's limit).
 MAX_STOP_SEQUENCES = 4
@@ -364,6 +358,9 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    #: An earlier answer's thoughts, as they came (vLLM's newer name: ``reasoning``).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         if self.content is None and self.role != "assistant":
@@ -435,9 +432,15 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True, omit_defaults=True
     parallel_tool_calls: bool | None = None
     #: Deprecated form of ``tools``; only empty (or absent) is accepted.
     functions: list[dict[str, Any]] | None = None
+    #: How much a reasoning model thinks (``none`` .. ``xhigh``; see ``think``).
+    reasoning_effort: str | None = None
+    #: Extension (vLLM, llama-server): more variables for the chat template;
+    #: ``enable_thinking: false`` turns thinking off.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check_common(self)
+        _ = self.think  # raises FieldError for an effort no model knows
         if not self.messages:
             raise FieldError("messages", "messages must hold at least one message")
         _check_min("max_completion_tokens", self.max_completion_tokens, 1)
@@ -479,6 +482,16 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True, omit_defaults=True
         if isinstance(self.tool_choice, ToolChoiceFunction):
             return self.tool_choice.function.name
         return self.tool_choice or "auto"
+
+    @property
+    def think(self) -> ThinkChoice:
+        """How the model should think: ``reasoning_effort``, and the template's own
+        ``enable_thinking`` where the client sets it."""
+        enabled = (self.chat_template_kwargs or {}).get("enable_thinking")
+        return _think_choice(
+            self.reasoning_effort, "reasoning_effort",
+            enabled=enabled if isinstance(enabled, bool) else None,
+        )  # fmt: skip
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -538,81 +551,14 @@ class CompletionRequest(_GenerationRequest, kw_only=True, omit_defaults=True):
 # responses
 
 
-class EmbeddingRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Body of ``POST /v1/embeddings``: one input or a list of them, each text or token
-    ids."""
-
-    model: str
-    #: A text, a list of texts, a list of token ids, or a list of such lists (one
-    #: union msgspec cannot type: checked below).
-    input: str | list[Any]
-    encoding_format: Literal["float", "base64"] = "float"
-    #: Only the model's own width (OpenAI's shortening needs a model trained for it).
-    dimensions: int | None = None
-    user: str | None = None
-
-    def __post_init__(self) -> None:
-        x = self.input
-        if isinstance(x, list) and not (
-            all(isinstance(v, str) for v in x)
-            or all(_is_token(v) for v in x)
-            or all(isinstance(v, list) and all(_is_token(t) for t in v) for v in x)
-        ):
-            raise FieldError(
-                "input", "input must be a string, a list of strings, a list of token ids "
-                "or a list of lists of token ids",
-            )  # fmt: skip
-        items = self.inputs
-        if not items:
-            raise FieldError("input", "input must hold at least one text or token list")
-        if len(items) > MAX_EMBEDDING_INPUTS:
-            raise FieldError("input", f"at most {MAX_EMBEDDING_INPUTS} inputs, got {len(items)}")
-        for i, item in enumerate(items):
-            if not item:
-                raise FieldError("input", f"input {i} is empty")
-            if isinstance(item, list) and any(t < 0 or t > _INT64_MAX for t in item):
-                raise FieldError("input", f"input {i} holds a token id below 0")
-        _check_min("dimensions", self.dimensions, 1)
-
-    @property
-    def inputs(self) -> list[str | list[int]]:
-        """Every input, in order: a text, or a list of token ids."""
-        x = self.input
-        if isinstance(x, str):
-            return [x]
-        if x and all(isinstance(v, int) for v in x):
-            return [x]
-        return list(x)
-
-
-def _is_token(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-class Embedding(msgspec.Struct, kw_only=True):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    #: Floats, or (``encoding_format: base64``) the float32 little-endian bytes.
-    embedding: list[float] | str
-
-
-class EmbeddingUsage(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingList(msgspec.Struct, kw_only=True):
-    """Response of ``POST /v1/embeddings``."""
-
-    object: Literal["list"] = "list"
-    data: list[Embedding]
-    model: str
-    usage: EmbeddingUsage
-
-
 class PromptTokensDetails(msgspec.Struct, kw_only=True):
     #: Prompt tokens whose KV came from the prefix cache (as OpenAI reports its own).
     cached_tokens: int = 0
+
+
+class CompletionTokensDetails(msgspec.Struct, kw_only=True):
+    #: Of the completion tokens, the model's thoughts (markers included).
+    reasoning_tokens: int = 0
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -623,9 +569,17 @@ class Usage(msgspec.Struct, kw_only=True):
     total_tokens: int
     #: Left out when nothing came from the prefix cache.
     prompt_tokens_details: PromptTokensDetails | msgspec.UnsetType = msgspec.UNSET
+    #: Left out when the model did not think.
+    completion_tokens_details: CompletionTokensDetails | msgspec.UnsetType = msgspec.UNSET
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    def of(
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int = 0,
+        reasoning_tokens: int = 0,
+    ) -> Usage:
         """Usage with ``total_tokens`` computed."""
         return cls(
             prompt_tokens=prompt_tokens,
@@ -633,6 +587,9 @@ class Usage(msgspec.Struct, kw_only=True):
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens)
             if cached_tokens
+            else msgspec.UNSET,
+            completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+            if reasoning_tokens
             else msgspec.UNSET,
         )
 
@@ -644,6 +601,10 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
     content: str | None = None
     #: Left out of the JSON when the answer calls nothing (as OpenAI does).
     tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
+    #: A thinking model's thoughts, under llama-server's and DeepSeek's name and
+    #: vLLM's newer one (left out when it did not think).
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -752,6 +713,9 @@ class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    #: More thoughts (under both names, as :class:`AssistantMessage`).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
@@ -909,6 +873,11 @@ class ChatStream:
                 )
             ]
         )
+
+    def reasoning(self, text: str, *, index: int = 0) -> ChatCompletionChunk:
+        """A chunk adding ``text`` to the thoughts."""
+        delta = ChatDelta(reasoning_content=text, reasoning=text)
+        return self._chunk([ChatCompletionChunkChoice(index=index, delta=delta)])
 
     def tool_call(self, call: ToolCall, n: int, *, index: int = 0) -> list[ChatCompletionChunk]:
         """The chunks of the ``n``-th call of a choice: its name, then its arguments."""

@@ -8,6 +8,7 @@ into them, the wire carries them, placement and the engines read them.
 ``chat``       ``ChatTurn``, ``ToolCallTurn``, ``ToolSpec``, ``ToolUse``
 ``sampling``   ``SamplingChoice`` (named), ``Sampling`` (resolved), the rules
 ``job``        ``Job``: what a request asks of a model
+``reasoning``  ``ThinkChoice`` (asked), ``Thinking`` (set up by stage 0)
 ``facts``      ``ModelFacts``: a model, read from its file's header
 ``nodes``      ``Device``, ``NodeResources``: what a node computes with
 ``text``       ``printable``, ``loggable``: text from the network, safe to show

@@ -29,6 +29,8 @@ class ChatTurn(msgspec.Struct, frozen=True, array_like=True):
     #: A ``tool`` turn: the call it answers, and the function's name.
     tool_call_id: str | None = None
     name: str | None = None
+    #: An assistant turn's thoughts, sent back by the client.
+    reasoning: str | None = None
 
     def as_dict(self) -> dict[str, object]:
         """The turn as an OpenAI message (what chat templates are given)."""
@@ -43,6 +45,10 @@ class ChatTurn(msgspec.Struct, frozen=True, array_like=True):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        if self.reasoning:
+            # Under both names templates read them by (Qwen3's reasoning_content,
+            # gpt-oss's thinking); a template that reads neither drops past thoughts.
+            out["reasoning_content"] = out["thinking"] = self.reasoning
         return out
 
 

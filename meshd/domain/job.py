@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from .chat import ChatTurn, ToolUse
+from .reasoning import ThinkChoice
 from .sampling import Sampling
 
 __all__ = ["Job"]
@@ -41,3 +44,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     #: else the address): stage 0's queue takes turns between clients, so one client's
     #: many requests do not hold back another's few ("": a client of its own).
     client: str = ""
+    #: How the model should think (a model that does not think ignores it).
+    think: ThinkChoice = ThinkChoice()
+    #: More variables for the chat template (OpenAI-compatible servers'
+    #: ``chat_template_kwargs``); the names the template is always given are not taken.
+    template_kwargs: dict[str, Any] = {}

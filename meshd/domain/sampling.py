@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import msgspec
 
+from .reasoning import Thinking
+
 __all__ = [
     "MAX_LOGIT_BIAS",
     "MAX_LOGIT_BIAS_ENTRIES",
@@ -239,6 +241,11 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: show as nothing: the markers of the model's tool-call format, which the API
     #: node reads calls by (stage 0 sets them for a request with tools).
     shown_specials: list[int] = []
+    #: The request's thoughts, where the model thinks (stage 0 sets them up).
+    thinking: Thinking | None = None
+    #: Tokens the output starts with, put there in place of sampled ones (stage 0
+    #: sets them: the thoughts' open marker when a grammar waits for their end).
+    forced: list[int] = []
 
     def check(self, n_vocab: int = 0) -> None:
         """Raise :class:`SamplingError` for the first value that breaks its rule, or a

@@ -49,15 +49,16 @@ def is_plain(c: wire.DataChunk) -> bool:
 
 
 def merge(a: wire.DataChunk, b: wire.DataChunk) -> wire.DataChunk:
-    """``a`` then ``b`` as one chunk: text, tokens and logprobs in order, each stage's
-    compute added up, everything else from ``b`` (the later, which may end the answer)."""
+    """``a`` then ``b`` as one chunk: text, thoughts, tokens and logprobs in order,
+    each stage's compute added up, everything else from ``b`` (the later, which may
+    end the answer)."""
     if len(a.compute) == len(b.compute):
         compute = [x + y for x, y in zip(a.compute, b.compute, strict=True)]
     else:
         compute = b.compute or a.compute
     return msgspec.structs.replace(
         b, text=a.text + b.text, tokens=a.tokens + b.tokens, compute=compute,
-        logprobs=a.logprobs + b.logprobs,
+        logprobs=a.logprobs + b.logprobs, reasoning=a.reasoning + b.reasoning,
     )  # fmt: skip
 
 

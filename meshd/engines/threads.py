@@ -94,6 +94,7 @@ RUNNER_ENV_KEEP = (
     "OPENBLAS_", THREADS_ENV, "HF_", "HUGGINGFACE_", "XDG_CACHE_HOME", "CUDA_", "NVIDIA_",
     "HIP_", "ROCM_", "MLX_", "METAL_", "GGML_", "LLAMA_", "SYSTEMROOT", "WINDIR",
     "MESHD_FAULT_INJECT",  # a fault drill (meshd.engines.guard)
+    "MESHD_TEST_SCRIPT",  # a test drill (meshd.engines.runner.thinking)
 )  # fmt: skip
 
 

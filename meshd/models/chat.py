@@ -21,6 +21,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 import jinja2.sandbox
@@ -39,6 +40,7 @@ __all__ = [
     "quote_specials",
     "render_chat",
     "split_quoted",
+    "template_variables",
 ]
 
 CHATML_TEMPLATE = (
@@ -222,10 +224,7 @@ class _GenerationBlock(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-@functools.lru_cache(maxsize=32)
-def _compile(template: str) -> jinja2.Template:
-    # One compiled template per distinct source: a node serves a handful of models and
-    # compiling costs far more than rendering.
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -234,10 +233,29 @@ def _compile(template: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    # One compiled template per distinct source: a node serves a handful of models and
+    # compiling costs far more than rendering.
     try:
-        return env.from_string(template)
+        return _environment().from_string(template)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+
+def template_variables(template: str) -> frozenset[str]:
+    """The variables ``template`` reads from what it is given (``messages``,
+    ``enable_thinking``, ...): none it sets itself, nor its globals. Empty for a
+    template that does not compile (rendering it says why)."""
+    env = _environment()
+    try:
+        found = jinja2.meta.find_undeclared_variables(env.parse(template))
+    except jinja2.TemplateError:
+        return frozenset()
+    return frozenset(found) - set(env.globals)
 
 
 # ---------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from typing import TypeVar
 import msgspec
 
 from meshd.crdt.lww import Entry
-from meshd.domain.facts import Sha256
 from meshd.domain.job import Job
 from meshd.domain.sampling import Sampling
 
@@ -34,6 +33,17 @@ from .join_wire import (  # noqa: F401
     JoinPending,
     JoinRefused,
     JoinWho,
+)
+
+# So are the weights plane's (wire.SliceAsk, ...).
+from .weights_wire import (  # noqa: F401
+    MAX_TRANSFER_HEADER,
+    ChunkAsk,
+    ChunkData,
+    SliceAsk,
+    SliceOffer,
+    SliceRefusal,
+    TransferMessage,
 )
 
 #: Largest control-plane frame a node accepts (gossip, hello, pulls).
@@ -280,6 +290,8 @@ class Usage(msgspec.Struct, frozen=True, array_like=True):
     #: Drafted steps that held whole while the step after them was already on its
     #: way (speculation pipelined across the stages).
     chained_steps: int = 0
+    #: Of the completion tokens, those of the model's thoughts.
+    reasoning_tokens: int = 0
 
 
 class ChunkError(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -316,6 +328,7 @@ class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     """
 
     req: str
+    #: The answer's text (a thinking model's thoughts come apart, in ``reasoning``).
     text: str = ""
     tokens: list[int] = []
     n_prompt: int | None = None
@@ -341,6 +354,8 @@ class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     eta_s: float = 0.0
     #: On stage 0's acknowledgement: seconds the request waited for its sequence.
     waited_s: float = 0.0
+    #: The thoughts' text that came with ``tokens`` (the last stage splits them).
+    reasoning: str = ""
 
 
 class DataChunks(msgspec.Struct, tag=True, kw_only=True):
@@ -357,61 +372,6 @@ class DataChunks(msgspec.Struct, tag=True, kw_only=True):
 def chunks_in(msg: OutputMessage) -> list[DataChunk]:
     """The DataChunks ``msg`` carries (one, or a :class:`DataChunks` batch)."""
     return [msg] if isinstance(msg, DataChunk) else msg.chunks
-
-
-# -- weights: a node fetches a stage's slice from the nodes that hold the model ------
-#: Largest header frame on a weights ROUTER (a refusal's message is the longest part).
-MAX_TRANSFER_HEADER = 64 * 1024
-
-
-class SliceAsk(msgspec.Struct, tag=True, kw_only=True):
-    """Prepare the slice ``[start, end)`` of the model whose file has ``sha256`` (hex,
-    else the ask does not decode). The holder answers :class:`SliceOffer` once the slice
-    is cut and hashed (seconds for a big model: the asker waits), or :class:`SliceRefusal`.
-    ``model`` is the name the holder advertises the file under; ``version`` the slicing
-    format the asker reads."""
-
-    model: str
-    sha256: Sha256
-    start: int
-    end: int
-    version: int
-
-
-class SliceOffer(msgspec.Struct, tag=True, kw_only=True):
-    """A prepared slice: ``slice`` is its content id, ``size`` its bytes, cut in chunks
-    of ``chunk`` bytes whose sha256 digests (32 bytes each, in order) travel in the
-    second frame."""
-
-    slice: str
-    size: int
-    chunk: int
-
-
-class ChunkAsk(msgspec.Struct, tag=True, kw_only=True):
-    """Send chunk ``index`` of a slice offered before (one credit of the window)."""
-
-    slice: str
-    index: int
-
-
-class ChunkData(msgspec.Struct, tag=True, kw_only=True):
-    """Chunk ``index`` of ``slice``; its bytes are the second frame."""
-
-    slice: str
-    index: int
-
-
-class SliceRefusal(msgspec.Struct, tag=True, kw_only=True):
-    """No: ``code`` is ``not_held`` (no such file here), ``bad_range``, ``version``,
-    ``unknown_slice`` (not prepared, or evicted: ask again) or ``failed``."""
-
-    slice: str
-    code: str
-    message: str
-
-
-TransferMessage = SliceAsk | SliceOffer | ChunkAsk | ChunkData | SliceRefusal
 
 
 GossipMessage = Hello | Welcome | Delta | Digest | Pull | PullReply | Refused

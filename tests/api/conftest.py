@@ -12,6 +12,11 @@ import pytest
 from meshd.models.resolve import DEFAULT_MODEL
 from tests.cluster import Cluster, NodeProc, wait_for
 
+#: A user turn that starts with this is answered with the rest of it, on node a's
+#: runners (the test drill of meshd.engines.runner.thinking): test_reasoning's models
+#: think in a known way. Other tests' turns never start so.
+SCRIPT = "@@script@@"
+
 
 @pytest.fixture(scope="package")
 def a_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -23,7 +28,8 @@ def a_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def trio(tmp_path_factory: pytest.TempPathFactory, a_models: Path) -> Iterator[dict[str, NodeProc]]:
     """A 3-node cluster whose default model is split over a and b."""
     with Cluster(tmp_path_factory.mktemp("openai")) as c:
-        a = c.start("a", extra_args=["--models", str(a_models)])
+        a = c.start("a", env={"MESHD_TEST_SCRIPT": SCRIPT},  # thinking.SCRIPT_ENV
+                    extra_args=["--models", str(a_models)])  # fmt: skip
         b = c.start("b", peers=[a])
         cc = c.start("c", peers=[a])
         wait_for(lambda: len(cc.cluster()["nodes"]) == 3, 15)

@@ -167,7 +167,7 @@ def test_errors_are_in_ollamas_shape(oc, via) -> None:
             "messages": [{"role": "user", "content": "x", "images": ["aGk="]}],
         },
         {"model": DEFAULT_MODEL, "messages": HI, "format": {"type": "nonsense"}},
-        {"model": DEFAULT_MODEL, "messages": HI, "think": True},
+        {"model": DEFAULT_MODEL, "messages": HI, "think": "extreme"},
     ):
         r = httpx.post(via.api + "/api/chat", json=body, timeout=30)
         assert r.status_code == 400, (body, r.text)

@@ -358,7 +358,7 @@ _DIALECTS: dict[str, tuple[dict[str, Any], list[tuple[str, Any]]]] = {
          ("options", {"stop": [""]}), ("options", {"seed": 2**64}), ("options", {"top_k": -1}),
          ("options", []), ("messages", "hi"), ("messages", [{"role": "robot", "content": "x"}]),
          ("messages", [{"role": "user", "content": "x", "images": ["aGk="]}]),
-         ("format", "yaml"), ("format", {"type": "nonsense"}), ("think", True),
+         ("format", "yaml"), ("format", {"type": "nonsense"}), ("think", "extreme"),
          ("tools", [{"type": "function"}]), ("tool_choice", "maybe"), ("top_logprobs", 99)],
     ),
     "/v1/responses": (

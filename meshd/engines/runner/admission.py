@@ -28,6 +28,7 @@ from meshd.transport import wire
 
 from .seats import Seats
 from .state import Refused, Request, Work
+from .thinking import Rendered, ThinkSetup
 
 
 def with_sampling(g: wire.Generate, sampling: Sampling) -> wire.Generate:
@@ -87,6 +88,12 @@ class Prompts:
             lambda text: stage.tokenize(text, add_special=False, parse_special=True),
             lambda token, special: stage.token_to_piece(token, special=special),
         )
+        #: How it thinks, and how a request turns that on or off.
+        self.think = ThinkSetup(
+            template,
+            lambda text: stage.tokenize(text, add_special=False, parse_special=True),
+            lambda token, special: stage.token_to_piece(token, special=special),
+        )
         # What chat templates get as bos_token / eos_token: the model's own token text,
         # as llama-cpp-python and transformers pass them.
         self.bos_text, self.eos_text = stage.special_texts()
@@ -94,6 +101,10 @@ class Prompts:
     def tokenize(self, job: Job) -> list[int]:
         """Prompt token ids of ``job``: its chat messages through the model's template,
         or its plain prompt."""
+        return self.prompt(job)[0]
+
+    def prompt(self, job: Job) -> tuple[list[int], Rendered]:
+        """:meth:`tokenize`, and what rendering settled about the thoughts."""
         if job.messages is not None:
             return self._chat(job, job.messages)
         n_vocab = self.stage.n_vocab
@@ -101,12 +112,14 @@ class Prompts:
             bad = [t for t in job.prompt_tokens if not 0 <= t < n_vocab]
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside [0, {n_vocab})")
-            return list(job.prompt_tokens)
-        return list(self.stage.tokenize(job.prompt or "", add_special=True, parse_special=False))
+            return list(job.prompt_tokens), Rendered(on=False)
+        tokens = self.stage.tokenize(job.prompt or "", add_special=True, parse_special=False)
+        return list(tokens), Rendered(on=False)
 
-    def _chat(self, job: Job, turns: list[ChatTurn]) -> list[int]:
+    def _chat(self, job: Job, turns: list[ChatTurn]) -> tuple[list[int], Rendered]:
         # Every string the request brought has its special-token text quoted, so that
         # only the template's own special tokens become special ids (models/chat.py).
+        rendered = self.think.render(job, turns, lambda v: quote_specials(v, self._specials_in))
         messages = quote_specials([m.as_dict() for m in turns], self._specials_in)
         tools = None
         offered = job.tools.tools if job.tools is not None else []
@@ -118,25 +131,26 @@ class Prompts:
             )
         text = render_chat(
             self.template or CHATML_TEMPLATE,
-            messages,
+            self.think.soft_off(job, rendered, messages),
             add_generation_prompt=True,
             bos_token=self.bos_text,
             eos_token=self.eos_text,
-            tools=tools or None,
+            **{**rendered.variables, "tools": tools or None},
         )
-        runs = split_quoted(text)
+        runs = split_quoted(self.think.settle(job, rendered, text))
         # A template that writes {{ bos_token }} already starts with the BOS; adding
         # the vocabulary's own BOS too would double it (llama.cpp warns, and output
         # quality drops). Otherwise the vocabulary decides, as for a plain prompt.
         bos = bool(self.bos_text) and bool(runs) and runs[0][0].startswith(self.bos_text)
         if not any(quoted for _, quoted in runs):  # as it always was: no quote to honour
             plain = "".join(run for run, _ in runs)
-            return list(self.stage.tokenize(plain, add_special=not bos, parse_special=True))
+            tokens = self.stage.tokenize(plain, add_special=not bos, parse_special=True)
+            return list(tokens), rendered
         out: list[int] = []
         for i, (run, quoted) in enumerate(runs):
             add = i == 0 and not bos
             out += self.stage.tokenize(run, add_special=add, parse_special=not quoted)
-        return out
+        return out, rendered
 
     def _specials_in(self, text: str) -> list[str]:
         """The special-token texts in ``text`` (a user's): those the tokenizer turns
@@ -154,10 +168,32 @@ class Prompts:
             if not piece(t, special=False) and piece(t, special=True)
         ]
 
-    def shown_specials(self, job: Job) -> list[int]:
+    def shown_specials(self, job: Job, thinking: bool = False) -> list[int]:
         """The control tokens ``job``'s text shows as text: its tool format's markers
-        when it offers tools (the API node reads the calls by them), else none."""
-        return sorted(self.tool_specials.values()) if job.tools is not None else []
+        when it offers tools (the API node reads the calls by them), and its thoughts'
+        markers when it ``thinking`` (the last stage splits the output by them)."""
+        shown = set(self.tool_specials.values()) if job.tools is not None else set()
+        if thinking:
+            shown.update(self.think.specials.values())
+        return sorted(shown)
+
+    def sampling(self, job: Job, rendered: Rendered, tool_grammar: str | None) -> Sampling:
+        """``job``'s sampling as stage 0 decides it for the last stage, whatever the
+        request carried: a forced call's grammar, the control tokens shown, the
+        thoughts and the tokens the output starts with."""
+        s = job.sampling
+        grammar = "tool" if tool_grammar is not None else "json" if s.grammar else None
+        thinking = self.think.thinking(job, rendered, grammar)
+        # A test script decides how the output starts, thoughts and all.
+        forced = rendered.script or self.think.opener(thinking, grammar)
+        decided = {
+            "grammar": tool_grammar or s.grammar,
+            "shown_specials": self.shown_specials(job, thinking is not None),
+            "thinking": thinking,
+            "forced": forced,
+        }
+        changed = {k: v for k, v in decided.items() if getattr(s, k) != v}
+        return msgspec.structs.replace(s, **changed) if changed else s
 
     def tool_grammar(self, job: Job) -> str | None:
         """The grammar that constrains ``job``'s output to one call when its
@@ -208,20 +244,14 @@ def admit(
         grammar = prompts.tool_grammar(g.job)
     except ValueError as e:
         raise Refused("bad_sampling", str(e)) from e
-    # Stage 0 decides both for the last stage, whatever the request carried.
-    sampling = g.job.sampling
-    if grammar is not None:
-        sampling = msgspec.structs.replace(sampling, grammar=grammar)
-    shown = prompts.shown_specials(g.job)
-    if shown != sampling.shown_specials:
-        sampling = msgspec.structs.replace(sampling, shown_specials=shown)
+    try:
+        prompt, rendered = prompts.prompt(g.job)
+    except Exception as e:
+        raise Refused("bad_prompt", f"cannot tokenize the prompt: {e}") from e
+    sampling = prompts.sampling(g.job, rendered, grammar)
     if sampling is not g.job.sampling:
         g = with_sampling(g, sampling)
     job = g.job
-    try:
-        prompt = prompts.tokenize(job)
-    except Exception as e:
-        raise Refused("bad_prompt", f"cannot tokenize the prompt: {e}") from e
     n = len(prompt)
     if n == 0:
         raise Refused("bad_prompt", "the prompt is empty")

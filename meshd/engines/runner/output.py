@@ -23,6 +23,7 @@ from meshd.transport import wire
 
 from .links import Links
 from .state import Request, Work
+from .thinking import ThoughtTrack
 
 log = logging.getLogger("meshd.runner")
 
@@ -64,11 +65,24 @@ class Output:
         s.check(self.stage.n_vocab)
         r.sampler = Sampler(s, position=len(resume), history=resume)
         r.text = TextStream(showing(self.stage.token_to_piece, s.shown_specials), list(s.stop))
-        r.text.prime(resume)
-        if s.grammar is not None:
-            r.constraint = Constraint(self.grammar_vocab(), s.grammar, resume)
         r.n_generated = len(resume)
         r.replay_end = r.n_prompt + len(resume)
+        if s.thinking is None and not s.forced:
+            r.text.prime(resume)
+            if s.grammar is not None:
+                r.constraint = Constraint(self.grammar_vocab(), s.grammar, resume)
+            return
+        # Compiled now even where it waits for the thoughts to end: a grammar the
+        # vocabulary cannot follow fails the request before its first token.
+        grammar = Constraint(self.grammar_vocab(), s.grammar) if s.grammar is not None else None
+        waits = grammar is not None and s.thinking is not None and s.thinking.on
+        r.track = ThoughtTrack(s.thinking, s.forced, grammar if waits else None)
+        r.constraint = None if waits else grammar
+        for tok in resume:  # the replay's tokens went as the uninterrupted run made them
+            r.track.forced()
+            if r.constraint is not None and tok not in self.eos:
+                r.constraint.accept(tok)
+            self._advance(r, r.text.push(tok)[0])
 
     def grammar_vocab(self) -> GrammarVocab:
         """The vocabulary as the grammar engine reads it (built on first use)."""
@@ -95,6 +109,17 @@ class Output:
         tok = self.sample(r, logits, w.pos + w.rows, compute)
         return tok if isinstance(tok, Ended) else (tok, w.pos + w.rows)
 
+    def _advance(self, r: Request, text: str) -> tuple[str, str]:
+        """One more token, whose ``text`` the stream settled, through the thoughts'
+        track: the thoughts and the answer text it settles. A grammar that waited for
+        the end of the thoughts starts after it."""
+        assert r.track is not None
+        split = r.track.split(text)
+        grammar = r.track.grammar_now()
+        if grammar is not None:
+            r.constraint = grammar
+        return split
+
     def sample(
         self, r: Request, logits: np.ndarray, next_pos: int, compute: list[float]
     ) -> int | Ended:
@@ -102,10 +127,15 @@ class Output:
         request ended here."""
         assert r.sampler is not None and r.text is not None  # last stage: init ran
         c = r.constraint
+        forced = r.track.forced() if r.track is not None else None
         try:
-            if c is not None:
-                logits = c.mask(logits)
-            drawn = r.sampler.draw(logits, r.n_generated, r.sampling.logprobs)
+            if forced is None:
+                if c is not None:
+                    logits = c.mask(logits)
+                drawn = r.sampler.draw(logits, r.n_generated, r.sampling.logprobs)
+            else:
+                drawn = Draw(forced)  # put there, not drawn: the penalties count it too
+                r.sampler.accept(forced)
             if c is not None and drawn.token not in self.eos:
                 c.accept(drawn.token)
         except ValueError as e:  # a bias, penalty or grammar that leaves no token
@@ -113,7 +143,7 @@ class Output:
         tok = drawn.token
         r.n_generated += 1
         finish = None
-        text = ""
+        text = thoughts = ""
         logprobs: list[wire.TokenLogprob] = []
         if tok in self.eos and (c is not None or not r.sampling.ignore_eos):
             finish = "stop"  # the end token is not part of the answer, nor its logprob
@@ -121,6 +151,8 @@ class Output:
             if r.sampling.logprobs is not None:
                 logprobs.append(self.token_logprob(drawn))
             text, stopped = r.text.push(tok)
+            if r.track is not None:
+                thoughts, text = self._advance(r, text)
             if stopped or (c is not None and c.done):
                 finish = "stop"
             elif (
@@ -130,17 +162,22 @@ class Output:
         if finish is None:
             self.links.chunk(r.reply_to, wire.DataChunk(
                 req=r.req, text=text, tokens=[tok], compute=compute, logprobs=logprobs,
+                reasoning=thoughts,
             ))  # fmt: skip
             return tok
         # Whatever ended the stream, text held back for a possible stop string or an
         # unfinished character belongs to the output (an EOS right after "Hello." with
         # stop ".\n" must not eat the "."); after a stop string finish() adds nothing.
-        text += r.text.finish()
+        rest = r.text.finish()
+        if r.track is not None:
+            more, rest = r.track.finish(rest)
+            thoughts += more
+        text += rest
         if r.text.matched is not None:
             finish = "stop"  # the held-back tail completed a stop string
         last = wire.DataChunk(
             req=r.req, text=text, tokens=[tok], finish_reason=finish, usage=r.usage(),
-            logprobs=logprobs, stop_sequence=r.text.matched,
+            logprobs=logprobs, stop_sequence=r.text.matched, reasoning=thoughts,
         )  # fmt: skip
         # Every position before this token holds the answer's KV; rows after it (the
         # rest of a draft, a chained step's) are not kept.

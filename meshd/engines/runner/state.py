@@ -15,6 +15,8 @@ from meshd.engines.drafting import DraftBudget, InFlight
 from meshd.engines.sampling import Sampler
 from meshd.transport import wire
 
+from .thinking import ThoughtTrack
+
 
 @dataclass
 class Request:
@@ -72,12 +74,15 @@ class Request:
     text: TextStream | None = None
     #: The grammar the output must follow (structured outputs, forced tool calls).
     constraint: Constraint | None = None
+    #: Its thoughts (a thinking model's), and the tokens put in its output.
+    track: ThoughtTrack | None = None
 
     def usage(self) -> wire.Usage:
         """What the request cost so far, as its last chunk reports it."""
         return wire.Usage(
             self.n_prompt, self.n_generated, self.n_cached, self.n_drafted, self.n_accepted,
             self.n_model_drafted, self.n_model_accepted, self.n_chained,
+            self.track.n_thoughts if self.track is not None else 0,
         )  # fmt: skip
 
 
