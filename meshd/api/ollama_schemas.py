@@ -6,6 +6,8 @@ Requests follow Ollama's own API documentation; every sampling knob lives in
 ignores options a model does not use. What would change the meaning of an answer and
 cannot be done is a 400 naming the field: images, a custom ``template``, a ``suffix``
 (fill-in-the-middle), ``context`` (the token ids of an earlier answer) and ``think``.
+Fields Ollama has no use for are ignored, as Ollama ignores them: unknown fields, and a
+``tool_choice`` other than meshd's string extension (an object, as some clients send).
 """
 
 from __future__ import annotations
@@ -168,13 +170,16 @@ class ChatRequest(_Generation, kw_only=True, omit_defaults=True):
     messages: list[Message] = []
     tools: list[Tool] | None = None
     #: Extension (Ollama has none): ``auto`` (the default), ``none``, ``required`` or
-    #: the name of the tool the model must call, as OpenAI's ``tool_choice``.
-    tool_choice: str | None = None
+    #: the name of the tool the model must call, as OpenAI's ``tool_choice``. Any other
+    #: JSON (an object, as ollama-ai-provider-v2 sends) is ignored, as Ollama ignores it.
+    tool_choice: Any = None
 
     def __post_init__(self) -> None:
         _check_generation(self)
         if self.tools and len(self.tools) > MAX_TOOLS:
             raise FieldError("tools", f"at most {MAX_TOOLS} tools, got {len(self.tools)}")
+        if not isinstance(self.tool_choice, str):
+            self.tool_choice = None
         names = {t.function.name for t in self.tools or ()}
         if self.tool_choice not in (None, "auto", "none", "required", *names):
             raise FieldError(
@@ -189,7 +194,7 @@ class ChatRequest(_Generation, kw_only=True, omit_defaults=True):
         """None (no tools, or ``none``), ``auto``, ``required`` or a tool's name."""
         if not self.tools or self.tool_choice == "none":
             return None
-        return self.tool_choice or "auto"
+        return str(self.tool_choice or "auto")
 
 
 class GenerateRequest(_Generation, kw_only=True, omit_defaults=True):
