@@ -22,6 +22,8 @@ OPEN, USE, ADMIN = Access.OPEN, Access.USE, Access.ADMIN
 #: The OpenAI routes a client may also reach under /api/v1.
 _OPENAI = [
     Guarded(USE, "/v1/models", openai.list_models, methods=["GET"]),
+    # A model's id may hold "/" (org/repo): the rest of the path is the id.
+    Guarded(USE, "/v1/models/{model_id:path}", openai.retrieve_model, methods=["GET"]),
     Guarded(USE, "/v1/chat/completions", openai.chat_completions, methods=["POST"]),
     Guarded(USE, "/v1/completions", openai.completions, methods=["POST"]),
     Guarded(USE, "/v1/embeddings", embeddings.embeddings, methods=["POST"]),

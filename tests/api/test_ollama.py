@@ -143,12 +143,15 @@ def test_model_routes(oc, via) -> None:
     assert DEFAULT_MODEL in names
     entry = next(m for m in oc.list().models if m.model == DEFAULT_MODEL)
     assert entry.size > 0 and entry.details.family == "llama"
+    assert entry.details.parameter_size == "135M"  # from the tensors' shapes
     ps = oc.ps().models
     assert [m.model for m in ps] == [DEFAULT_MODEL] and ps[0].context_length > 0
     shown = oc.show(DEFAULT_MODEL + ":latest")  # the tag Ollama clients add
     assert "tools" in shown.capabilities and "completion" in shown.capabilities
     assert shown.modelinfo["general.architecture"] == "llama"
     assert shown.modelinfo["llama.context_length"] > 0
+    assert shown.modelinfo["general.parameter_count"] == 134_515_008
+    assert shown.details.parameter_size == "135M"
     v = httpx.get(via.api + "/api/version", timeout=10).json()["version"]
     assert all(p.isdigit() for p in v.split("."))
     assert httpx.get(via.api + "/", timeout=10).text == "Ollama is running"

@@ -256,6 +256,20 @@ def test_a_base_url_ending_in_api_v1_works_as_v1(via: NodeProc) -> None:
     assert e.value.body["code"] == "model_not_found"
 
 
+def test_models_retrieve_finds_a_served_model_and_404s_any_other(client, via) -> None:
+    m = client.models.retrieve(DEFAULT_MODEL)
+    assert m.id == DEFAULT_MODEL and m.object == "model"
+    # An id may hold "/" and ":" (org/repo, name:tag); the SDK sends the "/" encoded.
+    for missing in ("no-such-model", "org/no-such-model:q4"):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve(missing)
+        assert e.value.body["code"] == "model_not_found" and DEFAULT_MODEL in e.value.message
+    r = httpx.get(via.api + "/api/v1/models/" + DEFAULT_MODEL, timeout=10)
+    assert r.status_code == 200 and r.json()["id"] == DEFAULT_MODEL
+    r = httpx.get(via.api + "/v1/models/org/no-such-model:q4", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
 def test_turn_two_of_a_chat_reports_its_cached_tokens(client) -> None:
     turn1 = [
         {"role": "system", "content": "You answer in one short sentence, like a librarian."},
