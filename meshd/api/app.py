@@ -9,6 +9,7 @@ from __future__ import annotations
 from starlette.applications import Starlette
 
 from . import anthropic, cluster, doctor, embeddings, instances, members, ollama, openai, responses
+from .accesslog import AccessLog
 from .auth import Access, AccessGuard, Guarded
 from .errors import install_error_handlers
 from .origins import HostOriginGuard
@@ -91,6 +92,9 @@ def create_app(services: Services, settings: ApiSettings) -> Starlette:
         admin_key=settings.admin_key, owner_token=settings.owner_token,
     )  # fmt: skip
     app.add_middleware(HostOriginGuard, hosts=settings.hosts)
-    # Added last, so it runs first: every answer, refusals too, carries its id.
+    # Outside every check: a request any of them refuses is logged too.
+    app.add_middleware(AccessLog)
+    # Added last, so it runs first: every answer, refusals too, carries its id (and so
+    # does its log line).
     app.add_middleware(RequestIds)
     return app
