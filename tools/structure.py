@@ -145,7 +145,7 @@ MODULE_SIZES: dict[str, int] = {
     "meshd/cli/top.py": 704,
     "meshd/engines/llama_stage.py": 898,
     "meshd/engines/mlx_stage.py": 841,
-    "meshd/models/folder.py": 502,
+    "meshd/models/folder.py": 490,
     "meshd/node/cluster.py": 481,
     "meshd/node/daemon.py": 576,
     "meshd/node/diagnosis.py": 637,
