@@ -113,20 +113,22 @@ def test_structured_output_through_messages_parse(ac) -> None:
         name: str
         age: int
 
-    asked = [{"role": "user", "content": "A person, as JSON."}]
     # The SDK sends output_config.format with the model's JSON Schema, and reads the
-    # answer's text back into the model.
-    m = ac.messages.parse(model=DEFAULT_MODEL, max_tokens=100, messages=asked,
-                          output_format=Person, extra_body={"seed": 2})  # fmt: skip
+    # answer's text back into the model. Greedy: a sampled run of this small model may
+    # write an integer's digits until max_tokens (valid JSON, never finished).
+    m = ac.messages.parse(model=DEFAULT_MODEL, max_tokens=100, output_format=Person,
+                          messages=[{"role": "user", "content": "A person, as JSON."}],
+                          extra_body=GREEDY)  # fmt: skip
     assert m.stop_reason == "end_turn"
     assert isinstance(m.parsed_output, Person)
     schema = {"type": "object", "properties": {"city": {"type": "string"},
               "sunny": {"type": "boolean"}}, "required": ["city", "sunny"],
               "additionalProperties": False}  # fmt: skip
     # The structured-outputs beta's spelling: a top-level output_format, streamed here.
+    asked = [{"role": "user", "content": "The weather in Paris, as JSON."}]
+    beta = {"output_format": {"type": "json_schema", "schema": schema}}
     with ac.messages.stream(model=DEFAULT_MODEL, max_tokens=100, messages=asked,
-                            extra_body={"seed": 3, "output_format": {
-                                "type": "json_schema", "schema": schema}}) as s:  # fmt: skip
+                            extra_body={**GREEDY, **beta}) as s:  # fmt: skip
         final = s.get_final_message()
     assert final.stop_reason == "end_turn"
     jsonschema.validate(json.loads(final.content[0].text), schema)
