@@ -301,8 +301,10 @@ def test_every_request_leaves_one_log_line_whatever_its_outcome(via: NodeProc) -
         assert len(got[name]) == 1, got[name]  # one line each, refusals too
         line = got[name][0]
         assert f" {r.request.method} {r.request.url.path} {r.status_code} " in line, line
-    # A request that ran on the pipeline says how, on the same line.
-    assert f": chat {DEFAULT_MODEL} via a:0-" in got["log-served"][0]
+    # A request that ran on the pipeline says how, on the same line (its stages: a and
+    # b, or wherever a repair put the model on a busy machine).
+    assert f": chat {DEFAULT_MODEL} via " in got["log-served"][0]
+    assert ": 200, " in got["log-served"][0]
 
 
 def test_turn_two_of_a_chat_reports_its_cached_tokens(client) -> None:
