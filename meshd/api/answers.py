@@ -116,7 +116,7 @@ def answer(c: Collected, reader: ChoiceCalls | None) -> Answer:
             c.text, [], c.finish_reason, c.usage, c.logprobs, c.stop_sequence, c.reasoning
         )
     head, _ = reader.feed(c.text)
-    tail, _ = reader.finish()
+    tail, _ = reader.finish(c.finish_reason)
     reason = _finish(c.finish_reason, reader)
     return Answer(
         head + tail, reader.calls, reason, c.usage, c.logprobs, c.stop_sequence, c.reasoning
@@ -209,7 +209,7 @@ async def events(
         if reader is not None:
             text, new = reader.feed(c.text)
             if c.finish_reason:
-                rest, more = reader.finish()
+                rest, more = reader.finish(c.finish_reason)
                 text, new = text + rest, new + more
         if text or c.logprobs:
             yield Text(i, text, c.logprobs)

@@ -150,6 +150,7 @@ async def messages(request: Request) -> Response:
         max_tokens=body.max_tokens,
         sampling=SamplingChoice(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k),
         stop=list(body.stop_sequences or []),
+        grammar=body.grammar,
         tools=_tool_use(body),
         think=body.thinking.choice if body.thinking is not None else ThinkChoice(),
     )

@@ -6,12 +6,17 @@ and ``tool_result`` blocks, ``max_tokens``, ``stop_sequences``, ``temperature`` 
 ``input_schema``), ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``, with
 ``disable_parallel_tool_use``) and ``thinking`` (``enabled`` with ``budget_tokens``, a
 cap on the thought tokens; ``disabled``, with the model's own switch; ``adaptive``;
-``display: omitted``). ``thinking`` blocks of earlier answers go back to the template
-as the assistant turn's thoughts (most templates drop past thoughts); their signature
-is not checked, and ``redacted_thinking`` blocks are dropped. Accepted and ignored:
-``metadata``, ``cache_control`` anywhere, ``service_tier``, ``container``. A 400 names
-what cannot be done: image or document blocks, and server tools (web search, code
-execution, ...), which run on Anthropic's side.
+``display: omitted``), and structured output: ``output_config.format``
+(``{"type": "json_schema", "schema": {...}}``, what the SDK's ``messages.parse`` and
+langchain-anthropic's ``with_structured_output`` send; the older beta sent the same
+object as a top-level ``output_format``, also read): the answer is constrained to the
+schema, as by OpenAI's ``response_format`` ``json_schema``. ``thinking`` blocks of
+earlier answers go back to the template as the assistant turn's thoughts (most
+templates drop past thoughts); their signature is not checked, and
+``redacted_thinking`` blocks are dropped. Accepted and ignored: ``metadata``,
+``cache_control`` anywhere, ``service_tier``, ``container``, ``output_config.effort``.
+A 400 names what cannot be done: image or document blocks, other output formats, and
+server tools (web search, code execution, ...), which run on Anthropic's side.
 
 The ``anthropic`` SDK (2.x) takes ``temperature``, ``top_p`` and ``top_k`` through
 ``extra_body`` only; they arrive in the body all the same.
@@ -24,6 +29,7 @@ from typing import Any, Literal
 import msgspec
 
 from meshd.domain.reasoning import ThinkChoice
+from meshd.engines.grammar import json_schema_grammar
 
 from .rules import (
     MAX_TOOLS,
@@ -34,6 +40,7 @@ from .rules import (
     check_range,
     check_sampling_fields,
     check_stops,
+    schema_grammar,
     unsupported,
 )
 
@@ -42,6 +49,8 @@ __all__ = [
     "CountTokensRequest",
     "MessageParam",
     "MessagesRequest",
+    "OutputConfig",
+    "OutputFormat",
     "ResponseBlock",
     "SystemBlock",
     "ThinkingConfig",
@@ -135,6 +144,33 @@ class ToolChoice(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise FieldError("name", "tool_choice type 'tool' needs the tool's `name`")
 
 
+class OutputFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``output_config.format`` (or the older beta's top-level ``output_format``): the
+    JSON Schema the answer follows. A schema the grammar engine cannot compile is a 400
+    that says why."""
+
+    type: str
+    #: ``schema`` on the wire; a Python name that shadows no builtin.
+    json: Any = msgspec.field(name="schema", default=None)
+
+    def __post_init__(self) -> None:
+        if self.type != "json_schema":
+            raise unsupported(
+                "type", f"output format type {self.type!r} is not supported; use 'json_schema'"
+            )
+        if self.json is None:
+            raise FieldError("schema", "type 'json_schema' needs `schema` (a JSON Schema)")
+        schema_grammar(self.json, "schema")  # raises a FieldError that says why
+
+
+class OutputConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``output_config``: ``format`` is honoured; ``effort`` (how hard Claude thinks)
+    is accepted and ignored, as the other knobs of Anthropic's own models."""
+
+    format: OutputFormat | None = None
+    effort: str | None = None
+
+
 class _Conversation(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str
     messages: list[MessageParam]
@@ -209,14 +245,27 @@ class MessagesRequest(_Conversation, kw_only=True, omit_defaults=True):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    #: The structured-outputs beta's spelling of ``output_config.format``.
+    output_format: OutputFormat | None = None
 
     def __post_init__(self) -> None:
         self._check()
+        if self.output_format is not None and self.output_config and self.output_config.format:
+            raise FieldError(
+                "output_format", "send output_config.format or output_format, not both"
+            )
         check_int64(self)
         check_min("max_tokens", self.max_tokens, 1)
         check_range("temperature", self.temperature, 0.0, 1.0)  # Anthropic's own bound
         check_sampling_fields(self)
         check_stops(self.stop_sequences or [], "stop_sequences")
+
+    @property
+    def grammar(self) -> str | None:
+        """The grammar the answer follows (None: free text)."""
+        fmt = self.output_format or (self.output_config.format if self.output_config else None)
+        return None if fmt is None else json_schema_grammar(fmt.json)
 
 
 class CountTokensRequest(_Conversation, kw_only=True, omit_defaults=True):

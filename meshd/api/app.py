@@ -9,6 +9,7 @@ from __future__ import annotations
 from starlette.applications import Starlette
 
 from . import anthropic, cluster, doctor, embeddings, instances, members, ollama, openai, responses
+from .accesslog import AccessLog
 from .auth import Access, AccessGuard, Guarded
 from .errors import install_error_handlers
 from .origins import HostOriginGuard
@@ -22,6 +23,8 @@ OPEN, USE, ADMIN = Access.OPEN, Access.USE, Access.ADMIN
 #: The OpenAI routes a client may also reach under /api/v1.
 _OPENAI = [
     Guarded(USE, "/v1/models", openai.list_models, methods=["GET"]),
+    # A model's id may hold "/" (org/repo): the rest of the path is the id.
+    Guarded(USE, "/v1/models/{model_id:path}", openai.retrieve_model, methods=["GET"]),
     Guarded(USE, "/v1/chat/completions", openai.chat_completions, methods=["POST"]),
     Guarded(USE, "/v1/completions", openai.completions, methods=["POST"]),
     Guarded(USE, "/v1/embeddings", embeddings.embeddings, methods=["POST"]),
@@ -89,6 +92,9 @@ def create_app(services: Services, settings: ApiSettings) -> Starlette:
         admin_key=settings.admin_key, owner_token=settings.owner_token,
     )  # fmt: skip
     app.add_middleware(HostOriginGuard, hosts=settings.hosts)
-    # Added last, so it runs first: every answer, refusals too, carries its id.
+    # Outside every check: a request any of them refuses is logged too.
+    app.add_middleware(AccessLog)
+    # Added last, so it runs first: every answer, refusals too, carries its id (and so
+    # does its log line).
     app.add_middleware(RequestIds)
     return app

@@ -15,7 +15,7 @@ from typing import TypeVar
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
-from .errors import ApiError, bad_request, payload_too_large, unsupported_media_type
+from .errors import ApiError, bad_request, dialect_of, payload_too_large, unsupported_media_type
 from .rules import FieldError
 
 __all__ = ["BODY_TIMEOUT_S", "DEFAULT_MAX_BODY_BYTES", "parse_body", "validation_error"]
@@ -66,12 +66,32 @@ def _check_content_type(request: Request) -> None:
     # cross-site without a CORS preflight; none of those is JSON, so a page the user
     # visits cannot make the node act (see docs/operations.md, "Security").
     raw = request.headers.get("content-type")
-    if raw is None:
-        raise unsupported_media_type("none")
-    media = raw.split(";", 1)[0].strip().lower()
+    media = raw.split(";", 1)[0].strip().lower() if raw is not None else ""
     if media in ("application/json", "text/json") or media.endswith("+json"):
         return
-    raise unsupported_media_type(raw)
+    if media in _OLLAMA_LOOSE and _ollama_client(request):
+        return
+    raise unsupported_media_type("none" if raw is None else raw)
+
+
+#: What Ollama's clients send that is no JSON type: nothing (LiteLLM's ``ollama/``
+#: providers), and curl's ``-d`` default (the curls of Ollama's docs).
+_OLLAMA_LOOSE = ("", "application/x-www-form-urlencoded")
+
+
+def _ollama_client(request: Request) -> bool:
+    """Whether a body whose Content-Type is in :data:`_OLLAMA_LOOSE` is read as JSON,
+    as Ollama reads it: on Ollama's routes, from a client that is no browser. A browser
+    marks what it sends for a page (``Origin`` on every post, ``Sec-Fetch-Site``), and
+    the Host was checked by :class:`~.origins.HostOriginGuard` (it must be there:
+    HTTP/1.0 may leave it out), so a page still cannot post a form or a blob."""
+    h = request.headers
+    return (
+        dialect_of(request.url.path) == "ollama"
+        and "host" in h
+        and "origin" not in h
+        and h.get("sec-fetch-site", "none") in ("same-origin", "none")
+    )
 
 
 def _declared_length(request: Request, max_bytes: int) -> None:
@@ -120,7 +140,9 @@ async def parse_body(
     * 413 when ``Content-Length`` or the bytes actually received exceed ``max_bytes``
       (checked while streaming, so a lying or absent header does not matter);
     * 408 when the body takes longer than ``timeout`` seconds to arrive;
-    * 415 when ``Content-Type`` is absent or not JSON;
+    * 415 when ``Content-Type`` is absent or not JSON (on Ollama's routes, absent or
+      curl's form default is read as JSON from a client that is no browser, as Ollama
+      reads it);
     * 400 for an empty body, invalid JSON (or UTF-8), a body that is not an object,
       nesting too deep, a missing or mistyped field, or a field that breaks a rule.
 

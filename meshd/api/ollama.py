@@ -334,7 +334,7 @@ def _details(f: ModelFacts | None) -> o.ModelDetails:
     quants = [q for q in f.quant_types if q not in ("F32",)] or f.quant_types
     return o.ModelDetails(
         format=f.format, family=f.architecture, families=[f.architecture],
-        quantization_level=quants[0] if quants else "",
+        parameter_size=f.parameter_size, quantization_level=quants[0] if quants else "",
     )  # fmt: skip
 
 
@@ -380,17 +380,16 @@ async def show(request: Request) -> Response:
         raise model_not_found(body.model_name, view.known_models())
     f = _facts(view, name)
     info: dict[str, object] = {}
-    caps = ["completion", "tools"]
+    caps = ["embedding"] if f is not None and f.embedding_only else ["completion", "tools"]
     if f is not None:
         a = f.architecture
         info = {
             "general.architecture": a,
+            "general.parameter_count": f.n_params,
             f"{a}.context_length": f.n_ctx_train,
             f"{a}.block_count": f.n_layers,
             f"{a}.embedding_length": f.hidden_size,
         }
-        if f.embedding_only:
-            caps = ["embedding"]
     resp = o.ShowResponse(
         modelfile="", parameters="", template="", details=_details(f), model_info=info,
         capabilities=caps, modified_at=_EPOCH,

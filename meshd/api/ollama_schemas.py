@@ -9,6 +9,8 @@ cannot be done is a 400 naming the field: images, a custom ``template``, a ``suf
 (true, false, or gpt-oss's ``low``/``medium``/``high``) turns a thinking model's
 thoughts on or off with the model's own switch; a model that does not think ignores
 it. Thoughts come in ``message.thinking`` (chat) or ``thinking`` (generate).
+Fields Ollama has no use for are ignored, as Ollama ignores them: unknown fields, and a
+``tool_choice`` other than meshd's string extension (an object, as some clients send).
 """
 
 from __future__ import annotations
@@ -179,13 +181,16 @@ class ChatRequest(_Generation, kw_only=True, omit_defaults=True):
     messages: list[Message] = []
     tools: list[Tool] | None = None
     #: Extension (Ollama has none): ``auto`` (the default), ``none``, ``required`` or
-    #: the name of the tool the model must call, as OpenAI's ``tool_choice``.
-    tool_choice: str | None = None
+    #: the name of the tool the model must call, as OpenAI's ``tool_choice``. Any other
+    #: JSON (an object, as ollama-ai-provider-v2 sends) is ignored, as Ollama ignores it.
+    tool_choice: Any = None
 
     def __post_init__(self) -> None:
         _check_generation(self)
         if self.tools and len(self.tools) > MAX_TOOLS:
             raise FieldError("tools", f"at most {MAX_TOOLS} tools, got {len(self.tools)}")
+        if not isinstance(self.tool_choice, str):
+            self.tool_choice = None
         names = {t.function.name for t in self.tools or ()}
         if self.tool_choice not in (None, "auto", "none", "required", *names):
             raise FieldError(
@@ -200,7 +205,7 @@ class ChatRequest(_Generation, kw_only=True, omit_defaults=True):
         """None (no tools, or ``none``), ``auto``, ``required`` or a tool's name."""
         if not self.tools or self.tool_choice == "none":
             return None
-        return self.tool_choice or "auto"
+        return str(self.tool_choice or "auto")
 
 
 class GenerateRequest(_Generation, kw_only=True, omit_defaults=True):

@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse
 from meshd.domain.sampling import SamplingChoice
+from meshd.models import canonical_name
 from meshd.transport import wire
 
 from . import schemas
@@ -34,13 +35,14 @@ from .answers import (
     whole,
 )
 from .bodies import parse_body
+from .errors import model_not_found
 from .logprobs import chat_logprobs, completion_logprobs
 from .runs import GenerateRequest, Run, admit_choices
 from .services import context
 from .sse import SSE_DONE, SSE_HEADERS, SSE_KEEPALIVE, SSE_MEDIA_TYPE, sse_data, sse_error
 from .toolcalls import Call, ChoiceCalls
 
-__all__ = ["chat_completions", "completions", "list_models"]
+__all__ = ["chat_completions", "completions", "list_models", "retrieve_model"]
 
 _Body = schemas.ChatCompletionRequest | schemas.CompletionRequest
 
@@ -91,6 +93,19 @@ async def list_models(request: Request) -> Response:
     names = context(request).services.view().known_models()
     data = schemas.ModelList(data=[schemas.Model(id=n) for n in names])
     return Response(msgspec.json.encode(data), media_type="application/json")
+
+
+async def retrieve_model(request: Request) -> Response:
+    """``GET /v1/models/{model}`` (the SDK's ``models.retrieve``): one model the cluster
+    can serve, or a 404 that lists those it can. An id may hold ``/`` and ``:``
+    (``org/repo``, ``name:tag``), so the route takes the rest of the path."""
+    name = request.path_params["model_id"]
+    view = context(request).services.view()
+    if not view.is_known(name):
+        raise model_not_found(name, view.known_models())
+    return Response(
+        msgspec.json.encode(schemas.Model(id=canonical_name(name))), media_type="application/json"
+    )
 
 
 def _generate_request(

@@ -33,6 +33,7 @@ from meshd.node.errors import RequestFailed
 from meshd.node.metrics import Metrics
 from meshd.transport import wire
 
+from .accesslog import note_run
 from .errors import ApiError, bad_request, node_error, overloaded, request_failed
 from .gone import unless_gone, until_disconnected
 from .limits import Ticket, current_client
@@ -220,15 +221,17 @@ class Run:
                          "".join(thoughts))  # fmt: skip
 
     def count(self, outcome: str) -> None:
-        """Count the request's outcome (``200``, a status, ``client_closed``) and log
-        one line for it (the request id comes with the line: see ``meshd.logs``)."""
+        """Count the run's outcome (``200``, a status, ``client_closed``) and report it
+        on the request's log line (:mod:`.accesslog`; a line of its own outside a
+        request), with the request id as every line for the request."""
         self.metrics.requests.labels(self.route, self.model, outcome).inc()
         ttft = f"{self.t_first - self.t0:.3f}s" if self.t_first else "-"
-        log.info(
-            "%s %s via %s: %s, %d prompt + %d tokens, first token %s, %.3fs",
-            self.route, self.model, self.path, outcome, self.n_prompt, self.n_tokens, ttft,
-            time.perf_counter() - self.t0,
-        )  # fmt: skip
+        summary = (
+            f"{self.route} {self.model} via {self.path}: {outcome}, {self.n_prompt} prompt + "
+            f"{self.n_tokens} tokens, first token {ttft}, {time.perf_counter() - self.t0:.3f}s"
+        )
+        if not note_run(summary):
+            log.info("%s", summary)
 
     async def close(self) -> None:
         """Free the request on every stage if it did not finish, give its slot back

@@ -27,7 +27,9 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .accesslog import AccessLog
 from .errors import OVERLOADED_RETRY_S, ApiError, dialect_of
+from .requestid import RequestIds
 
 __all__ = [
     "HEADER_TIMEOUT_S",
@@ -84,8 +86,10 @@ class _Guarded(H11Protocol):
             transport.close()
             return
         if held > MAX_CONNECTIONS_PER_IP:
-            # Its requests get the refusal instead of the app (uvicorn runs self.app).
-            self.app = functools.partial(_too_many_connections, retry_after=self._retry_after())
+            # Its requests get the refusal instead of the app (uvicorn runs self.app),
+            # with an id and a log line as every request.
+            refuse = functools.partial(_too_many_connections, retry_after=self._retry_after())
+            self.app = RequestIds(AccessLog(refuse))
             self._header_s = OVER_CAP_HEADER_TIMEOUT_S
         self._arm()
 

@@ -1,6 +1,12 @@
 """Tool calls read back from an answer, for every dialect: a thin layer over
 :class:`meshd.models.tools.ToolCallParser` that numbers the calls, gives them ids and
-keeps one when the client asked for no parallel calls."""
+keeps one when the client asked for no parallel calls.
+
+A call cut short by the token limit (``max_tokens``) is dropped: its arguments are not
+whole, so no client could run it, and the markup it began with (``<tool_call>``, or the
+JSON of a Llama 3 or Mistral call) is no text for the user. The answer ends by
+``length`` as any cut answer does, each dialect saying so its own way. A call whose
+arguments are whole, only its closing markup cut, is a call."""
 
 from __future__ import annotations
 
@@ -74,9 +80,10 @@ class ChoiceCalls:
         """The content and the calls that ``text`` lets through."""
         return self._split(self._parser.feed(text))
 
-    def finish(self) -> tuple[str, list[Call]]:
-        """The rest, once the answer has ended."""
-        return self._split(self._parser.finish())
+    def finish(self, reason: str = "stop") -> tuple[str, list[Call]]:
+        """The rest, once the answer has ended for ``reason`` (the runner's ``stop`` or
+        ``length``: a call that ``length`` cut short is dropped, markup and all)."""
+        return self._split(self._parser.finish(cut=reason == "length"))
 
     def _split(self, parts: list[str | ParsedCall]) -> tuple[str, list[Call]]:
         text: list[str] = []

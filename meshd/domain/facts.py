@@ -64,3 +64,16 @@ class ModelFacts(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     #: Fingerprint of its token list (GGUF; "" unknown): a model with the same one
     #: can draft for it (see ``meshd.placement.drafts``).
     vocab_hash: str = ""
+    #: Weights the model holds, each tensor's elements summed (0: not known).
+    n_params: int = 0
+
+    @property
+    def parameter_size(self) -> str:
+        """:attr:`n_params` as model cards write it, three figures at most (``135M``,
+        ``1.71B``, ``70.6B``; "" when not known): Ollama's ``parameter_size``."""
+        n = self.n_params
+        for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+            if n >= scale:
+                x = n / scale
+                return f"{x:.0f}{unit}" if x >= 100 else f"{x:.{1 if x >= 10 else 2}f}{unit}"
+        return str(n) if n else ""

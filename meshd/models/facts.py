@@ -3,12 +3,13 @@
 Every number comes from the model itself (``<arch>.block_count``, tensor sizes, ...):
 nothing about a particular model is hard-coded here, so a new GGUF works as soon as
 llama.cpp can load it. Only headers are read. GGUF facts are cached in
-``cache_dir/facts-v4.json`` by (path, size, mtime).
+``cache_dir/facts-v7.json`` by (path, size, mtime).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -81,8 +82,8 @@ def read_facts(
 
 #: Named by version: facts cached by an older meshd lack fields added since, or
 #: hold stale ones (v3 had no "mlx" engine for K-quant GGUFs, v4 no vocab_hash, v5 one
-#: that counted a vocabulary's padding).
-_FACTS_FILE = "facts-v6.json"
+#: that counted a vocabulary's padding, v6 no n_params).
+_FACTS_FILE = "facts-v7.json"
 
 
 def _cached_facts(path: Path, cache_dir: Path | None) -> ModelFacts | None:
@@ -139,8 +140,11 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
     embed_bytes = 0
     head_bytes = 0
     types: set[str] = set()
-    for tname, (type_name, _shape) in header.tensors.items():
+    n_params = 0
+    for tname, (type_name, shape) in header.tensors.items():
         types.add(type_name)
+        # GGUF shapes count elements, not the blocks a quantized type packs them in.
+        n_params += math.prod(shape)
         nbytes = header.nbytes[tname]
         m = _BLK.match(tname)
         if m is not None:
@@ -182,6 +186,7 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
         vocab_hash=header.vocab_hash,
         sampling=gguf_sampling(kv),
         embedding_only=encoder,
+        n_params=n_params,
     )
 
 

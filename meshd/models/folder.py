@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from meshd.domain.facts import ModelFacts
 from .errors import ModelFormatError, UnsupportedModelError
 from .generation import folder_sampling
 from .hashing import file_sha256
+from .safetensors import read_safetensors_header
 
 __all__ = [
     "FOLDER_ARCHITECTURES",
@@ -114,9 +115,6 @@ _LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(\w+)$")
 _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 _ANY_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
-#: Largest safetensors JSON header read (the format's own limit is 100 MB).
-_MAX_HEADER = 100 << 20
-
 
 # -- reading a folder ----------------------------------------------------------------
 
@@ -134,28 +132,6 @@ def weight_files(path: Path | str) -> list[Path]:
     p = Path(path)
     files = sorted(p.glob("model*.safetensors")) or sorted(p.glob("*.safetensors"))
     return files
-
-
-def read_safetensors_header(file: Path | str) -> dict[str, dict[str, Any]]:
-    """Tensor name -> ``{"dtype", "shape", "data_offsets"}`` from a safetensors file's
-    JSON header (8-byte little-endian length, then JSON); no tensor data is read."""
-    file = Path(file)
-    with open(file, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ModelFormatError(f"{file}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER:
-            raise ModelFormatError(f"{file}: not a safetensors file (header of {n} bytes)")
-        text = f.read(n)
-    try:
-        header = json.loads(text)
-    except ValueError as e:
-        raise ModelFormatError(f"{file}: not a safetensors file ({e})") from e
-    if not isinstance(header, dict):
-        raise ModelFormatError(f"{file}: not a safetensors file")
-    header.pop("__metadata__", None)
-    return header
 
 
 def _load_json(file: Path) -> dict[str, Any]:
@@ -366,9 +342,7 @@ def _quant_label(
     module: str, spec: FolderModel, tensors: dict[str, tuple[Path, str, tuple[int, ...], int]]
 ) -> str:
     """``mlx-q4``, ``mlx-q8``, ``mlx-mxfp4``...: how one quantized module is packed."""
-    q = spec.quantization or {}
-    over = q.get(module)
-    params = over if isinstance(over, dict) else q
+    params = _quant_params(module, spec)
     mode = str(params.get("mode", "affine"))
     if mode != "affine":
         return f"mlx-{mode}"
@@ -379,6 +353,13 @@ def _quant_label(
     if packed and scales and scales[-1] and group:
         bits = packed[-1] * 32 // (scales[-1] * group)
     return f"mlx-q{bits}"
+
+
+def _quant_params(module: str, spec: FolderModel) -> dict[str, Any]:
+    """How one module is quantized: its own entry of config.json's, else the whole's."""
+    q = spec.quantization or {}
+    over = q.get(module)
+    return over if isinstance(over, dict) else q
 
 
 def read_folder_facts(path: Path | str, name: str, cache_dir: Path | None = None) -> ModelFacts:
@@ -404,7 +385,8 @@ def read_folder_facts(path: Path | str, name: str, cache_dir: Path | None = None
     embed_bytes = head_bytes = 0
     types: set[str] = set()
     tensors = spec.tensors
-    for tname, (_, dtype, _, nbytes) in tensors.items():
+    n_params = 0
+    for tname, (_, dtype, shape, nbytes) in tensors.items():
         if _IGNORED.search(tname):
             continue
         if spec.tied and tname.startswith("lm_head."):
@@ -414,8 +396,13 @@ def read_folder_facts(path: Path | str, name: str, cache_dir: Path | None = None
             pass
         elif suffix == "weight" and f"{base}.scales" in tensors:
             types.add(_quant_label(base, spec, tensors))
+            # Packed: a row holds as many values as its groups (one scale a group).
+            groups = tensors[f"{base}.scales"][2][-1]
+            group = int(_quant_params(base, spec).get("group_size", 64))
+            n_params += math.prod(shape[:-1]) * groups * group
         else:
             types.add(dtype)
+            n_params += math.prod(shape)
         m = _ANY_LAYER.search(tname)
         if m is not None:
             i = int(m.group(1))
@@ -442,6 +429,7 @@ def read_folder_facts(path: Path | str, name: str, cache_dir: Path | None = None
         engines=engines,
         n_vocab=spec.embed_rows,
         sampling=folder_sampling(path),
+        n_params=n_params,
     )
 
 

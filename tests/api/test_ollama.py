@@ -3,11 +3,14 @@ two nodes and asked of a third that holds no stage."""
 
 from __future__ import annotations
 
+import http.client
 import json
 
 import httpx
+import msgspec
 import pytest
 
+from meshd.api.ollama_schemas import ChatRequest
 from meshd.models.resolve import DEFAULT_MODEL
 from tests.api.reference import WEATHER, greedy_chat
 from tests.cluster import NodeProc
@@ -140,12 +143,15 @@ def test_model_routes(oc, via) -> None:
     assert DEFAULT_MODEL in names
     entry = next(m for m in oc.list().models if m.model == DEFAULT_MODEL)
     assert entry.size > 0 and entry.details.family == "llama"
+    assert entry.details.parameter_size == "135M"  # from the tensors' shapes
     ps = oc.ps().models
     assert [m.model for m in ps] == [DEFAULT_MODEL] and ps[0].context_length > 0
     shown = oc.show(DEFAULT_MODEL + ":latest")  # the tag Ollama clients add
     assert "tools" in shown.capabilities and "completion" in shown.capabilities
     assert shown.modelinfo["general.architecture"] == "llama"
     assert shown.modelinfo["llama.context_length"] > 0
+    assert shown.modelinfo["general.parameter_count"] == 134_515_008
+    assert shown.details.parameter_size == "135M"
     v = httpx.get(via.api + "/api/version", timeout=10).json()["version"]
     assert all(p.isdigit() for p in v.split("."))
     assert httpx.get(via.api + "/", timeout=10).text == "Ollama is running"
@@ -168,6 +174,8 @@ def test_errors_are_in_ollamas_shape(oc, via) -> None:
         },
         {"model": DEFAULT_MODEL, "messages": HI, "format": {"type": "nonsense"}},
         {"model": DEFAULT_MODEL, "messages": HI, "think": "extreme"},
+        # meshd's own tool_choice (a string) still names a tool that is there.
+        {"model": DEFAULT_MODEL, "messages": HI, "tools": TOOLS, "tool_choice": "nope"},
     ):
         r = httpx.post(via.api + "/api/chat", json=body, timeout=30)
         assert r.status_code == 400, (body, r.text)
@@ -185,3 +193,46 @@ def test_an_empty_chat_loads_the_model(oc) -> None:
     assert r.done and r.done_reason == "load"
     r = oc.generate(model=DEFAULT_MODEL, prompt="")
     assert r.done and r.done_reason == "load"
+
+
+def test_a_tool_choice_object_is_ignored_as_ollama_ignores_it(via) -> None:
+    # ollama-ai-provider-v2 sends OpenAI's object; Ollama has no such field. (No
+    # messages: the body is read and checked, the model loaded, nothing generated.)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"model": DEFAULT_MODEL, "messages": [], "tools": TOOLS, "tool_choice": choice}
+    r = httpx.post(via.api + "/api/chat", json={**body, "stream": False}, timeout=60)
+    assert r.status_code == 200 and r.json()["done_reason"] == "load", r.text
+    read = msgspec.convert({**body, "messages": HI}, ChatRequest)
+    assert read.tool_choice is None and read.tool_mode == "auto"
+
+
+def test_a_body_with_no_json_type_is_read_unless_a_browser_sent_it(via) -> None:
+    # LiteLLM's ollama/ providers send no Content-Type, curl -d (Ollama's docs) a form's:
+    # Ollama reads both as JSON. Plain http.client, so no header is added on the way.
+    host, port = via.api.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": DEFAULT_MODEL, "prompt": "Hi", "stream": False,
+                       "options": {"num_predict": 1}}).encode()  # fmt: skip
+
+    def post(path: str, headers: dict[str, str]) -> tuple[int, dict]:
+        c = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            c.request("POST", path, body=body, headers=headers)
+            r = c.getresponse()
+            return r.status, json.loads(r.read())
+        finally:
+            c.close()
+
+    status, got = post("/api/generate", {})
+    assert status == 200 and got["done"] and got["eval_count"] == 1, got
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    assert post("/api/generate", form)[0] == 200
+    # A browser's post carries an Origin: another site's is refused, and a page of the
+    # node's own must say JSON; so must a request any browser marks as cross-site.
+    status, got = post("/api/generate", {"Origin": "http://evil.example"})
+    assert status == 403 and "Origin" in got["error"]
+    for marks in ({"Origin": via.api}, {"Sec-Fetch-Site": "cross-site"},
+                  {**form, "Sec-Fetch-Site": "cross-site"}):  # fmt: skip
+        status, got = post("/api/generate", marks)
+        assert status == 415 and "Content-Type" in got["error"], marks
+    # Only Ollama's routes: the others take JSON said so (tests/api/test_http_guards.py).
+    assert post("/v1/completions", {})[0] == 415

@@ -256,6 +256,57 @@ def test_a_base_url_ending_in_api_v1_works_as_v1(via: NodeProc) -> None:
     assert e.value.body["code"] == "model_not_found"
 
 
+def test_models_retrieve_finds_a_served_model_and_404s_any_other(client, via) -> None:
+    m = client.models.retrieve(DEFAULT_MODEL)
+    assert m.id == DEFAULT_MODEL and m.object == "model"
+    # An id may hold "/" and ":" (org/repo, name:tag); the SDK sends the "/" encoded.
+    for missing in ("no-such-model", "org/no-such-model:q4"):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve(missing)
+        assert e.value.body["code"] == "model_not_found" and DEFAULT_MODEL in e.value.message
+    r = httpx.get(via.api + "/api/v1/models/" + DEFAULT_MODEL, timeout=10)
+    assert r.status_code == 200 and r.json()["id"] == DEFAULT_MODEL
+    r = httpx.get(via.api + "/v1/models/org/no-such-model:q4", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_every_request_leaves_one_log_line_whatever_its_outcome(via: NodeProc) -> None:
+    chat = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 1}  # fmt: skip
+    url = via.api + "/v1/chat/completions"
+
+    def rid(name: str) -> dict[str, str]:
+        return {"X-Request-Id": name}
+
+    sent = {
+        "log-served": httpx.post(url, json=chat, headers=rid("log-served"), timeout=60),
+        "log-no-model": httpx.post(url, json={**chat, "model": "nope"},
+                                   headers=rid("log-no-model"), timeout=30),
+        "log-no-type": httpx.post(url, content=b"{}", headers=rid("log-no-type"), timeout=30),
+        "log-foreign-host": httpx.get(via.api + "/v1/models", timeout=30,
+                                      headers={**rid("log-foreign-host"), "Host": "evil.example"}),
+        "log-ollama": httpx.post(via.api + "/api/chat", json={**chat, "messages": "hi"},
+                                 headers=rid("log-ollama"), timeout=30),
+    }  # fmt: skip
+    assert [r.status_code for r in sent.values()] == [200, 404, 415, 403, 400]
+
+    def lines() -> dict[str, list[str]] | None:
+        log = via.log().splitlines()
+        got = {name: [ln for ln in log if " meshd.api: " in ln and ln.endswith(f" req={name}")]
+               for name in sent}  # fmt: skip
+        return got if all(got.values()) else None
+
+    got = wait_for(lines, 10)
+    for name, r in sent.items():
+        assert len(got[name]) == 1, got[name]  # one line each, refusals too
+        line = got[name][0]
+        assert f" {r.request.method} {r.request.url.path} {r.status_code} " in line, line
+    # A request that ran on the pipeline says how, on the same line (its stages: a and
+    # b, or wherever a repair put the model on a busy machine).
+    assert f": chat {DEFAULT_MODEL} via " in got["log-served"][0]
+    assert ": 200, " in got["log-served"][0]
+
+
 def test_turn_two_of_a_chat_reports_its_cached_tokens(client) -> None:
     turn1 = [
         {"role": "system", "content": "You answer in one short sentence, like a librarian."},

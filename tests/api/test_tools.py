@@ -104,6 +104,48 @@ def test_auto_answers_in_text_or_a_call_and_never_both_garbled(client) -> None:
         assert m.content and "<tool_call>" not in m.content
 
 
+def test_a_forced_call_cut_by_max_tokens_ends_by_length_with_no_markup(client, via) -> None:
+    # 8 tokens end inside the call the grammar forces ("<tool_call>\n{"name": ...). One
+    # tool, and no seed: every dialect's request has the same prompt, which the first
+    # computes and the others read from the prefix cache.
+    n, (tool,) = 8, TOOLS[:1]
+    create = client.chat.completions.create
+    r = create(model=DEFAULT_MODEL, messages=QUESTION, max_tokens=n, tools=[tool],
+               tool_choice="required")  # fmt: skip
+    assert r.choices[0].finish_reason == "length"
+    assert not r.choices[0].message.tool_calls and not r.choices[0].message.content
+    chunks = list(create(model=DEFAULT_MODEL, messages=QUESTION, max_tokens=n, tools=[tool],
+                         tool_choice="required", stream=True))  # fmt: skip
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert not any(c.choices[0].delta.content or c.choices[0].delta.tool_calls
+                   for c in chunks if c.choices)  # fmt: skip
+
+    resp = client.responses.create(
+        model=DEFAULT_MODEL, input=QUESTION, max_output_tokens=n, tool_choice="required",
+        tools=[{"type": "function", **tool["function"]}],
+    )  # fmt: skip
+    assert resp.status == "incomplete"
+    assert resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.output_text == "" and all(i.type == "message" for i in resp.output)
+
+    anthropic = pytest.importorskip("anthropic")
+    ac = anthropic.Anthropic(base_url=via.api, api_key="unused", timeout=120, max_retries=0)
+    f = tool["function"]
+    m = ac.messages.create(
+        model=DEFAULT_MODEL, max_tokens=n, messages=QUESTION, tool_choice={"type": "any"},
+        tools=[{"name": f["name"], "description": f["description"], "input_schema": WEATHER}],
+    )  # fmt: skip
+    assert m.stop_reason == "max_tokens"
+    assert [(b.type, b.text) for b in m.content] == [("text", "")]
+
+    ollama = pytest.importorskip("ollama")
+    body = {"model": DEFAULT_MODEL, "messages": QUESTION, "tools": [tool], "stream": False,
+            "tool_choice": "required", "options": {"num_predict": n}}  # fmt: skip
+    o = ollama.ChatResponse(**httpx.post(via.api + "/api/chat", json=body, timeout=120).json())
+    assert o.done_reason == "length"
+    assert o.message.content == "" and not o.message.tool_calls
+
+
 @pytest.mark.parametrize(
     ("over", "param"),
     [

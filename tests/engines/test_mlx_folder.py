@@ -139,6 +139,8 @@ def test_folder_layout_facts_and_template(folder: Path, model_path: Path, tmp_pa
     assert 1.0 <= f.embed_bytes / g.embed_bytes <= 1.1
     assert f.head_bytes == g.head_bytes  # tied: the final norm only
     assert f.quant_types == ["F32", "mlx-q4", "mlx-q8"]
+    # The same weights: as many parameters, though packed another way.
+    assert f.n_params == g.n_params and f.parameter_size == "135M"
     # float32 K and V in the MLX stage: 2 * 3 KV heads * 64 dims * 4 bytes.
     assert f.kv_bytes_per_token_layer == 2 * 3 * 64 * 4
     assert chat_template_at(model_path) == chat_template_at(folder)

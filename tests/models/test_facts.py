@@ -46,6 +46,9 @@ def test_default_model_facts_come_from_its_metadata(
     reader = model_reader
     tensor_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     assert sum(facts.layer_bytes) + facts.embed_bytes + facts.head_bytes == tensor_bytes
+    # Parameters: every tensor's elements (the gguf package's count, independently).
+    assert facts.n_params == sum(int(t.n_elements) for t in reader.tensors) == 134_515_008
+    assert facts.parameter_size == "135M"  # as Ollama's /api/tags shows it
 
     # The facts travel in the CRDT: they must round-trip through msgpack.
     wire = msgspec.msgpack.encode(facts)
@@ -163,3 +166,14 @@ def test_the_token_list_fingerprint_leaves_out_padding(
     assert base != read_header(_vocab_file(tmp_path / "c.gguf", other)).vocab_hash
     assert base != read_header(_vocab_file(tmp_path / "d.gguf", tokens[:-1])).vocab_hash
     assert read_facts(model_path, "smollm2", cache_dir=tmp_path).vocab_hash == base
+
+
+@pytest.mark.parametrize(
+    ("n", "size"),
+    [(0, ""), (7, "7"), (1_500, "1.50K"), (134_515_008, "135M"), (1_711_000_000, "1.71B"),
+     (8_030_261_248, "8.03B"), (70_553_706_496, "70.6B"), (2 * 10**12, "2.00T")],
+)  # fmt: skip
+def test_parameter_size_is_three_figures_at_most(n: int, size: str) -> None:
+    facts = ModelFacts(name="m", sha256="", n_layers=1, hidden_size=1, n_ctx_train=1,
+                       layer_bytes=[1], n_params=n)  # fmt: skip
+    assert facts.parameter_size == size

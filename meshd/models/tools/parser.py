@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .base import Part, Tools
+from .cut import after_cut
 from .formats import FORMATS, ToolFormat
 from .grammar import Marks, picked
 
@@ -27,15 +28,22 @@ class ToolCallParser:
         the functions offered (``{"name", "parameters"}`` each), whose schemas type
         arguments the format writes as raw text."""
         self.fmt = fmt
+        self._tools = tools
         self._reader = FORMATS[fmt].reader(tools)
+        #: The answer's first character that is not a space ("" until one came).
+        self._head = ""
 
     def feed(self, text: str) -> list[Part]:
         """What of the output so far can be shown after ``text``."""
+        if not self._head:
+            self._head = text.lstrip()[:1]
         return self._reader.feed(text)
 
-    def finish(self) -> list[Part]:
-        """Everything still held, once the output has ended."""
-        return self._reader.finish()
+    def finish(self, cut: bool = False) -> list[Part]:
+        """Everything still held, once the output has ended; ``cut``: the token limit
+        ended it, so a call it cut short is dropped, markup and all (:mod:`.cut`)."""
+        parts = self._reader.finish()
+        return after_cut(self.fmt, parts, self._head, self._tools) if cut else parts
 
 
 def forced_call_lark(
