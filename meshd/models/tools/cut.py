@@ -28,9 +28,10 @@ def after_cut(fmt: ToolFormat, held: list[Part], head: str, tools: Tools = ()) -
     character that is not a space; ``tools`` the functions offered."""
     if fmt not in _JSON_ANSWER and fmt not in _CLOSABLE:
         held = [p for p in held if isinstance(p, str)]
-    if not held or not isinstance(held[-1], str):
+    last = held[-1] if held else None
+    if not isinstance(last, str):
         return held
-    return held[:-1] + _rest(fmt, "".join(held[-1:]), head, tools)
+    return held[:-1] + _rest(fmt, last, head, tools)
 
 
 def _rest(fmt: ToolFormat, rest: str, head: str, tools: Tools) -> list[Part]:
