@@ -158,6 +158,49 @@ def write_model(
     return path
 
 
+def write_gpt2(path: Path, tokenizer_from: Path, *, context: int = 512) -> Path:
+    """A 4-layer, 64-wide GPT-2 GGUF with seeded random F32 weights and the tokenizer
+    of ``tokenizer_from``: learned position embeddings (``position_embd``, added to the
+    token rows at the graph's input), layer norms with biases, fused QKV, a GELU FFN."""
+
+    rng = np.random.default_rng(13)
+    hidden, heads, ffn = 64, 4, 256
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_block_count(N_LAYERS)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_layer_norm_eps(1e-5)
+    n_vocab = _copy_tokenizer(w, tokenizer_from)
+
+    def t(*shape: int, scale: float = 0.05) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def norm(prefix: str) -> None:
+        w.add_tensor(prefix + ".weight", (1 + t(hidden)).astype(np.float32))
+        w.add_tensor(prefix + ".bias", t(hidden))
+
+    w.add_tensor("token_embd.weight", t(n_vocab, hidden, scale=0.5))
+    w.add_tensor("position_embd.weight", t(context, hidden, scale=1.0))
+    for i in range(N_LAYERS):
+        p = f"blk.{i}."
+        norm(p + "attn_norm")
+        for name, rows, cols in (
+            ("attn_qkv", 3 * hidden, hidden), ("attn_output", hidden, hidden),
+            ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn),
+        ):  # fmt: skip
+            w.add_tensor(p + name + ".weight", t(rows, cols, scale=0.5))
+            w.add_tensor(p + name + ".bias", t(rows))
+        norm(p + "ffn_norm")
+    norm("output_norm")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def write_bert(path: Path, tokenizer_from: Path, *, pooling: int = 1) -> Path:
     """A 4-layer, 64-wide BERT (encoder-only, non-causal) GGUF with seeded random F32
     weights, the tokenizer of ``tokenizer_from`` and llama.cpp pooling type ``pooling``

@@ -10,6 +10,7 @@ into them, the wire carries them, placement and the engines read them.
 ``job``        ``Job``: what a request asks of a model
 ``reasoning``  ``ThinkChoice`` (asked), ``Thinking`` (set up by stage 0)
 ``facts``      ``ModelFacts``: a model, read from its file's header
+``builds``     ``build_refusal``: which engine builds which model (the rule)
 ``nodes``      ``Device``, ``NodeResources``: what a node computes with
 ``text``       ``printable``, ``loggable``: text from the network, safe to show
 =============  ===============================================================

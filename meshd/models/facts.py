@@ -3,7 +3,7 @@
 Every number comes from the model itself (``<arch>.block_count``, tensor sizes, ...):
 nothing about a particular model is hard-coded here, so a new GGUF works as soon as
 llama.cpp can load it. Only headers are read. GGUF facts are cached in
-``cache_dir/facts-v7.json`` by (path, size, mtime).
+``cache_dir/facts-v<N>.json`` by (path, size, mtime).
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ from typing import Any
 
 import msgspec
 
+from meshd.domain.builds import buildable_engines
 from meshd.domain.facts import ModelFacts
 
 from .atomic import written_whole
-from .errors import ModelFormatError
+from .errors import ModelFormatError, UnsupportedModelError
 from .folder import read_folder_facts
 from .generation import gguf_sampling
-from .gguf import read_header
+from .gguf import GgufHeader, read_header
 from .hashing import file_key, file_sha256
-from .mlx_layout import MLX_GGUF_TYPES
+from .mlx_layout import gguf_layout
 from .resolve import ResolvedModel, resolve_model
 
 __all__ = ["read_facts", "read_model_facts", "read_resolved_facts"]
@@ -82,8 +83,9 @@ def read_facts(
 
 #: Named by version: facts cached by an older meshd lack fields added since, or
 #: hold stale ones (v3 had no "mlx" engine for K-quant GGUFs, v4 no vocab_hash, v5 one
-#: that counted a vocabulary's padding, v6 no n_params).
-_FACTS_FILE = "facts-v7.json"
+#: that counted a vocabulary's padding, v6 no n_params, v7 offered MLX for any
+#: architecture).
+_FACTS_FILE = "facts-v8.json"
 
 
 def _cached_facts(path: Path, cache_dir: Path | None) -> ModelFacts | None:
@@ -161,12 +163,8 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
             embed_bytes += nbytes
 
     quant_types = sorted(types)
-    engines = ["llama_cpp"]
     encoder = embedding_only(arch, kv)
-    if types <= MLX_GGUF_TYPES and not encoder:
-        # mx.load reads some types, gguf-py dequantizes the others (K-quants, IQ*);
-        # a type neither reads must never be placed on an MLX stage.
-        engines.append("mlx")
+    engines = gguf_engines(header, path, encoder)
 
     return ModelFacts(
         name=name,
@@ -188,6 +186,27 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
         embedding_only=encoder,
         n_params=n_params,
     )
+
+
+def gguf_engines(header: GgufHeader, path: Path, encoder: bool) -> list[str]:
+    """The engines that can build the GGUF whose header is ``header``: those the rule
+    offers for its architecture (:func:`~meshd.domain.builds.buildable_engines`), less
+    MLX where the file holds what its GGUF path cannot build (a tensor type neither
+    mx.load nor gguf-py reads, a layer tensor no llama layer has, an encoder)."""
+    engines = buildable_engines("gguf", str(header.kv.get("general.architecture")))
+    # MLX stages run decoders only.
+    if "mlx" in engines and (encoder or not _mlx_builds(header, path)):
+        engines.remove("mlx")
+    return engines
+
+
+def _mlx_builds(header: GgufHeader, path: Path) -> bool:
+    """Whether the MLX stage's own check of a GGUF (the one it loads by) passes."""
+    try:
+        gguf_layout(header, path)
+    except (UnsupportedModelError, ModelFormatError):
+        return False
+    return True
 
 
 #: Encoder-only architectures llama.cpp runs: they embed, they do not generate.

@@ -91,7 +91,7 @@ _LAYER_MODULES: dict[str, frozenset[str]] = {
 #: beside it are never loaded. (mlx-lm's gemma3 model wraps the gemma3_text one.)
 _WRAPPED_TEXT = {"gemma3": ("gemma3_text", "language_model.")}
 
-#: ``model_type`` values of config.json that the MLX stage builds.
+#: config.json ``model_type`` values the MLX stage builds (a copy: meshd.domain.builds).
 FOLDER_ARCHITECTURES = frozenset(_LAYER_MODULES) | frozenset(_WRAPPED_TEXT)
 
 #: Architectures whose mlx-lm model reads ``layer_types`` (sliding-window layers).

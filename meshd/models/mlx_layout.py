@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshd.domain.builds import MLX_GGUF_ARCHITECTURES, build_refusal
+
 from .errors import ModelFormatError, UnsupportedModelError
 from .gguf import GgufHeader, read_header
 from .quant_types import DEQUANT_TYPES
@@ -25,6 +27,7 @@ __all__ = [
     "UnsupportedQuantError",
     "check_gguf_for_mlx",
     "folder_name",
+    "gguf_layout",
     "inspect_gguf",
     "layer_shift",
     "mlx_name",
@@ -40,9 +43,9 @@ MLX_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q6_K"})
 #: (F64, integer tensors, Q1_0...) is not offered to the MLX engine.
 MLX_GGUF_TYPES = MLX_TYPES | DEQUANT_TYPES
 
-#: GGUF architectures this stage builds (mlx-lm's llama model). Mistral, TinyLlama,
-#: SmolLM, Llama 2/3 GGUFs all declare ``llama``.
-MLX_ARCHITECTURES = frozenset({"llama"})
+#: GGUF architectures this stage builds (mlx-lm's llama model): the rule's own list
+#: (:mod:`meshd.domain.builds`), which the model's facts and placement read too.
+MLX_ARCHITECTURES = MLX_GGUF_ARCHITECTURES
 
 #: Group size of every GGUF block quant that ``mx.load`` turns into affine weights,
 #: and of every matrix :mod:`meshd.models.gguf_dequant` builds (its ``GROUP_SIZE``).
@@ -138,7 +141,19 @@ def inspect_gguf(path: Path) -> GgufLayout:
 
     Raises UnsupportedQuantError, UnsupportedModelError or ModelFormatError.
     """
-    header = read_header(path)
+    return gguf_layout(read_header(path), path)
+
+
+def gguf_layout(header: GgufHeader, path: Path) -> GgufLayout:
+    """Check a GGUF's header read already (``path``: the file, for the errors), as
+    :func:`inspect_gguf`: the architecture first (:func:`build_refusal`), then its
+    tensor types and layer tensors, then the shapes the stage builds."""
+    arch = header.kv.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise ModelFormatError(f"{path}: GGUF metadata lacks general.architecture")
+    why = build_refusal("mlx", "gguf", arch)
+    if why is not None:
+        raise UnsupportedModelError(f"{path}: {why}")
     bad: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     types: set[str] = set()
@@ -159,14 +174,6 @@ def inspect_gguf(path: Path) -> GgufLayout:
                 )
 
     kv = header.kv
-    arch = kv.get("general.architecture")
-    if not isinstance(arch, str) or not arch:
-        raise ModelFormatError(f"{path}: GGUF metadata lacks general.architecture")
-    if arch not in MLX_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{path}: GGUF architecture {arch!r} is not supported by the MLX engine "
-            f"(supported: {', '.join(sorted(MLX_ARCHITECTURES))})"
-        )
     n_layers = _meta_int(header, f"{arch}.block_count", path)
     hidden = _meta_int(header, f"{arch}.embedding_length", path)
     n_heads = _meta_int(header, f"{arch}.attention.head_count", path, positive=True)

@@ -48,12 +48,15 @@ _RESTORE_RETRY_S = 30.0
 
 def _check_mlx(resolve: Callable[[str], ResolvedModel], model: str, pinned: bool) -> None:
     """Raise UnsupportedModelError when MLX must run ``model`` (pinned, or a folder)
-    and cannot. A model not on this machine is not checked here."""
+    and cannot, with the stage's own reason. A model not on this machine is not checked
+    here."""
     try:
         resolved = resolve(model)
     except LookupError:
         return  # not on this machine: facts() says where it looked, or finds it
     if resolved.format == "gguf" and not pinned:
+        # Its facts offer MLX only where this same check passes (models.facts), and
+        # placement never picks an engine the facts or the architecture rule leave out.
         return
     check = check_gguf_for_mlx if resolved.format == "gguf" else check_folder_for_mlx
     check(resolved.path)

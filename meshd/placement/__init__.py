@@ -12,7 +12,6 @@ from .place import (
     Policy,
     base_context,
     default_context,
-    engine_of,
     instance_context,
     next_generation,
     node_vram,
@@ -26,9 +25,11 @@ from .place import (
     stage_offload,
 )
 from .resources import NodeResources, node_resources
+from .support import SPLIT_PROVEN, engine_of, model_engines, split_refusal
 
 __all__ = [
     "DEFAULT_ENGINE_PREFERENCE",
+    "SPLIT_PROVEN",
     "NodeResources",
     "Offload",
     "Placement",
@@ -40,6 +41,7 @@ __all__ = [
     "engine_of",
     "fmt_bytes",
     "instance_context",
+    "model_engines",
     "next_generation",
     "node_resources",
     "node_vram",
@@ -49,6 +51,7 @@ __all__ = [
     "plan_digest",
     "predicted_tokens_s",
     "repair_needed",
+    "split_refusal",
     "stage_need",
     "stage_offload",
 ]

@@ -44,6 +44,14 @@ from meshd.domain.facts import ModelFacts
 
 from .errors import MiB, PlacementError, fmt_bytes
 from .resources import NodeResources
+from .support import (
+    backend_rank,
+    engine_of,
+    model_engines,
+    node_engines,
+    refused_text,
+    split_refusal,
+)
 
 #: Backends ranked fastest first: a node runs the model on the engine of its
 #: best-ranked backend that the model supports. MLX where it has a GPU (Metal, CUDA),
@@ -57,17 +65,6 @@ DEFAULT_ENGINE_PREFERENCE: tuple[str, ...] = (
     "llama_cpp-gpu",
     "llama_cpp-cpu",
     "mlx-cpu",
-)
-
-
-#: GGUF architectures never split: their llama.cpp graph feeds a stage more than the
-#: hidden rows (Gemma 3n's per-layer embeddings, hybrid recurrent state), or rescales
-#: them in a way no test has proven a stage undoes (the MoE Granite, MiniCPM 3). Gemma,
-#: Gemma 2/3, Granite and MiniCPM do split: a later stage divides the rows by the
-#: graph's input scale and a slice carries its layers' sliding-window flags
-#: (``meshd.models.scaling``), proven equal to the whole model in tests.
-UNSPLITTABLE_ARCHITECTURES = frozenset(
-    {"gemma3n", "gemma-embedding", "granitemoe", "granitehybrid", "minicpm3"}
 )
 
 
@@ -123,11 +120,6 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     credit_held: bool = True
 
 
-def engine_of(backend: str) -> str:
-    """``llama_cpp-cpu`` -> ``llama_cpp``; an engine name is returned as it is."""
-    return backend.split("-", 1)[0]
-
-
 def stage_need(
     facts: ModelFacts,
     start: int,
@@ -152,7 +144,7 @@ def node_vram(r: NodeResources, engine: str, policy: Policy = Policy()) -> int: 
     backends = [b for b in r.backends if engine_of(b) == "llama_cpp"]
     if not backends:
         return 0
-    best = min(backends, key=lambda b: _backend_rank(b, policy.engine_preference))
+    best = min(backends, key=lambda b: backend_rank(b, policy.engine_preference))
     return sum(
         max(0, d.mem_free - policy.vram_floor_bytes)
         for d in r.devices
@@ -346,12 +338,16 @@ def place(
 
     Raises :class:`PlacementError` when no plan fits.
 
-    **Engine.** A node can run the engines in ``facts.engines`` (when empty: ``mlx``
-    for an MLX folder, ``llama_cpp`` for a GGUF) for which it has a backend
-    ``<engine>-<device>``; it uses the one of its best-ranked backend
-    (``policy.engine_preference``). ``spec.engines`` pins it, per stage, parallel to
-    ``spec.nodes`` (an empty entry leaves that stage free); with no ``spec.nodes``,
-    one entry pins every stage. A node with no usable engine is never chosen.
+    **Engine.** A node can run the engines that can build the model (``facts.engines``
+    that the architecture rule allows: :func:`~meshd.placement.support.model_engines`)
+    for which it has a backend ``<engine>-<device>``; it uses the one of its
+    best-ranked backend (``policy.engine_preference``). ``spec.engines`` pins it, per
+    stage, parallel to ``spec.nodes`` (an empty entry leaves that stage free); with no
+    ``spec.nodes``, one entry pins every stage. A node with no usable engine is never
+    chosen; the error names the engines that cannot build the model, and why.
+
+    **Splits.** A model whose split is not proven (``support.SPLIT_PROVEN``) runs on
+    one node; asked for more, or fitting no single node, the error says why.
 
     **Fresh plan.** Candidates are ranked by usable memory (budget less the floor),
     most first, ties on node id. For k = ``spec.min_nodes``, k + 1, ..., the top k
@@ -413,24 +409,7 @@ def place(
     policy = _with_context(policy, spec.context, spec.kv_cache)
     m = _Model.of(facts, policy)
     res = {k: v for k, v in _by_id(nodes).items() if k not in spec.exclude}
-    if spec.min_nodes < 1:
-        raise PlacementError("bad_spec", f"min_nodes must be >= 1, not {spec.min_nodes}")
-    if spec.min_nodes > m.n:
-        raise PlacementError(
-            "bad_spec",
-            f"min_nodes={spec.min_nodes} but model {m.name!r} has only {m.n} layer(s)",
-        )
-    if max(spec.min_nodes, len(spec.nodes)) > m.max_stages:
-        why = (
-            "an encoder (embeddings only) attends both ways over its whole input"
-            if m.embedding_only
-            else "a split of its llama.cpp graph is not proven equal to the whole model"
-        )
-        raise PlacementError(
-            "bad_spec",
-            f"model {m.name!r} ({m.arch}) runs on one node: {why}, so its layers cannot "
-            "be split across stages",
-        )
+    _check_spec(spec, m)
     prev = _previous_stages(previous, m.n)
     credit = {}
     if prev is not None and previous is not None and policy.credit_held:
@@ -459,7 +438,8 @@ def place(
             "no_backend",
             f"model {m.name!r} needs a node with a backend for {' or '.join(allowed)}; "
             f"{len(cands)} of {len(res)} live node(s) have one"
-            + (f", {spec.min_nodes} needed" if spec.min_nodes > 1 else ""),
+            + (f", {spec.min_nodes} needed" if spec.min_nodes > 1 else "")
+            + refused_text(m.refused, (b for r in res.values() for b in r.backends)),
         )
     ranked = sorted(cands.values(), key=lambda c: (-c.usable, c.id))
 
@@ -471,6 +451,23 @@ def place(
         if repaired is not None and len(repaired) <= m.max_stages:
             return repaired
     return _place_fresh(m, ranked, spec.min_nodes)
+
+
+def _check_spec(spec: InstanceSpec, m: _Model) -> None:
+    """Raise for what no node changes: a spec the model cannot have, no engine to run it."""
+    if spec.min_nodes < 1:
+        raise PlacementError("bad_spec", f"min_nodes must be >= 1, not {spec.min_nodes}")
+    if spec.min_nodes > m.n:
+        raise PlacementError(
+            "bad_spec",
+            f"min_nodes={spec.min_nodes} but model {m.name!r} has only {m.n} layer(s)",
+        )
+    if max(spec.min_nodes, len(spec.nodes)) > m.max_stages:
+        raise PlacementError(
+            "bad_spec", f"model {m.name!r} ({m.arch}) runs whole on one node: {m.unsplit}"
+        )
+    if not m.engines:
+        raise PlacementError("no_backend", f"no engine can build model {m.name!r}{m.refused_all}")
 
 
 # --------------------------------------------------------------------------- model
@@ -490,10 +487,12 @@ class _Model:
     floor: int
     engines: tuple[str, ...]
     preference: tuple[str, ...]
-    #: Most stages the model may be cut into (1: see UNSPLITTABLE_ARCHITECTURES).
+    #: Most stages the model may be cut into (1: its split is not proven, see support).
     max_stages: int
     arch: str
-    embedding_only: bool = False
+    #: Why it runs whole ("" when it may be cut), and the engines that cannot build it.
+    unsplit: str = ""
+    refused: tuple[tuple[str, str], ...] = ()
     #: Bytes of a llama.cpp stage's KV element relative to F16 (its cache type).
     kv_factor: float = 1.0
     kv_cache: str = "f16"
@@ -522,9 +521,8 @@ class _Model:
         tokens = policy.kv_tokens
         if facts.n_ctx_train > 0:
             tokens = min(tokens, facts.n_ctx_train)
-        engines = tuple(dict.fromkeys(engine_of(e) for e in facts.engines if e))
-        if not engines:
-            engines = ("mlx",) if facts.format == "mlx" else ("llama_cpp",)
+        engines, refused = model_engines(facts)
+        unsplit = split_refusal(facts)
         return _Model(
             name=name,
             n=facts.n_layers,
@@ -538,14 +536,18 @@ class _Model:
             floor=policy.floor_bytes,
             engines=engines,
             preference=tuple(policy.engine_preference),
-            max_stages=1
-            if facts.embedding_only or facts.architecture in UNSPLITTABLE_ARCHITECTURES
-            else facts.n_layers,
-            embedding_only=facts.embedding_only,
+            max_stages=facts.n_layers if unsplit is None else 1,
             arch=facts.architecture,
+            unsplit=unsplit or "",
+            refused=refused,
             kv_factor=KV_CACHE_TYPES.get(policy.kv_cache, 1.0),
             kv_cache=policy.kv_cache,
         )
+
+    @property
+    def refused_all(self) -> str:
+        """``": llama_cpp cannot ...; mlx cannot ..."``: every engine refused, and why."""
+        return ": " + "; ".join(f"{e} cannot: {why}" for e, why in self.refused)
 
     def need(self, start: int, end: int, engine: str) -> int:
         first, last = start == 0, end == self.n
@@ -623,22 +625,6 @@ def _by_id(nodes: Mapping[str, NodeResources]) -> dict[str, NodeResources]:
     return out
 
 
-def _backend_rank(backend: str, preference: tuple[str, ...]) -> tuple[int, str]:
-    try:
-        return (preference.index(backend), backend)
-    except ValueError:
-        return (len(preference), backend)
-
-
-def _node_engines(r: NodeResources, allowed: Sequence[str], pref: tuple[str, ...]) -> list[str]:
-    out: list[str] = []
-    for b in sorted(set(r.backends), key=lambda b: _backend_rank(b, pref)):
-        e = engine_of(b)
-        if e in allowed and e not in out:
-            out.append(e)
-    return out
-
-
 def _candidate(
     r: NodeResources,
     allowed: Sequence[str],
@@ -646,7 +632,7 @@ def _candidate(
     credit: Mapping[str, int],
     policy: Policy,
 ) -> _Cand | None:
-    engines = _node_engines(r, allowed, m.preference)
+    engines = node_engines(r.backends, allowed, m.preference)
     if not engines:
         return None
     budget = r.mem_available + credit.get(r.id, 0)
@@ -880,7 +866,7 @@ def _place_fresh(m: _Model, ranked: Sequence[_Cand], min_nodes: int) -> list[Sta
     if m.max_stages == 1 and len(ranked) > 1:
         err = PlacementError(
             err.reason,
-            f"{err.message} ({m.arch} models are not split across nodes: one must hold it)",
+            f"{err.message} ({m.arch} runs whole on one node, which must hold it: {m.unsplit})",
             err.shortfalls,
         )
     raise err
@@ -898,11 +884,18 @@ def _single_engine_pin(spec: InstanceSpec, m: _Model) -> str | None:
     if not pins:
         return None
     if pins[0] not in m.engines:
-        raise PlacementError(
-            "bad_spec",
-            f"model {m.name!r} runs on {', '.join(m.engines)}, not on {pins[0]!r}",
-        )
+        raise _not_on(m, pins[0])
     return pins[0]
+
+
+def _not_on(m: _Model, engine: str) -> PlacementError:
+    """The error for a pin to an engine the model does not run on, with why."""
+    why = dict(m.refused).get(engine)
+    return PlacementError(
+        "bad_spec",
+        f"model {m.name!r} runs on {', '.join(m.engines) or 'no engine'}, not on {engine!r}"
+        + (f": {why}" if why else ""),
+    )
 
 
 def _resolve(refs: Sequence[str], res: Mapping[str, NodeResources]) -> list[str]:
@@ -956,9 +949,7 @@ def _place_pinned(
     for i, nid in enumerate(ids):
         pin = engine_of(spec.engines[i]) if spec.engines and spec.engines[i] else None
         if pin is not None and pin not in m.engines:
-            raise PlacementError(
-                "bad_spec", f"model {m.name!r} runs on {', '.join(m.engines)}, not on {pin!r}"
-            )
+            raise _not_on(m, pin)
         c = _candidate(res[nid], m.engines if pin is None else (pin,), m, credit, policy)
         if c is None:
             r = res[nid]
@@ -966,7 +957,8 @@ def _place_pinned(
             raise PlacementError(
                 "no_backend",
                 f"node {r.name!r} ({nid[:8]}) has no backend for {want} "
-                f"(it has {', '.join(r.backends) or 'none'})",
+                f"(it has {', '.join(r.backends) or 'none'})"
+                + ("" if pin else refused_text(m.refused, r.backends)),
             )
         members.append(c)
     if (

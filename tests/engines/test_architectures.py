@@ -1,6 +1,9 @@
 """Other architectures through llama.cpp stages: a model cut in two gives what the
 whole model gives, for shapes other than the default model's (attention biases, an
-untied output head); and the one kind that cannot be cut is refused by placement.
+untied output head). This matrix is the proof placement's split allowlist
+(``meshd.placement.support.SPLIT_PROVEN["gguf"]``) stands on: a test ties the two.
+Every other architecture runs whole (GPT-2: cut, it answers other text), and MLX is
+offered for a GGUF only where its GGUF path builds the architecture (llama).
 
 The models are small GGUFs written here (random weights, the default model's
 tokenizer): no download, and every tensor shape is the architecture's own.
@@ -19,13 +22,15 @@ import pytest
 from meshd.crdt.views import InstanceSpec
 from meshd.domain.facts import ModelFacts
 from meshd.engines.llama_stage import LlamaStage
+from meshd.models.errors import UnsupportedModelError
 from meshd.models.facts import read_facts
 from meshd.models.hashing import file_sha256
+from meshd.models.mlx_layout import check_gguf_for_mlx
 from meshd.models.slicing import slice_gguf
-from meshd.placement import PlacementError, place
+from meshd.placement import SPLIT_PROVEN, PlacementError, place
 from meshd.placement.resources import NodeResources
 from tests.engines.chains import greedy as greedy_chain
-from tests.synthetic import N_LAYERS, write_model
+from tests.synthetic import N_LAYERS, write_gpt2, write_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -152,3 +157,78 @@ def test_an_architecture_whose_split_is_not_proven_runs_on_one_node() -> None:
     with pytest.raises(PlacementError, match="one node"):
         place(InstanceSpec(model="g3n", min_nodes=2), facts, nodes)
     assert len(place(InstanceSpec(model="g3n"), facts, nodes)) == 1
+
+
+def test_the_split_allowlist_is_what_this_matrix_proves() -> None:
+    # An architecture is cut only with its case here (whole vs 2 and 3 stages), and a
+    # case here is for an architecture placement cuts.
+    assert SPLIT_PROVEN["gguf"] == {arch for arch, _, _ in MATRIX.values()}
+
+
+#: A Mac: MLX on Metal ranked first, llama.cpp on Metal too.
+MAC = {"mac": NodeResources(id="mac", name="mac", backends=["mlx-metal", "llama_cpp-metal"],
+                            mem_available=1 << 40)}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(MATRIX))
+def test_mlx_is_offered_for_a_gguf_only_where_it_builds_the_architecture(
+    models: Callable[[str], Path], case: str
+) -> None:
+    arch, path = MATRIX[case][0], models(case)
+    facts = read_facts(path, arch, sha256="0" * 64)
+    if arch == "llama":
+        assert facts.engines == ["llama_cpp", "mlx"]
+        check_gguf_for_mlx(path)
+    else:
+        # The facts and the MLX stage's own check agree, for the architecture's reason.
+        assert facts.engines == ["llama_cpp"]
+        with pytest.raises(UnsupportedModelError, match=f"architecture llama only.*'{arch}'"):
+            check_gguf_for_mlx(path)
+    (stage,) = place(InstanceSpec(model=arch), facts, MAC)
+    assert stage.engine == ("mlx" if arch == "llama" else "llama_cpp")
+
+
+def test_a_gpt2_runs_whole_and_answers_llama_cpps_own_greedy_text(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """GPT-2 adds learned position embeddings to the token rows at its graph's input,
+    and llama.cpp adds them again to the rows a later stage receives: cut in two it
+    answers other text, silently. So it is placed whole, and whole it answers what
+    llama.cpp answers."""
+    import llama_cpp
+
+    path = write_gpt2(tmp_path / "gpt2.gguf", model_path)
+    facts = read_facts(path, "gpt2", sha256="0" * 64)
+    assert facts.architecture == "gpt2" and facts.engines == ["llama_cpp"]
+    nodes = {n: NodeResources(id=n, name=n, backends=["llama_cpp-cpu"], mem_available=1 << 40)
+             for n in ("a", "b")}  # fmt: skip
+    (stage,) = place(InstanceSpec(model="gpt2"), facts, nodes)
+    assert (stage.start, stage.end, stage.engine) == (0, N_LAYERS, "llama_cpp")
+    with pytest.raises(PlacementError, match=r"runs whole on one node: .*position embeddings"):
+        place(InstanceSpec(model="gpt2", min_nodes=2), facts, nodes)
+
+    # The plan's one stage gives llama.cpp's own greedy text.
+    prompt, (tokens, _) = run_whole(path)
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=256, n_threads=1, n_threads_batch=1, flash_attn=False,
+        type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, verbose=False,
+    )  # fmt: skip
+    try:
+        want = llm.create_completion(PROMPT, max_tokens=len(tokens), temperature=0.0, top_k=1,
+                                     repeat_penalty=1.0)["choices"][0]["text"]  # fmt: skip
+        assert llm.tokenize(PROMPT.encode(), add_bos=False) == prompt
+        assert llm.detokenize(tokens).decode() == want
+    finally:
+        llm.close()
+
+    # Cut in two, it answers otherwise: why gpt2 is not in SPLIT_PROVEN. (Should this
+    # fail, llama.cpp hands a later stage's rows on untouched: prove gpt2 in MATRIX.)
+    parts = [slice_gguf(path, a, b, tmp_path / "slices", file_sha256(path))
+             for a, b in ((0, 2), (2, N_LAYERS))]  # fmt: skip
+    chain = [_stage(parts[0], True, False), _stage(parts[1], False, True)]
+    try:
+        cut, _ = greedy(chain, prompt)
+    finally:
+        for s in chain:
+            s.close()
+    assert cut != tokens

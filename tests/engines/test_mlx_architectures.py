@@ -32,6 +32,7 @@ from meshd.engines.stage import StageInput
 from meshd.models.errors import UnsupportedModelError
 from meshd.models.folder import check_folder_for_mlx, folder_sha256, read_folder_facts
 from meshd.models.folder_slicing import slice_folder, unpack_folder_slice
+from meshd.placement import SPLIT_PROVEN
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -303,6 +304,12 @@ def worst(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
 
 
 # -- the tests ---------------------------------------------------------------------
+
+
+def test_the_split_allowlist_is_what_this_matrix_proves() -> None:
+    # Placement cuts a folder only of a type proven here (whole vs 2 and 3 stages); an
+    # image-text gemma3 folder's facts name its text model, gemma3_text.
+    assert SPLIT_PROVEN["mlx"] == {extra.get("model_type", a) for a, extra in ARCHS.items()}
 
 
 def test_stage_runs_the_architectures_own_model(

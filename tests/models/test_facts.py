@@ -142,6 +142,17 @@ def test_an_encoder_is_an_embedding_only_model_for_llama_cpp_alone(
     assert not llama.embedding_only and "mlx" in llama.engines
 
 
+def test_the_engines_architecture_lists_are_the_ones_they_build() -> None:
+    from meshd.domain.builds import LLAMA_CPP_ARCHITECTURES, MLX_FOLDER_ARCHITECTURES
+    from meshd.models.folder import FOLDER_ARCHITECTURES
+
+    # llama.cpp's names, as the gguf-py installed beside llama-cpp-python lists them
+    # (clip: a vision projector llama.cpp refuses as a model).
+    assert set(gguf.MODEL_ARCH_NAMES.values()) - {"clip"} == LLAMA_CPP_ARCHITECTURES
+    # The folder types placement reads are those the MLX stage has layers for.
+    assert FOLDER_ARCHITECTURES == MLX_FOLDER_ARCHITECTURES
+
+
 def _vocab_file(path: Path, tokens: list[str]) -> Path:
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_token_list(tokens)

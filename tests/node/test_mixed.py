@@ -75,6 +75,15 @@ def trio(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator
         yield [a, b, cc]
 
 
+def _remove(nodes: list[NodeProc], inst_id: str) -> None:
+    """Removes an instance (through the first of ``nodes``) and waits until each of
+    their views has lost it, so a later test's "changes nothing" compares settled views
+    (ci38: one node still listed an instance another had just removed)."""
+    httpx.delete(f"{nodes[0].api}/v1/instances/{inst_id}", timeout=10)
+    wait_for(lambda: all(inst_id not in {i["id"] for i in n.get("/v1/instances")["data"]}
+                         for n in nodes), 10, interval=0.1)  # fmt: skip
+
+
 def _run(via: NodeProc, nodes: list[NodeProc], engines: list[str], activations: str = "f32") -> str:
     r = httpx.post(via.api + "/v1/instances", timeout=60, json={
         "model": DEFAULT_MODEL, "nodes": [n.name for n in nodes], "engines": engines,
@@ -93,7 +102,7 @@ def _run(via: NodeProc, nodes: list[NodeProc], engines: list[str], activations: 
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
     finally:
-        httpx.delete(f"{via.api}/v1/instances/{inst['id']}", timeout=10)
+        _remove([via, *nodes], inst["id"])
 
 
 @pytest.mark.parametrize("n_stages", [2, 3])
@@ -134,7 +143,7 @@ def test_an_mlx_folder_splits_over_two_nodes_with_the_ggufs_tokens(
             "messages": [{"role": "user", "content": "Hi"}]})  # fmt: skip
         assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"]
     finally:
-        httpx.delete(f"{trio[0].api}/v1/instances/{inst['id']}", timeout=10)
+        _remove(trio, inst["id"])
 
 
 def test_a_folder_of_an_unsupported_architecture_is_a_400(

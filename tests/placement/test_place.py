@@ -825,9 +825,9 @@ def test_an_embedding_only_model_is_never_split_and_says_why() -> None:
 
 
 def test_a_model_whose_split_is_not_proven_is_never_split() -> None:
-    from meshd.placement.place import UNSPLITTABLE_ARCHITECTURES
+    from meshd.placement import SPLIT_PROVEN
 
-    assert GEMMA.architecture in UNSPLITTABLE_ARCHITECTURES
+    assert GEMMA.architecture not in SPLIT_PROVEN["gguf"]
     half = whole(BIG) // 2 + 4 * GiB
     two = by_id(node("a", "a", ["llama_cpp-cpu"], half), node("b", "b", ["llama_cpp-cpu"], half))
     # The llama twin of the same size is split over both ...
@@ -835,7 +835,8 @@ def test_a_model_whose_split_is_not_proven_is_never_split() -> None:
     # ... the gemma3n one is not: a typed error that says why, nothing placed.
     with pytest.raises(PlacementError) as e:
         place(InstanceSpec(model="m"), GEMMA, two)
-    assert e.value.reason == "insufficient_memory" and "not split" in e.value.message
+    assert e.value.reason == "insufficient_memory" and "runs whole" in e.value.message
+    assert "per-layer embeddings" in e.value.message
     with pytest.raises(PlacementError) as e:
         place(InstanceSpec(model="m", min_nodes=2), GEMMA, two)
     assert e.value.reason == "bad_spec"
