@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from meshd.domain.job import Job
 from meshd.engines.protocol import RunnerConfig, runner_command
@@ -159,6 +160,21 @@ class RunnerProcess:
             self.kill()
 
 
+def _connect(sock: zmq.Socket, endpoint: str, timeout: float = 10.0) -> None:
+    """Connects ``sock`` and waits until the link is up: a message queued on a link
+    still connecting may reach its runner after one sent later to another runner
+    (ci38: a cancel sent to stage 1 first came after the request's activations)."""
+    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+    try:
+        sock.connect(endpoint)
+        if not monitor.poll(timeout * 1000):
+            raise TimeoutError(f"no connection to {endpoint} in {timeout} s")
+        recv_monitor_message(monitor)
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+
+
 class ApiSide:
     """The API node's sockets: a ROUTER that receives DataChunks, DEALERs to runners."""
 
@@ -186,7 +202,7 @@ class ApiSide:
         if d is None:
             d = self._dealers[addr.port] = self.ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
-            d.connect(f"tcp://127.0.0.1:{addr.port}")
+            _connect(d, f"tcp://127.0.0.1:{addr.port}")
         d.send(wire.encode(msg))
 
     def generate(self, route: list[RunnerProcess], req: str, **kw: object) -> None:
