@@ -127,6 +127,7 @@ class Run:
         first: wire.DataChunk,
         *,
         model: str,
+        instance: str,
         route: str,
         ticket: Ticket,
         metrics: Metrics,
@@ -144,6 +145,9 @@ class Run:
         self.tool_format = first.tool_format
         self.tools = tools
         self.model = model
+        #: The instance's id: ``top``'s figures are per instance (two instances of one
+        #: model run at their own speeds), the metrics' labels per model.
+        self.instance = instance
         self.route = route
         self.ticket = ticket
         self.metrics = metrics
@@ -159,7 +163,7 @@ class Run:
         self._closed = False
         metrics.queue_wait.labels(model).observe(first.waited_s)
         metrics.in_flight.inc()
-        metrics.speed.began(model)
+        metrics.speed.began(instance)
 
     async def pieces(self) -> AsyncGenerator[wire.DataChunk, None]:
         """Every chunk after the acknowledgement, recording time to first token,
@@ -191,7 +195,7 @@ class Run:
                         if hops:
                             hop = max(0.0, itl - sum(stages)) / hops
                             m.hop_overhead.labels(model).observe(hop)
-                    m.speed.token(model, k, ttft=ttft, itl=itl, stages=stages, hop=hop)
+                    m.speed.token(self.instance, k, ttft=ttft, itl=itl, stages=stages, hop=hop)
                     last = now
                     self.t_first = self.t_first or now
                     self.t_last = now
@@ -242,7 +246,7 @@ class Run:
         self.ticket.release()
         await self.chunks.aclose()  # type: ignore[attr-defined]  # a generator: see _first
         self.metrics.in_flight.dec()
-        self.metrics.speed.ended(self.model)
+        self.metrics.speed.ended(self.instance)
 
 
 async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
@@ -309,7 +313,8 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
         for st in inst.stages
     )
     return Run(
-        chunks, first, model=model, route=route, ticket=ticket, metrics=metrics, t0=t0, path=path,
+        chunks, first, model=model, instance=inst.id, route=route, ticket=ticket,
+        metrics=metrics, t0=t0, path=path,
         tools=req.tools.tools if req.tools is not None else [],
     )  # fmt: skip
 

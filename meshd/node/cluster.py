@@ -347,19 +347,19 @@ class ClusterView:
         return predicted_tokens_s(inst.facts, inst.stages, nodes.values())
 
     def measured_tokens_s(self, inst: Instance) -> float:
-        """One request's decode tokens/s as the nodes that sent ``inst``'s model
-        requests measured it over the last minute (1000 / the median time between
+        """One request's decode tokens/s as the nodes that sent ``inst`` requests
+        measured it over the last minute (1000 / the median time between
         tokens; 0.0 with none)."""
         itls = sorted(
             m.itl_ms
             for h in self.healths.values()
-            if (m := h.serving.get(inst.spec.model)) is not None and m.itl_ms > 0
+            if (m := h.serving.get(inst.id)) is not None and m.itl_ms > 0
         )
         return round(1000 / statistics.median(itls), 2) if itls else 0.0
 
     def instance_speed(self, inst: Instance) -> InstanceSpeed:
-        """What every node whose API sent ``inst``'s model requests measured over the
-        last minute, added up (see :class:`InstanceSpeed`)."""
+        """What every node whose API sent ``inst`` requests measured over the last
+        minute, added up (see :class:`InstanceSpeed`)."""
         return speed_of(self.healths, inst)
 
     def _gpu_left(self, nodes: dict[str, NodeResources], skip: str) -> dict[str, NodeResources]:
