@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +34,10 @@ from meshd.node.metrics import Metrics
 from meshd.transport import wire
 
 from .accesslog import note_run
-from .errors import ApiError, bad_request, node_error, overloaded, request_failed
+from .errors import ApiError, bad_request, node_error, overloaded
 from .gone import unless_gone, until_disconnected
 from .limits import Ticket, current_client
+from .overflow import refusal
 from .sampling import check_max_tokens, pipeline_sampling
 from .services import ApiContext
 
@@ -296,7 +297,7 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
             think=req.think, template_kwargs=req.template_kwargs,
         )  # fmt: skip
         chunks = services.generate(inst, job)
-        first = await _first(chunks)
+        first = await _first(chunks, lambda e: refusal(e, inst, route, req.max_tokens))
     except ApiError as e:
         ticket.release()
         metrics.requests.labels(route, model, str(e.status)).inc()
@@ -332,14 +333,16 @@ async def instance_of(ctx: ApiContext, model: str, context: int = 0) -> Instance
         raise err from None
 
 
-async def _first(chunks: AsyncIterator[wire.DataChunk]) -> wire.DataChunk:
-    """Stage 0's acknowledgement (or its error)."""
+async def _first(
+    chunks: AsyncIterator[wire.DataChunk], refused: Callable[[RequestFailed], ApiError]
+) -> wire.DataChunk:
+    """Stage 0's acknowledgement, or its refusal as ``refused`` answers it."""
     try:
         return await anext(chunks)
     except RequestFailed as e:
         # Services.generate returns an async generator; its Protocol says AsyncIterator.
         await chunks.aclose()  # type: ignore[attr-defined]  # an async generator
-        raise request_failed(e) from None
+        raise refused(e) from None
     except StopAsyncIteration:
         raise ApiError(502, "the pipeline ended without output", type="server_error") from None
 

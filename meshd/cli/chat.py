@@ -120,7 +120,9 @@ class Shown:
     def end(self, note: str = "") -> None:
         """End the answer's line (with ``note``, dim at a terminal)."""
         if note:
-            self.out.write(("  " if self._wrote else "") + (_DIM + note + _UNDIM if self.terminal else note))
+            self.out.write(
+                ("  " if self._wrote else "") + (_DIM + note + _UNDIM if self.terminal else note)
+            )
         self.out.write("\n")
         self.out.flush()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
@@ -216,7 +216,9 @@ class NodeClient:
         """``POST /v1/invites``: a pairing code."""
         return self._send("POST", "/v1/invites", {})
 
-    def chat_stream(self, body: dict[str, Any], timeout: float = 600.0) -> Iterator[Delta]:
+    def chat_stream(
+        self, body: dict[str, Any], timeout: float = 600.0
+    ) -> Generator[Delta, None, None]:
         """``POST /v1/chat/completions`` with ``stream``: yield each delta as ``(kind,
         text)``, ``kind`` being ``"reasoning"`` (a thinking model's thoughts) or
         ``"content"`` (the answer).
@@ -245,7 +247,10 @@ class NodeClient:
                         raise NodeError(self.base_url, path, loggable(msg), method="POST")
                     for choice in ev.get("choices") or []:
                         delta = choice.get("delta") or {}
-                        for kind, key in (("reasoning", "reasoning_content"), ("content", "content")):
+                        for kind, key in (
+                            ("reasoning", "reasoning_content"),
+                            ("content", "content"),
+                        ):
                             if text := delta.get(key):
                                 yield kind, text
         except httpx.TransportError as exc:

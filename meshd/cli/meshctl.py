@@ -105,6 +105,8 @@ def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
         body["context"] = args.ctx
     if args.replicas:
         body["replicas"] = args.replicas
+    if args.keep:
+        body["keep"] = True
     if args.kv_cache:
         body["kv_cache"] = args.kv_cache
     if args.draft:
@@ -201,7 +203,11 @@ def _add_models(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
 
 
 def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("place", parents=[common], help="Place a model (split across nodes).")
+    p = sub.add_parser(
+        "place", parents=[common],
+        help="Place a model (split across nodes): it replaces the instance a request "
+        "placed on its own (--keep keeps it).",
+    )  # fmt: skip
     p.add_argument("model", help="alias (smollm2-135m), path to a .gguf, or HF repo id")
     p.add_argument(
         "--nodes",
@@ -242,8 +248,13 @@ def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     )  # fmt: skip
     p.add_argument(
         "--replicas", type=positive_int, metavar="N",
-        help="place N instances of the model (on different nodes while they can hold it); "
-        "requests go to the least busy one",
+        help="place N instances of the model, each on nodes of its own (more than the "
+        "nodes can hold is refused, nothing placed); requests go to the least busy one",
+    )  # fmt: skip
+    p.add_argument(
+        "--keep", action="store_true",
+        help="keep the model's automatic instance (the one a request placed) beside this "
+        "one; without it, this placement replaces it: the model moves",
     )  # fmt: skip
     p.add_argument(
         "--wait",

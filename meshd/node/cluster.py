@@ -384,20 +384,20 @@ class ClusterView:
                 taken[st.node] = taken.get(st.node, 0) + used
         return {k: less_gpu(r, taken.get(k, 0)) for k, r in nodes.items()}
 
-    def place_new(self, spec: InstanceSpec, facts: ModelFacts) -> Placement:
-        """A fresh plan of ``spec``, the nodes it was chosen among (``PlanBasis``) and
-        its context.
-
-        Another instance of the same model (a replica) goes on nodes the others do not
-        use when they can hold it, so replicas add capacity instead of sharing it; it
-        shares them only when nothing else fits (pinned nodes are used as asked)."""
-        busy = {s.node for i in self.replicas(spec.model) for s in i.stages}
-        if busy and not spec.nodes:
+    def place_new(
+        self, spec: InstanceSpec, facts: ModelFacts, avoid: frozenset[str] = frozenset()
+    ) -> Placement:
+        """A fresh plan of ``spec`` off the nodes in ``avoid`` (its fellow replicas'),
+        the nodes it was chosen among (``PlanBasis``) and its context. Another instance
+        of the model goes on nodes the others do not use while they can hold it (more
+        capacity, not shared), else shares them (pinned nodes are used as asked)."""
+        busy = avoid | {s.node for i in self.replicas(spec.model) for s in i.stages}
+        if busy != avoid and not spec.nodes:
             try:
                 return self._place(spec, facts, keep=lambda k: k not in busy)
             except PlacementError:
                 pass
-        return self._place(spec, facts)
+        return self._place(spec, facts, keep=lambda k: k not in avoid)
 
     def relocatable(self, inst: Instance, without: str) -> bool:
         """Whether the serving nodes other than ``without`` can hold ``inst``."""

@@ -113,9 +113,7 @@ def _weighted(pairs: list[tuple[float, float]]) -> float | None:
 def speed_of(healths: Mapping[str, Health], inst: Instance) -> InstanceSpeed:
     """What every node whose heartbeat in ``healths`` says it sent ``inst`` requests
     measured over the last minute, added up (see :class:`InstanceSpeed`)."""
-    measured = [
-        m for _, h in sorted(healths.items()) if (m := h.serving.get(inst.id)) is not None
-    ]
+    measured = [m for _, h in sorted(healths.items()) if (m := h.serving.get(inst.id)) is not None]
     h0 = healths.get(inst.stages[0].node) if inst.stages else None
     firsts = [r for r in (h0.runners if h0 else []) if r.instance == inst.id and r.stage == 0]
 

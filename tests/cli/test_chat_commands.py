@@ -39,7 +39,9 @@ def test_thoughts_are_dim_at_a_terminal_and_on_stderr_in_a_pipe() -> None:
                        ("content", "Hello"), ("content", "\x1b]0;pwned\x07 there")]:  # fmt: skip
         shown.write(kind, text)
     shown.end()
-    assert out.getvalue() == "\x1b[2mHmm, \x1b[22m\x1b[2ma greeting.\x1b[22m\n\nHello]0;pwned there\n"
+    assert (
+        out.getvalue() == "\x1b[2mHmm, \x1b[22m\x1b[2ma greeting.\x1b[22m\n\nHello]0;pwned there\n"
+    )
     assert "".join(shown.answer) == "Hello]0;pwned there"  # no escape reaches the screen
     out, err = io.StringIO(), io.StringIO()
     shown = Shown(out, err, terminal=False)
@@ -51,6 +53,8 @@ def test_thoughts_are_dim_at_a_terminal_and_on_stderr_in_a_pipe() -> None:
 
 def test_the_history_file_is_in_the_state_folder_unless_told(tmp_path: Path) -> None:
     if sys.platform != "darwin":  # there: ~/Library/Application Support/meshd
-        assert history_path({"XDG_STATE_HOME": str(tmp_path)}) == tmp_path / "meshd" / "chat_history"
+        assert (
+            history_path({"XDG_STATE_HOME": str(tmp_path)}) == tmp_path / "meshd" / "chat_history"
+        )
     assert history_path({"MESHCTL_HISTORY": str(tmp_path / "h")}) == tmp_path / "h"
     assert history_path({"MESHCTL_HISTORY": ""}) is None

@@ -347,7 +347,9 @@ class FlakyNode:
         if self.calls == 2:
             raise NodeUnreachable(self.base_url, "[Errno 111] Connection refused")
         if self.calls == 3:
-            raise NodeError(self.base_url, "/v1/cluster", "HTTP 500: boom", status=500, method="GET")
+            raise NodeError(
+                self.base_url, "/v1/cluster", "HTTP 500: boom", status=500, method="GET"
+            )
         if self.calls >= 5:
             raise KeyboardInterrupt
         return CLUSTER

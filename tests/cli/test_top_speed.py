@@ -93,10 +93,22 @@ def test_two_instances_of_one_model_show_their_own_figures() -> None:
     # speed. Each view adds up its own instance's figures, not the model's.
     cluster = _serving()
     first = cluster["instances"][0]
-    cluster["instances"].append({**copy.deepcopy(first), "id": "second", "stages": [
-        {"node": B, "start": 0, "end": first["stages"][-1]["end"], "engine": "llama_cpp"}]})
+    cluster["instances"].append(
+        {
+            **copy.deepcopy(first),
+            "id": "second",
+            "stages": [
+                {"node": B, "start": 0, "end": first["stages"][-1]["end"], "engine": "llama_cpp"}
+            ],
+        }
+    )
     cluster["nodes"][1]["health"]["serving"]["second"] = {
-        "tokens_s": 5.0, "in_flight": 1, "ttft_ms": 900.0, "itl_ms": 200.0, "stage_ms": [190.0]}
+        "tokens_s": 5.0,
+        "in_flight": 1,
+        "ttft_ms": 900.0,
+        "itl_ms": 200.0,
+        "stage_ms": [190.0],
+    }
     views = {v["id"]: v for v in instances_of(cluster)}
     one, two = views[first["id"]], views["second"]
     assert (one["speed"]["tokens_s"], two["speed"]["tokens_s"]) == (40.0, 5.0)

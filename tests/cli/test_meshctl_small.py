@@ -1,5 +1,6 @@
 """The small things a newcomer meets first: every meshctl error names the request that
-failed (its method and path), ``--version``, and both CLIs piped into ``head``."""
+failed (its method and path), ``--version``, both CLIs piped into ``head``, and the
+progress of a stage's fetch in ``meshctl place --wait``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from meshd import __version__
 from meshd.cli.client import NodeClient, NodeError
+from meshd.cli.instances import stage_progress
 
 
 class _Odd(http.server.BaseHTTPRequestHandler):
@@ -25,7 +27,7 @@ class _Odd(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+    def do_POST(self) -> None:
         self.rfile.read(int(self.headers["content-length"]))
         if self.path == "/v1/chat/completions":
             event = b'data: {"error": {"message": "stage lost"}}\n\n'
@@ -33,7 +35,7 @@ class _Odd(http.server.BaseHTTPRequestHandler):
         else:
             self._answer(200, b"<html>a proxy</html>", "text/html")
 
-    def do_DELETE(self) -> None:  # noqa: N802
+    def do_DELETE(self) -> None:
         self._answer(404, b'{"error": {"message": "no instance abc"}}')
 
     def log_message(self, *args: object) -> None:
@@ -77,3 +79,27 @@ def test_a_reader_that_leaves_early_is_no_error(cli: list[str]) -> None:
     r = subprocess.run(["bash", "-o", "pipefail", "-c", line], capture_output=True, text=True,
                        timeout=30)  # fmt: skip
     assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_a_stage_progress_shows_its_fetch_then_stays_full() -> None:
+    # As `meshctl place --wait` polls one stage: pending, fetching, loading, ready.
+    seen = 0
+    shown = []
+    for view in [
+        {"state": "pending", "fetched": 0, "fetch_total": 0},
+        {"state": "fetching", "fetched": 0, "fetch_total": 0},  # the size not known yet
+        {"state": "fetching", "fetched": 31_200_000, "fetch_total": 65_100_000},
+        {"state": "loading", "fetched": 0, "fetch_total": 0},  # the node sends 0s now
+        {"state": "ready", "fetched": 0, "fetch_total": 0},
+    ]:
+        total, done, text = stage_progress(view, seen)
+        seen = total or 0
+        shown.append((total, done, text))
+    assert shown == [
+        (None, 0, ""), (None, 0, ""),
+        (65_100_000, 31_200_000, "31.2/65.1 MB"),
+        (65_100_000, 65_100_000, "65.1 MB fetched"),
+        (65_100_000, 65_100_000, "65.1 MB fetched"),
+    ]  # fmt: skip
+    # A stage that fetches nothing never shows a size ("0/? bytes" before).
+    assert stage_progress({"state": "loading"}, 0) == (None, 0, "")
