@@ -28,8 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from meshd.models import AmbiguousModelError, ModelNotFoundError, UnsupportedModelError
-from meshd.models.resolve import how_to_get
+from meshd.models import AmbiguousModelError, ModelNotFoundError, UnsupportedModelError, pull_hint
 from meshd.node.errors import ModelLoading, RequestFailed
 from meshd.placement import PlacementError
 
@@ -169,8 +168,7 @@ def model_not_found(model: str, known: list[str] | None = None) -> ApiError:
         served = "It serves: " + ", ".join(known[:_LISTED]) + more + "."
     else:
         served = "It serves no model yet (see docs/operations.md to add one)."
-    if "/" in model and not model.startswith((".", "/", "~")):  # a Hugging Face repo id
-        served += " " + how_to_get(model)
+    served += pull_hint(model)  # a Hugging Face repo id: how to get it
     return ApiError(
         404,
         f"The model `{model}` does not exist or is not placed in this cluster. {served}",
@@ -180,8 +178,7 @@ def model_not_found(model: str, known: list[str] | None = None) -> ApiError:
     )
 
 
-#: Models named in a not-found message at most (the rest: GET /v1/models).
-_LISTED = 20
+_LISTED = 20  # models named in a not-found message at most (the rest: GET /v1/models)
 
 
 def model_loading(model: str, retry_after: float, fetching: str = "") -> ApiError:

@@ -47,6 +47,7 @@ __all__ = [
     "hf_hub_cache",
     "how_to_get",
     "local_models",
+    "pull_hint",
     "resolve_model",
 ]
 
@@ -99,6 +100,13 @@ class ModelNotFoundError(LookupError):
         lines += [f"  - {place}" for place in self.looked]
         lines.append(how_to_get(name))
         super().__init__("\n".join(lines))
+
+
+def pull_hint(name: str) -> str:
+    """`` To get it: meshctl pull ...`` for a Hugging Face repo id no node holds (an
+    API's not-found message ends with it), "" for any other name."""
+    repo_id = _split_repo_id(name.strip())[0] is not None and not name.startswith((".", "/", "~"))
+    return " " + how_to_get(name) if repo_id else ""
 
 
 def how_to_get(name: str) -> str:
