@@ -124,6 +124,11 @@ def configure(level: str = "info", fmt: LogFormat = "text", *, name: str | None 
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper()))
+    # gguf-py tells INFO of every file it writes (a slice cut for a stage): its own
+    # details, not the node's news; they show at debug.
+    logging.getLogger("gguf").setLevel(
+        max(root.level, logging.WARNING) if root.level > logging.DEBUG else logging.DEBUG
+    )
     # Python's warnings too, or they would be the lines of a JSON log that are not JSON.
     logging.captureWarnings(True)
     _CONFIGURED = (level, fmt)

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from meshd.models import AmbiguousModelError, ModelNotFoundError, UnsupportedModelError
+from meshd.models import AmbiguousModelError, ModelNotFoundError, UnsupportedModelError, pull_hint
 from meshd.node.errors import ModelLoading, RequestFailed
 from meshd.placement import PlacementError
 
@@ -39,7 +39,6 @@ __all__ = [
     "Dialect",
     "ErrorType",
     "bad_request",
-    "context_overflow",
     "dialect_of",
     "install_error_handlers",
     "internal_error",
@@ -159,30 +158,6 @@ def bad_request(msg: str, param: str | None = None, code: str | None = None) -> 
     return ApiError(400, msg, type="invalid_request_error", param=param, code=code)
 
 
-def context_overflow(
-    n_prompt: int, n_ctx: int, *, n_completion: int | None = None, param: str = "messages"
-) -> ApiError:
-    """400 ``context_length_exceeded``: the prompt (plus ``max_tokens``) does not fit.
-
-    Worded like OpenAI's message, which some clients match on to trim history.
-    """
-    if n_completion is None:
-        detail = f"However, your messages resulted in {n_prompt} tokens."
-    else:
-        detail = (
-            f"However, you requested {n_prompt + n_completion} tokens "
-            f"({n_prompt} in the messages, {n_completion} in the completion)."
-        )
-    return ApiError(
-        400,
-        f"This model's maximum context length is {n_ctx} tokens. {detail} "
-        "Please reduce the length of the messages or completion.",
-        type="invalid_request_error",
-        param=param,
-        code="context_length_exceeded",
-    )
-
-
 def model_not_found(model: str, known: list[str] | None = None) -> ApiError:
     """404 ``model_not_found``: the cluster has no model ``model``; the message lists
     ``known``, the models it serves (None: not looked up)."""
@@ -193,6 +168,7 @@ def model_not_found(model: str, known: list[str] | None = None) -> ApiError:
         served = "It serves: " + ", ".join(known[:_LISTED]) + more + "."
     else:
         served = "It serves no model yet (see docs/operations.md to add one)."
+    served += pull_hint(model)  # a Hugging Face repo id: how to get it
     return ApiError(
         404,
         f"The model `{model}` does not exist or is not placed in this cluster. {served}",
@@ -202,8 +178,7 @@ def model_not_found(model: str, known: list[str] | None = None) -> ApiError:
     )
 
 
-#: Models named in a not-found message at most (the rest: GET /v1/models).
-_LISTED = 20
+_LISTED = 20  # models named in a not-found message at most (the rest: GET /v1/models)
 
 
 def model_loading(model: str, retry_after: float, fetching: str = "") -> ApiError:
@@ -276,7 +251,7 @@ MAX_FETCH_RETRY_S = 60.0
 
 def request_failed(e: RequestFailed) -> ApiError:
     """A request that ended without a result, with its typed code and HTTP status."""
-    if e.code == "context_length_exceeded":
+    if e.code == "context_length_exceeded":  # a runner that did not count the prompt
         return ApiError(400, e.message, type="invalid_request_error", param="messages",
                         code="context_length_exceeded")  # fmt: skip
     if e.status == 400:

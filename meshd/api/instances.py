@@ -68,8 +68,11 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     #: KV cache type of the llama.cpp stages: f16, q8_0 or q4_0 (less memory per token).
     kv_cache: str = "f16"
     #: Instances of the model to place (replicas share the requests, least busy first;
-    #: each goes on nodes the others do not use while such nodes can hold it).
+    #: no two share a node: more than the nodes can hold is a 409 and places none).
     replicas: int = 1
+    #: Keep the model's automatic instance (the one a request placed on its own):
+    #: without it, this placement takes its place (the model moves).
+    keep: bool = False
     #: The placed model that drafts for this one (speculative decoding): "" any
     #: with the same tokens and at most half the bytes, nearest first; ``none``: none.
     draft: str = ""
@@ -98,6 +101,8 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError("exclude must name nodes (names or ids)")
         if set(self.exclude) & set(self.nodes):
             raise ValueError("a node cannot be both pinned (nodes) and excluded")
+        if self.replicas > 1 and self.nodes:
+            raise ValueError("replicas go on different nodes: pinned nodes take one (drop nodes)")
 
 
 async def create_instance(request: Request) -> Response:
@@ -116,16 +121,12 @@ async def create_instance(request: Request) -> Response:
         speculate=body.speculate,
         exclude=[x.strip() for x in body.exclude],
     )
-    placed = []
     try:
-        for _ in range(body.replicas):
-            placed.append(await services.place(spec))
+        placed = await services.place(spec, body.replicas, body.keep)
     except Exception as e:
         err = node_error(e, body.model, placing=True)
         if err is None:
             raise
-        if placed:  # the replicas placed so far stay; say how many did
-            err.message += f" ({len(placed)} of {body.replicas} replicas placed)"
         raise err from None
     view, load = services.view(), services.instance_load()
     if body.replicas == 1:

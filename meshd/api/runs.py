@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +34,10 @@ from meshd.node.metrics import Metrics
 from meshd.transport import wire
 
 from .accesslog import note_run
-from .errors import ApiError, bad_request, node_error, overloaded, request_failed
+from .errors import ApiError, bad_request, node_error, overloaded
 from .gone import unless_gone, until_disconnected
 from .limits import Ticket, current_client
+from .overflow import refusal
 from .sampling import check_max_tokens, pipeline_sampling
 from .services import ApiContext
 
@@ -127,6 +128,7 @@ class Run:
         first: wire.DataChunk,
         *,
         model: str,
+        instance: str,
         route: str,
         ticket: Ticket,
         metrics: Metrics,
@@ -144,6 +146,9 @@ class Run:
         self.tool_format = first.tool_format
         self.tools = tools
         self.model = model
+        #: The instance's id: ``top``'s figures are per instance (two instances of one
+        #: model run at their own speeds), the metrics' labels per model.
+        self.instance = instance
         self.route = route
         self.ticket = ticket
         self.metrics = metrics
@@ -159,7 +164,7 @@ class Run:
         self._closed = False
         metrics.queue_wait.labels(model).observe(first.waited_s)
         metrics.in_flight.inc()
-        metrics.speed.began(model)
+        metrics.speed.began(instance)
 
     async def pieces(self) -> AsyncGenerator[wire.DataChunk, None]:
         """Every chunk after the acknowledgement, recording time to first token,
@@ -191,7 +196,7 @@ class Run:
                         if hops:
                             hop = max(0.0, itl - sum(stages)) / hops
                             m.hop_overhead.labels(model).observe(hop)
-                    m.speed.token(model, k, ttft=ttft, itl=itl, stages=stages, hop=hop)
+                    m.speed.token(self.instance, k, ttft=ttft, itl=itl, stages=stages, hop=hop)
                     last = now
                     self.t_first = self.t_first or now
                     self.t_last = now
@@ -242,7 +247,7 @@ class Run:
         self.ticket.release()
         await self.chunks.aclose()  # type: ignore[attr-defined]  # a generator: see _first
         self.metrics.in_flight.dec()
-        self.metrics.speed.ended(self.model)
+        self.metrics.speed.ended(self.instance)
 
 
 async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
@@ -292,7 +297,7 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
             think=req.think, template_kwargs=req.template_kwargs,
         )  # fmt: skip
         chunks = services.generate(inst, job)
-        first = await _first(chunks)
+        first = await _first(chunks, lambda e: refusal(e, inst, route, req.max_tokens))
     except ApiError as e:
         ticket.release()
         metrics.requests.labels(route, model, str(e.status)).inc()
@@ -309,7 +314,8 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
         for st in inst.stages
     )
     return Run(
-        chunks, first, model=model, route=route, ticket=ticket, metrics=metrics, t0=t0, path=path,
+        chunks, first, model=model, instance=inst.id, route=route, ticket=ticket,
+        metrics=metrics, t0=t0, path=path,
         tools=req.tools.tools if req.tools is not None else [],
     )  # fmt: skip
 
@@ -327,14 +333,16 @@ async def instance_of(ctx: ApiContext, model: str, context: int = 0) -> Instance
         raise err from None
 
 
-async def _first(chunks: AsyncIterator[wire.DataChunk]) -> wire.DataChunk:
-    """Stage 0's acknowledgement (or its error)."""
+async def _first(
+    chunks: AsyncIterator[wire.DataChunk], refused: Callable[[RequestFailed], ApiError]
+) -> wire.DataChunk:
+    """Stage 0's acknowledgement, or its refusal as ``refused`` answers it."""
     try:
         return await anext(chunks)
     except RequestFailed as e:
         # Services.generate returns an async generator; its Protocol says AsyncIterator.
         await chunks.aclose()  # type: ignore[attr-defined]  # an async generator
-        raise request_failed(e) from None
+        raise refused(e) from None
     except StopAsyncIteration:
         raise ApiError(502, "the pipeline ended without output", type="server_error") from None
 

@@ -66,8 +66,11 @@ class Services(Protocol):
         tokens a request; 0: the default), with a bounded wait."""
         ...
 
-    async def place(self, spec: InstanceSpec) -> Instance:
-        """Place an instance as asked."""
+    async def place(
+        self, spec: InstanceSpec, replicas: int = 1, keep: bool = False
+    ) -> list[Instance]:
+        """Place ``replicas`` instances as asked (each on nodes of its own), in place of
+        the model's automatic instance unless ``keep``."""
         ...
 
     def remove(self, instance_id: str) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
@@ -29,6 +29,9 @@ DEFAULT_TIMEOUT = 5.0
 ADMIN_HEADER = "x-meshd-admin"
 #: Characters of one string of an answer shown at most.
 TEXT_LIMIT = 1024
+
+#: One streamed piece of a chat answer: ``("reasoning" | "content", text)``.
+Delta = tuple[str, str]
 
 
 class MeshctlError(Exception):
@@ -55,7 +58,8 @@ class NodeError(MeshctlError):
         path: str,
         message: str,
         status: int | None = None,
-        method: str = "GET",
+        *,
+        method: str,
     ):
         self.base_url = base_url
         self.path = path
@@ -212,19 +216,25 @@ class NodeClient:
         """``POST /v1/invites``: a pairing code."""
         return self._send("POST", "/v1/invites", {})
 
-    def chat_stream(self, body: dict[str, Any], timeout: float = 600.0) -> Iterator[str]:
-        """``POST /v1/chat/completions`` with ``stream``: yield the text deltas."""
+    def chat_stream(
+        self, body: dict[str, Any], timeout: float = 600.0
+    ) -> Generator[Delta, None, None]:
+        """``POST /v1/chat/completions`` with ``stream``: yield each delta as ``(kind,
+        text)``, ``kind`` being ``"reasoning"`` (a thinking model's thoughts) or
+        ``"content"`` (the answer).
+
+        Closing the iterator early (Ctrl-C) closes the connection: the node cancels
+        the request on every stage."""
         import httpx  # loaded by __init__ already (see there)
 
+        path = "/v1/chat/completions"
         body = {**body, "stream": True}
         try:
-            with self._http.stream(
-                "POST", "/v1/chat/completions", json=body, timeout=timeout
-            ) as resp:
+            with self._http.stream("POST", path, json=body, timeout=timeout) as resp:
                 if resp.status_code >= 400:
                     resp.read()
                     raise NodeError(
-                        self.base_url, "/v1/chat/completions", _error_text(resp),
+                        self.base_url, path, _error_text(resp),
                         status=resp.status_code, method="POST",
                     )  # fmt: skip
                 for line in resp.iter_lines():
@@ -234,11 +244,15 @@ class NodeClient:
                     if "error" in ev:
                         err = ev["error"]
                         msg = err.get("message", "error") if isinstance(err, dict) else str(err)
-                        raise NodeError(self.base_url, "/v1/chat/completions", loggable(msg))
+                        raise NodeError(self.base_url, path, loggable(msg), method="POST")
                     for choice in ev.get("choices") or []:
-                        text = (choice.get("delta") or {}).get("content")
-                        if text:
-                            yield text
+                        delta = choice.get("delta") or {}
+                        for kind, key in (
+                            ("reasoning", "reasoning_content"),
+                            ("content", "content"),
+                        ):
+                            if text := delta.get(key):
+                                yield kind, text
         except httpx.TransportError as exc:
             raise NodeUnreachable(self.base_url, _reason(exc)) from exc
 
@@ -262,12 +276,13 @@ class NodeClient:
             out = resp.json()
         except ValueError as exc:
             raise NodeError(
-                self.base_url, path, f"answer is not JSON: {_snippet(resp.text)}"
+                self.base_url, path, f"answer is not JSON: {_snippet(resp.text)}", method=method
             ) from exc
         if not isinstance(out, dict):
             raise NodeError(
-                self.base_url, path, f"expected a JSON object, got {type(out).__name__}"
-            )
+                self.base_url, path, f"expected a JSON object, got {type(out).__name__}",
+                method=method,
+            )  # fmt: skip
         return displayable(out)
 
 

@@ -5,21 +5,39 @@ progress bar per stage while they load."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from .client import NodeClient
 from .top import stdout_console
 
-__all__ = ["print_instances", "wait_serving"]
+__all__ = ["print_instances", "stage_progress", "wait_serving"]
+
+
+def stage_progress(stage: Mapping[str, Any], fetched_total: int) -> tuple[int | None, int, str]:
+    """One stage's bar: ``(total, done, bytes)``, from its view in ``/v1/instances``
+    and ``fetched_total``, the size of a fetch seen earlier (0: none).
+
+    Bytes show only while a fetch runs (the node sends 0s otherwise) and once it ended:
+    then the bar stays full, not back at 0 of the size. A stage that fetches nothing
+    has no size: its bar pulses (total None) while it loads."""
+    total = int(stage.get("fetch_total") or 0)
+    if stage.get("state") == "fetching" and total > 0:
+        done = int(stage.get("fetched") or 0)
+        return total, done, f"{done / 1e6:.1f}/{total / 1e6:.1f} MB"
+    if fetched_total > 0 and stage.get("state") != "fetching":
+        return fetched_total, fetched_total, f"{fetched_total / 1e6:.1f} MB fetched"
+    return None, 0, ""
 
 
 def wait_serving(client: NodeClient, inst: dict, timeout: float) -> dict:
     """Poll the instance until every stage is ready, a stage failed, or ``timeout``,
     showing one progress bar per stage (bytes while it fetches its weights)."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+    from rich.progress import BarColumn, Progress, TextColumn
 
     names = {n["id"]: n["name"] for n in client.cluster().get("nodes") or []}
     deadline = time.monotonic() + timeout
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[bytes]}"),
                TextColumn("{task.fields[state]}"))  # fmt: skip
     with Progress(*columns, console=stdout_console(), transient=True) as bar:
         tasks = [
@@ -27,14 +45,17 @@ def wait_serving(client: NodeClient, inst: dict, timeout: float) -> dict:
                 f"{names.get(s['node'], s['node'][:8])}[{s['start']}:{s['end']})",
                 total=None,
                 state="",
+                bytes="",
             )
             for s in inst.get("stages") or []
         ]
+        sizes = dict.fromkeys(tasks, 0)  # each stage's fetch, once seen
         while True:
             stages = inst.get("stages") or []
             for t, s in zip(tasks, stages, strict=False):
-                total = s.get("fetch_total") or None
-                bar.update(t, total=total, completed=s.get("fetched", 0), state=s.get("state", ""))
+                total, done, size = stage_progress(s, sizes[t])
+                sizes[t] = total or 0
+                bar.update(t, total=total, completed=done, bytes=size, state=s.get("state", ""))
             states = [s.get("state") for s in stages]
             if all(st == "ready" for st in states) or "failed" in states:
                 return inst

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+
+from meshd import __version__
 
 # What every command needs only: meshctl must start in 0.3 s, so each command imports
 # the rest itself (rich's tables, the secret file's zmq) when it runs.
@@ -33,6 +34,7 @@ from .client import (
     parse_node,
 )
 from .keys import add_meshctl_key_flags, meshctl_keys
+from .pipes import reader_may_leave
 from .secret import add_secret
 
 EXIT_OK = 0
@@ -103,6 +105,8 @@ def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
         body["context"] = args.ctx
     if args.replicas:
         body["replicas"] = args.replicas
+    if args.keep:
+        body["keep"] = True
     if args.kv_cache:
         body["kv_cache"] = args.kv_cache
     if args.draft:
@@ -144,46 +148,16 @@ def cmd_rm(args: argparse.Namespace, client: NodeClient) -> int:
 
 
 def cmd_chat(args: argparse.Namespace, client: NodeClient) -> int:
-    """One-shot chat with PROMPT, or an interactive session without it."""
-    base = {"model": args.model, "max_tokens": args.max_tokens}
+    """One-shot chat with PROMPT, or an interactive session without it (``chat.py``)."""
+    from .chat import Conversation, ask, run_chat
+
+    params: dict = {"max_tokens": args.max_tokens}
     if args.temperature is not None:
-        base["temperature"] = args.temperature
-    history: list[dict] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
-
-    def ask(text: str) -> None:
-        history.append({"role": "user", "content": text})
-        reply = []
-        for piece in client.chat_stream({**base, "messages": history}):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-            reply.append(piece)
-        sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(reply)})
-
+        params["temperature"] = args.temperature
+    conv = Conversation(model=args.model, system=args.system or "")
     if args.prompt:
-        ask(" ".join(args.prompt))
-        return EXIT_OK
-    print(f"chatting with {args.model} via {client.base_url} (Ctrl-D to quit)")
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print()
-            return EXIT_OK
-        if not line.strip():
-            continue
-        try:
-            ask(line)
-        except NodeUnreachable:
-            raise
-        except MeshctlError as exc:
-            # One failed turn (model loading, bad input) should not end the session:
-            # say why, forget the unanswered question and keep going.
-            sys.stdout.write("\n")
-            print(f"meshctl: {exc}", file=sys.stderr)
-            history.pop()
+        return EXIT_OK if ask(client, conv, " ".join(args.prompt), params) else EXIT_INTERRUPTED
+    return run_chat(client, conv, params)
 
 
 # ---------------------------------------------------------------- parser
@@ -229,7 +203,11 @@ def _add_models(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
 
 
 def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("place", parents=[common], help="Place a model (split across nodes).")
+    p = sub.add_parser(
+        "place", parents=[common],
+        help="Place a model (split across nodes): it replaces the instance a request "
+        "placed on its own (--keep keeps it).",
+    )  # fmt: skip
     p.add_argument("model", help="alias (smollm2-135m), path to a .gguf, or HF repo id")
     p.add_argument(
         "--nodes",
@@ -270,8 +248,13 @@ def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     )  # fmt: skip
     p.add_argument(
         "--replicas", type=positive_int, metavar="N",
-        help="place N instances of the model (on different nodes while they can hold it); "
-        "requests go to the least busy one",
+        help="place N instances of the model, each on nodes of its own (more than the "
+        "nodes can hold is refused, nothing placed); requests go to the least busy one",
+    )  # fmt: skip
+    p.add_argument(
+        "--keep", action="store_true",
+        help="keep the model's automatic instance (the one a request placed) beside this "
+        "one; without it, this placement replaces it: the model moves",
     )  # fmt: skip
     p.add_argument(
         "--wait",
@@ -302,7 +285,9 @@ def _add_rm(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) ->
 def _add_chat(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     from meshd.models.defaults import DEFAULT_MODEL
 
-    p = sub.add_parser("chat", parents=[common], help="Chat with a model (one-shot or REPL).")
+    p = sub.add_parser(
+        "chat", parents=[common], help="Chat with a model (one-shot, or a session: /help)."
+    )
     p.add_argument("prompt", nargs="*", help="one-shot prompt; none starts a session")
     p.add_argument("--model", "-m", default=DEFAULT_MODEL, help="model (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=512)
@@ -442,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         description="Inspect and drive a meshd cluster through any of its nodes.",
     )
+    parser.add_argument("--version", action="version", version=f"meshctl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in COMMANDS:
         add(sub, common)
@@ -450,6 +436,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``meshctl``; returns the process exit code."""
+    return reader_may_leave(lambda: _run(argv))
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -481,10 +471,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_NODE_ERROR
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
-    except BrokenPipeError:  # `meshctl nodes --json | head`: the reader left, not an error
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # so the exit-time flush does not fail again
-        return EXIT_OK
 
 
 if __name__ == "__main__":

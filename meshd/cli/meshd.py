@@ -16,6 +16,7 @@ from meshd.api.origins import allowed_hosts
 from meshd.api.server import ApiServer, bind_api
 from meshd.api.services import ApiSettings
 from meshd.cli.keys import node_keys, refuse_argv
+from meshd.cli.pipes import reader_may_leave
 from meshd.cli.settings import (
     CONFIG_ENV,
     ConfigError,
@@ -205,6 +206,10 @@ def _show(resolved: Resolved, as_json: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshd`` command."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    return reader_may_leave(lambda: _main(argv))
+
+
+def _main(argv: list[str]) -> int:
     try:
         args, resolved = _settings(argv)
     except ConfigError as e:

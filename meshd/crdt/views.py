@@ -138,7 +138,7 @@ HealthState = Literal["up", "draining", "stopped"]
 
 
 class ModelSpeed(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
-    """How a model's requests through one node's API went over the last minute
+    """How one instance's requests through one node's API went over the last minute
     (``meshd.node.speed``): what ``meshctl top`` adds up across nodes."""
 
     #: Tokens per second streamed to clients (over the last 10 s).
@@ -171,7 +171,9 @@ class Health(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     runners: list[RunnerStatus] = []
     #: Tokens per second this node's API streams now (its requests, every model).
     tokens_s: float = 0.0
-    #: Per model: the speed of this node's requests over the last minute.
+    #: Per instance (by id): the speed of this node's requests over the last minute.
+    #: (A node of an older meshd keys them by model name: no instance id matches
+    #: such an entry, so its figures are left out rather than shown under both.)
     serving: dict[str, ModelSpeed] = {}
 
 

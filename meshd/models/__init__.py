@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         ResolvedModel,
         canonical_name,
         local_models,
+        pull_hint,
         resolve_model,
     )
 
@@ -45,6 +46,7 @@ __all__ = [
     "UnsupportedModelError",
     "canonical_name",
     "local_models",
+    "pull_hint",
     "resolve_model",
 ]
 

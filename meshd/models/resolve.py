@@ -45,7 +45,9 @@ __all__ = [
     "PackagedModel",
     "ResolvedModel",
     "hf_hub_cache",
+    "how_to_get",
     "local_models",
+    "pull_hint",
     "resolve_model",
 ]
 
@@ -94,13 +96,36 @@ class ModelNotFoundError(LookupError):
     def __init__(self, name: str, looked: Sequence[str]) -> None:
         self.name = name
         self.looked = list(looked)
-        lines = [f"model {name!r} is not on this machine (meshd never downloads); looked at:"]
+        lines = [f"model {name!r} is not on this machine; looked at:"]
         lines += [f"  - {place}" for place in self.looked]
-        lines.append(
-            f"Known aliases: {', '.join(sorted(ALIASES))}. "
-            f"The default model ({DEFAULT_MODEL}) installs with: {INSTALL_DEFAULT_MODEL}"
-        )
+        lines.append(how_to_get(name))
         super().__init__("\n".join(lines))
+
+
+def pull_hint(name: str) -> str:
+    """`` To get it: meshctl pull ...`` for a Hugging Face repo id no node holds (an
+    API's not-found message ends with it), "" for any other name."""
+    repo_id = _split_repo_id(name.strip())[0] is not None and not name.startswith((".", "/", "~"))
+    return " " + how_to_get(name) if repo_id else ""
+
+
+def how_to_get(name: str) -> str:
+    """How a user puts the model ``name`` on a machine of the cluster, by the kind of
+    name: an alias's package, a Hugging Face repo id's ``meshctl pull``, a file's place."""
+    alias = _canonical_alias(name.strip())
+    if alias is not None:
+        return f"{alias} installs with: {ALIASES[alias].install}"
+    if _split_repo_id(name.strip())[0] is not None:
+        return (
+            f"To get it: `meshctl pull {name.strip()}` on one machine of the cluster (into its "
+            "Hugging Face cache, where its node finds it; the other nodes fetch their layers "
+            f"from that one), then `meshctl place {name.strip()}`."
+        )
+    return (
+        "To serve a file: put it on one machine, under a node's --models DIR, and name it "
+        f"by its file name. Known aliases: {', '.join(sorted(ALIASES))} "
+        f"(the default, {DEFAULT_MODEL}, installs with: {INSTALL_DEFAULT_MODEL})."
+    )
 
 
 class AmbiguousModelError(LookupError):

@@ -347,19 +347,19 @@ class ClusterView:
         return predicted_tokens_s(inst.facts, inst.stages, nodes.values())
 
     def measured_tokens_s(self, inst: Instance) -> float:
-        """One request's decode tokens/s as the nodes that sent ``inst``'s model
-        requests measured it over the last minute (1000 / the median time between
+        """One request's decode tokens/s as the nodes that sent ``inst`` requests
+        measured it over the last minute (1000 / the median time between
         tokens; 0.0 with none)."""
         itls = sorted(
             m.itl_ms
             for h in self.healths.values()
-            if (m := h.serving.get(inst.spec.model)) is not None and m.itl_ms > 0
+            if (m := h.serving.get(inst.id)) is not None and m.itl_ms > 0
         )
         return round(1000 / statistics.median(itls), 2) if itls else 0.0
 
     def instance_speed(self, inst: Instance) -> InstanceSpeed:
-        """What every node whose API sent ``inst``'s model requests measured over the
-        last minute, added up (see :class:`InstanceSpeed`)."""
+        """What every node whose API sent ``inst`` requests measured over the last
+        minute, added up (see :class:`InstanceSpeed`)."""
         return speed_of(self.healths, inst)
 
     def _gpu_left(self, nodes: dict[str, NodeResources], skip: str) -> dict[str, NodeResources]:
@@ -384,20 +384,20 @@ class ClusterView:
                 taken[st.node] = taken.get(st.node, 0) + used
         return {k: less_gpu(r, taken.get(k, 0)) for k, r in nodes.items()}
 
-    def place_new(self, spec: InstanceSpec, facts: ModelFacts) -> Placement:
-        """A fresh plan of ``spec``, the nodes it was chosen among (``PlanBasis``) and
-        its context.
-
-        Another instance of the same model (a replica) goes on nodes the others do not
-        use when they can hold it, so replicas add capacity instead of sharing it; it
-        shares them only when nothing else fits (pinned nodes are used as asked)."""
-        busy = {s.node for i in self.replicas(spec.model) for s in i.stages}
-        if busy and not spec.nodes:
+    def place_new(
+        self, spec: InstanceSpec, facts: ModelFacts, avoid: frozenset[str] = frozenset()
+    ) -> Placement:
+        """A fresh plan of ``spec`` off the nodes in ``avoid`` (its fellow replicas'),
+        the nodes it was chosen among (``PlanBasis``) and its context. Another instance
+        of the model goes on nodes the others do not use while they can hold it (more
+        capacity, not shared), else shares them (pinned nodes are used as asked)."""
+        busy = avoid | {s.node for i in self.replicas(spec.model) for s in i.stages}
+        if busy != avoid and not spec.nodes:
             try:
                 return self._place(spec, facts, keep=lambda k: k not in busy)
             except PlacementError:
                 pass
-        return self._place(spec, facts)
+        return self._place(spec, facts, keep=lambda k: k not in avoid)
 
     def relocatable(self, inst: Instance, without: str) -> bool:
         """Whether the serving nodes other than ``without`` can hold ``inst``."""

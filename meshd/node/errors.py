@@ -8,13 +8,17 @@ __all__ = ["ModelLoading", "RequestFailed"]
 class RequestFailed(Exception):
     """A request ended without a result. ``code`` is stable; ``status`` is the HTTP one."""
 
-    def __init__(self, code: str, message: str, status: int = 502, node: str = "") -> None:
+    def __init__(
+        self, code: str, message: str, status: int = 502, node: str = "", n_prompt: int = 0
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.status = status
         #: The node at fault (``stage_fault``): a replay waits for a plan without it.
         self.node = node
+        #: ``context_length_exceeded``: the prompt's tokens, as stage 0 counted them.
+        self.n_prompt = n_prompt
 
 
 class ModelLoading(Exception):

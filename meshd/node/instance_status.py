@@ -80,7 +80,7 @@ def instance_state(states: list[StageState], unrepairable: str | None) -> str:
 @dataclass(frozen=True, slots=True)
 class InstanceSpeed:
     """One instance's figures over the last minute, from the heartbeats of every node
-    whose API sent its model requests (``Health.serving``)."""
+    whose API sent it requests (``Health.serving``, by instance id)."""
 
     #: Tokens per second streamed, and requests in flight (sums over those nodes).
     tokens_s: float = 0.0
@@ -111,11 +111,9 @@ def _weighted(pairs: list[tuple[float, float]]) -> float | None:
 
 
 def speed_of(healths: Mapping[str, Health], inst: Instance) -> InstanceSpeed:
-    """What every node whose heartbeat in ``healths`` says it sent ``inst``'s model
-    requests measured over the last minute, added up (see :class:`InstanceSpeed`)."""
-    measured = [
-        m for _, h in sorted(healths.items()) if (m := h.serving.get(inst.spec.model)) is not None
-    ]
+    """What every node whose heartbeat in ``healths`` says it sent ``inst`` requests
+    measured over the last minute, added up (see :class:`InstanceSpeed`)."""
+    measured = [m for _, h in sorted(healths.items()) if (m := h.serving.get(inst.id)) is not None]
     h0 = healths.get(inst.stages[0].node) if inst.stages else None
     firsts = [r for r in (h0.runners if h0 else []) if r.instance == inst.id and r.stage == 0]
 

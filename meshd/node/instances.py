@@ -10,11 +10,12 @@ changes of the cluster, never by polling, and keep their time limits.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -23,8 +24,6 @@ from meshd.crdt.views import Instance, InstanceSpec, PlanBasis, instance_key
 from meshd.domain.facts import ModelFacts
 from meshd.models import ModelNotFoundError, ResolvedModel, canonical_name, resolve_model
 from meshd.models.facts import read_resolved_facts
-from meshd.models.folder import check_folder_for_mlx
-from meshd.models.mlx_layout import check_gguf_for_mlx
 from meshd.placement import PlacementError
 
 from .cluster import ClusterView, fetch_progress
@@ -33,6 +32,7 @@ from .errors import ModelLoading, RequestFailed
 from .kept import KeptPlacements
 from .plan_basis import signed_sources
 from .plans import left_out
+from .requested import check_mlx, node_ids, too_many_replicas
 from .roots import ModelRoots
 from .state import ClusterState
 
@@ -46,45 +46,11 @@ _REPAIR_FLOOR_S = 0.1
 _RESTORE_RETRY_S = 30.0
 
 
-def _check_mlx(resolve: Callable[[str], ResolvedModel], model: str, pinned: bool) -> None:
-    """Raise UnsupportedModelError when MLX must run ``model`` (pinned, or a folder)
-    and cannot, with the stage's own reason. A model not on this machine is not checked
-    here."""
-    try:
-        resolved = resolve(model)
-    except LookupError:
-        return  # not on this machine: facts() says where it looked, or finds it
-    if resolved.format == "gguf" and not pinned:
-        # Its facts offer MLX only where this same check passes (models.facts), and
-        # placement never picks an engine the facts or the architecture rule leave out.
-        return
-    check = check_gguf_for_mlx if resolved.format == "gguf" else check_folder_for_mlx
-    check(resolved.path)
-
-
 def auto_instance_id(model: str) -> str:
     """Id of the instance placed on demand for ``model``: the same on every node, so
     nodes that place it at once write one instance, not one each (LWW keeps one plan)."""
     canon = canonical_name(model)
     return "auto-" + hashlib.blake2b(canon.encode(), digest_size=6).hexdigest()
-
-
-def _node_ids(view: ClusterView, refs: Sequence[str]) -> list[str]:
-    """Node names or ids as ids, sorted (an exclusion names the machine, whatever name
-    it gives itself later); PlacementError for a name no node or several have."""
-    out = set()
-    for ref in refs:
-        named = sorted(nid for nid, c in view.cards.items() if c.name == ref)
-        if ref in view.cards or ref in view.members:
-            out.add(ref)
-        elif len(named) == 1:
-            out.add(named[0])
-        elif named:
-            why = f"node name {ref!r} is ambiguous: ids {', '.join(named)}"
-            raise PlacementError("bad_spec", why)
-        else:
-            raise PlacementError("unknown_node", f"exclude names node {ref!r}: no node has it")
-    return sorted(out)
 
 
 class Instances:
@@ -167,8 +133,19 @@ class Instances:
         """Compute a plan and write it; raise PlacementError when none fits. ``placed``:
         the clock of its first placement (a restored instance's; 0: now)."""
         spec = self._with_node_context(spec, facts)
-        stages, nodes, context = self.state.view().place_new(spec, facts)
-        inst = Instance(
+        return self._write(self._plan(self.state.view(), spec, facts, instance_id, placed))
+
+    def _plan(
+        self,
+        view: ClusterView,
+        spec: InstanceSpec,
+        facts: ModelFacts,
+        instance_id: str | None = None,
+        placed: int = 0,
+        avoid: frozenset[str] = frozenset(),
+    ) -> Instance:
+        stages, nodes, context = view.place_new(spec, facts, avoid)
+        return Instance(
             id=instance_id or secrets.token_hex(4),
             spec=spec,
             stages=stages,
@@ -178,10 +155,12 @@ class Instances:
             context=context,
             placed=placed or self.state.replica.clock.now(),
         )
+
+    def _write(self, inst: Instance) -> Instance:
         self.state.write(instance_key(inst.id), self._signed(inst))
         log.info(
-            "placed %s as %s: %s", spec.model, inst.id,
-            ", ".join(f"{s.node}[{s.start}:{s.end}) {s.engine}" for s in stages),
+            "placed %s as %s: %s", inst.spec.model, inst.id,
+            ", ".join(f"{s.node}[{s.start}:{s.end}) {s.engine}" for s in inst.stages),
         )  # fmt: skip
         return inst
 
@@ -196,20 +175,46 @@ class Instances:
             want = min(want, facts.n_ctx_train)
         return msgspec.structs.replace(spec, context=want)
 
-    async def place_requested(self, spec: InstanceSpec) -> Instance:
-        """Place ``spec`` as a user asked for it (``POST /v1/instances``).
+    async def place_requested(
+        self, spec: InstanceSpec, replicas: int = 1, keep: bool = False
+    ) -> list[Instance]:
+        """Place ``replicas`` instances of ``spec`` as a user asked (``POST
+        /v1/instances``), in place of the model's automatic instance unless ``keep``.
+
+        A placement says how the model is served: the instance a request placed on its
+        own (:func:`auto_instance_id`) goes, so ``--nodes a,b`` moves the model rather
+        than adding a split beside it. The plans are made as if it were gone (its GPU
+        memory is free to them) and it is removed once they are written. Replicas of one
+        request never share a node: when fewer fit apart than asked, PlacementError
+        ``too_many_replicas`` says how many do, and nothing is placed.
 
         Before anything runs, refuses a model MLX would read wrongly or not at all (a
         GGUF pinned to MLX stages, or any MLX folder: only MLX can run one) with
-        UnsupportedModelError; then as :meth:`place`, with the model's facts.
+        UnsupportedModelError.
         """
-        await asyncio.to_thread(_check_mlx, self._resolve, spec.model, "mlx" in spec.engines)
+        await asyncio.to_thread(check_mlx, self._resolve, spec.model, "mlx" in spec.engines)
         facts = await self.facts(spec.model)
-        exclude = _node_ids(self.state.view(), spec.exclude)
-        return await self.place(
-            msgspec.structs.replace(spec, model=canonical_name(spec.model), exclude=exclude),
-            facts,
-        )
+        view = self.state.view()
+        exclude = node_ids(view, spec.exclude)
+        spec = msgspec.structs.replace(spec, model=canonical_name(spec.model), exclude=exclude)
+        spec = self._with_node_context(spec, facts)
+        auto = auto_instance_id(spec.model)
+        if not keep and auto in view.instances:
+            rest = {k: v for k, v in view.instances.items() if k != auto}
+            view = dataclasses.replace(view, instances=rest)
+        plans: list[Instance] = []
+        for _ in range(replicas):
+            used = frozenset(s.node for p in plans for s in p.stages)
+            try:
+                plans.append(self._plan(view, spec, facts, avoid=used))
+            except PlacementError as e:
+                if not plans:
+                    raise
+                raise too_many_replicas(spec.model, replicas, plans, view, e) from None
+        placed = [self._write(p) for p in plans]
+        if not keep and self.remove(auto):
+            log.info("removed %s, the automatic instance of %s: placed as asked", auto, spec.model)
+        return placed
 
     def remove(self, instance_id: str) -> bool:
         """Delete an instance; False if there is none with that id."""

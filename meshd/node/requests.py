@@ -264,6 +264,7 @@ class Requests:
                         chunk.error.code, chunk.error.message,
                         400 if bad_input else 429 if full else 502,
                         node=inst.stages[at].node if 0 <= at < len(inst.stages) else "",
+                        n_prompt=chunk.n_prompt or 0,
                     )  # fmt: skip
                 if chunk.finish_reason is not None:
                     # The last stage released the request and started the release

@@ -176,9 +176,12 @@ class NodeServices:
         tokens a request; 0: the default), with a bounded wait."""
         return await self._instances.instance_for(model, context=context)
 
-    async def place(self, spec: InstanceSpec) -> Instance:
-        """Place an instance as asked (checks the model can run where pinned)."""
-        return await self._instances.place_requested(spec)
+    async def place(
+        self, spec: InstanceSpec, replicas: int = 1, keep: bool = False
+    ) -> list[Instance]:
+        """Place ``replicas`` instances as asked, in place of the model's automatic
+        one unless ``keep`` (checks the model can run where pinned)."""
+        return await self._instances.place_requested(spec, replicas, keep)
 
     def remove(self, instance_id: str) -> bool:
         """Delete an instance; False if there is none with that id."""

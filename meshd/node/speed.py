@@ -1,6 +1,10 @@
 """How fast this node's requests go, over the last minute: what its heartbeat tells
 the cluster (``Health.tokens_s`` and ``Health.serving``) and ``meshctl top`` shows.
 
+Kept per instance, not per model: two instances of one model (replicas, or a split
+placed beside the automatic one) run on other nodes at other speeds, and each
+instance's view adds up only its own figures.
+
 The API records each request as it runs (:meth:`Speed.began`, :meth:`Speed.token`,
 :meth:`Speed.ended`); :meth:`Speed.summary` reads the window at heartbeat time. Samples
 older than :data:`WINDOW_S` are dropped as they age, so memory stays bounded by the
@@ -23,7 +27,7 @@ __all__ = ["RATE_WINDOW_S", "WINDOW_S", "Speed"]
 WINDOW_S = 60.0
 #: Tokens per second are over this many (short: top shows what runs now).
 RATE_WINDOW_S = 10.0
-#: Samples kept per kind and model at most (a bound whatever the rate).
+#: Samples kept per kind and instance at most (a bound whatever the rate).
 MAX_SAMPLES = 4096
 
 
@@ -51,34 +55,34 @@ def _p50_ms(d: deque[tuple[float, float]]) -> float:
 
 
 class Speed:
-    """The last minute of this node's requests, per model."""
+    """The last minute of this node's requests, per instance (by its id)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._models: dict[str, _Model] = {}
 
-    def _m(self, model: str) -> _Model:
-        m = self._models.get(model)
+    def _m(self, instance: str) -> _Model:
+        m = self._models.get(instance)
         if m is None:
-            m = self._models[model] = _Model()
+            m = self._models[instance] = _Model()
         return m
 
     def now(self) -> float:
         """The clock the samples are on."""
         return self._clock()
 
-    def began(self, model: str) -> None:
-        """A request for ``model`` started."""
-        self._m(model).in_flight += 1
+    def began(self, instance: str) -> None:
+        """A request on ``instance`` started."""
+        self._m(instance).in_flight += 1
 
-    def ended(self, model: str) -> None:
-        """A request for ``model`` ended (however it ended)."""
-        m = self._m(model)
+    def ended(self, instance: str) -> None:
+        """A request on ``instance`` ended (however it ended)."""
+        m = self._m(instance)
         m.in_flight = max(0, m.in_flight - 1)
 
     def token(
         self,
-        model: str,
+        instance: str,
         n: int,
         *,
         ttft: float | None = None,
@@ -89,7 +93,7 @@ class Speed:
         """A chunk of ``n`` tokens arrived: the time to it (first) or since the last
         one, each stage's compute for its step, and the per-hop overhead."""
         t = self.now()
-        m = self._m(model)
+        m = self._m(instance)
         m.tokens.append((t, n))
         if ttft is not None:
             m.ttft.append((t, ttft))
@@ -101,8 +105,9 @@ class Speed:
             m.hop.append((t, hop))
 
     def summary(self) -> tuple[float, dict[str, ModelSpeed]]:
-        """This node's tokens per second over :data:`RATE_WINDOW_S`, and each model's
-        figures over :data:`WINDOW_S` (models with nothing to say are left out)."""
+        """This node's tokens per second over :data:`RATE_WINDOW_S`, and each
+        instance's figures over :data:`WINDOW_S`, by instance id (instances with nothing
+        to say are left out)."""
         now = self.now()
         total = 0.0
         out: dict[str, ModelSpeed] = {}

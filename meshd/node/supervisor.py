@@ -248,8 +248,8 @@ class Supervisor:
                 log.info("stage %s/%d: %s", inst.id, i, e)
                 self._report_missing(k, inst, i)
                 return None
-            if k not in self.runners:  # said once, not at every reconcile
-                log.info("stage %s/%d: %s: its slice comes from the holders", inst.id, i, e)
+            why = str(e).partition("\n")[0]  # at debug: the fetch says once it starts
+            log.debug("stage %s/%d: %s: its slice comes from the holders", inst.id, i, why)
             return str(fetched), True
 
     async def _placed_file(self, k: StageId, inst: Instance) -> str:

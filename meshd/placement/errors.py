@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-Reason = Literal["no_nodes", "no_backend", "insufficient_memory", "unknown_node", "bad_spec"]
+Reason = Literal[
+    "no_nodes", "no_backend", "insufficient_memory", "unknown_node", "bad_spec",
+    "too_many_replicas",
+]  # fmt: skip
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -22,7 +25,9 @@ class PlacementError(Exception):
     - ``insufficient_memory``: the candidates do not hold the model; ``shortfalls``
       maps each node found short to the bytes it lacks;
     - ``unknown_node``: ``spec.nodes`` names a node that is not live;
-    - ``bad_spec``: the spec or the model facts are inconsistent.
+    - ``bad_spec``: the spec or the model facts are inconsistent;
+    - ``too_many_replicas``: fewer nodes can hold the model than the replicas asked
+      for (replicas of one request never share a node).
 
     ``message`` (also ``str(err)``) says it for a person, naming the node(s) and the
     bytes short.

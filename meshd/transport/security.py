@@ -323,9 +323,13 @@ class HandshakeReporter:
             self._seen.add(key)
             detail = _detail(ev["event"], ev["value"])
             if bound:
+                # The endpoint is ours: who connected is not known, only that the
+                # handshake failed (a member may still dial a port a gone node had).
                 self._log.warning(
-                    "%s: a peer failed the CURVE handshake on %s (%s): it is no member, "
-                    "or runs a meshd older than protocol %d; counted in dropped[%s][%s], "
+                    "%s: a connection to %s failed the CURVE handshake (%s); who made it "
+                    "is not known: a machine without this cluster's keys, a removed "
+                    "member, a meshd older than protocol %d, or a node still dialling "
+                    "an address a node that left had; counted in dropped[%s][%s], "
                     "logged once",
                     socket, endpoint, detail, PROTOCOL, socket, reason,
                 )  # fmt: skip

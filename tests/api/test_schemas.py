@@ -27,13 +27,13 @@ from starlette.testclient import TestClient
 from meshd.api.bodies import parse_body
 from meshd.api.errors import (
     ApiError,
-    context_overflow,
     install_error_handlers,
     model_loading,
     model_not_found,
     overloaded,
     upstream_failed,
 )
+from meshd.api.overflow import context_overflow
 from meshd.api.schemas import (
     ChatCompletion,
     ChatCompletionRequest,

@@ -347,7 +347,9 @@ class FlakyNode:
         if self.calls == 2:
             raise NodeUnreachable(self.base_url, "[Errno 111] Connection refused")
         if self.calls == 3:
-            raise NodeError(self.base_url, "/v1/cluster", "HTTP 500: boom", status=500)
+            raise NodeError(
+                self.base_url, "/v1/cluster", "HTTP 500: boom", status=500, method="GET"
+            )
         if self.calls >= 5:
             raise KeyboardInterrupt
         return CLUSTER
@@ -357,7 +359,9 @@ class FlakyNode:
 
     def members(self) -> dict:
         # An open cluster's node says it has no members to list.
-        raise NodeError(self.base_url, "/v1/members", "HTTP 409: open cluster", status=409)
+        raise NodeError(
+            self.base_url, "/v1/members", "HTTP 409: open cluster", status=409, method="GET"
+        )
 
 
 @pytest.mark.parametrize("terminal", [True, False], ids=["live", "piped"])

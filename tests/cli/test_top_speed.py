@@ -56,11 +56,11 @@ def test_the_window_gives_rates_medians_and_forgets_old_samples() -> None:
 
 def _serving() -> dict:
     cluster = copy.deepcopy(CLUSTER)
-    model = CLUSTER["instances"][0]["spec"]["model"]
-    cluster["nodes"][0]["health"] |= {"tokens_s": 30.0, "serving": {model: {
+    iid = CLUSTER["instances"][0]["id"]
+    cluster["nodes"][0]["health"] |= {"tokens_s": 30.0, "serving": {iid: {
         "tokens_s": 30.0, "in_flight": 2, "ttft_ms": 120.0, "itl_ms": 33.0,
         "stage_ms": [12.5, 9.0, 4.0], "hop_ms": 1.5}}}  # fmt: skip
-    cluster["nodes"][1]["health"] |= {"tokens_s": 10.0, "serving": {model: {
+    cluster["nodes"][1]["health"] |= {"tokens_s": 10.0, "serving": {iid: {
         "tokens_s": 10.0, "in_flight": 1, "ttft_ms": 200.0, "itl_ms": 41.0,
         "stage_ms": [14.5, 9.0, 4.0], "hop_ms": 2.5}}}  # fmt: skip
     runners = cluster["nodes"][0]["health"]["runners"]
@@ -86,6 +86,38 @@ def test_an_instance_adds_up_what_every_node_measured() -> None:
     assert inst["tokens_s"] == 40.0 and inst["stages"][1]["ms_per_token"] == 9.0
     assert {n["id"]: n["tokens_s"] for n in snap["nodes"]}[A] == 30.0
     assert {n["id"]: n["in_flight"] for n in snap["nodes"]}[B] == 1
+
+
+def test_two_instances_of_one_model_show_their_own_figures() -> None:
+    # A second instance of the same model, on one node: its requests went at another
+    # speed. Each view adds up its own instance's figures, not the model's.
+    cluster = _serving()
+    first = cluster["instances"][0]
+    cluster["instances"].append(
+        {
+            **copy.deepcopy(first),
+            "id": "second",
+            "stages": [
+                {"node": B, "start": 0, "end": first["stages"][-1]["end"], "engine": "llama_cpp"}
+            ],
+        }
+    )
+    cluster["nodes"][1]["health"]["serving"]["second"] = {
+        "tokens_s": 5.0,
+        "in_flight": 1,
+        "ttft_ms": 900.0,
+        "itl_ms": 200.0,
+        "stage_ms": [190.0],
+    }
+    views = {v["id"]: v for v in instances_of(cluster)}
+    one, two = views[first["id"]], views["second"]
+    assert (one["speed"]["tokens_s"], two["speed"]["tokens_s"]) == (40.0, 5.0)
+    assert (one["speed"]["in_flight"], two["speed"]["in_flight"]) == (3, 1)
+    assert two["speed"]["ttft_ms"] == 900.0 and two["speed"]["itl_ms"] == 200.0
+    assert one["speed"]["ttft_ms"] == pytest.approx((120 * 30 + 200 * 10) / 40)
+    assert two["measured_tokens_s"] == 5.0 and one["measured_tokens_s"] == round(1000 / 37, 2)
+    rows = {i["id"]: i for i in snapshot(cluster, list(views.values()))["instances"]}
+    assert rows["second"]["tokens_s"] == 5.0 and rows[first["id"]]["tokens_s"] == 40.0
 
 
 @pytest.mark.parametrize("width", [80, 160])

@@ -37,9 +37,10 @@ from meshd.crdt.views import (
 from meshd.crdt.views import health_key as hkey
 from meshd.node.cluster import FETCH_FAILED, ClusterView
 from meshd.node.config import NodeConfig
-from meshd.node.instances import Instances, _node_ids
+from meshd.node.instances import Instances, auto_instance_id
 from meshd.node.plan_basis import BEAT_WINDOW_MS, signed_sources
 from meshd.node.plans import left_out, plan_refusal, refuse_plan_entry
+from meshd.node.requested import node_ids
 from meshd.placement import PlacementError
 from meshd.transport.identity import NodeKey, sign_entry
 
@@ -268,9 +269,9 @@ def test_the_owner_keeps_a_model_off_a_node_on_every_node() -> None:
     assert spec.relaxed().exclude == [a]
     assert a not in {s.node for s in mesh.view().replan(inst).stages}
     # Named by its name, kept as its id (a rename does not get it back).
-    assert _node_ids(mesh.view(), ["a"]) == [a]
+    assert node_ids(mesh.view(), ["a"]) == [a]
     with pytest.raises(PlacementError, match="no node has it"):
-        _node_ids(mesh.view(), ["nobody"])
+        node_ids(mesh.view(), ["nobody"])
 
 
 async def test_a_node_that_took_a_plan_missing_a_node_places_it_again_once_it_sees_it(
@@ -294,3 +295,42 @@ async def test_a_node_that_took_a_plan_missing_a_node_places_it_again_once_it_se
         # Taken by a now (the clock of this test's state: set when the module loaded).
         assert plan_refusal(again, mesh.m, at(0) + 1) is None
         assert instances.repair() == []  # once
+
+
+async def test_a_placement_moves_the_model_and_bounds_its_replicas(tmp_path: Path) -> None:
+    """``Instances.place_requested`` on one node's real state: a placement takes the
+    automatic instance's place (unless kept), and replicas never share a node."""
+    mesh = Mesh(a=16, b=16, c=16)
+    auto = mesh.plan("a", spec=InstanceSpec(model="m", nodes=[mesh.id("a")]),
+                     iid=auto_instance_id("m"))  # fmt: skip
+    # Liveness that outlasts a slow machine: every node stays alive through the test.
+    async with local_node(mesh.id("b"), suspect_after=60, dead_after=120) as n:
+        n.state.replica.install([*mesh.later().m.entries(), sign_entry(
+            mesh.keys["a"], Entry(instance_key(auto.id), at(PLANNED), mesh.id("a"), encode(auto))
+        )])  # fmt: skip
+        for name in mesh.keys:
+            n.state.liveness.beat(mesh.id(name), 1, time.monotonic())
+        instances = Instances(n.state, NodeConfig(), cache_dir=tmp_path, aborted=lambda: None)
+        instances._facts["m"] = FACTS  # the model's facts, as read from its file
+
+        def placed() -> dict[str, list[str]]:
+            return {i.id: [s.node for s in i.stages] for i in n.state.view().instances.values()}
+
+        # Three nodes hold three replicas at most: five are refused, none placed.
+        with pytest.raises(PlacementError, match="only 3 of the 5 replicas of m fit") as e:
+            await instances.place_requested(InstanceSpec(model="m"), replicas=5)
+        assert e.value.reason == "too_many_replicas" and "--replicas 3" in str(e.value)
+        assert list(placed()) == [auto.id]
+        # Kept: the split goes beside the automatic instance.
+        (kept,) = await instances.place_requested(
+            InstanceSpec(model="m", nodes=["b", "c"]), keep=True
+        )
+        assert placed() == {auto.id: [mesh.id("a")], kept.id: [mesh.id("b"), mesh.id("c")]}
+        assert instances.remove(kept.id)
+        # Not kept: the split over a and b takes its place.
+        (split,) = await instances.place_requested(InstanceSpec(model="m", nodes=["a", "b"]))
+        assert placed() == {split.id: [mesh.id("a"), mesh.id("b")]}
+        # Replicas, each on a node of its own.
+        pair = await instances.place_requested(InstanceSpec(model="m", min_nodes=1), replicas=2)
+        nodes = [s.node for r in pair for s in r.stages]
+        assert len(pair) == 2 and len(nodes) == len(set(nodes))

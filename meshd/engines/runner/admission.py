@@ -263,6 +263,7 @@ def admit(
         raise Refused(
             "context_length_exceeded",
             f"this model's context is {n_ctx} tokens; the prompt has {n + len(resume)}",
+            n_prompt=n + len(resume),
         )
     reuse = reuses_prefix(g)
     # Where a sequence's cells lie in the shared KV buffer moves them too (by ~0.8

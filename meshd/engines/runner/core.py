@@ -232,7 +232,7 @@ class RunnerCore:
         try:
             got = admit(g, self.prompts, self.seats, self.cfg, self.n_ctx)
         except Refused as e:
-            self.links.fail(g.reply_to, g.req, e.code, e.message)
+            self.links.fail(g.reply_to, g.req, e.code, e.message, n_prompt=e.n_prompt)
             return
         if not isinstance(got, Admitted):
             # Counted, not run: nothing is allocated, so nothing needs releasing.

@@ -75,13 +75,22 @@ class Links:
         self.outbox.put(reply_to, c)
 
     def fail(
-        self, reply_to: wire.Addr, req: str, code: str, message: str, *, blame: bool = False
+        self,
+        reply_to: wire.Addr,
+        req: str,
+        code: str,
+        message: str,
+        *,
+        blame: bool = False,
+        n_prompt: int = 0,
     ) -> None:
         """End ``req`` at its API node with a typed error (``blame``: this stage is at
-        fault, and the error says which stage it is)."""
+        fault, and the error says which stage it is; ``n_prompt``: the tokens of a
+        prompt over the context)."""
         log.info("request %s ends at stage %d: %s: %s", req, self.stage, code, message,
                  extra={"req": req})  # fmt: skip
-        self.outbox.put(reply_to, error_chunk(req, code, message, self.stage if blame else -1))
+        stage = self.stage if blame else -1
+        self.outbox.put(reply_to, error_chunk(req, code, message, stage, n_prompt))
 
     def token(
         self, to: wire.Addr, req: str, generation: int, tok: int, pos: int, epoch: int
@@ -114,6 +123,10 @@ class Links:
         self.dealers.close()
 
 
-def error_chunk(req: str, code: str, message: str, stage: int = -1) -> wire.DataChunk:
-    """The chunk that ends ``req`` with a typed error (``stage``: the one at fault)."""
-    return wire.DataChunk(req=req, error=wire.ChunkError(code=code, message=message, stage=stage))
+def error_chunk(
+    req: str, code: str, message: str, stage: int = -1, n_prompt: int = 0
+) -> wire.DataChunk:
+    """The chunk that ends ``req`` with a typed error (``stage``: the one at fault;
+    ``n_prompt``: a prompt's tokens, when it is over the context)."""
+    error = wire.ChunkError(code=code, message=message, stage=stage)
+    return wire.DataChunk(req=req, error=error, n_prompt=n_prompt or None)

@@ -142,7 +142,9 @@ class Refused(Exception):
     """A request this stage ends with a typed error (``code``, ``message``) instead
     of serving it."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, n_prompt: int = 0) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        #: A prompt over the context: its tokens (the API words the error with them).
+        self.n_prompt = n_prompt
