@@ -14,7 +14,7 @@ from meshd.models import DEFAULT_MODEL
 from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
 from meshd.transport import gossip
 
-from .local import default_data_dir
+from .local import cache_dir_for, default_data_dir
 
 #: The OpenAI-compatible HTTP API.
 DEFAULT_API_PORT = 7470
@@ -179,8 +179,9 @@ class NodeConfig:
 
     @property
     def cache_dir(self) -> Path:
-        """Where slices of models (cut here or fetched) and hashes are cached."""
-        return self.data_dir / "cache"
+        """Where slices of models (cut here or fetched) and hashes are cached
+        (:func:`~meshd.node.local.cache_dir_for`)."""
+        return cache_dir_for(self.data_dir)
 
     def api_listen_host(self) -> str:
         """Where the API binds: as told, else all interfaces when a key guards it, else
