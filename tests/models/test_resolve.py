@@ -123,7 +123,8 @@ def test_alias_whose_package_is_missing_says_where_it_looked_and_how_to_install(
     message = str(info.value)
     assert "meshd_no_such_pkg" in message
     assert "pip install g" in message
-    assert INSTALL_DEFAULT_MODEL in message
+    # Its own package's line, not the default model's (#37: that pointed elsewhere).
+    assert INSTALL_DEFAULT_MODEL not in message
     assert "ghost-1b" not in local_models()
 
 
@@ -287,7 +288,7 @@ def test_an_interrupted_download_is_not_a_model(hub: FakeHub) -> None:
         resolve_model("org/partial-GGUF")
 
 
-def test_missing_repo_names_every_place_looked_and_the_install_hint(
+def test_missing_repo_names_every_place_looked_and_how_to_pull_it(
     hub: FakeHub, tmp_path: Path
 ) -> None:
     with pytest.raises(ModelNotFoundError) as info:
@@ -296,7 +297,9 @@ def test_missing_repo_names_every_place_looked_and_the_install_hint(
     assert str(hub.root / "models--org--absent") in message
     assert str(tmp_path / "extra" / "models--org--absent") in message
     assert str(tmp_path / "extra" / "org" / "absent") in message
-    assert INSTALL_DEFAULT_MODEL in message
+    # A repo id is fetched into the HF cache by meshctl pull, then placed.
+    assert "`meshctl pull org/absent`" in message and "meshctl place org/absent" in message
+    assert INSTALL_DEFAULT_MODEL not in message
     assert info.value.looked  # also available as data
 
 
