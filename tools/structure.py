@@ -149,7 +149,7 @@ MODULE_SIZES: dict[str, int] = {
     "meshd/node/cluster.py": 481,
     "meshd/node/daemon.py": 576,
     "meshd/node/diagnosis.py": 637,
-    "meshd/node/supervisor.py": 496,
+    "meshd/node/supervisor.py": 493,
     "meshd/placement/place.py": 1125,
     "meshd/transport/discovery.py": 410,
     "meshd/transport/gossip.py": 462,

@@ -33,6 +33,7 @@ from meshd.node.config import (
 )
 from meshd.node.daemon import ApiAddress, Node
 from meshd.node.dependencies import warn_untested
+from meshd.node.local import move_old_cache
 from meshd.node.owner import ensure_owner_token
 from meshd.transport.addresses import local_addresses
 from meshd.transport.security import load_secret
@@ -137,6 +138,7 @@ async def up(cfg: NodeConfig) -> int:
     the API stops, the node closes.
     """
     warn_untested()
+    move_old_cache(cfg.data_dir, cfg.cache_dir)
     host = cfg.api_listen_host()
     bound: list[socket.socket] = []
 

@@ -46,7 +46,6 @@ from .config import NodeConfig
 from .enrollment import enroll, join_port_of
 from .identity import ID_FILE, Identity, load_identity
 from .instances import Instances
-from .local import move_old_cache
 from .membership import Membership
 from .metrics import Metrics
 from .peers import Peers
@@ -160,8 +159,6 @@ class Node:
         card and start the loops."""
         identity = load_identity(config.data_dir)
         try:
-            if move_old_cache(config.data_dir, config.cache_dir):
-                log.info("moved the cache of %s to %s", config.data_dir, config.cache_dir)
             ctx = zmq.asyncio.Context.instance()
             cluster = await enroll(config, identity, ctx)
             node = await _assemble(config, identity, bind_api(), ctx, cluster)

@@ -7,6 +7,7 @@ Stdlib only: ``meshctl`` reads these at start, and must start in 0.3 s (the rest
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -67,4 +68,5 @@ def move_old_cache(data_dir: Path, cache_dir: Path) -> bool:
         return False
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(str(old), str(cache_dir))
+    logging.getLogger("meshd.node").info("moved the cache of %s to %s", data_dir, cache_dir)
     return True

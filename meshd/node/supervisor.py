@@ -236,32 +236,29 @@ class Supervisor:
 
     async def _weights(self, k: StageId, inst: Instance, i: int) -> tuple[str, bool] | None:
         """What stage ``i`` loads: ``(path, False)``, the placed file here; ``(path,
-        True)``, its slice fetched from the holders; None when neither (then the stage
-        is reported ``failed``, the model missing)."""
+        True)``, its slice fetched from the holders, when there is no file of the model
+        here or, with a fetch to fall back on, another file than the placed one; None
+        when neither (then the stage is reported ``failed``, the model missing)."""
+        level = logging.DEBUG  # a model not here: the fetch says once it starts
         try:
-            return await self._placed_file(k, inst), False
+            path = self.resolve_path(inst.spec.model)
+            if not self.fetch or await is_placed_file(
+                path, inst.facts, self.settings.cache_dir, self.runners.get(k)
+            ):
+                return path, False
+            why, level = f"{path} here is another file than the placed one", logging.INFO
         except Exception as e:
-            fetched = self._slice_to_fetch(inst, i)
-            if fetched is None:
-                # What was looked at stays in this node's log: a reason travels in
-                # the heartbeat; the disk's contents are nobody else's business.
-                log.info("stage %s/%d: %s", inst.id, i, e)
-                self._report_missing(k, inst, i)
-                return None
-            why = str(e).partition("\n")[0]  # at debug: the fetch says once it starts
-            log.debug("stage %s/%d: %s: its slice comes from the holders", inst.id, i, why)
-            return str(fetched), True
-
-    async def _placed_file(self, k: StageId, inst: Instance) -> str:
-        """This node's file of ``inst``'s model; raises when there is none or, with a
-        fetch to fall back on, when it is another file than the placed one."""
-        path = self.resolve_path(inst.spec.model)
-        known = self.runners.get(k)
-        if self.fetch and not await is_placed_file(
-            path, inst.facts, self.settings.cache_dir, known
-        ):
-            raise LookupError(f"{path} here is another file than the placed one")
-        return path
+            why = str(e)
+        fetched = self._slice_to_fetch(inst, i)
+        if fetched is None:
+            # What was looked at stays in this node's log: a reason travels in the
+            # heartbeat; the disk's contents are nobody else's business.
+            log.info("stage %s/%d: %s", inst.id, i, why)
+            self._report_missing(k, inst, i)
+            return None
+        why = why.partition("\n")[0]
+        log.log(level, "stage %s/%d: %s: its slice comes from the holders", inst.id, i, why)
+        return str(fetched), True
 
     def _slice_to_fetch(self, inst: Instance, i: int) -> Path | None:
         """Where stage ``i``'s slice goes when fetched, or None when it cannot be."""
