@@ -86,10 +86,10 @@ def split(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterato
     with_chat_template(model_path, models / HOSTILE_MODEL, THINKER)
     with Cluster(tmp) as c:
         env = {SCRIPT_ENV: SCRIPT}
-        a = c.start("a", env=env, extra_args=["--models", str(models)])
+        a = c.start("a", env=env, extra_args=["--models", str(models)], timeout=60)
         b = c.start("b", peers=[a], env={**env, "MESHD_API_KEY": KEY},
                     extra_args=["--models", str(models)])  # fmt: skip
-        wait_for(lambda: len(a.cluster()["nodes"]) == 2, 15)
+        wait_for(lambda: a.liveness() == {"a": "alive", "b": "alive"}, 30)
         # Placed by the name the nodes advertise it under, as `meshctl place` would.
         card = next(n["card"] for n in a.cluster()["nodes"] if n["name"] == "a")
         (name,) = [m for m in card["models"] if "thinker" in m]

@@ -80,7 +80,9 @@ export function renderPending(pending, where) {
     if (!rows.has(id)) rows.set(id, newRow(p));
     const row = rows.get(id);
     row.querySelector(".name").textContent = str(p.name, 80);
-    row.querySelector(".state").textContent = p.approving ? "approved, confirming" : "waiting";
+    const state = row.querySelector(".state");
+    state.textContent = p.approving ? "approved, confirming" : "waiting";
+    state.className = `state badge ${p.approving ? "run-ready" : "run-loading"}`;
     row.querySelector(".from").textContent =
       `from ${str(p.address || "?", 80)} · waiting ${age(p.waiting_s)}`;
   }

@@ -113,8 +113,8 @@ function instanceCard(inst) {
 
 function size(bytes) {
   const b = num(bytes);
-  if (b === null) return "?";
-  return b >= 2 ** 30 ? `${gib(b)} GiB` : `${(b / 2 ** 20).toFixed(0)} MiB`;
+  if (b === null) return ""; // facts not read yet
+  return b >= 2 ** 30 ? ` ${gib(b)} GiB` : ` ${(b / 2 ** 20).toFixed(0)} MiB`;
 }
 
 function modelsTable(models) {
@@ -123,7 +123,7 @@ function modelsTable(models) {
     el("thead", {}, el("tr", {}, el("th", { text: "model" }), el("th", { text: "held by" }),
       el("th", { text: "serving" }))),
     el("tbody", {}, models.map((m) => el("tr", { attrs: { "data-model": str(m.model, 500) } },
-      el("td", { cls: "model" }, str(m.model, 500), el("span", { cls: "size", text: ` ${size(m.size)}` })),
+      el("td", { cls: "model" }, str(m.model, 500), el("span", { cls: "size", text: size(m.size) })),
       el("td", { cls: "holders", text: list(m.nodes).map((n) => str(n, 80)).join(", ") || "-" }),
       el("td", { cls: "serving" }, list(m.instances).length
         ? list(m.instances).map(dict).map((i) => el("span", { cls: "inst" }, `${str(i.id, 64)} `,
