@@ -35,11 +35,13 @@ export const keys = {
     write(API, "");
     write(ADMIN, "");
   },
-  /** Headers of a request: the API key, and with `admin` the admin credential. */
+  /** Headers of a request: the API key, and with `admin` the admin credential (also
+   * sent when no API key was given: it opens the reading routes too, so the owner
+   * needs no second key to watch a keyed node). */
   headers(admin = false, json = false) {
     const h = {};
     if (memory[API]) h["Authorization"] = `Bearer ${memory[API]}`;
-    if (admin && memory[ADMIN]) h["x-meshd-admin"] = memory[ADMIN];
+    if ((admin || !memory[API]) && memory[ADMIN]) h["x-meshd-admin"] = memory[ADMIN];
     if (json) h["Content-Type"] = "application/json";
     return h;
   },
