@@ -240,7 +240,7 @@ def test_a_waiting_node_is_let_in_with_the_admin_key_only_and_its_name_is_text(
 
     row.locator("input.code").fill(code)
     row.locator("button.approve").click()
-    expect(row.locator(".result")).to_contain_text("Refused (401")
+    expect(row.locator(".result")).to_contain_text("Refused: 401")
     expect(row.locator(".result")).to_contain_text("admin key")
     assert httpx.get(split.a.api + "/v1/members", timeout=5).json()["pending"], "let in"
 

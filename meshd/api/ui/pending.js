@@ -35,7 +35,7 @@ async function approve(id, input, result) {
     const hint = r.status === 401 || r.status === 403
       ? " Enter the admin key under Keys (or, on the node's own machine, its owner.token)."
       : "";
-    result.textContent = `Refused (${why}).${hint}`;
+    result.textContent = `Refused: ${why}${hint}`;
     result.className = "result bad";
   } catch (e) {
     result.textContent = `Could not reach the node: ${e.message || e}`;
