@@ -43,9 +43,16 @@ KEY = "sk-test-ui-page"
 #: A chat turn starting with this gets the rest as the model's output (the runners'
 #: test drill, meshd.engines.runner.thinking).
 SCRIPT = "@@ui-script@@"
+#: Qwen3's shape (as tests/api/test_reasoning.py writes it): the node reads from the
+#: template that the model thinks in <think> tags, and splits the thoughts out.
 THINKER = (
-    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
+    "{% if m.role == 'assistant' and m.reasoning_content %}"
+    "{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{% endif %}"
+    "{{ m.content + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"
 )
 THOUGHTS = "They greet me; I greet them back."
 ANSWER = "Hello from the mesh!"
@@ -242,7 +249,7 @@ def test_a_waiting_node_is_let_in_with_the_admin_key_only_and_its_name_is_text(
     row.locator("button.approve").click()
     expect(row.locator(".result")).to_contain_text("Refused: 401")
     expect(row.locator(".result")).to_contain_text("admin key")
-    assert httpx.get(split.a.api + "/v1/members", timeout=5).json()["pending"], "let in"
+    assert httpx.get(split.a.api + "/v1/members", timeout=30).json()["pending"], "let in"
 
     page.click("#keys-toggle")
     page.fill("#admin-key", ADMIN_KEY)
@@ -261,10 +268,10 @@ def test_a_waiting_node_is_let_in_with_the_admin_key_only_and_its_name_is_text(
 
 def test_a_keyed_node_serves_the_page_and_asks_for_its_key(browser: Any, split: Split) -> None:
     url = split.b_url
-    assert httpx.get(url + "/ui", timeout=5).status_code == 200
-    assert httpx.get(url + "/v1/cluster/stream", timeout=5).status_code == 401
-    assert httpx.get(url + "/ui/nothing.js", timeout=5).status_code == 404
-    assert httpx.get(url + "/ui/..%2Fapp.py", timeout=5).status_code == 404
+    assert httpx.get(url + "/ui", timeout=30).status_code == 200
+    assert httpx.get(url + "/v1/cluster/stream", timeout=30).status_code == 401
+    assert httpx.get(url + "/ui/nothing.js", timeout=30).status_code == 404
+    assert httpx.get(url + "/ui/..%2Fapp.py", timeout=30).status_code == 404
     pg = browser.new_page(viewport={"width": 390, "height": 844})
     pg.set_default_timeout(SOON)
     try:
