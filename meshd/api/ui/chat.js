@@ -60,7 +60,8 @@ export class Chat {
       el("summary", { text: "Thoughts" }), thoughts);
     reasoning.hidden = true;
     const answer = el("div", { cls: "answer" });
-    const status = el("div", { cls: "status" });
+    // Until the first token (a model being placed or loaded takes a while).
+    const status = el("div", { cls: "status", text: "waiting for the model…" });
     this.log.append(el("div", { cls: "msg assistant" }, reasoning, answer, status));
     this.abort = new AbortController();
     this.busy(true);
@@ -78,6 +79,7 @@ export class Chat {
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(str(chunk.error.message || "the model failed"));
         const delta = chunk.choices?.[0]?.delta || {};
+        if (delta.reasoning_content || delta.content) status.textContent = "";
         if (typeof delta.reasoning_content === "string" && delta.reasoning_content) {
           reasoning.hidden = false;
           thoughts.textContent += delta.reasoning_content;
