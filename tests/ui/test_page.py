@@ -137,6 +137,7 @@ def page(split: Split, browser: Any) -> Iterator[Any]:
     """Node a's page, wide; every script error or policy violation is a failure."""
     pg = browser.new_page(viewport={"width": 1280, "height": 900})
     pg.set_default_timeout(SOON)
+    expect.set_options(timeout=SOON)  # expect() has its own default (5 s)
     errors: list[str] = []
 
     def console(m: Any) -> None:
@@ -191,14 +192,16 @@ def test_the_page_shows_both_nodes_and_the_split_instance(page: Any, split: Spli
 def test_tokens_per_second_move_while_a_stream_runs(page: Any, split: Split) -> None:
     tps = page.locator(f'#instances .instance[data-id="{split.instance}"] .tps .v')
     expect(tps).to_have_text("0.0")  # nothing ran yet
-    body = {"model": split.model, "stream": True, "max_tokens": 48, "ignore_eos": True,
+    body = {"model": split.model, "stream": True, "max_tokens": 32, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Tell me about the sea."}]}  # fmt: skip
-    done: list[int] = []
+    status: list[int] = []
 
     def stream() -> None:
         with httpx.stream("POST", split.a.api + "/v1/chat/completions", json=body,
                           timeout=60) as r:  # fmt: skip
-            done.append(sum(1 for line in r.iter_lines() if line.startswith("data: {")))
+            status.append(r.status_code)
+            for _ in r.iter_lines():
+                pass
 
     t = threading.Thread(target=stream, daemon=True)
     t.start()
@@ -210,7 +213,7 @@ def test_tokens_per_second_move_while_a_stream_runs(page: Any, split: Split) -> 
         expect(mine).not_to_have_text("0.0")
     finally:
         t.join(60)
-    assert done and done[0] > 0
+    assert status == [200]
 
 
 def test_a_chat_streams_its_answer_with_the_thoughts_apart(page: Any, split: Split) -> None:
