@@ -30,7 +30,7 @@ FOLDER_ARCHS = sorted(SPLIT_PROVEN["mlx"])
 #: Architectures llama.cpp runs whose split no test proves (gpt2 and bloom: measured or
 #: read in llama.cpp's graph to differ cut).
 UNPROVEN = ["bloom", "command-r", "deepseek2", "falcon", "gpt2", "llama4", "mamba",
-            "qwen2vl", "rwkv6", "starcoder2", "t5"]  # fmt: skip
+            "qwen2vl", "rwkv6", "smollm3", "starcoder2"]  # fmt: skip
 
 
 def facts(arch: str, fmt: str = "gguf", engines: tuple[str, ...] = ("llama_cpp", "mlx")):
@@ -119,6 +119,15 @@ def test_a_plan_an_older_node_put_on_mlx_is_repaired_onto_llama_cpp() -> None:
     assert place(spec, f, mac, old) == [S(node="00000000", start=0, end=4, engine="llama_cpp")]
 
 
+def test_a_model_llama_cpp_loads_but_cannot_generate_with_is_refused_with_why() -> None:
+    with pytest.raises(PlacementError) as err:
+        place(
+            InstanceSpec(model="m"), facts("t5", engines=("llama_cpp",)), nodes(["llama_cpp-cpu"])
+        )
+    e = err.value
+    assert e.reason == "no_backend" and "encoder-decoder" in e.message
+
+
 def test_a_model_no_engine_builds_is_refused_naming_each_engine() -> None:
     with pytest.raises(PlacementError) as err:
         place(InstanceSpec(model="m"), facts("nonesuch"), nodes(MAC))
@@ -138,6 +147,11 @@ def test_the_rule_offers_what_each_engine_builds() -> None:
     for arch in ("qwen2", "qwen3", "gemma3", "phi3", "gpt2"):
         assert buildable_engines("gguf", arch) == ["llama_cpp"]
     assert buildable_engines("gguf", "clip") == []  # a vision projector, not a model
+    # llama.cpp loads these, but a stage cannot make text with them (one decode step
+    # after another): t5's decoder needs llama_encode, the others are no text decoders.
+    for arch in ("t5", "wavtokenizer-dec", "dream", "llada", "llada-moe", "rnd1"):
+        assert buildable_engines("gguf", arch) == []
+    assert buildable_engines("gguf", "t5encoder") == ["llama_cpp"]  # it embeds
     for arch in FOLDER_ARCHS:
         assert buildable_engines("mlx", arch) == ["mlx"]
     assert buildable_engines("mlx", "gemma3") == ["mlx"]  # an image-text folder
