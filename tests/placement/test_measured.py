@@ -113,7 +113,7 @@ def test_a_mixture_of_experts_is_timed_by_the_bytes_a_token_reads() -> None:
     assert (MOE.total_bytes, MOE.active_bytes) == (READ, active)
     assert predicted_tokens_s(MOE, one, [a]) == pytest.approx(1000 / (1000 * active / 10e9), 1e-3)
     # Memory is the whole model's: the plan is the dense one's.
-    nodes = by_id(node("a", 2 * GiB, 10e9), node("b", 2 * GiB, 10e9))
+    nodes = by_id(node("a", 3 * GiB, 10e9), node("b", 3 * GiB, 10e9))
     assert place(SPEC, MOE, nodes) == place(SPEC, M, nodes)
     # Facts without active bytes (a dense model, or facts from before they were read)
     # read every layer whole.
