@@ -21,8 +21,10 @@ from typing import Literal
 import msgspec
 
 from meshd.crdt.views import Instance
+from meshd.domain.recurrent import state_refusals
 from meshd.node.cluster import ClusterView, InstanceSpeed, StageState, instance_state
 from meshd.placement import instance_context
+from meshd.placement.support import split_refusal
 
 __all__ = [
     "ExcludedNode",
@@ -123,6 +125,15 @@ class InstanceView(msgspec.Struct, kw_only=True):
     speculate: bool | None
     #: Requests the answering node's own API runs on it now.
     in_flight: int
+    #: Bytes of the model's weights (what memory and a prefill pay), and of them what
+    #: one decoded token reads (less for a mixture of experts; null: facts not known).
+    weight_bytes: int | None
+    active_bytes: int | None
+    #: Why the model runs whole on one node (null: it may be cut into stages).
+    split_refusal: str | None
+    #: What its requests run without, each with why (``speculation``,
+    #: ``prefix_cache``, ``n_sharing``: off for a model with recurrent layers).
+    state_refusals: dict[str, str]
     #: One request's decode tokens/s: placement's prediction from its nodes' measured
     #: speeds and links, and what the API nodes measured (0: not known yet).
     predicted_tokens_s: float
@@ -185,6 +196,7 @@ def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {
     state = instance_state(states, unrepairable)
     draft = view.draft_for(inst)
     speed = view.instance_speed(inst)
+    facts = inst.facts
     return InstanceView(
         id=inst.id,
         model=inst.spec.model,
@@ -197,6 +209,10 @@ def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {
         draft=draft[0].id if draft else None,
         speculate=inst.spec.speculate,
         in_flight=load.get(inst.id, 0),
+        weight_bytes=facts.total_bytes if facts else None,
+        active_bytes=facts.active_bytes if facts else None,
+        split_refusal=split_refusal(facts) if facts else None,
+        state_refusals=state_refusals(facts.architecture) if facts else {},
         predicted_tokens_s=view.predicted_tokens_s(inst),
         measured_tokens_s=view.measured_tokens_s(inst),
         speed=_speed(speed),

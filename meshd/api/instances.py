@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from meshd.crdt.views import InstanceSpec
-from meshd.placement.place import KV_CACHE_TYPES
+from meshd.placement.policy import KV_CACHE_TYPES
 from meshd.transport.dtypes import ACTIVATION_DTYPES
 
 from .bodies import parse_body

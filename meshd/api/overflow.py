@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from meshd.crdt.views import Instance
 from meshd.node.errors import RequestFailed
-from meshd.placement.place import instance_context
+from meshd.placement.policy import instance_context
 
 from .errors import ApiError, request_failed
 

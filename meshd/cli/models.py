@@ -25,11 +25,12 @@ _GONE = ("dead", "left")
 def model_rows(cluster: Mapping[str, Any]) -> list[dict[str, Any]]:
     """One row per model a live node holds or an instance serves, sorted by name.
 
-    Each row: ``model``, ``format`` and ``size`` (weight bytes) and ``sha256`` from the
-    facts a holder advertises (None until it has read them), ``nodes`` (the names of
-    the nodes that hold it) and ``node_ids``, ``instances`` (ids of the instances
-    serving it) and ``serving``: ``ready`` when one instance has every stage ready,
-    ``loading`` when one is placed, ``""`` when none is.
+    Each row: ``model``, ``format``, ``size`` (weight bytes), ``active`` (the bytes of
+    them a decoded token reads: less than ``size`` for a mixture of experts) and
+    ``sha256`` from the facts a holder advertises (None until it has read them),
+    ``nodes`` (the names of the nodes that hold it) and ``node_ids``, ``instances``
+    (ids of the instances serving it) and ``serving``: ``ready`` when one instance has
+    every stage ready, ``loading`` when one is placed, ``""`` when none is.
     """
     names = _names(cluster)
     rows: dict[str, dict[str, Any]] = {}
@@ -38,7 +39,8 @@ def model_rows(cluster: Mapping[str, Any]) -> list[dict[str, Any]]:
         canon = canonical_name(model)
         return rows.setdefault(
             canon,
-            {"model": canon, "format": None, "size": None, "sha256": None, "nodes": [],
+            {"model": canon, "format": None, "size": None, "active": None, "sha256": None,
+             "nodes": [],
              "node_ids": [], "instances": [], "serving": ""},
         )  # fmt: skip
 
@@ -57,6 +59,7 @@ def model_rows(cluster: Mapping[str, Any]) -> list[dict[str, Any]]:
                 rows[canon].update(
                     format=facts.get("format", "gguf"),
                     size=_weight_bytes(facts),
+                    active=_weight_bytes(facts, active=True),
                     sha256=facts.get("sha256"),
                 )
     for inst in map(_dict, _list(cluster.get("instances"))):
@@ -69,14 +72,19 @@ def model_rows(cluster: Mapping[str, Any]) -> list[dict[str, Any]]:
             r.update(
                 format=facts.get("format", "gguf"),
                 size=_weight_bytes(facts),
+                active=_weight_bytes(facts, active=True),
                 sha256=facts.get("sha256"),
             )
     return [rows[k] for k in sorted(rows)]
 
 
-def _weight_bytes(facts: Mapping[str, Any]) -> int:
-    """Bytes of the model's weights: its layers, embedding and head."""
-    parts = [*_list(facts.get("layer_bytes")), facts.get("embed_bytes"), facts.get("head_bytes")]
+def _weight_bytes(facts: Mapping[str, Any], active: bool = False) -> int:
+    """Bytes of the model's weights: its layers, embedding and head; ``active``: of
+    the layers, what a decoded token reads (``layer_active_bytes``, where given)."""
+    layers = _list(facts.get("layer_bytes"))
+    if active and len(_list(facts.get("layer_active_bytes"))) == len(layers):
+        layers = _list(facts.get("layer_active_bytes"))
+    parts = [*layers, facts.get("embed_bytes"), facts.get("head_bytes")]
     return sum(int(_num(b) or 0) for b in parts)
 
 
@@ -110,7 +118,8 @@ def _size(n: int | None) -> str:
 
 
 def models_table(rows: list[dict[str, Any]]) -> Table:
-    """The rows of :func:`model_rows` as a table: model, format, size, holders, serving."""
+    """The rows of :func:`model_rows` as a table: model, format, size (and the active
+    bytes of a mixture of experts), holders, serving."""
     t = Table(box=None, header_style="bold")
     for col in ("model", "format", "size", "nodes", "serving"):
         t.add_column(col, justify="right" if col == "size" else "left")
@@ -124,7 +133,12 @@ def models_table(rows: list[dict[str, Any]]) -> Table:
         t.add_row(
             escape(r["model"]),
             escape(r["format"] or "?"),
-            _size(r["size"]),
+            _size(r["size"])
+            + (
+                f" ({_size(r['active'])} active)"
+                if r.get("active") not in (None, r["size"])
+                else ""
+            ),
             escape(", ".join(r["nodes"]) or "-"),
             f"[{style[r['serving']]}]{serving}[/]" if r["serving"] in style else serving,
         )

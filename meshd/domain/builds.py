@@ -17,6 +17,8 @@ from __future__ import annotations
 __all__ = [
     "ENGINES",
     "LLAMA_CPP_ARCHITECTURES",
+    "LLAMA_CPP_NO_TEXT",
+    "MLX_BATCHED_ARCHITECTURES",
     "MLX_FOLDER_ARCHITECTURES",
     "MLX_GGUF_ARCHITECTURES",
     "build_refusal",
@@ -51,6 +53,20 @@ LLAMA_CPP_ARCHITECTURES = frozenset(
      "starcoder", "starcoder2", "step35", "t5", "t5encoder", "wavtokenizer-dec", "xverse"}
 )  # fmt: skip
 
+#: Architectures llama.cpp loads that meshd's llama.cpp stages cannot run, with why:
+#: a stage runs a causal decoder (or an encoder, for embeddings) through
+#: ``llama_decode``, one step after another. (``t5encoder``, T5's encoder alone, embeds.)
+LLAMA_CPP_NO_TEXT = {
+    "t5": "an encoder-decoder: llama.cpp runs its encoder with llama_encode, which "
+    "meshd's stages never call",
+    "wavtokenizer-dec": "an audio codec's decoder: it makes audio features, not text",
+    **dict.fromkeys(
+        ("dream", "llada", "llada-moe", "rnd1"),
+        "a diffusion language model: it fills a block of tokens at once, attending both "
+        "ways, not one token after another",
+    ),
+}
+
 #: GGUF architectures the MLX engine builds: its GGUF path maps llama.cpp's llama
 #: tensor names onto mlx-lm's llama model (``meshd.models.mlx_layout``). Mistral,
 #: TinyLlama, SmolLM and Llama 2/3 GGUFs all declare ``llama``.
@@ -62,6 +78,11 @@ MLX_GGUF_ARCHITECTURES = frozenset({"llama"})
 MLX_FOLDER_ARCHITECTURES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "gemma3"}
 )
+
+#: Architectures whose requests an MLX stage runs together (the ragged batch of
+#: ``meshd.engines.mlx_stage``, which re-implements mlx-lm's llama block; mlx-lm builds
+#: a mistral folder with that model too). Any other runs one request at a time.
+MLX_BATCHED_ARCHITECTURES = frozenset({"llama", "mistral"})
 
 _FORMATS = ("gguf", "mlx")
 
@@ -76,7 +97,8 @@ def build_refusal(engine: str, format: str, architecture: str) -> str | None:
             return "llama.cpp reads GGUF files, not model folders"
         if architecture not in LLAMA_CPP_ARCHITECTURES:
             return f"llama.cpp knows no architecture {architecture!r}"
-        return None
+        why = LLAMA_CPP_NO_TEXT.get(architecture)
+        return None if why is None else f"meshd's llama.cpp stages cannot run {architecture}: {why}"
     if engine == "mlx":
         if format == "gguf" and architecture not in MLX_GGUF_ARCHITECTURES:
             return (

@@ -45,6 +45,16 @@ class ModelFacts(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     n_ctx_train: int
     #: Bytes of each block's weights, in layer order (len == n_layers).
     layer_bytes: list[int]
+    #: Bytes of each block a token reads (empty: all of :attr:`layer_bytes`). A
+    #: mixture-of-experts block holds every expert but runs ``expert_used_count`` of its
+    #: ``expert_count`` a token, beside its shared tensors: decode time follows these,
+    #: memory and prefill time the whole block (see :meth:`active_layer_bytes`).
+    layer_active_bytes: list[int] = []
+    #: The state each layer keeps, one letter a layer, for a model with recurrent layers:
+    #: ``a`` attention (a KV cache), ``r`` recurrent (an SSM, a short convolution, a
+    #: linear attention), ``b`` both, ``-`` neither (an FFN alone); "" for a model of
+    #: attention layers only. Each stage of a split holds a layer of each kind there is.
+    layer_state: str = ""
     #: Token embedding bytes (every llama.cpp stage carries it).
     embed_bytes: int = 0
     #: Final norm + output head bytes (last stage; 0 when tied to the embedding).
@@ -66,6 +76,24 @@ class ModelFacts(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     vocab_hash: str = ""
     #: Weights the model holds, each tensor's elements summed (0: not known).
     n_params: int = 0
+
+    def active_layer_bytes(self) -> list[int]:
+        """Bytes a token reads of each block: :attr:`layer_active_bytes` where the
+        facts give them (one per layer), else every block whole (a dense model)."""
+        if len(self.layer_active_bytes) == len(self.layer_bytes):
+            return list(self.layer_active_bytes)
+        return list(self.layer_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole model's weights: what memory and a prefill pay."""
+        return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes
+
+    @property
+    def active_bytes(self) -> int:
+        """Bytes of weights one decoded token reads: :attr:`total_bytes` less the
+        experts a mixture-of-experts block does not run (equal for a dense model)."""
+        return sum(self.active_layer_bytes()) + self.embed_bytes + self.head_bytes
 
     @property
     def parameter_size(self) -> str:

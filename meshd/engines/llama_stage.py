@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from meshd.models.gguf import read_metadata
 from meshd.models.scaling import input_scale
 
 from . import attention
+from .ggml_lib import Ggml, cpu_extra_buffer_types
 from .stage import (
     ContextFullError,
     StageError,
@@ -56,52 +56,6 @@ __all__ = ["LlamaStage", "LlamaVocab"]
 log = logging.getLogger("meshd.engines.llama")
 
 
-def load_ggml(llama: Any, soname: str = "libggml-base.so.0") -> Any:
-    """The ggml library ``soname`` (ggml-base; or libggml, the device registry) that
-    libllama itself uses.
-
-    The wheel ships libggml-base under several file names that are copies, not links;
-    loading one by path would map a second copy with its own globals (a second
-    backend registry, tensors it does not know). Importing llama_cpp has already
-    loaded libllama, which pulled ggml in by soname: asking the dynamic loader for that
-    soname returns the copy already mapped. Elsewhere, symbols are looked up through
-    libllama's own handle, which searches the libraries it loaded.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            return ctypes.CDLL(soname)
-        except OSError:
-            pass
-    return llama.llama_cpp._lib
-
-
-def cpu_extra_buffer_types(llama: Any) -> list[str]:
-    """Names of the extra buffer types of llama.cpp's CPU device in this build (where
-    it repacks weights: ``CPU_REPACK``, ``AMX``, ...); empty if the build has none."""
-    lib = llama.llama_cpp._lib
-    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    lib.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
-    lib.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    lib.ggml_backend_buft_name.restype = ctypes.c_char_p
-    lib.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
-    dev = lib.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
-    if not dev:
-        return []
-    reg = lib.ggml_backend_dev_backend_reg(dev)
-    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
-    if not fn:
-        return []
-    bufts = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)(dev)
-    names: list[str] = []
-    # A NULL-terminated array.
-    while bufts and bufts[len(names)]:
-        names.append(lib.ggml_backend_buft_name(bufts[len(names)]).decode())
-    return names
-
-
 #: Most bytes of attention scores one decode call may hold with plain attention (see
 #: meshd.engines.attention): llama.cpp reserves rows x cells x heads f32 for them, 646
 #: MiB against flash attention's 98 for the default model at 512 rows x 32,768 cells.
@@ -113,30 +67,6 @@ MIN_BATCH = 32
 
 #: KV cache types a stage may keep (``InstanceSpec.kv_cache``) -> llama.cpp's ggml type.
 KV_CACHE_GGML = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
-
-
-class _Ggml:
-    """The few ggml functions the capture callback needs, typed once."""
-
-    def __init__(self, llama: Any) -> None:
-        lib = load_ggml(llama)
-        self.get_name = lib.ggml_get_name
-        self.get_name.restype = ctypes.c_char_p
-        self.get_name.argtypes = [ctypes.c_void_p]
-        self.nelements = lib.ggml_nelements
-        self.nelements.restype = ctypes.c_int64
-        self.nelements.argtypes = [ctypes.c_void_p]
-        self.nbytes = lib.ggml_nbytes
-        self.nbytes.restype = ctypes.c_size_t
-        self.nbytes.argtypes = [ctypes.c_void_p]
-        self.tensor_get = lib.ggml_backend_tensor_get
-        self.tensor_get.restype = None
-        self.tensor_get.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_size_t,
-        ]
 
 
 class _Backend:
@@ -151,7 +81,7 @@ class _Backend:
         self.log_cb = llama_cpp.llama_log_callback(_llama_log)
         llama_cpp.llama_log_set(self.log_cb, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
-        self.ggml = _Ggml(llama_cpp)
+        self.ggml = Ggml(llama_cpp)
         #: Whether this build packs weights for Intel AMX (see LlamaStage.__init__).
         self.amx = "AMX" in cpu_extra_buffer_types(llama_cpp)
         if self.amx:
@@ -406,15 +336,7 @@ class LlamaStage:
         self.n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
         #: Context the model was trained for (0 = the file does not say).
         self.n_ctx_train = int(L.llama_model_n_ctx_train(model))
-        meta = read_metadata(path, keys=["general.architecture"])
-        arch = str(meta.get("general.architecture", ""))
-        keys = [f"{arch}.attention.causal", f"{arch}.embedding_scale", f"{arch}.embedding_length"]
-        more = read_metadata(path, keys=keys)
-        #: False for an encoder (BERT-like): it only embeds, over whole inputs at once.
-        self.generative = not embedding_only(arch, more)
-        #: What this graph multiplies its input rows by: hidden rows from the stage
-        #: before are divided by it first, so they are scaled once, as in the whole model.
-        self.input_scale = np.float32(input_scale(more, arch)) if not first else np.float32(1)
+        self._read_kind(path, model)
         self._target = f"l_out-{self.n_layers - 1}".encode()
 
         n_cells = n_ctx * n_seq_max
@@ -448,6 +370,23 @@ class LlamaStage:
         self._cap_error: str | None = None
         self._tok = LlamaVocab(L, self._vocab)
         self._alloc_batch()
+
+    def _read_kind(self, path: Path, model: Any) -> None:
+        """What kind of model the stage's file holds, from its metadata and llama.cpp."""
+        meta = read_metadata(path, keys=["general.architecture"])
+        arch = str(meta.get("general.architecture", ""))
+        keys = [f"{arch}.attention.causal", f"{arch}.embedding_scale", f"{arch}.embedding_length"]
+        more = read_metadata(path, keys=keys)
+        #: False for an encoder (BERT-like): it only embeds, over whole inputs at once.
+        self.generative = not embedding_only(arch, more)
+        #: Recurrent layers (SSM, RWKV, short convolutions): one state per sequence,
+        #: which llama.cpp cannot cut back (see meshd.domain.recurrent).
+        L = self._L
+        self.recurrent = bool(L.llama_model_is_recurrent(model) or L.llama_model_is_hybrid(model))
+        #: What this graph multiplies its input rows by: hidden rows from the stage
+        #: before are divided by it first, so they are scaled once, as in the whole model.
+        scale = input_scale(more, arch) if not self.first else 1.0
+        self.input_scale = np.float32(scale)
 
     def _cparams(self, n_cells: int, n_seq_max: int, flash: bool | None) -> Any:
         """Context parameters shared by the stage's context and its embeddings one."""
@@ -577,7 +516,9 @@ class LlamaStage:
         self._check_open()
         self._check_seq(src)
         self._check_seq(dst)
-        if self.n_past(dst) != 0 or self.n_past(src) < n:
+        past = self.n_past(src)
+        # A recurrent state is the whole sequence's: only all of it can be copied.
+        if self.n_past(dst) != 0 or past < n or (self.recurrent and past != n):
             raise StageInputError(f"cannot share {n} positions of seq {src} with seq {dst}")
         self._L.llama_memory_seq_cp(self._mem, src, dst, 0, n)
 
@@ -587,7 +528,9 @@ class LlamaStage:
         self._check_seq(seq)
         if not 0 <= n <= self.n_past(seq):
             raise StageInputError(f"cannot keep {n} positions of seq {seq}")
-        self._L.llama_memory_seq_rm(self._mem, seq, n, -1)
+        # llama.cpp refuses (False) to cut a recurrent state back: never go on with it.
+        if not self._L.llama_memory_seq_rm(self._mem, seq, n, -1):
+            raise StageInputError(f"cannot cut seq {seq} back to {n} positions (recurrent state)")
 
     def _check_open(self) -> None:
         if self._ctx is None:

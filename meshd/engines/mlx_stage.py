@@ -625,8 +625,8 @@ class MlxStage:
         # Views of one array made for this call: nothing else ever writes to it.
         return [hidden[s:e] for s, e in zip(starts, ends, strict=True)]
 
-    #: MLX stages run decoder models only.
-    generative = True
+    #: MLX stages run decoder models only, none with recurrent layers.
+    generative, recurrent = True, False
     #: Each sequence has caches of its own: a kept one costs memory, not time.
     kept_rows = None
 

@@ -95,7 +95,7 @@ def llama_devices(backend: str) -> list[Device]:
     ``llama_cpp-cuda`` and so on), with their free and total memory."""
     import llama_cpp
 
-    from .llama_stage import load_ggml
+    from .ggml_lib import load_ggml
 
     lib = load_ggml(llama_cpp, "libggml.so.0")
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t

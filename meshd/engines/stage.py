@@ -93,6 +93,10 @@ class Stage(Protocol):
     n_ctx_train: int
     #: False for an encoder (embeddings only): :meth:`forward` is not for it.
     generative: bool
+    #: True for a model with recurrent layers (one state per sequence, see
+    #: :mod:`meshd.domain.recurrent`): :meth:`truncate` and :meth:`share` take only a
+    #: sequence's whole length, so the runner neither speculates nor reuses prefixes.
+    recurrent: bool
 
     @property
     def kept_rows(self) -> int | None:

@@ -35,6 +35,13 @@ __all__ = ["read_facts", "read_model_facts", "read_resolved_facts"]
 _KV_ELEMENT_BYTES = 2
 
 _BLK = re.compile(r"^blk\.(\d+)\.")
+#: A block's routed experts, all of them in one tensor (``ffn_up_exps``,
+#: ``ffn_gate_up_exps``, their biases); shared experts (``_shexp``) run every token.
+_EXPERTS = re.compile(r"^blk\.\d+\.ffn_\w*_exps\b")
+#: Tensors of a layer's recurrent state (Mamba's SSM, LFM2's short convolution, RWKV's
+#: time mix) and of its attention (a KV cache).
+_RECURRENT = re.compile(r"^blk\.\d+\.(ssm_|shortconv\.|time_mix_)")
+_ATTENTION = re.compile(r"^blk\.\d+\.attn_(q|k|v|qkv|q_a|kv_a_mqa)\.weight$")
 #: Largest layer, head or width count taken from a header: more is a corrupt or
 #: hostile file (a list of 2**60 layers would take the reader down).
 _MAX_COUNT = 1 << 24
@@ -84,8 +91,8 @@ def read_facts(
 #: Named by version: facts cached by an older meshd lack fields added since, or
 #: hold stale ones (v3 had no "mlx" engine for K-quant GGUFs, v4 no vocab_hash, v5 one
 #: that counted a vocabulary's padding, v6 no n_params, v7 offered MLX for any
-#: architecture).
-_FACTS_FILE = "facts-v8.json"
+#: architecture, v8 had no active bytes, a MoE model read as dense, nor layer_state).
+_FACTS_FILE = "facts-v9.json"
 
 
 def _cached_facts(path: Path, cache_dir: Path | None) -> ModelFacts | None:
@@ -139,6 +146,10 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
     v_len = _int(kv, f"{arch}.attention.value_length", path) or k_len
 
     layer_bytes = [0] * n_layers
+    # Expert tensors: a token reads expert_used_count of expert_count of each.
+    experts = _int(kv, f"{arch}.expert_count", path) or 0
+    used = min(_int(kv, f"{arch}.expert_used_count", path) or experts, experts)
+    idle = [0] * n_layers  # bytes of the experts a token does not read, per layer
     embed_bytes = 0
     head_bytes = 0
     types: set[str] = set()
@@ -155,6 +166,8 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
             # loaded by llama.cpp as layers; leave them out of the layer sizes.
             if i < n_layers:
                 layer_bytes[i] += nbytes
+                if experts and _EXPERTS.search(tname):
+                    idle[i] += nbytes * (experts - used) // experts
         elif tname in ("output.weight", "output_norm.weight", "output_norm.bias"):
             head_bytes += nbytes
         else:
@@ -175,6 +188,10 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
         hidden_size=hidden,
         n_ctx_train=n_ctx_train,
         layer_bytes=layer_bytes,
+        layer_active_bytes=[b - x for b, x in zip(layer_bytes, idle, strict=True)]
+        if any(idle)
+        else [],
+        layer_state=layer_state(header.tensors, n_layers),
         embed_bytes=embed_bytes,
         head_bytes=head_bytes,
         kv_bytes_per_token_layer=n_head_kv * (k_len + v_len) * _KV_ELEMENT_BYTES,
@@ -186,6 +203,23 @@ def _read_facts(path: Path, name: str, sha256: str | None, cache_dir: Path | Non
         embedding_only=encoder,
         n_params=n_params,
     )
+
+
+def layer_state(tensors: Mapping[str, object], n_layers: int) -> str:
+    """``ModelFacts.layer_state`` from a GGUF's tensor names: per layer ``a`` (attention
+    projections), ``r`` (recurrent state tensors), ``b`` (both), ``-`` (neither); "" when
+    no layer is recurrent."""
+    attn, rec = [False] * n_layers, [False] * n_layers
+    for name in tensors:
+        m = _BLK.match(name)
+        if m is None or int(m.group(1)) >= n_layers:
+            continue
+        i = int(m.group(1))
+        attn[i] = attn[i] or _ATTENTION.match(name) is not None
+        rec[i] = rec[i] or _RECURRENT.match(name) is not None
+    if not any(rec):
+        return ""
+    return "".join("-arb"[a + 2 * r] for a, r in zip(attn, rec, strict=True))
 
 
 def gguf_engines(header: GgufHeader, path: Path, encoder: bool) -> list[str]:

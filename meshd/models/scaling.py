@@ -10,6 +10,10 @@ attend through a sliding window: the two things a cut changes for some architect
 * **Defaults from the layer count.** MiniCPM's residual scale defaults to
   1.4 / sqrt(block_count): a slice has fewer blocks, so it states the whole model's
   value (:func:`layer_count_defaults`).
+* **Counts from the model's ends.** DeepSeek 2/3 and GLM-4.5 make their first
+  ``{arch}.leading_dense_block_count`` layers dense (the rest MoE), and GLM-4.5 keeps its
+  last ``{arch}.nextn_predict_layers`` for multi-token prediction, out of the graph. A
+  slice states how many of its own layers are each (:func:`range_counts`).
 * **Sliding-window layers.** Gemma 2/3 tell which layers use the window by a pattern
   over the layer index (every 2nd, every 6th is global). A slice renumbers its layers
   from 0, so the slice carries the range's own per-layer flags as an array, which
@@ -29,6 +33,7 @@ __all__ = [
     "SWA_PATTERN",
     "input_scale",
     "layer_count_defaults",
+    "range_counts",
     "swa_layers",
 ]
 
@@ -38,7 +43,7 @@ DEFAULT_EMBEDDING_SCALE = {"minicpm": 12.0, "grok": 78.38367176906169}
 _SQRT_HIDDEN = frozenset({"gemma", "gemma2"})
 #: Sliding-window pattern llama.cpp assumes when the file gives none: a layer ``il`` is
 #: windowed when ``il % n < n - 1`` (the last of every ``n`` is global).
-SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
 
 
 def input_scale(meta: Mapping[str, Any], arch: str) -> float:
@@ -73,4 +78,19 @@ def layer_count_defaults(meta: Mapping[str, Any], arch: str, n_layers: int) -> d
     out: dict[str, float] = {}
     if arch == "minicpm" and f"{arch}.residual_scale" not in meta:
         out[f"{arch}.residual_scale"] = 1.4 / math.sqrt(n_layers)
+    return out
+
+
+def range_counts(
+    meta: Mapping[str, Any], arch: str, n_layers: int, start: int, end: int
+) -> dict[str, int]:
+    """Keys that count layers from the model's first or last one, as the slice of layers
+    ``[start, end)`` states them (uint32 keys; only those the file has)."""
+    out: dict[str, int] = {}
+    lead = meta.get(f"{arch}.leading_dense_block_count")
+    if isinstance(lead, int):
+        out[f"{arch}.leading_dense_block_count"] = min(max(lead - start, 0), end - start)
+    nextn = meta.get(f"{arch}.nextn_predict_layers")
+    if isinstance(nextn, int):
+        out[f"{arch}.nextn_predict_layers"] = max(0, end - max(start, n_layers - nextn))
     return out

@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 
 from .errors import ModelFormatError
 from .gguf import GGUF_MAGIC, KvRecord, encode_kv, read_header, read_kv_records
-from .scaling import layer_count_defaults, swa_layers
+from .scaling import layer_count_defaults, range_counts, swa_layers
 
 __all__ = ["UNBOUNDED_WINDOW", "layer_count", "write_slice"]
 
@@ -90,10 +90,14 @@ def _records(
     # windowed layer, so the slice windows them all by more than any context can hold
     # (the same attention as none).
     unwindowed = flags is not None and not any(flags)
+    counts = range_counts(meta, arch, n_layers, start, end)
     out = []
     for r in records:
         if (flags is not None and r.key == pattern_key) or (unwindowed and r.key == window_key):
             continue  # written below, as the range's own
+        if r.key in counts:
+            out.append(encode_kv(order, r.key, r.kind, counts[r.key]))
+            continue
         out.append(_record(order, r, arch, n_layers, start, end))
     for key, value in layer_count_defaults(meta, arch, n_layers).items():
         out.append(encode_kv(order, key, _FLOAT32, value))

@@ -11,7 +11,7 @@ from pathlib import Path
 from meshd.crdt import hlc, liveness
 from meshd.engines.protocol import REQUEST_EXPIRY_S, STREAM_INTERVAL_S
 from meshd.models import DEFAULT_MODEL
-from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
+from meshd.placement.policy import KV_SEQUENCES, KV_TOKENS
 from meshd.transport import gossip
 
 from .local import cache_dir_for, default_data_dir

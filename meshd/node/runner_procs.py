@@ -57,8 +57,9 @@ class RunnerProc:
     fetched: int = 0
     fetch_total: int = 0
     fetch_rate: float = 0.0
-    #: Milliseconds per layer of its decode steps, and the mean bytes of its layers:
-    #: together, how fast this machine reads weights (``Supervisor.decode_bps``).
+    #: Milliseconds per layer of its decode steps, and the mean bytes a decoded token
+    #: reads of its layers (a MoE block: its active experts, not all of them): together,
+    #: how fast this machine reads weights (``Supervisor.decode_bps``).
     layer_ms: float = 0.0
     layer_bytes: float = 0.0
     #: The draft model its process was told to ask (stage 0): instance and address.

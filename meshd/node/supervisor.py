@@ -282,7 +282,7 @@ class Supervisor:
             self.runners[k] = self._fetching(key, cfg, inst, key.stage)
         else:
             self.runners[k] = await self._start(key, cfg)
-        layer_bytes = inst.facts.layer_bytes[key.start : key.end] if inst.facts else []
+        layer_bytes = inst.facts.active_layer_bytes()[key.start : key.end] if inst.facts else []
         if layer_bytes:
             self.runners[k].layer_bytes = fmean(layer_bytes)
 

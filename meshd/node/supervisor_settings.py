@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshd.placement.place import KV_SEQUENCES, KV_TOKENS
+from meshd.placement.policy import KV_SEQUENCES, KV_TOKENS
 
 from .config import (
     MAX_RESTARTS,

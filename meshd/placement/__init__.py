@@ -6,23 +6,25 @@ inputs, so no node coordinates the others. See :func:`place` for the rules.
 
 from .errors import PlacementError, Reason, fmt_bytes
 from .place import (
-    DEFAULT_ENGINE_PREFERENCE,
     Offload,
     Placement,
-    Policy,
-    base_context,
     default_context,
-    instance_context,
-    next_generation,
-    node_vram,
     place,
     place_fetching,
     placement,
-    plan_digest,
     predicted_tokens_s,
     repair_needed,
     stage_need,
     stage_offload,
+)
+from .policy import (
+    DEFAULT_ENGINE_PREFERENCE,
+    Policy,
+    base_context,
+    instance_context,
+    next_generation,
+    node_vram,
+    plan_digest,
 )
 from .resources import NodeResources, node_resources
 from .support import SPLIT_PROVEN, engine_of, model_engines, split_refusal

@@ -30,7 +30,6 @@ Unified memory (Apple silicon, integrated GPUs) is the host's, budgeted as RAM.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,82 +41,22 @@ import msgspec
 from meshd.crdt.views import Instance, InstanceSpec, Stage
 from meshd.domain.facts import ModelFacts
 
-from .errors import MiB, PlacementError, fmt_bytes
+from .errors import PlacementError, fmt_bytes
+from .policy import (
+    KV_CACHE_TYPES,
+    Policy,
+    base_context,
+    node_vram,
+)
 from .resources import NodeResources
 from .support import (
-    backend_rank,
     engine_of,
     model_engines,
     node_engines,
     refused_text,
     split_refusal,
+    stage_holds_states,
 )
-
-#: Backends ranked fastest first: a node runs the model on the engine of its
-#: best-ranked backend that the model supports. MLX where it has a GPU (Metal, CUDA),
-#: llama.cpp on a CPU-only machine (MLX's Linux CPU wheel is 7-50x slower).
-DEFAULT_ENGINE_PREFERENCE: tuple[str, ...] = (
-    "mlx-metal",
-    "mlx-cuda",
-    "llama_cpp-metal",
-    "llama_cpp-cuda",
-    "llama_cpp-vulkan",
-    "llama_cpp-gpu",
-    "llama_cpp-cpu",
-    "mlx-cpu",
-)
-
-
-#: KV cache types of a llama.cpp stage (``InstanceSpec.kv_cache``) -> bytes of a KV
-#: element relative to F16 (``ModelFacts.kv_bytes_per_token_layer`` counts F16): a Q8_0
-#: block is 34 bytes for 32 elements, a Q4_0 block 18. MLX stages keep their own type.
-KV_CACHE_TYPES = {"f16": 1.0, "q8_0": 34 / 64, "q4_0": 18 / 64}
-
-#: Context (tokens) of one request and requests in flight that a runner makes room
-#: for: the runner allocates exactly this KV cache, so placement reserves it.
-#: ``KV_TOKENS`` is the least context an instance placed without one gets (its trained
-#: context when that is shorter); it gets more where memory allows (see
-#: :func:`default_context`).
-KV_TOKENS = 4096
-KV_SEQUENCES = 8
-
-
-class Policy(msgspec.Struct, frozen=True, kw_only=True):
-    """The knobs of placement. Every node must use the same values.
-
-    - ``weight_overhead`` (1.2): factor on a stage's layer bytes for what loading and
-      running them costs beyond the file bytes (compute buffers, dequantised copies).
-    - ``kv_tokens`` (:data:`KV_TOKENS`) and ``kv_sequences`` (:data:`KV_SEQUENCES`):
-      KV cache reserved per stage for
-      ``kv_sequences`` concurrent requests of ``min(kv_tokens, n_ctx_train)`` tokens
-      each, at ``facts.kv_bytes_per_token_layer`` per layer of the stage.
-    - ``context_share`` (1/2): an instance placed without a context gets the longest
-      one (its trained context, halved until it fits) whose KV reservation is at most
-      this share of the memory its plan's nodes offer (see :func:`default_context`),
-      so a long default context never takes the room of the next model.
-    - ``floor_bytes`` (512 MiB): memory kept free on every node.
-    - ``vram_floor_bytes`` (512 MiB): memory kept free on every dedicated GPU (the
-      engine's own context and compute buffers live there).
-    - ``engine_preference``: backends ranked fastest first
-      (:data:`DEFAULT_ENGINE_PREFERENCE`); a backend not listed ranks after them, by
-      name.
-    - ``credit_held`` (True): with ``previous`` given, a node that has a stage in the
-      previous plan and reports a runner for that instance (``NodeResources.holds``
-      contains ``previous.id``) gets that stage's footprint (its need less the floor,
-      capped at ``mem_total - mem_available`` when ``mem_total`` is known) added to
-      its budget: its heartbeat no longer counts that memory as available, and a
-      plan must not evict itself.
-    """
-
-    weight_overhead: float = 1.2
-    kv_tokens: int = KV_TOKENS
-    kv_cache: str = "f16"
-    kv_sequences: int = KV_SEQUENCES
-    context_share: float = 0.5
-    floor_bytes: int = 512 * MiB
-    vram_floor_bytes: int = 512 * MiB
-    engine_preference: tuple[str, ...] = DEFAULT_ENGINE_PREFERENCE
-    credit_held: bool = True
 
 
 def stage_need(
@@ -133,23 +72,6 @@ def stage_need(
     with ``context`` tokens per request (0: the policy's) in a ``kv_cache`` cache
     ("": the policy's)."""
     return stage_offload(facts, start, end, engine, 0, policy, context, kv_cache).host_need
-
-
-def node_vram(r: NodeResources, engine: str, policy: Policy = Policy()) -> int:  # noqa: B008
-    """Bytes of dedicated GPU memory a stage of ``engine`` on node ``r`` may use: the
-    free memory of the devices of the node's best backend for it (a CPU backend has
-    none), less ``policy.vram_floor_bytes`` each. Only llama.cpp stages offload."""
-    if engine_of(engine) != "llama_cpp" or not r.devices:
-        return 0
-    backends = [b for b in r.backends if engine_of(b) == "llama_cpp"]
-    if not backends:
-        return 0
-    best = min(backends, key=lambda b: backend_rank(b, policy.engine_preference))
-    return sum(
-        max(0, d.mem_free - policy.vram_floor_bytes)
-        for d in r.devices
-        if d.backend == best and not d.unified
-    )
 
 
 class Offload(NamedTuple):
@@ -182,21 +104,6 @@ def stage_offload(
     eng = engine_of(engine)
     layers, gpu, host = m.offload(start, end, eng, vram)
     return Offload(layers, gpu, m.need(start, end, eng) - host)
-
-
-def instance_context(inst: Instance) -> int:
-    """Tokens of context each request of ``inst`` gets: what placement chose for it
-    (``Instance.context``), else (a record from before it was kept) its spec's, else
-    :func:`base_context`."""
-    return inst.context or inst.spec.context or base_context(inst.facts)
-
-
-def base_context(facts: ModelFacts | None) -> int:
-    """The least context an instance placed without one gets: :data:`KV_TOKENS`, or
-    the model's trained context when that is shorter."""
-    if facts is not None and facts.n_ctx_train > 0:
-        return min(KV_TOKENS, facts.n_ctx_train)
-    return KV_TOKENS
 
 
 def default_context(
@@ -252,17 +159,6 @@ def _with_context(policy: Policy, context: int, kv_cache: str = "") -> Policy:
     if kv_cache:
         policy = msgspec.structs.replace(policy, kv_cache=kv_cache)
     return policy
-
-
-def plan_digest(stages: Iterable[Stage]) -> str:
-    """A short stable hash of a plan (16 hex chars): equal plans, equal digests."""
-    raw = msgspec.msgpack.encode([[s.node, s.start, s.end, s.engine] for s in stages])
-    return hashlib.blake2b(raw, digest_size=8).hexdigest()
-
-
-def next_generation(previous: Instance | None) -> int:
-    """Generation of a plan that replaces ``previous`` (1 for a first plan)."""
-    return 1 if previous is None else previous.generation + 1
 
 
 def place_fetching(
@@ -478,6 +374,8 @@ class _Model:
     name: str
     n: int
     prefix: tuple[int, ...]  # prefix[i] = bytes of layers [0, i)
+    # ... of them a decoded token reads (a MoE block runs some of its experts).
+    active: tuple[int, ...]
     embed: int
     head: int
     kv_layer: int  # KV reservation per layer (F16, as MLX keeps it)
@@ -496,6 +394,8 @@ class _Model:
     #: Bytes of a llama.cpp stage's KV element relative to F16 (its cache type).
     kv_factor: float = 1.0
     kv_cache: str = "f16"
+    #: Each layer's kind of state (``ModelFacts.layer_state``; "": attention only).
+    state: str = ""
 
     @staticmethod
     def of(facts: ModelFacts, policy: Policy) -> _Model:
@@ -518,6 +418,9 @@ class _Model:
         prefix = [0]
         for b in facts.layer_bytes:
             prefix.append(prefix[-1] + b)
+        active = [0]
+        for b in facts.active_layer_bytes():
+            active.append(active[-1] + b)
         tokens = policy.kv_tokens
         if facts.n_ctx_train > 0:
             tokens = min(tokens, facts.n_ctx_train)
@@ -527,6 +430,7 @@ class _Model:
             name=name,
             n=facts.n_layers,
             prefix=tuple(prefix),
+            active=tuple(active),
             embed=facts.embed_bytes,
             head=facts.head_bytes,
             kv_layer=tokens * policy.kv_sequences * facts.kv_bytes_per_token_layer,
@@ -542,6 +446,7 @@ class _Model:
             refused=refused,
             kv_factor=KV_CACHE_TYPES.get(policy.kv_cache, 1.0),
             kv_cache=policy.kv_cache,
+            state=facts.layer_state if len(facts.layer_state) == facts.n_layers else "",
         )
 
     @property
@@ -586,6 +491,15 @@ class _Model:
     def host_need(self, start: int, end: int, engine: str, vram: int = 0) -> int:
         """:meth:`need` less what goes on ``vram`` bytes of dedicated GPU memory."""
         return self.need(start, end, engine) - self.offload(start, end, engine, vram)[2]
+
+    def holds(self, start: int, end: int) -> bool:
+        """Whether a stage of layers ``[start, end)`` holds each kind of state the model
+        keeps (see :func:`~meshd.placement.support.stage_holds_states`)."""
+        return stage_holds_states(self.state, start, end)
+
+    def min_end(self, start: int) -> int:
+        """The least end of a stage from ``start`` that :meth:`holds` (n + 1: none)."""
+        return next((e for e in range(start + 1, self.n + 1) if self.holds(start, e)), self.n + 1)
 
     def fits(self, start: int, end: int, engine: str, c: _Cand) -> bool:
         """Whether the stage fits candidate ``c``: its host part in ``c.budget``."""
@@ -672,7 +586,8 @@ def _rtt(a: _Cand, b: _Cand) -> float:
 
 def _predict(m: _Model, stages: Sequence[Stage], cands: Mapping[str, _Cand]) -> float:
     """Predicted decode tokens/s of one request through ``stages``: each stage reads
-    its layers' bytes (and the head's on the last) at its node's ``speed``, and each
+    the bytes of its layers a token runs (a MoE block's active experts, not all of
+    them), and the head's on the last, at its node's ``speed``; and each
     hop of the ring (the last stage's token goes back to the first) costs half the
     link's round trip plus :data:`HOP_MS`. 0.0 when a node's speed is not known."""
     ms = 0.0
@@ -681,7 +596,7 @@ def _predict(m: _Model, stages: Sequence[Stage], cands: Mapping[str, _Cand]) -> 
         if c.speed <= 0:
             return 0.0
         head = (m.head or m.embed) if s.end == m.n else 0  # a tied head reads the embedding
-        read = m.prefix[s.end] - m.prefix[s.start] + head
+        read = m.active[s.end] - m.active[s.start] + head
         ms += 1000 * read / c.speed
     if len(stages) > 1:
         ring = [cands[s.node] for s in stages]
@@ -775,13 +690,14 @@ def _split(
         last_s = lo if i == 0 else hi - (k - i)
         for s in range(first_s, last_s + 1):
             me = maxend(i, s)
-            ok[i][s] = me > s and nxt[s + 1] <= me
+            # The stage must also hold every kind of state the model keeps (a hybrid).
+            ok[i][s] = me > s and nxt[min(max(s + 1, m.min_end(s)), hi + 1)] <= me
     if not ok[0][lo]:
         return None
     bounds = [lo]
     for i in range(k - 1):
         s = bounds[-1]
-        feasible = [e for e in range(s + 1, maxend(i, s) + 1) if ok[i + 1][e]]
+        feasible = [e for e in range(max(s + 1, m.min_end(s)), maxend(i, s) + 1) if ok[i + 1][e]]
         bounds.append(min(feasible, key=lambda e: (abs(e - target[i + 1]), e)))
     bounds.append(hi)
     return [
@@ -965,7 +881,9 @@ def _place_pinned(
         prev is not None
         and [s.node for s in prev] == ids
         and all(
-            s.engine in c.engines and m.fits(s.start, s.end, s.engine, c)
+            s.engine in c.engines
+            and m.fits(s.start, s.end, s.engine, c)
+            and m.holds(s.start, s.end)
             for s, c in zip(prev, members, strict=True)
         )
     ):
@@ -1023,13 +941,18 @@ def _credits(
 
 def _survives(s: Stage, cands: Mapping[str, _Cand], m: _Model) -> bool:
     c = cands.get(s.node)
-    return c is not None and s.engine in c.engines and m.fits(s.start, s.end, s.engine, c)
+    return (
+        c is not None
+        and s.engine in c.engines
+        and m.fits(s.start, s.end, s.engine, c)
+        and m.holds(s.start, s.end)
+    )
 
 
 def _fill_new(m: _Model, a: int, b: int, fresh: Sequence[_Cand]) -> list[Stage] | None:
     """The gap ``[a, b)`` on nodes outside the plan: one if one fits, else the fewest."""
     for c in fresh:
-        if m.fits(a, b, c.engine, c):
+        if m.fits(a, b, c.engine, c) and m.holds(a, b):
             return [Stage(node=c.id, start=a, end=b, engine=c.engine)]
     for j in range(2, min(len(fresh), b - a) + 1):
         members = fresh[:j]
@@ -1064,7 +987,7 @@ def _repair(
     fills: dict[int, list[Stage]] = {}
 
     def fits(i: int, start: int, end: int) -> bool:
-        return m.fits(start, end, prev[i].engine, cands[prev[i].node])
+        return m.fits(start, end, prev[i].engine, cands[prev[i].node]) and m.holds(start, end)
 
     for j, (kind, a, b) in enumerate(segs):
         if kind != "gap":
@@ -1120,6 +1043,6 @@ def _repair(
     if len(out) < min_nodes or not _covers(out, m.n):
         return None
     for s in out:
-        if not m.fits(s.start, s.end, s.engine, cands[s.node]):
+        if not m.fits(s.start, s.end, s.engine, cands[s.node]) or not m.holds(s.start, s.end):
             return None
     return out

@@ -25,10 +25,12 @@ __all__ = [
     "SPLIT_PROVEN",
     "backend_rank",
     "engine_of",
+    "known_split_breaks",
     "model_engines",
     "node_engines",
     "refused_text",
     "split_refusal",
+    "stage_holds_states",
 ]
 
 #: Architectures proven to split, by format: cut in 2 and in 3 stages they give the
@@ -36,10 +38,12 @@ __all__ = [
 #: which check they prove exactly these lists:
 #:
 #: - ``gguf`` (llama.cpp stages on sub-GGUF slices; a llama GGUF on MLX stages too):
-#:   ``tests/engines/test_architectures.py`` (``MATRIX``), with llama also in
+#:   ``tests/engines/test_architectures.py`` (``CASES``), with llama also in
 #:   ``tests/engines/test_llama_stage.py`` and ``test_mlx_stage.py``. Gemma's input
 #:   scale and sliding-window flags, Granite's and MiniCPM's scales are undone or
-#:   carried by the slices (``meshd.models.scaling``).
+#:   carried by the slices (``meshd.models.scaling``), as are gpt-oss's windowed layers
+#:   and DeepSeek's count of dense first layers. A hybrid (lfm2, granitehybrid) is cut
+#:   only where each stage holds both its kinds of layer (:func:`stage_holds_states`).
 #: - ``mlx`` (model folders on MLX stages): ``tests/engines/test_mlx_architectures.py``
 #:   (``ARCHS``; an image-text gemma3 folder's facts say gemma3_text).
 #:
@@ -57,6 +61,13 @@ SPLIT_PROVEN: dict[str, frozenset[str]] = {
             "qwen2",
             "qwen3",
             "qwen3moe",
+            # Issue #32: what households run.
+            "deepseek2",
+            "gpt-oss",
+            "granitehybrid",
+            "lfm2",
+            "mistral3",
+            "olmo2",
         }
     ),
     "mlx": frozenset(
@@ -81,7 +92,23 @@ _SPLIT_BREAKS = {
     "bloom": "llama.cpp normalizes the token embedding again on the rows a later stage receives",
     "gemma3n": "its graph feeds every layer per-layer embeddings (from the token ids) beside "
     "the hidden rows",
+    # llama.cpp sets that step in code (no GGUF key a slice could restate). Measured on
+    # a 4-layer smollm3 cut at layer 1, 2, or 1 and 3: max |logit difference| 0.26
+    # against whole. llama4 also windows 3 of every 4 layers by the same count.
+    **dict.fromkeys(
+        ("smollm3", "llama4"),
+        "llama.cpp skips rope on every 4th layer counted from a stage's own first layer, "
+        "which a cut not at a multiple of 4 moves",
+    ),
+    # Measured: a later stage aborts the process ("This GGUF does not support
+    # multimodal"): its graph takes hidden rows in only with M-RoPE positions.
+    "glm4moe": "llama.cpp's graph aborts on the hidden rows a later stage receives",
 }
+
+
+def known_split_breaks() -> dict[str, str]:
+    """Each GGUF architecture whose cut is known to change what it answers, and how."""
+    return dict(_SPLIT_BREAKS)
 
 
 def engine_of(backend: str) -> str:
@@ -104,6 +131,22 @@ def split_refusal(facts: ModelFacts) -> str | None:
     return (
         f"no test has proven a {arch} model cut into stages gives what it gives whole "
         f"(proven for {proven})"
+    )
+
+
+def stage_holds_states(layer_state: str, start: int, end: int) -> bool:
+    """Whether layers ``[start, end)`` of a model whose layers keep ``layer_state``
+    (:attr:`~meshd.domain.facts.ModelFacts.layer_state`) hold a layer of each kind of
+    state the model keeps: a hybrid's stage with no attention layer (or no recurrent
+    one) has a memory llama.cpp never gives a buffer, and aborts the process at its
+    first decode (measured on lfm2). True for a model of attention layers only ("")."""
+    if not layer_state:
+        return True
+    part = layer_state[start:end]
+    return all(
+        any(c in kinds for c in part)
+        for kinds in ("ab", "rb")
+        if any(c in kinds for c in layer_state)
     )
 
 

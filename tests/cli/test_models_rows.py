@@ -48,3 +48,16 @@ def test_rows_say_who_holds_what_and_whether_it_is_served() -> None:
     text = console.export_text()
     assert "synth" in text and "2.5 MiB" in text and "ready (i1)" in text
     assert "a, b" in text
+
+
+def test_a_mixture_of_experts_shows_the_bytes_a_token_reads_beside_its_size() -> None:
+    moe = {**FACTS, "name": "moe", "layer_active_bytes": [1 << 18, 1 << 18]}
+    cluster = {"nodes": [node("n1", "a", "alive", ["moe", "synth"], facts=[moe, FACTS])],
+               "instances": []}  # fmt: skip
+    by = {r["model"]: r for r in model_rows(cluster)}
+    assert (by["moe"]["size"], by["moe"]["active"]) == ((2 << 20) + (1 << 19), 1 << 20)
+    assert by["synth"]["active"] == by["synth"]["size"]  # dense: all of it
+    console = Console(record=True, width=120)
+    console.print(models_table(list(by.values())))
+    text = console.export_text()
+    assert "2.5 MiB (1.0 MiB active)" in text and text.count("active") == 1

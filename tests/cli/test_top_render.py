@@ -502,3 +502,38 @@ def test_meshctl_top_once_and_nodes_over_http(
 def test_http_error_from_the_node_is_a_node_error(fake_node: str) -> None:
     with NodeClient(f"http://{fake_node}") as client, pytest.raises(NodeError, match="HTTP 404"):
         client.healthz()
+
+
+def _facts(arch: str, **over: object) -> dict:
+    facts = {
+        "name": arch,
+        "sha256": "",
+        "architecture": arch,
+        "n_layers": 4,
+        "hidden_size": 64,
+        "n_ctx_train": 512,
+        "layer_bytes": [100] * 4,
+        "engines": ["llama_cpp"],
+        **over,
+    }
+    return facts  # fmt: skip
+
+
+def test_the_instance_view_says_its_sizes_why_it_runs_whole_and_what_it_runs_without() -> None:
+    cluster = copy.deepcopy(CLUSTER)
+    stage = [{"node": A, "start": 0, "end": 4, "engine": "llama_cpp"}]
+    moe = _facts("qwen3moe", layer_active_bytes=[40] * 4, embed_bytes=10, head_bytes=5)
+    cluster["instances"] = [
+        {"id": "moe", "spec": {"model": "moe"}, "stages": stage, "facts": moe},
+        {"id": "gpt2", "spec": {"model": "gpt2"}, "stages": stage, "facts": _facts("gpt2")},
+        {"id": "lfm2", "spec": {"model": "lfm2"}, "stages": stage, "facts": _facts("lfm2")},
+        {"id": "bare", "spec": {"model": "bare"}, "stages": stage},
+    ]
+    got = {i["id"]: i for i in instances_of(cluster)}
+    assert (got["moe"]["weight_bytes"], got["moe"]["active_bytes"]) == (415, 175)
+    assert got["moe"]["split_refusal"] is None and got["moe"]["state_refusals"] == {}
+    assert "position embeddings" in got["gpt2"]["split_refusal"]
+    assert set(got["lfm2"]["state_refusals"]) == {"speculation", "prefix_cache", "n_sharing"}
+    assert all("recurrent" in why for why in got["lfm2"]["state_refusals"].values())
+    bare = got["bare"]  # an instance without facts: nothing known, nothing refused
+    assert (bare["weight_bytes"], bare["active_bytes"], bare["split_refusal"]) == (None,) * 3

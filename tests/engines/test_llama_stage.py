@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshd.engines.llama_stage import LlamaStage, _get_backend, cpu_extra_buffer_types
+from meshd.engines.ggml_lib import cpu_extra_buffer_types
+from meshd.engines.llama_stage import LlamaStage, _get_backend
 from meshd.engines.stage import ContextFullError, StageInput, StageInputError
 from meshd.engines.threads import runner_env
 from meshd.models.slicing import slice_gguf

@@ -18,6 +18,7 @@ from meshd.models.facts import read_facts
 from meshd.models.gguf import read_header, special_tokens
 from meshd.models.hashing import file_sha256
 from tests.conftest import MODEL_SHA256
+from tests.synthetic import write_model
 
 
 @pytest.mark.timeout(60)
@@ -188,3 +189,13 @@ def test_parameter_size_is_three_figures_at_most(n: int, size: str) -> None:
     facts = ModelFacts(name="m", sha256="", n_layers=1, hidden_size=1, n_ctx_train=1,
                        layer_bytes=[1], n_params=n)  # fmt: skip
     assert facts.parameter_size == size
+
+
+def test_a_mixture_of_experts_has_total_and_active_bytes(model_path: Path, tmp_path: Path) -> None:
+    moe = read_facts(write_model(tmp_path / "moe.gguf", model_path, "qwen3moe"), "m", "0" * 64)
+    # Each layer holds 4 experts of three F32 tensors 32 x 64, and a token runs 2.
+    experts = 3 * 4 * 32 * 64 * 4
+    assert moe.layer_active_bytes == [b - experts // 2 for b in moe.layer_bytes]
+    assert moe.total_bytes - moe.active_bytes == 4 * experts // 2
+    dense = read_facts(write_model(tmp_path / "dense.gguf", model_path, "qwen3"), "d", "0" * 64)
+    assert dense.layer_active_bytes == [] and dense.active_bytes == dense.total_bytes

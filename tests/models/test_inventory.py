@@ -128,7 +128,7 @@ def test_facts_of_a_name_under_a_models_dir_carry_its_sha256_hashed_once(
     # answer, even with the digest cache gone), a changed file is read again.
     st = (d / "solo.gguf").stat()
     key = f"{(d / 'solo.gguf').resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    assert key in json.loads((cache / "facts-v8.json").read_text())
+    assert key in json.loads((cache / "facts-v9.json").read_text())
     assert key in json.loads((cache / "sha256.json").read_text())
     (cache / "sha256.json").unlink()
     assert read_model_facts("solo", cache, extra_dirs=[d]).sha256 == facts.sha256

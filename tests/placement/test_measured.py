@@ -90,3 +90,31 @@ def test_the_split_follows_speed_within_memory() -> None:
     small = by_id(node("a", 64 * GiB, 10e9), node("b", 1536 * MiB, 30e9))
     stages = place(spec, M, small)
     assert stages[1].end - stages[1].start < 24 and stages[1].end == 32
+
+
+#: A mixture of experts as big as M: 32 layers of 100 MiB, of which a token reads 10.
+MOE = ModelFacts(
+    name="moe",
+    sha256="",
+    n_layers=32,
+    hidden_size=1,
+    n_ctx_train=0,
+    layer_bytes=[100 * MiB] * 32,
+    layer_active_bytes=[10 * MiB] * 32,
+    head_bytes=200 * MiB,
+    engines=["llama_cpp"],
+)
+
+
+def test_a_mixture_of_experts_is_timed_by_the_bytes_a_token_reads() -> None:
+    a = node("a", 64 * GiB, 10e9)
+    one = [Stage(node="a", start=0, end=32, engine="llama_cpp")]
+    active = 32 * 10 * MiB + 200 * MiB
+    assert (MOE.total_bytes, MOE.active_bytes) == (READ, active)
+    assert predicted_tokens_s(MOE, one, [a]) == pytest.approx(1000 / (1000 * active / 10e9), 1e-3)
+    # Memory is the whole model's: the plan is the dense one's.
+    nodes = by_id(node("a", 3 * GiB, 10e9), node("b", 3 * GiB, 10e9))
+    assert place(SPEC, MOE, nodes) == place(SPEC, M, nodes)
+    # Facts without active bytes (a dense model, or facts from before they were read)
+    # read every layer whole.
+    assert M.active_layer_bytes() == M.layer_bytes and M.active_bytes == M.total_bytes

@@ -27,10 +27,10 @@ MAC = ["mlx-metal", "llama_cpp-metal"]
 #: these lists.
 GGUF_ARCHS = sorted(SPLIT_PROVEN["gguf"])
 FOLDER_ARCHS = sorted(SPLIT_PROVEN["mlx"])
-#: Architectures llama.cpp runs whose split no test proves (gpt2 and bloom: measured or
-#: read in llama.cpp's graph to differ cut).
-UNPROVEN = ["bloom", "command-r", "deepseek2", "falcon", "gpt2", "llama4", "mamba",
-            "qwen2vl", "rwkv6", "starcoder2", "t5"]  # fmt: skip
+#: Architectures llama.cpp runs whose split no test proves (gpt2, bloom, smollm3, llama4,
+#: glm4moe: measured or read in llama.cpp's graph to differ or abort cut).
+UNPROVEN = ["bloom", "command-r", "falcon", "glm4moe", "gpt2", "llama4", "mamba",
+            "qwen2vl", "rwkv6", "smollm3", "starcoder2"]  # fmt: skip
 
 
 def facts(arch: str, fmt: str = "gguf", engines: tuple[str, ...] = ("llama_cpp", "mlx")):
@@ -119,6 +119,15 @@ def test_a_plan_an_older_node_put_on_mlx_is_repaired_onto_llama_cpp() -> None:
     assert place(spec, f, mac, old) == [S(node="00000000", start=0, end=4, engine="llama_cpp")]
 
 
+def test_a_model_llama_cpp_loads_but_cannot_generate_with_is_refused_with_why() -> None:
+    with pytest.raises(PlacementError) as err:
+        place(
+            InstanceSpec(model="m"), facts("t5", engines=("llama_cpp",)), nodes(["llama_cpp-cpu"])
+        )
+    e = err.value
+    assert e.reason == "no_backend" and "encoder-decoder" in e.message
+
+
 def test_a_model_no_engine_builds_is_refused_naming_each_engine() -> None:
     with pytest.raises(PlacementError) as err:
         place(InstanceSpec(model="m"), facts("nonesuch"), nodes(MAC))
@@ -138,6 +147,11 @@ def test_the_rule_offers_what_each_engine_builds() -> None:
     for arch in ("qwen2", "qwen3", "gemma3", "phi3", "gpt2"):
         assert buildable_engines("gguf", arch) == ["llama_cpp"]
     assert buildable_engines("gguf", "clip") == []  # a vision projector, not a model
+    # llama.cpp loads these, but a stage cannot make text with them (one decode step
+    # after another): t5's decoder needs llama_encode, the others are no text decoders.
+    for arch in ("t5", "wavtokenizer-dec", "dream", "llada", "llada-moe", "rnd1"):
+        assert buildable_engines("gguf", arch) == []
+    assert buildable_engines("gguf", "t5encoder") == ["llama_cpp"]  # it embeds
     for arch in FOLDER_ARCHS:
         assert buildable_engines("mlx", arch) == ["mlx"]
     assert buildable_engines("mlx", "gemma3") == ["mlx"]  # an image-text folder
@@ -177,9 +191,30 @@ def test_an_architecture_not_proven_to_split_runs_whole_and_says_why(arch: str) 
 
 def test_gpt2s_reason_is_what_its_graph_does_to_a_later_stage() -> None:
     assert "position embeddings" in (split_refusal(facts("gpt2")) or "")
-    assert "proven for gemma" in (split_refusal(facts("deepseek2")) or "")
+    assert "proven for deepseek2, gemma" in (split_refusal(facts("command-r")) or "")
     # Folders: the MLX matrix's list; a GGUF of a folder-only name is not proven.
     assert split_refusal(facts("mistral", "mlx", ("mlx",))) is None
     assert split_refusal(facts("mistral")) is not None
     encoder = replace(facts("qwen3"), embedding_only=True)
     assert "encoder" in (split_refusal(encoder) or "")
+
+
+def test_a_hybrid_is_cut_only_where_each_stage_holds_both_its_kinds_of_layer() -> None:
+    # Recurrent, attention, recurrent, recurrent, attention, recurrent: llama.cpp aborts
+    # on a stage of one kind only, so two stages can only meet after layer 1 or 2.
+    f = replace(facts("lfm2", engines=("llama_cpp",)), n_layers=6, layer_bytes=[GiB] * 6,
+                layer_state="rarrar")  # fmt: skip
+    cpu = ["llama_cpp-cpu"]
+    two = place(InstanceSpec(model="m", min_nodes=2), f, nodes(cpu, cpu))
+    assert [(s.start, s.end) for s in two] in ([(0, 2), (2, 6)], [(0, 3), (3, 6)])
+    # Three stages cannot each hold both: refused rather than cut where llama.cpp aborts.
+    with pytest.raises(PlacementError):
+        place(InstanceSpec(model="m", min_nodes=3), f, nodes(cpu, cpu, cpu))
+    # A repair keeps the rule: the dead stage's layers go where both kinds stay together.
+    prev = Instance(id="i", spec=InstanceSpec(model="m"), facts=f, generation=1,
+                    stages=[S(node=n, start=a, end=b, engine="llama_cpp")
+                            for n, (a, b) in zip(("00000000", "00000001"), [(0, 3), (3, 6)],
+                                                 strict=True)])  # fmt: skip
+    alive = {k: v for k, v in nodes(cpu, cpu, cpu).items() if k != "00000001"}
+    for s in place(InstanceSpec(model="m"), f, alive, prev):
+        assert set(f.layer_state[s.start : s.end]) == {"a", "r"}

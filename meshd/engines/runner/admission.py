@@ -265,7 +265,8 @@ def admit(
             f"this model's context is {n_ctx} tokens; the prompt has {n + len(resume)}",
             n_prompt=n + len(resume),
         )
-    reuse = reuses_prefix(g)
+    # A recurrent state cannot be cut back to a shared prefix (meshd.domain.recurrent).
+    reuse = reuses_prefix(g) and not stage.recurrent
     # Where a sequence's cells lie in the shared KV buffer moves them too (by ~0.8
     # when kept sequences push them past a 256-cell boundary): a request that
     # reuses nothing runs as on a fresh runner, every stage's kept prefixes dropped.
@@ -288,7 +289,8 @@ def admit(
     # a near-tie could then flip, so the continuation would not be the text the
     # uninterrupted request gives. One row a step costs a few ms per token.
     work += [Work(g.req, n + i, tokens=np.array([t], np.int32)) for i, t in enumerate(resume)]
-    return Admitted(r, start, work, speculates(job, cfg))
+    # Nor can it drop a rejected draft: such a model never speculates.
+    return Admitted(r, start, work, speculates(job, cfg) and not stage.recurrent)
 
 
 def join(a: wire.Activation, s: wire.Start, seats: Seats) -> Request:

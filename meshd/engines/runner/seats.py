@@ -87,7 +87,12 @@ class Seats:
     # -- the prefix cache --------------------------------------------------------------
     def keep(self, slot: int, seq: int, tokens: list[int] | None, n_kv: int = -1) -> None:
         """Keep ``seq``'s KV under ``slot`` for a later request with the same start:
-        its first ``n_kv`` positions (-1: all it holds); ``tokens``: what it holds."""
+        its first ``n_kv`` positions (-1: all it holds); ``tokens``: what it holds.
+        A recurrent stage keeps nothing: its state cannot be cut back to serve a
+        later request (see meshd.domain.recurrent)."""
+        if self.stage.recurrent:
+            self.give_back(seq)
+            return
         n = self.stage.n_past(seq)
         if 0 <= n_kv < n:
             # Rows past the answer's last token: every stage keeps the same positions

@@ -95,7 +95,8 @@ class Stepper:
         followers: list[tuple[Work, bytes]] = []
         leading: set[bytes] = set()
         for w in batch:
-            k = step_key(reqs[w.req], w)
+            # A recurrent state is shared whole or not at all: each choice runs its own.
+            k = None if self.stage.recurrent else step_key(reqs[w.req], w)
             if k is not None and (k in leading or self.prefills.live(k, reqs) is not None):
                 followers.append((w, k))
             else:
