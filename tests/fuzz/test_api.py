@@ -199,11 +199,16 @@ def _screen_model(model: str) -> None:
     raise _Skip(f"{model!r} resolves on this machine")
 
 
+#: Routes whose GET is an event stream that never ends.
+_ENDLESS = frozenset({"/v1/instances/stream", "/v1/cluster/stream"})
+
+
 def _screen(method: str, template: str, path: str, body: bytes | None, env: Env) -> None:
     if method == "DELETE" and path.rstrip("/").endswith("/" + env.instance):
         raise _Skip("a real delete")
-    if method == "GET" and template == "/v1/instances/stream":
-        # An endless event stream by design (tests/api/test_instance_stream.py reads it).
+    if method == "GET" and template in _ENDLESS:
+        # Endless event streams by design (tests/api/test_instance_stream.py and
+        # tests/ui/test_stream.py read them): a GET would wait forever.
         raise _Skip("an endless stream")
     typ = BODY_TYPES.get(template)
     if method not in ("POST", "DELETE") or typ is None or body is None:
