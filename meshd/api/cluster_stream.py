@@ -6,16 +6,12 @@ instance view of ``GET /v1/instances`` and the nodes waiting at this node's join
 routes, so the web page (``/ui``) and ``top`` render one view and derive nothing; and
 the models with their holders and instances (``model_view.py``).
 
-The pace is the instance stream's (``instances.py``): a snapshot at once, then one
-whenever the node signals a change, at most one every ``STREAM_MIN_INTERVAL_S``, and
-at least one every ``STREAM_REFRESH_S`` (heartbeats move speeds and ages without a
-change signal); a repeat is not sent, and a quiet stream gets a keep-alive comment.
-A watcher costs one snapshot every 2 s or so, whatever the number of changes.
+The pace is every stream's (``snapshots.py``): a snapshot at once, then one whenever
+it differs, at most one every 0.5 s, looked at again at least every 2 s.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
@@ -28,10 +24,10 @@ from meshd.node.member_views import NotSecured, PendingView
 
 from .cluster import nodes_body
 from .instance_view import InstanceList, instance_list
-from .instances import STREAM_KEEPALIVE_S, STREAM_MIN_INTERVAL_S, STREAM_REFRESH_S
 from .model_view import ModelView, model_views
 from .services import Services, context
-from .sse import SSE_KEEPALIVE, sse_data, sse_response
+from .snapshots import snapshot_events
+from .sse import sse_response
 
 __all__ = ["ClusterSnapshot", "cluster_snapshot", "cluster_snapshots", "stream_cluster"]
 
@@ -76,27 +72,8 @@ async def stream_cluster(request: Request) -> Response:
     return sse_response(cluster_snapshots(context(request).services))
 
 
-async def cluster_snapshots(
+def cluster_snapshots(
     services: Services, clock: Callable[[], float] = time.monotonic
 ) -> AsyncIterator[bytes]:
     """The events of the stream, until the client goes or the node drains."""
-    last, sent_at = b"", clock()
-    while True:
-        # Armed before the look: a change made while this snapshot is sent and paced
-        # still ends the wait below (the signal wakes only the waiters it finds).
-        wake = asyncio.ensure_future(services.changed(STREAM_REFRESH_S))
-        try:
-            event = sse_data(cluster_snapshot(services))
-            now = clock()
-            if event != last:
-                last, sent_at = event, now
-                yield event
-            elif now - sent_at >= STREAM_KEEPALIVE_S:
-                sent_at = now
-                yield SSE_KEEPALIVE
-            if services.draining:
-                return  # the node is stopping: the page goes on with another node
-            await asyncio.sleep(STREAM_MIN_INTERVAL_S)
-            await wake
-        finally:
-            wake.cancel()
+    return snapshot_events(services, lambda: cluster_snapshot(services), clock)

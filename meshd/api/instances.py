@@ -2,15 +2,12 @@
 
 Every answer about an instance is an :class:`~.instance_view.InstanceView`: the node's
 own view of it. ``GET /v1/instances/stream`` sends the whole list as Server-Sent
-Events: one at once, then a new one whenever it changed (woken by the node's
-``Changes`` signal, and looking again every ``STREAM_REFRESH_S`` for the figures that
-heartbeats move), at most one every ``STREAM_MIN_INTERVAL_S``, with a keep-alive
-comment after ``STREAM_KEEPALIVE_S`` of quiet.
+Events: one at once, then a new one whenever it changed, paced as every stream is
+(``snapshots.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -26,7 +23,8 @@ from .bodies import parse_body
 from .errors import ApiError, node_error
 from .instance_view import InstanceList, instance_list, instance_view
 from .services import Services, context
-from .sse import SSE_KEEPALIVE, sse_data, sse_response
+from .snapshots import snapshot_events
+from .sse import sse_response
 
 __all__ = [
     "PlaceRequest",
@@ -41,13 +39,6 @@ __all__ = [
 
 #: Replicas one POST /v1/instances may place.
 MAX_REPLICAS = 8
-#: The stream sends a new list at most this often (a burst of changes is one event).
-STREAM_MIN_INTERVAL_S = 0.5
-#: ... and looks again at least this often: speeds move with every heartbeat, which
-#: does not wake ``Changes`` (only a change of topology or state does).
-STREAM_REFRESH_S = 2.0
-#: A quiet stream sends a comment this often, so proxies keep the connection.
-STREAM_KEEPALIVE_S = 15.0
 
 
 class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -150,31 +141,14 @@ async def stream_instances(request: Request) -> Response:
     return sse_response(instance_snapshots(context(request).services))
 
 
-async def instance_snapshots(
+def instance_snapshots(
     services: Services, clock: Callable[[], float] = time.monotonic
 ) -> AsyncIterator[bytes]:
-    """The events of the stream: a ``data:`` event with the list whenever it differs
-    from the one sent last, or a keep-alive comment after a quiet spell; until the
-    client goes or the node drains."""
-    last, sent_at = b"", clock()
-    while True:
-        event = sse_data(instance_list(services.view(), services.instance_load()))
-        now = clock()
-        fresh = event != last
-        if fresh:
-            last, sent_at = event, now
-            yield event
-        elif now - sent_at >= STREAM_KEEPALIVE_S:
-            sent_at = now
-            yield SSE_KEEPALIVE
-        if services.draining:
-            return  # the node is stopping: its watchers go on with another node
-        if fresh:
-            # Bounded rate; the list is read again right after, so a change made
-            # meanwhile is sent then, not lost.
-            await asyncio.sleep(STREAM_MIN_INTERVAL_S)
-        else:
-            await services.changed(STREAM_REFRESH_S)
+    """The events of the stream: the list whenever it differs from the one sent last
+    (``snapshots.py``), until the client goes or the node drains."""
+    return snapshot_events(
+        services, lambda: instance_list(services.view(), services.instance_load()), clock
+    )
 
 
 async def get_instance(request: Request) -> Response:

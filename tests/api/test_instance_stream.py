@@ -26,6 +26,7 @@ import pytest
 from rich.console import Console
 
 from meshd.api import instances as instances_api
+from meshd.api import snapshots
 from meshd.api.sse import SSE_KEEPALIVE
 from meshd.cli.top import render
 from meshd.models import DEFAULT_MODEL, resolve_model
@@ -158,14 +159,14 @@ class _Node:
 async def test_the_stream_sends_a_list_once_keeps_alive_while_quiet_and_ends_at_a_drain(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(instances_api, "STREAM_MIN_INTERVAL_S", 0.0)
+    monkeypatch.setattr(snapshots, "STREAM_MIN_INTERVAL_S", 0.0)
     empty = ClusterView("a", {"a": card("a")}, {}, {}, {"a": "alive"}, {"a": 0.0})
     node = _Node(empty)
     stream = instances_api.instance_snapshots(node, clock=lambda: node.now)  # type: ignore[arg-type]
     assert await anext(stream) == b'data: {"object":"list","data":[]}\n\n'
     # Nothing changes: the same list is not sent again; a comment keeps the line open.
     assert await anext(stream) == SSE_KEEPALIVE
-    assert node.now >= instances_api.STREAM_KEEPALIVE_S
+    assert node.now >= snapshots.STREAM_KEEPALIVE_S
     node.current = dataclasses.replace(empty, instances={"x": inst("x", "a")})
     event = await anext(stream)
     assert [i["id"] for i in json.loads(event.removeprefix(b"data: "))["data"]] == ["x"]

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from meshd.api import cluster_stream
+from meshd.api import cluster_stream, snapshots
 from meshd.api.sse import SSE_KEEPALIVE
 from meshd.node.cluster import ClusterView
 from meshd.node.member_views import NotSecured, PendingView
@@ -82,7 +82,7 @@ def test_a_snapshot_is_what_top_reads_and_the_models_with_their_holders() -> Non
 async def test_the_stream_sends_at_once_keeps_alive_while_quiet_and_ends_at_a_drain(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cluster_stream, "STREAM_MIN_INTERVAL_S", 0.0)
+    monkeypatch.setattr(snapshots, "STREAM_MIN_INTERVAL_S", 0.0)
     node = _Node(_view(), None)  # an open cluster: nobody to approve
     stream = cluster_stream.cluster_snapshots(node, clock=lambda: node.now)  # type: ignore[arg-type]
     first = _data(await anext(stream))
@@ -90,7 +90,7 @@ async def test_the_stream_sends_at_once_keeps_alive_while_quiet_and_ends_at_a_dr
     assert first["instances"] == {"object": "list", "data": []}
     # Nothing changes: the same snapshot is not sent again; a comment keeps the line.
     assert await anext(stream) == SSE_KEEPALIVE
-    assert node.now >= cluster_stream.STREAM_KEEPALIVE_S
+    assert node.now >= snapshots.STREAM_KEEPALIVE_S
     node.current = _view(instances={"x": inst("x", "a")})
     assert [i["id"] for i in _data(await anext(stream))["instances"]["data"]] == ["x"]
     node.pending = [WAITING]
