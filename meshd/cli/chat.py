@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -189,6 +190,10 @@ def _line_editing(path: Path | None) -> Callable[[], None]:
 
 def run_chat(client: NodeClient, conv: Conversation, params: dict[str, Any]) -> int:
     """The interactive session, until Ctrl-D (exit 0)."""
+    # Ctrl-C stops an answer: Python turns SIGINT into KeyboardInterrupt only when it
+    # started with SIGINT not ignored, and a shell's background job (nohup, `cmd &` in
+    # a script) starts with it ignored. The session asked for it: take it back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     save = _line_editing(history_path())
     print(f"chatting with {conv.model} via {client.base_url} (/help: commands, Ctrl-D: quit)")
     try:

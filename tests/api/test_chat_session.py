@@ -10,6 +10,7 @@ at the prompt clearing it, Ctrl-D leaving with exit 0 and the history kept on di
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -35,6 +36,9 @@ def test_a_session_stops_an_answer_recalls_a_line_and_leaves(via: NodeProc, tmp_
         ["-m", "meshd.cli.meshctl", "--node", via.api.removeprefix("http://"), "chat",
          "--max-tokens", "512", "--temperature", "0.8"],
         env=env, encoding="utf-8", timeout=90, dimensions=(40, 200),
+        # Started as a script's background job is (SIGINT ignored): Ctrl-C must still
+        # stop an answer (ci50 and ci51 ran the suite so, and it did not).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )  # fmt: skip
     try:
         child.expect_exact("> ")
