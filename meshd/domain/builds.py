@@ -21,6 +21,7 @@ __all__ = [
     "MLX_BATCHED_ARCHITECTURES",
     "MLX_FOLDER_ARCHITECTURES",
     "MLX_GGUF_ARCHITECTURES",
+    "MLX_KV_REFUSAL",
     "build_refusal",
     "buildable_engines",
 ]
@@ -83,6 +84,11 @@ MLX_FOLDER_ARCHITECTURES = frozenset(
 #: ``meshd.engines.mlx_stage``, which re-implements mlx-lm's llama block; mlx-lm builds
 #: a mistral folder with that model too). Any other runs one request at a time.
 MLX_BATCHED_ARCHITECTURES = frozenset({"llama", "mistral"})
+
+#: Why an MLX stage is not given a quantized KV cache (``InstanceSpec.kv_cache``): it
+#: keeps mlx-lm's f16 cache (its batched path has none other), and a cache type ignored
+#: in silence would leave placement budgeting memory the stage does not keep.
+MLX_KV_REFUSAL = "MLX stages keep an f16 KV cache, not {kv_cache} (llama_cpp keeps {kv_cache})"
 
 _FORMATS = ("gguf", "mlx")
 
