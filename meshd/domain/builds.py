@@ -81,9 +81,10 @@ MLX_FOLDER_ARCHITECTURES = frozenset(
 )
 
 #: Architectures whose requests an MLX stage runs together (the ragged batch of
-#: ``meshd.engines.mlx_stage``, which re-implements mlx-lm's llama block; mlx-lm builds
-#: a mistral folder with that model too). Any other runs one request at a time.
-MLX_BATCHED_ARCHITECTURES = frozenset({"llama", "mistral"})
+#: ``meshd.engines.mlx_ragged``, which re-implements the block mlx-lm's llama, qwen2,
+#: qwen3 and phi3 share; mlx-lm builds a mistral folder with its llama model), where
+#: no layer attends through a window. Any other runs one request at a time.
+MLX_BATCHED_ARCHITECTURES = frozenset({"llama", "mistral", "phi3", "qwen2", "qwen3"})
 
 #: Why an MLX stage is not given a quantized KV cache (``InstanceSpec.kv_cache``): it
 #: keeps mlx-lm's f16 cache (its batched path has none other), and a cache type ignored
@@ -110,7 +111,7 @@ def build_refusal(engine: str, format: str, architecture: str) -> str | None:
             return (
                 f"MLX reads GGUFs of architecture {', '.join(sorted(MLX_GGUF_ARCHITECTURES))} "
                 f"only (its GGUF path maps llama tensors onto mlx-lm's llama model), "
-                f"not {architecture!r}"
+                f"not {architecture!r}: llama_cpp runs it, K-quants included"
             )
         if format == "mlx" and architecture not in MLX_FOLDER_ARCHITECTURES:
             return (
