@@ -151,6 +151,8 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
                 st.close()
         gap = logit_gap(path, n_layers, CUTS[n_layers], tmp)
         ratios = paired(Series("split", xs=rates["split"]), Series("whole", xs=rates["whole"]))
+        # Each case's figures as they come: a run cut short keeps what it measured.
+        log(f"{case}: split/whole {med(ratios):.3f}, max |dlogit| {gap:.2g}")
         rows.append([
             case, f"{med(rates['whole']):.1f}", spread(rates["whole"], "{:.1f}"),
             f"{med(rates['split']):.1f}", spread(rates["split"], "{:.1f}"),
