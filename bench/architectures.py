@@ -122,7 +122,7 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
         return LlamaStage(p, first=first, last=last, n_ctx=256, n_seq_max=1,
                           n_threads=args.threads)  # fmt: skip
 
-    cases = list(CASES) if args.all else list(ARCHS)
+    cases = args.cases or (list(CASES) if args.all else list(ARCHS))
     rows: list[list[str]] = []
     n_prompt = 0
     for case in cases:
@@ -177,6 +177,7 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3, help="runs per side (median)")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads per stage")
     p.add_argument("--all", action="store_true", help="every case of the matrix")
+    p.add_argument("--cases", nargs="+", help="these cases of the matrix, in this order")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary GGUFs")
     args = p.parse_args()
     return run_measure("meshd-bench-arch-", args.keep_logs, lambda tmp: measure(tmp, args))
