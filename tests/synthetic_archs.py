@@ -135,6 +135,23 @@ ARCHS: dict[str, tuple[str, int, dict[str, Any], Callable[[int], Tensors]]] = {
     }, lambda nv: _head(nv) + _layers(6, lambda p, i: [
         *_norms(p, "attn_norm", "ffn_norm"), *_dense(p),
         *(_mamba2(p) if i % 2 == 0 else _attn(p))])),
+    # Rope skipped on every 4th layer (llama.cpp sets it in code, from the layer index):
+    # 12 layers, so that cuts at multiples of 4 make 2 and 3 stages.
+    "smollm3": ("smollm3", 12, _base(12), lambda nv: _head(nv) + _layers(12, lambda p, i: [
+        *_norms(p, "attn_norm", "ffn_norm"), *_attn(p), *_dense(p)])),
+    # The same rope pattern, 3 of every 4 layers chunked, experts (one used, a shared one)
+    # on every 2nd layer.
+    "llama4": ("llama4", 12, {**_base(12), **_MOE, "{a}.expert_used_count": 1,
+                              "{a}.interleave_moe_layer_step": 2},
+               lambda nv: _head(nv) + _layers(12, lambda p, i: [
+                   *_norms(p, "attn_norm", "ffn_norm"), *_attn(p),
+                   *(_dense(p) if i % 2 == 0 else _moe(p, shared=True))])),
+    # GLM-4.5: attention biases, a dense first layer, then sigmoid-routed experts with a
+    # shared one.
+    "glm4moe": ("glm4moe", 4, {**_base(4), **_DEEPSEEK_MOE}, lambda nv: _head(nv) + _layers(
+        4, lambda p, i: [*_norms(p, "attn_norm", "post_attention_norm"), *_attn(p, bias="qkv"),
+                         *(_dense(p) if i < 1 else [*_moe(p, shared=True),
+                                                    (p + "exp_probs_b.bias", (E,))])])),
 }  # fmt: skip
 
 

@@ -4,7 +4,7 @@ them, from the rules the code itself follows.
 Run from the repository root: ``python3 tools/arch_table.py``. Each cell is one of
 those rules applied: which engines build the architecture from its format
 (``meshd.domain.builds``), whether placement cuts it into stages
-(``meshd.placement.support.split_refusal``), whether its requests speculate, reuse a
+(``meshd.placement.support.split_refusal``, ``cut_period``), whether its requests speculate, reuse a
 cached prefix and share one prompt's prefill among ``n`` choices
 (``meshd.domain.recurrent``), and whether MLX stages batch its requests. A test holds
 the doc's table to this output (tests/test_arch_table.py).
@@ -25,7 +25,7 @@ from meshd.domain.builds import (
 )
 from meshd.domain.facts import ModelFacts
 from meshd.domain.recurrent import RECURRENT_ARCHITECTURES, state_refusals
-from meshd.placement.support import SPLIT_PROVEN, known_split_breaks, split_refusal
+from meshd.placement.support import SPLIT_PROVEN, cut_period, known_split_breaks, split_refusal
 
 #: GGUF architectures households run (issue #32) beside those a rule names.
 HOUSEHOLD = ("deepseek2", "glm4moe", "gpt-oss", "llama4", "mistral3", "olmo2", "smollm3")
@@ -39,12 +39,15 @@ def _row(fmt: str, arch: str) -> str:
     facts = ModelFacts(name=arch, sha256="", format=fmt, architecture=arch, n_layers=1,
                        hidden_size=1, n_ctx_train=0, layer_bytes=[0])  # fmt: skip
     state = state_refusals(arch)
+    split = "no" if split_refusal(facts) is not None else "yes"
+    if split == "yes" and (period := cut_period(facts)) > 1:
+        split = f"every {period} layers"
     cells = [
         "GGUF" if fmt == "gguf" else "folder",
         f"`{arch}`",
         ", ".join(engines) or "none",
         "yes" if engines else "no",
-        "-" if not engines else ("yes" if split_refusal(facts) is None else "no"),
+        "-" if not engines else split,
         "-" if not engines else ("no" if "speculation" in state else "yes"),
         "-" if not engines else ("no" if "prefix_cache" in state else "yes"),
         "-" if "mlx" not in engines else ("yes" if arch in MLX_BATCHED_ARCHITECTURES else "no"),

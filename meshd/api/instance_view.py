@@ -21,10 +21,11 @@ from typing import Literal
 import msgspec
 
 from meshd.crdt.views import Instance
+from meshd.domain.facts import ModelFacts
 from meshd.domain.recurrent import state_refusals
 from meshd.node.cluster import ClusterView, InstanceSpeed, StageState, instance_state
 from meshd.placement import instance_context
-from meshd.placement.support import split_refusal
+from meshd.placement.support import split_refusal, stage_limit
 
 __all__ = [
     "ExcludedNode",
@@ -131,6 +132,9 @@ class InstanceView(msgspec.Struct, kw_only=True):
     active_bytes: int | None
     #: Why the model runs whole on one node (null: it may be cut into stages).
     split_refusal: str | None
+    #: Where it may be cut, where that is not at any layer (null: anywhere, or whole):
+    #: "is cut only every 4 layers (...): 12 layers make at most 3 stage(s)".
+    cut_rule: str | None
     #: What its requests run without, each with why (``speculation``,
     #: ``prefix_cache``, ``n_sharing``: off for a model with recurrent layers).
     state_refusals: dict[str, str]
@@ -212,6 +216,7 @@ def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {
         weight_bytes=facts.total_bytes if facts else None,
         active_bytes=facts.active_bytes if facts else None,
         split_refusal=split_refusal(facts) if facts else None,
+        cut_rule=_cut_rule(facts),
         state_refusals=state_refusals(facts.architecture) if facts else {},
         predicted_tokens_s=view.predicted_tokens_s(inst),
         measured_tokens_s=view.measured_tokens_s(inst),
@@ -239,3 +244,10 @@ def instance_list(view: ClusterView, load: Mapping[str, int] = {}) -> InstanceLi
     """Every instance ``view`` holds, by id."""
     insts = sorted(view.instances.values(), key=lambda i: i.id)
     return InstanceList(data=[instance_view(view, i, load) for i in insts])
+
+
+def _cut_rule(facts: ModelFacts | None) -> str | None:
+    """:attr:`InstanceView.cut_rule` of ``facts``' model."""
+    if facts is None or split_refusal(facts) is not None:
+        return None
+    return stage_limit(facts)[1] or None

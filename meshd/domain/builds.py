@@ -21,6 +21,7 @@ __all__ = [
     "MLX_BATCHED_ARCHITECTURES",
     "MLX_FOLDER_ARCHITECTURES",
     "MLX_GGUF_ARCHITECTURES",
+    "MLX_KV_REFUSAL",
     "build_refusal",
     "buildable_engines",
 ]
@@ -80,9 +81,15 @@ MLX_FOLDER_ARCHITECTURES = frozenset(
 )
 
 #: Architectures whose requests an MLX stage runs together (the ragged batch of
-#: ``meshd.engines.mlx_stage``, which re-implements mlx-lm's llama block; mlx-lm builds
-#: a mistral folder with that model too). Any other runs one request at a time.
-MLX_BATCHED_ARCHITECTURES = frozenset({"llama", "mistral"})
+#: ``meshd.engines.mlx_ragged``, which re-implements the block mlx-lm's llama, qwen2,
+#: qwen3 and phi3 share; mlx-lm builds a mistral folder with its llama model), where
+#: no layer attends through a window. Any other runs one request at a time.
+MLX_BATCHED_ARCHITECTURES = frozenset({"llama", "mistral", "phi3", "qwen2", "qwen3"})
+
+#: Why an MLX stage is not given a quantized KV cache (``InstanceSpec.kv_cache``): it
+#: keeps mlx-lm's f16 cache (its batched path has none other), and a cache type ignored
+#: in silence would leave placement budgeting memory the stage does not keep.
+MLX_KV_REFUSAL = "MLX stages keep an f16 KV cache, not {kv_cache} (llama_cpp keeps {kv_cache})"
 
 _FORMATS = ("gguf", "mlx")
 
@@ -104,7 +111,7 @@ def build_refusal(engine: str, format: str, architecture: str) -> str | None:
             return (
                 f"MLX reads GGUFs of architecture {', '.join(sorted(MLX_GGUF_ARCHITECTURES))} "
                 f"only (its GGUF path maps llama tensors onto mlx-lm's llama model), "
-                f"not {architecture!r}"
+                f"not {architecture!r}: llama_cpp runs it, K-quants included"
             )
         if format == "mlx" and architecture not in MLX_FOLDER_ARCHITECTURES:
             return (

@@ -31,9 +31,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from meshd.models.errors import ModelFormatError
 from meshd.models.facts import embedding_only
-from meshd.models.gguf import read_metadata
+from meshd.models.gguf import check_gguf_file, read_metadata
 from meshd.models.scaling import input_scale
 
 from . import attention
@@ -117,15 +116,6 @@ def _get_backend() -> _Backend:
     if _backend is None:
         _backend = _Backend()
     return _backend
-
-
-def _check_gguf_magic(path: Path) -> None:
-    if not path.is_file():
-        raise FileNotFoundError(f"no model file at {path}")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r})")
 
 
 class LlamaVocab:
@@ -292,7 +282,7 @@ class LlamaStage:
             raise ValueError(f"n_seq_max must be positive, got {n_seq_max}")
         if n_batch < 1:
             raise ValueError(f"n_batch must be positive, got {n_batch}")
-        _check_gguf_magic(path)
+        check_gguf_file(path)
         backend = _get_backend()
         self._ggml = backend.ggml
         L = self._L = backend.L
@@ -387,6 +377,10 @@ class LlamaStage:
         #: before are divided by it first, so they are scaled once, as in the whole model.
         scale = input_scale(more, arch) if not self.first else 1.0
         self.input_scale = np.float32(scale)
+        #: Positions a row takes in a batch: M-RoPE reads 4 (one a section) for hidden
+        #: rows, where it repeats a token id's one (see meshd.models.scaling).
+        mrope = (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE)
+        self.n_pos = 4 if not self.first and L.llama_model_rope_type(model) in mrope else 1
 
     def _cparams(self, n_cells: int, n_seq_max: int, flash: bool | None) -> Any:
         """Context parameters shared by the stage's context and its embeddings one."""
@@ -436,7 +430,7 @@ class LlamaStage:
         llama_batch_free.
         """
         cap = self.n_batch
-        self._b_pos = np.zeros(cap, np.int32)
+        self._b_pos = np.zeros(cap * self.n_pos, np.int32)
         self._b_nseq = np.ones(cap, np.int32)
         self._b_seq = np.zeros(cap, np.int32)
         self._b_out = np.zeros(cap, np.int8)
@@ -667,7 +661,7 @@ class LlamaStage:
                 np.divide(flat[c0:c1], self.input_scale, out=self._b_embd[:n])
             else:
                 self._b_embd[:n] = flat[c0:c1]
-        self._b_pos[:n] = pos[c0:c1]
+        self._b_pos[: n * self.n_pos].reshape(self.n_pos, n)[:] = pos[c0:c1]  # each section
         self._b_seq[:n] = seqs[c0:c1]
         self._b_out[:n] = outs[c0:c1]
         self._batch.n_tokens = n

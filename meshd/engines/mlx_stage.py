@@ -29,7 +29,8 @@ residual-stream rows at the same absolute positions whichever engine ran them.
   stream in f32 like llama.cpp's exact mode.
 - Requests: one mlx-lm ``KVCache`` per layer per request (``seq``), for sliding-window
   layers too (their window is a mask: a ``RotatingKVCache`` overwrites positions that
-  ``truncate`` and ``share`` need). On a llama model a forward call batches its
+  ``truncate`` and ``share`` need). On a llama, mistral, qwen2, qwen3 or phi3 model
+  without windowed layers (``MlxStage.batched``) a forward call batches its
   items ragged: the token-wise work (norms, projections, MLP, head) runs once on the
   rows of every item concatenated, and only attention (rope offset, cache, causal
   mask) runs per item. (MLX's CPU quantized matmul costs the same per row however
@@ -84,6 +85,7 @@ from meshd.models.mlx_layout import (
 from meshd.models.vocab import HfVocab
 
 from .llama_stage import LlamaVocab
+from .mlx_ragged import ragged_block, ragged_model
 from .stage import (
     StageError,
     StageInput,
@@ -494,12 +496,8 @@ class MlxStage:
         self._layers = list(inner.layers)
         self._embed = inner.embed_tokens if self.first else None
         self._embed_scale = _embed_scale(model) if self.first else None
-        # The ragged path (attention per request, the rest batched) re-implements
-        # llama's block; any other block, or windowed attention, runs through the
-        # layer's own __call__ one request at a time.
-        from mlx_lm.models import llama
-
-        self._ragged = model_class is llama.Model and not any(self._windows)
+        # Requests batched ragged where meshd.engines.mlx_ragged has the block.
+        self.batched = ragged_model(model, self._windows)
         if self.last:
             self._norm = inner.norm
             # A tied head is the embedding used as a linear layer.
@@ -572,9 +570,10 @@ class MlxStage:
         stream after the stage's last layer) on a stage that is not last, the last
         row's logits ``(n_vocab,)`` on the last one.
 
-        On a llama model the rows of all items run together (ragged batch: attention
-        per item, all other work on the concatenated rows); other models run each
-        item through the layers on its own. Either way in chunks of at most
+        Where :attr:`batched` (llama, mistral, qwen2, qwen3, phi3 blocks, no window) the
+        rows of all items run together (ragged batch: attention per item, all other
+        work on the concatenated rows, :mod:`meshd.engines.mlx_ragged`); other models
+        run each item through the layers on its own. Either way in chunks of at most
         ``n_batch`` rows.
         Raises StageInputError (before running anything) for an item that does not
         fit; if MLX fails, every item's sequence is rolled back to its ``pos``.
@@ -679,9 +678,9 @@ class MlxStage:
             h = h.astype(mx.float32)[None]
         else:
             h = mx.array(x)[None]
-        if self._ragged:
+        if self.batched:
             for i, layer in enumerate(self._layers):
-                h = self._layer(layer, h, [(s, e, c[i]) for s, e, c in spans])
+                h = ragged_block(layer, h, [(s, e, c[i]) for s, e, c in spans])
         else:
             h = self._items(h, spans)
         if not self.last or not last_rows:
@@ -710,30 +709,6 @@ class MlxStage:
                 x = layer(x, masks[w], cache)
             outs.append(x)
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
-
-    def _layer(self, layer: Any, h: Any, spans: list[tuple[int, int, Any]]) -> Any:
-        """One transformer block of mlx-lm's llama, ragged over several requests."""
-        mx = self._mx
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        outs = []
-        for s, e, cache in spans:
-            n = e - s
-            qi = q[:, s:e].reshape(1, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
-            ki = k[:, s:e].reshape(1, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-            vi = v[:, s:e].reshape(1, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-            qi = attn.rope(qi, offset=cache.offset)
-            ki = attn.rope(ki, offset=cache.offset)
-            ki, vi = cache.update_and_fetch(ki, vi)
-            # "causal" aligns the rows to the end of the keys (offset = cached rows).
-            o = mx.fast.scaled_dot_product_attention(
-                qi, ki, vi, scale=attn.scale, mask="causal" if n > 1 else None
-            )
-            outs.append(o.transpose(0, 2, 1, 3).reshape(1, n, -1))
-        o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
-        h = h + attn.o_proj(o)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     # -- tokenizer -----------------------------------------------------------------
 

@@ -26,6 +26,7 @@ __all__ = [
     "GgufHeader",
     "KvRecord",
     "SpecialTokens",
+    "check_gguf_file",
     "encode_kv",
     "is_gguf",
     "read_header",
@@ -205,6 +206,17 @@ _CORRUPT = (struct.error, IndexError, OverflowError)
 
 def _truncated(path: Path | str, e: Exception) -> ModelFormatError:
     return ModelFormatError(f"{path}: truncated or corrupt GGUF header ({e})")
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise FileNotFoundError when ``path`` is no file, ModelFormatError when it does
+    not start like a GGUF."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no model file at {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFormatError(f"{path} is not a GGUF file (magic {magic!r})")
 
 
 def is_gguf(path: Path) -> bool:

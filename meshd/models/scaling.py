@@ -14,6 +14,12 @@ attend through a sliding window: the two things a cut changes for some architect
   ``{arch}.leading_dense_block_count`` layers dense (the rest MoE), and GLM-4.5 keeps its
   last ``{arch}.nextn_predict_layers`` for multi-token prediction, out of the graph. A
   slice states how many of its own layers are each (:func:`range_counts`).
+* **Rows in need of M-RoPE positions.** GLM-4 and GLM-4.5's graphs abort on input rows
+  (not token ids) unless the file gives multimodal rope sections ("This GGUF does not
+  support multimodal"). A slice after the first states sections (:func:`hidden_rope_sections`):
+  llama.cpp then rotates by M-RoPE, which, every section given the token's one position
+  (what :class:`~meshd.engines.llama_stage.LlamaStage` passes), is the model's own
+  NEOX rotation, computed in the same order.
 * **Sliding-window layers.** Gemma 2/3 tell which layers use the window by a pattern
   over the layer index (every 2nd, every 6th is global). A slice renumbers its layers
   from 0, so the slice carries the range's own per-layer flags as an array, which
@@ -31,6 +37,7 @@ from typing import Any
 __all__ = [
     "DEFAULT_EMBEDDING_SCALE",
     "SWA_PATTERN",
+    "hidden_rope_sections",
     "input_scale",
     "layer_count_defaults",
     "range_counts",
@@ -94,3 +101,20 @@ def range_counts(
     if isinstance(nextn, int):
         out[f"{arch}.nextn_predict_layers"] = max(0, end - max(start, n_layers - nextn))
     return out
+
+
+#: Architectures whose llama.cpp graph takes hidden rows only with M-RoPE sections.
+_MROPE_FOR_ROWS = frozenset({"glm4", "glm4moe"})
+
+
+def hidden_rope_sections(meta: Mapping[str, Any], arch: str, start: int) -> list[int] | None:
+    """``{arch}.rope.dimension_sections`` a slice from layer ``start`` states so that
+    llama.cpp takes hidden rows in; None when it needs none (a first slice, which takes
+    token ids; a file with sections of its own; another architecture)."""
+    if start == 0 or arch not in _MROPE_FOR_ROWS:
+        return None
+    if f"{arch}.rope.dimension_sections" in meta:
+        return None
+    # Any two positive sections switch M-RoPE on; with one position in all of them the
+    # rotation is the same whatever their widths.
+    return [1, 1, 0, 0]

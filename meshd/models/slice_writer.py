@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 
 from .errors import ModelFormatError
 from .gguf import GGUF_MAGIC, KvRecord, encode_kv, read_header, read_kv_records
-from .scaling import layer_count_defaults, range_counts, swa_layers
+from .scaling import hidden_rope_sections, layer_count_defaults, range_counts, swa_layers
 
 __all__ = ["UNBOUNDED_WINDOW", "layer_count", "write_slice"]
 
@@ -28,7 +28,7 @@ _BLK = re.compile(r"^blk\.(\d+)\.(.*)$")
 #: A sliding window wider than any context (positions are int32 in llama.cpp).
 UNBOUNDED_WINDOW = 1 << 24
 #: GGUF value types the records written here take.
-_ARRAY, _BOOL, _UINT32, _FLOAT32 = 9, 7, 4, 6
+_ARRAY, _BOOL, _UINT32, _INT32, _FLOAT32 = 9, 7, 4, 5, 6
 
 
 def layer_count(meta: Mapping[str, Any], path: Path | str) -> tuple[str, int]:
@@ -80,7 +80,8 @@ def _records(
     order: str, records: list[KvRecord], arch: str, n_layers: int, start: int, end: int
 ) -> list[bytes]:
     """The slice's header records: the source's, but the block count, per-layer arrays
-    and sliding-window pattern of the range, and the defaults the layer count sets."""
+    and sliding-window pattern of the range, the defaults the layer count sets, and
+    rope sections where llama.cpp takes hidden rows only with them."""
     meta = {r.key: r.value for r in records}
     pattern_key = f"{arch}.attention.sliding_window_pattern"
     window_key = f"{arch}.attention.sliding_window"
@@ -108,6 +109,10 @@ def _records(
             flags = [True] * len(flags)
             out.append(encode_kv(order, window_key, _UINT32, UNBOUNDED_WINDOW))
         out.append(encode_kv(order, pattern_key, _ARRAY, flags, _BOOL))
+    sections = hidden_rope_sections(meta, arch, start)
+    if sections is not None:
+        key = f"{arch}.rope.dimension_sections"
+        out.append(encode_kv(order, key, _ARRAY, sections, _INT32))
     return out
 
 

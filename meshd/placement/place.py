@@ -50,12 +50,13 @@ from .policy import (
 )
 from .resources import NodeResources
 from .support import (
+    cut_period,
     engine_of,
     model_engines,
     node_engines,
     refused_text,
-    split_refusal,
     stage_holds_states,
+    stage_limit,
 )
 
 
@@ -242,8 +243,8 @@ def place(
     ``spec.nodes``, one entry pins every stage. A node with no usable engine is never
     chosen; the error names the engines that cannot build the model, and why.
 
-    **Splits.** A model whose split is not proven (``support.SPLIT_PROVEN``) runs on
-    one node; asked for more, or fitting no single node, the error says why.
+    **Splits.** Only a proven split is cut, some every few layers, boundaries moved there
+    (``support.stage_limit``); asked for more, or fitting no fewer nodes, the error says why.
 
     **Fresh plan.** Candidates are ranked by usable memory (budget less the floor),
     most first, ties on node id. For k = ``spec.min_nodes``, k + 1, ..., the top k
@@ -359,9 +360,7 @@ def _check_spec(spec: InstanceSpec, m: _Model) -> None:
             f"min_nodes={spec.min_nodes} but model {m.name!r} has only {m.n} layer(s)",
         )
     if max(spec.min_nodes, len(spec.nodes)) > m.max_stages:
-        raise PlacementError(
-            "bad_spec", f"model {m.name!r} ({m.arch}) runs whole on one node: {m.unsplit}"
-        )
+        raise PlacementError("bad_spec", f"model {m.name!r} ({m.arch}) {m.unsplit}")
     if not m.engines:
         raise PlacementError("no_backend", f"no engine can build model {m.name!r}{m.refused_all}")
 
@@ -385,11 +384,12 @@ class _Model:
     floor: int
     engines: tuple[str, ...]
     preference: tuple[str, ...]
-    #: Most stages the model may be cut into (1: its split is not proven, see support).
+    #: Most stages the model may be cut into, and why no more ("" when a stage may start
+    #: at any layer; see support.stage_limit); each starts at a multiple of ``period``.
     max_stages: int
     arch: str
-    #: Why it runs whole ("" when it may be cut), and the engines that cannot build it.
     unsplit: str = ""
+    period: int = 1
     refused: tuple[tuple[str, str], ...] = ()
     #: Bytes of a llama.cpp stage's KV element relative to F16 (its cache type).
     kv_factor: float = 1.0
@@ -424,8 +424,8 @@ class _Model:
         tokens = policy.kv_tokens
         if facts.n_ctx_train > 0:
             tokens = min(tokens, facts.n_ctx_train)
-        engines, refused = model_engines(facts)
-        unsplit = split_refusal(facts)
+        engines, refused = model_engines(facts, policy.kv_cache)
+        max_stages, unsplit = stage_limit(facts)
         return _Model(
             name=name,
             n=facts.n_layers,
@@ -440,9 +440,10 @@ class _Model:
             floor=policy.floor_bytes,
             engines=engines,
             preference=tuple(policy.engine_preference),
-            max_stages=facts.n_layers if unsplit is None else 1,
+            max_stages=max_stages,
             arch=facts.architecture,
-            unsplit=unsplit or "",
+            unsplit=unsplit,
+            period=cut_period(facts),
             refused=refused,
             kv_factor=KV_CACHE_TYPES.get(policy.kv_cache, 1.0),
             kv_cache=policy.kv_cache,
@@ -493,9 +494,9 @@ class _Model:
         return self.need(start, end, engine) - self.offload(start, end, engine, vram)[2]
 
     def holds(self, start: int, end: int) -> bool:
-        """Whether a stage of layers ``[start, end)`` holds each kind of state the model
-        keeps (see :func:`~meshd.placement.support.stage_holds_states`)."""
-        return stage_holds_states(self.state, start, end)
+        """Whether a stage of layers ``[start, end)`` starts where the model may be cut
+        and holds each kind of state it keeps (see :mod:`~meshd.placement.support`)."""
+        return start % self.period == 0 and stage_holds_states(self.state, start, end)
 
     def min_end(self, start: int) -> int:
         """The least end of a stage from ``start`` that :meth:`holds` (n + 1: none)."""
@@ -779,12 +780,8 @@ def _place_fresh(m: _Model, ranked: Sequence[_Cand], min_nodes: int) -> list[Sta
         return best[1]
     members = ranked[: max(min_nodes, top)]
     err = _insufficient(m, members, [c.engine for c in members])
-    if m.max_stages == 1 and len(ranked) > 1:
-        err = PlacementError(
-            err.reason,
-            f"{err.message} ({m.arch} runs whole on one node, which must hold it: {m.unsplit})",
-            err.shortfalls,
-        )
+    if m.unsplit and len(ranked) > m.max_stages:
+        err = PlacementError(err.reason, f"{err.message} ({m.arch} {m.unsplit})", err.shortfalls)
     raise err
 
 

@@ -11,19 +11,23 @@ because facts also come from caches, peers and stored plans made by older ones.
 architecture whose graph does more to the rows a later stage receives (learned
 position embeddings added again, an embedding norm applied again, per-layer inputs,
 recurrent state) gives other text cut than whole, silently. Every other architecture
-runs whole, on one node, and placement says why (:func:`split_refusal`).
+runs whole, on one node, and placement says why (:func:`split_refusal`). Some
+proven architectures are cut only every few layers (:data:`CUT_PERIODS`,
+:func:`stage_limit`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from meshd.domain.builds import ENGINES, build_refusal
+from meshd.domain.builds import ENGINES, MLX_KV_REFUSAL, build_refusal
 from meshd.domain.facts import ModelFacts
 
 __all__ = [
+    "CUT_PERIODS",
     "SPLIT_PROVEN",
     "backend_rank",
+    "cut_period",
     "engine_of",
     "known_split_breaks",
     "model_engines",
@@ -31,6 +35,7 @@ __all__ = [
     "refused_text",
     "split_refusal",
     "stage_holds_states",
+    "stage_limit",
 ]
 
 #: Architectures proven to split, by format: cut in 2 and in 3 stages they give the
@@ -43,7 +48,10 @@ __all__ = [
 #:   scale and sliding-window flags, Granite's and MiniCPM's scales are undone or
 #:   carried by the slices (``meshd.models.scaling``), as are gpt-oss's windowed layers
 #:   and DeepSeek's count of dense first layers. A hybrid (lfm2, granitehybrid) is cut
-#:   only where each stage holds both its kinds of layer (:func:`stage_holds_states`).
+#:   only where each stage holds both its kinds of layer (:func:`stage_holds_states`);
+#:   smollm3 and llama4 only at multiples of their period (:data:`CUT_PERIODS`); a
+#:   glm4moe slice after the first states rope sections to take hidden rows in
+#:   (``meshd.models.scaling.hidden_rope_sections``).
 #: - ``mlx`` (model folders on MLX stages): ``tests/engines/test_mlx_architectures.py``
 #:   (``ARCHS``; an image-text gemma3 folder's facts say gemma3_text).
 #:
@@ -63,11 +71,14 @@ SPLIT_PROVEN: dict[str, frozenset[str]] = {
             "qwen3moe",
             # Issue #32: what households run.
             "deepseek2",
+            "glm4moe",
             "gpt-oss",
             "granitehybrid",
             "lfm2",
+            "llama4",
             "mistral3",
             "olmo2",
+            "smollm3",
         }
     ),
     "mlx": frozenset(
@@ -92,18 +103,45 @@ _SPLIT_BREAKS = {
     "bloom": "llama.cpp normalizes the token embedding again on the rows a later stage receives",
     "gemma3n": "its graph feeds every layer per-layer embeddings (from the token ids) beside "
     "the hidden rows",
-    # llama.cpp sets that step in code (no GGUF key a slice could restate). Measured on
-    # a 4-layer smollm3 cut at layer 1, 2, or 1 and 3: max |logit difference| 0.26
-    # against whole. llama4 also windows 3 of every 4 layers by the same count.
-    **dict.fromkeys(
-        ("smollm3", "llama4"),
-        "llama.cpp skips rope on every 4th layer counted from a stage's own first layer, "
-        "which a cut not at a multiple of 4 moves",
-    ),
-    # Measured: a later stage aborts the process ("This GGUF does not support
-    # multimodal"): its graph takes hidden rows in only with M-RoPE positions.
-    "glm4moe": "llama.cpp's graph aborts on the hidden rows a later stage receives",
 }
+
+
+#: GGUF architectures whose llama.cpp graph sets a pattern over a layer's index in the
+#: file, in code (no key a slice could restate), and the pattern's period: a slice
+#: renumbers its layers from 0, so each stage starts at a multiple of the period.
+#: Measured (tests/engines/test_architectures.py, 12 layers): smollm3 cut at layer 1
+#: answers other tokens (max |logit difference| 27), at 4 and 8 the same; llama4 cut at
+#: 1 or 2 aborts the process (its interleaved experts, 1 or 2 a period, divide 4 too).
+CUT_PERIODS: dict[str, tuple[int, str]] = {
+    "smollm3": (4, "llama.cpp skips rope on every 4th layer, counted from a stage's first"),
+    "llama4": (
+        4,
+        "llama.cpp skips rope on every 4th layer and chunks attention on the 3 others, "
+        "counted from a stage's first",
+    ),
+}
+
+
+def cut_period(facts: ModelFacts) -> int:
+    """Each stage of ``facts``' model starts at a multiple of this many layers (1: at
+    any layer; see :data:`CUT_PERIODS`)."""
+    if facts.format != "gguf":
+        return 1
+    return CUT_PERIODS.get(facts.architecture, (1, ""))[0]
+
+
+def stage_limit(facts: ModelFacts) -> tuple[int, str]:
+    """The most stages ``facts``' model may be cut into, and why no more, for a person
+    ("" when each layer may be a stage): ``(1, "runs whole on one node: ...")``."""
+    why = split_refusal(facts)
+    if why is not None:
+        return 1, f"runs whole on one node: {why}"
+    period, n = cut_period(facts), facts.n_layers
+    if period == 1:
+        return n, ""
+    k = -(-n // period)
+    rule = CUT_PERIODS[facts.architecture][1]
+    return k, f"is cut only every {period} layers ({rule}): {n} layers make at most {k} stage(s)"
 
 
 def known_split_breaks() -> dict[str, str]:
@@ -169,10 +207,12 @@ def node_engines(backends: Iterable[str], allowed: Sequence[str], pref: Sequence
     return out
 
 
-def model_engines(facts: ModelFacts) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
-    """The engines placement may run ``facts``' model on, in the facts' order, and each
-    engine of :data:`~meshd.domain.builds.ENGINES` it may not, with why:
-    ``(("llama_cpp",), (("mlx", "MLX reads GGUFs of ..."),))``."""
+def model_engines(
+    facts: ModelFacts, kv_cache: str = "f16"
+) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The engines placement may run ``facts``' model on with a ``kv_cache`` KV cache,
+    in the facts' order, and each engine of :data:`~meshd.domain.builds.ENGINES` it may
+    not, with why: ``(("llama_cpp",), (("mlx", "MLX reads GGUFs of ..."),))``."""
     listed = tuple(dict.fromkeys(engine_of(e) for e in facts.engines if e))
     if not listed:  # facts from before engines were listed
         listed = ("mlx",) if facts.format == "mlx" else ("llama_cpp",)
@@ -182,6 +222,8 @@ def model_engines(facts: ModelFacts) -> tuple[tuple[str, ...], tuple[tuple[str, 
         why = build_refusal(e, facts.format, facts.architecture)
         if why is None and e not in listed:
             why = f"it cannot read this {facts.format} file (its tensor types or layers)"
+        if why is None and e == "mlx" and kv_cache != "f16":
+            why = MLX_KV_REFUSAL.format(kv_cache=kv_cache)
         if why is None:
             offered.append(e)
         else:

@@ -528,11 +528,17 @@ def test_the_instance_view_says_its_sizes_why_it_runs_whole_and_what_it_runs_wit
         {"id": "gpt2", "spec": {"model": "gpt2"}, "stages": stage, "facts": _facts("gpt2")},
         {"id": "lfm2", "spec": {"model": "lfm2"}, "stages": stage, "facts": _facts("lfm2")},
         {"id": "bare", "spec": {"model": "bare"}, "stages": stage},
-    ]
+        {"id": "smol", "spec": {"model": "smol"}, "stages": stage,
+         "facts": _facts("smollm3", n_layers=12, layer_bytes=[100] * 12)},
+    ]  # fmt: skip
     got = {i["id"]: i for i in instances_of(cluster)}
     assert (got["moe"]["weight_bytes"], got["moe"]["active_bytes"]) == (415, 175)
     assert got["moe"]["split_refusal"] is None and got["moe"]["state_refusals"] == {}
     assert "position embeddings" in got["gpt2"]["split_refusal"]
+    # smollm3 may be cut, every 4 layers only: the view says so (and why).
+    assert got["smol"]["split_refusal"] is None and got["moe"]["cut_rule"] is None
+    assert got["smol"]["cut_rule"].startswith("is cut only every 4 layers (llama.cpp skips rope")
+    assert got["smol"]["cut_rule"].endswith("12 layers make at most 3 stage(s)")
     assert set(got["lfm2"]["state_refusals"]) == {"speculation", "prefix_cache", "n_sharing"}
     assert all("recurrent" in why for why in got["lfm2"]["state_refusals"].values())
     bare = got["bare"]  # an instance without facts: nothing known, nothing refused

@@ -83,15 +83,15 @@ MATRIX = {
 #: biased experts), olmo2 (norms after attention and FFN), mistral3, deepseek2 (latent
 #: attention, a dense first layer, shared experts), and two hybrids whose recurrent
 #: layers keep their state on the stage that owns them (lfm2's short convolutions,
-#: granitehybrid's Mamba-2), cut so that each stage holds both kinds of layer.
-#: Measured and left out (runs whole, see meshd.placement.support): smollm3 and
-#: llama4 (rope skipped on every 4th layer counted from the slice: max |dlogit| 0.26
-#: for smollm3 cut at 1; llama4 cut at 1 aborts llama.cpp), glm4moe (a later stage
-#: aborts: "This GGUF does not support multimodal").
+#: granitehybrid's Mamba-2), cut so that each stage holds both kinds of layer;
+#: smollm3 and llama4 (rope skipped on every 4th layer, counted from a slice's first:
+#: cut at multiples of 4 only, see test_a_model_cut_every_4_layers_...), glm4moe (a
+#: later stage's slice states rope sections, or llama.cpp aborts on its rows: "This
+#: GGUF does not support multimodal").
 CASES = {**{case: (arch, N_LAYERS) for case, (arch, _, _) in MATRIX.items()},
          **{case: (arch, n) for case, (arch, n, _, _) in ARCHS.items()}}  # fmt: skip
 #: Where a model of n layers is cut into 2 and into 3 stages.
-CUTS = {4: {2: (1,), 3: (1, 3)}, 6: {2: (2,), 3: (2, 4)}}
+CUTS = {4: {2: (1,), 3: (1, 3)}, 6: {2: (2,), 3: (2, 4)}, 12: {2: (4,), 3: (4, 8)}}
 
 
 @pytest.fixture(scope="module")
@@ -271,3 +271,31 @@ def test_each_stage_of_a_hybrid_holds_both_its_kinds_of_layer(
     # llama.cpp's own word for its memory is meshd's rule's (meshd.domain.recurrent).
     assert slice_stages(case, 0, 2).recurrent and arch in RECURRENT_ARCHITECTURES
     assert not slice_stages("qwen3-qk-norms", 0, 1).recurrent
+
+
+def test_a_model_cut_every_4_layers_is_placed_so_and_says_why(
+    models: Callable[[str], Path],
+    slice_stages: Callable[[str, int, int], LlamaStage],
+    whole_runs: Callable[[str], tuple[list[int], Run]],
+) -> None:
+    """smollm3 and llama4 skip rope on every 4th layer counted from a file's first
+    layer: a stage starting elsewhere rotates other layers (smollm3 answers other
+    tokens; llama4 aborts the process). Placement starts each stage at a multiple of 4,
+    moving the cut it wanted, and says why when asked for more stages than that gives."""
+    facts = read_facts(models("smollm3"), "smollm3", sha256="0" * 64)
+    nodes = {x: NodeResources(id=x, name=x, backends=["llama_cpp-cpu"], mem_available=1 << 40)
+             for x in "abcd"}  # fmt: skip
+    # Two equal nodes want the cut at 6 of 12 layers: it moves to 4 (ties go lower).
+    stages = place(InstanceSpec(model="smollm3", min_nodes=2), facts, nodes)
+    assert [(s.start, s.end) for s in stages] == [(0, 4), (4, 12)]
+    stages = place(InstanceSpec(model="smollm3", min_nodes=3), facts, nodes)
+    assert [(s.start, s.end) for s in stages] == [(0, 4), (4, 8), (8, 12)]
+    for spec in (InstanceSpec(model="smollm3", min_nodes=4),
+                 InstanceSpec(model="smollm3", nodes=list("abcd"))):  # fmt: skip
+        with pytest.raises(PlacementError, match=r"cut only every 4 layers \(llama.cpp skips "
+                           r"rope.*12 layers make at most 3 stage"):  # fmt: skip
+            place(spec, facts, nodes)
+    # Measured: cut at layer 1 instead, a later stage rotates layer 3 and not layer 4.
+    prompt, (one, _) = whole_runs("smollm3")
+    cut, _ = greedy([slice_stages("smollm3", 0, 1), slice_stages("smollm3", 1, 12)], prompt)
+    assert cut != one

@@ -36,8 +36,8 @@ def hybrid(
     tmp = tmp_path_factory.mktemp("hybrid")
     path = write_arch(tmp / "lfm2.gguf", model_path, "lfm2")
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    opts = {"exact": True, "sha256": sha, "n_layers": 6, "n_ctx": 256, "n_seq_max": 4}
-    route = [RunnerProcess(runner_config(path, slice_dir, stage=i, bounds=HALVES, **opts), tmp)
+    route = [RunnerProcess(runner_config(path, slice_dir, stage=i, bounds=HALVES, exact=True,
+                                         sha256=sha, n_layers=6, n_ctx=256, n_seq_max=4), tmp)
              for i in range(2)]  # fmt: skip
     try:
         yield path, route
@@ -67,10 +67,12 @@ def test_a_hybrid_asked_to_speculate_cache_and_share_answers_the_whole_models_te
     asked = {"prompt": PROMPT, "sampling": s, "speculate": True, "cache_prompt": True}
     first = api.answer(route, "spec-1", **asked)
     assert tokens_of(first) == want
-    assert first[-1].usage.drafted_tokens == 0  # it did not speculate
+    usage = first[-1].usage
+    assert usage is not None and usage.drafted_tokens == 0  # it did not speculate
     again = api.answer(route, "spec-2", **asked)  # a prefix would be reused here
     assert tokens_of(again) == want
-    assert again[-1].usage.cached_tokens == 0
+    usage = again[-1].usage
+    assert usage is not None and usage.cached_tokens == 0
     # n choices of one prompt at once: each runs the prompt, each gives the text.
     for i in range(3):
         api.generate(route, f"n-{i}", **asked)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from meshd.domain.builds import MLX_BATCHED_ARCHITECTURES
 from meshd.engines.mlx_stage import MlxStage
 from meshd.engines.stage import StageInput
 from meshd.models.errors import UnsupportedModelError
@@ -326,6 +327,13 @@ def test_stage_runs_the_architectures_own_model(
             assert type(model) is model_class
             # Only the stage's layers are kept, renumbered from 0.
             assert len(model.model.layers) == stage.n_layers
+            # Requests run together (ragged) where the rule says, on a stage with no
+            # windowed layer (llama_swa's even layers are).
+            windowed = config.get("layer_types", [""] * N_LAYERS)[stage.start : stage.end]
+            assert stage.batched == (
+                config["model_type"] in MLX_BATCHED_ARCHITECTURES
+                and "sliding_attention" not in windowed
+            )
     facts = read_folder_facts(folder, "x")
     assert facts.engines == ["mlx"] and facts.n_layers == N_LAYERS
 

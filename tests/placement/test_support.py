@@ -17,6 +17,7 @@ from meshd.domain.builds import buildable_engines
 from meshd.domain.facts import ModelFacts
 from meshd.domain.nodes import NodeResources
 from meshd.placement import SPLIT_PROVEN, PlacementError, model_engines, place, split_refusal
+from meshd.placement.support import CUT_PERIODS, cut_period
 
 GiB = 1 << 30
 #: A Mac: MLX on Metal ranked first, llama.cpp on Metal too.
@@ -27,18 +28,20 @@ MAC = ["mlx-metal", "llama_cpp-metal"]
 #: these lists.
 GGUF_ARCHS = sorted(SPLIT_PROVEN["gguf"])
 FOLDER_ARCHS = sorted(SPLIT_PROVEN["mlx"])
-#: Architectures llama.cpp runs whose split no test proves (gpt2, bloom, smollm3, llama4,
-#: glm4moe: measured or read in llama.cpp's graph to differ or abort cut).
-UNPROVEN = ["bloom", "command-r", "falcon", "glm4moe", "gpt2", "llama4", "mamba",
-            "qwen2vl", "rwkv6", "smollm3", "starcoder2"]  # fmt: skip
+#: Architectures llama.cpp runs whose split no test proves (gpt2, bloom: measured or
+#: read in llama.cpp's graph to differ or abort cut).
+UNPROVEN = ["bloom", "command-r", "falcon", "gpt2", "mamba", "qwen2vl", "rwkv6",
+            "starcoder2"]  # fmt: skip
 
 
-def facts(arch: str, fmt: str = "gguf", engines: tuple[str, ...] = ("llama_cpp", "mlx")):
-    """A 4-layer model of ``arch``, 1 GiB a layer. Listing MLX for every architecture is
-    what facts read by an older meshd said (and peers running one still say)."""
+def facts(
+    arch: str, fmt: str = "gguf", engines: tuple[str, ...] = ("llama_cpp", "mlx"), n: int = 4
+):
+    """An ``n``-layer model of ``arch``, 1 GiB a layer. Listing MLX for every architecture
+    is what facts read by an older meshd said (and peers running one still say)."""
     return ModelFacts(
-        name=f"{arch}-model", sha256="0" * 64, format=fmt, architecture=arch, n_layers=4,
-        hidden_size=64, n_ctx_train=512, layer_bytes=[GiB] * 4, engines=list(engines),
+        name=f"{arch}-model", sha256="0" * 64, format=fmt, architecture=arch, n_layers=n,
+        hidden_size=64, n_ctx_train=512, layer_bytes=[GiB] * n, engines=list(engines),
     )  # fmt: skip
 
 
@@ -56,11 +59,26 @@ def nodes(*backends: list[str], mem: int = 64 * GiB) -> dict[str, NodeResources]
 @pytest.mark.parametrize("arch", [a for a in GGUF_ARCHS if a != "llama"])
 @pytest.mark.parametrize("listed", [("llama_cpp", "mlx"), ("llama_cpp",)], ids=["old", "new"])
 def test_a_non_llama_gguf_runs_on_llama_cpp_on_a_mac(arch: str, listed: tuple[str, ...]) -> None:
-    f = facts(arch, engines=listed)
+    f = facts(arch, engines=listed, n=4 * cut_period(facts(arch)))
     assert model_engines(f)[0] == ("llama_cpp",)
     for spec in (InstanceSpec(model="m"), InstanceSpec(model="m", min_nodes=2)):
         stages = place(spec, f, nodes(MAC, MAC))
         assert {s.engine for s in stages} == {"llama_cpp"}
+
+
+def test_a_quantized_kv_cache_is_kept_by_llama_cpp_and_refused_on_mlx_by_name() -> None:
+    # MLX stages keep an f16 cache: a q8_0 instance on a Mac runs on llama.cpp, and
+    # pinned to MLX it is refused with why, never given a cache type it ignores.
+    spec = InstanceSpec(model="m", kv_cache="q8_0")
+    (stage,) = place(spec, facts("llama"), nodes(MAC))
+    assert stage.engine == "llama_cpp"
+    assert ("mlx", "MLX stages keep an f16 KV cache, not q8_0 (llama_cpp keeps q8_0)") in (
+        model_engines(facts("llama"), "q8_0")[1]
+    )
+    with pytest.raises(PlacementError, match="not on 'mlx': MLX stages keep an f16 KV cache"):
+        place(replace(spec, engines=["mlx"]), facts("llama"), nodes(MAC))
+    with pytest.raises(PlacementError, match="mlx cannot run it: MLX stages keep an f16"):
+        place(spec, facts("llama"), nodes(["mlx-metal"]))
 
 
 def test_a_llama_gguf_may_run_on_mlx_on_a_mac() -> None:
@@ -164,9 +182,22 @@ def test_the_rule_offers_what_each_engine_builds() -> None:
 @pytest.mark.parametrize("arch", GGUF_ARCHS)
 def test_an_architecture_proven_to_split_is_cut_when_asked(arch: str) -> None:
     assert split_refusal(facts(arch)) is None
-    stages = place(InstanceSpec(model="m", min_nodes=2), facts(arch, engines=("llama_cpp",)),
+    n = 4 * cut_period(facts(arch))  # smollm3, llama4: cut every 4 layers
+    stages = place(InstanceSpec(model="m", min_nodes=2), facts(arch, "gguf", ("llama_cpp",), n),
                    nodes(["llama_cpp-cpu"], ["llama_cpp-cpu"]))  # fmt: skip
-    assert len(stages) == 2
+    assert len(stages) == 2 and all(s.start % cut_period(facts(arch)) == 0 for s in stages)
+
+
+@pytest.mark.parametrize("arch", sorted(CUT_PERIODS))
+def test_a_model_too_short_for_its_cut_period_runs_whole_and_says_why(arch: str) -> None:
+    f, cpu = facts(arch, engines=("llama_cpp",)), ["llama_cpp-cpu"]
+    with pytest.raises(PlacementError, match=rf"\({arch}\) is cut only every 4 layers \(llama"
+                       r".*4 layers make at most 1 stage"):  # fmt: skip
+        place(InstanceSpec(model="m", min_nodes=2), f, nodes(cpu, cpu))
+    # Room for half on each of two nodes: not cut, and the memory error says why.
+    with pytest.raises(PlacementError) as err:
+        place(InstanceSpec(model="m"), f, nodes(cpu, cpu, mem=3 * GiB))
+    assert err.value.reason == "insufficient_memory" and "cut only every 4" in err.value.message
 
 
 @pytest.mark.parametrize("arch", UNPROVEN)

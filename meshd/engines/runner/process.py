@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from meshd.domain.builds import MLX_KV_REFUSAL
 from meshd.engines.calibrate import calibrate
 from meshd.engines.protocol import Failed, Listening, Ready, RunnerConfig, decode_config
 from meshd.engines.stage import Stage
@@ -123,6 +124,8 @@ def load_stage(cfg: RunnerConfig) -> Stage:
     if cfg.engine == "mlx":
         from meshd.engines.mlx_stage import MlxStage
 
+        if cfg.kv_cache != "f16":  # placement never plans it (a plan of an older one)
+            raise ValueError(MLX_KV_REFUSAL.format(kv_cache=cfg.kv_cache))
         return MlxStage(
             Path(cfg.model_path), start=start, end=end, first=first, last=last,
             n_ctx=cfg.n_ctx, n_seq_max=cfg.n_seq_max, exact=cfg.exact,
