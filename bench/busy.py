@@ -2,6 +2,7 @@
 
     python bench/busy.py                 # 3 rounds, 64 tokens
     python bench/busy.py --rounds 5 --tokens 128 --keep-logs
+    python bench/busy.py --rounds 1 --tokens 32 --skip-all-cores   # a quick look
 
 One ``meshd up`` node serving the default model (whole, 1 stage, its threads left to
 meshd: ``MESHD_THREADS`` unset, ``GOMP_SPINCOUNT`` as meshd sets it), and
@@ -119,13 +120,18 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
     place(client, node, DEFAULT_MODEL, ["busy"])
     payload = chat_payload(DEFAULT_MODEL, args.tokens, meshd=True)
     default = Direct(tmp, path, 0)
-    every = Direct(tmp, path, cores or 1)
     subjects: dict[str, Callable[[], Stream]] = {
         "meshd (threads follow the free cores)": lambda: stream_chat(client, node.api, payload),
         f"llama-cpp-python, default ({default.info['threads']} threads)":
             lambda: default.stream(args.tokens),
-        f"llama-cpp-python, {every.info['threads']} threads": lambda: every.stream(args.tokens),
     }  # fmt: skip
+    workers = [default]
+    if not args.skip_all_cores:
+        every = Direct(tmp, path, cores or 1)
+        workers.append(every)
+        subjects[f"llama-cpp-python, {every.info['threads']} threads"] = lambda: every.stream(
+            args.tokens
+        )
     for run in subjects.values():
         run()  # warm
     ratios: dict[str, list[float]] = {k: [] for k in subjects}
@@ -154,8 +160,8 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
     print(table(rows, ["subject", "quiet tok/s", "busy tok/s", "busy/quiet", "spread"]))
     print(f"\nother processes' CPU during the quiet streams: median "
           f"{statistics.median(loads):.0%} of all cores; CI running: {ci_running()}")  # fmt: skip
-    default.close()
-    every.close()
+    for w in workers:
+        w.close()
     return 0
 
 
@@ -164,6 +170,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--keep-logs", action="store_true")
+    p.add_argument(
+        "--skip-all-cores", action="store_true",
+        help="leave out llama-cpp-python on every core (slow on a busy machine: minutes)",
+    )  # fmt: skip
     add_worker_args(p)
     args = p.parse_args()
     if args.worker:
