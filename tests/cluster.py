@@ -166,6 +166,10 @@ class Cluster:
             args += ["--peer", f"127.0.0.1:{p.mesh_port}"]
         if context is not None:
             args += ["--context", str(context)]
+        # A test node keeps its instances loaded (a slow CI leaves gaps longer than the
+        # default 5 minutes between a package's requests); a request's keep_alive still
+        # unloads one (tests/api/test_ollama.py).
+        args.append("--keep-alive=-1")
         extra = list(extra_args or [])
         if secret and not {"--secret-file", "--join", "--open"} & set(extra):
             args += ["--secret-file", str(self.secret_file)]

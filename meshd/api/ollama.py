@@ -56,7 +56,7 @@ from .errors import ApiError, model_not_found, node_error
 from .logprobs import chat_logprobs
 from .ollama_embed import embed, embeddings
 from .ollama_embed import ollama_model as _model
-from .runs import GenerateRequest, Run, admit, instance_of
+from .runs import GenerateRequest, Run, admit, load_only
 from .services import ApiContext, context
 from .toolcalls import Call, ChoiceCalls
 
@@ -136,11 +136,9 @@ def _request(
     opts = body.opts
     tools = None
     if isinstance(body, o.ChatRequest) and body.tool_mode is not None:
-        specs = [
-            ToolSpec(name=t.function.name, description=t.function.description,
-                          parameters=t.function.parameters)
-            for t in body.tools or ()
-        ]  # fmt: skip
+        fs = [t.function for t in body.tools or ()]
+        specs = [ToolSpec(name=f.name, description=f.description, parameters=f.parameters)
+                 for f in fs]  # fmt: skip
         tools = ToolUse(tools=specs, choice=body.tool_mode)
     return GenerateRequest(
         model=_model(ctx, body.model),
@@ -155,6 +153,7 @@ def _request(
         grammar=body.grammar,
         tools=tools,
         think=body.think_choice,
+        keep_alive=o.keep_alive_seconds(body.keep_alive),
     )
 
 
@@ -188,7 +187,7 @@ async def _load_only(
     """An empty prompt: Ollama loads the model and answers ``done_reason: "load"``."""
     t0 = time.perf_counter()
     model = _model(ctx, body.model)
-    await instance_of(ctx, model, body.opts.num_ctx or 0)
+    await load_only(ctx, model, body.opts.num_ctx or 0, o.keep_alive_seconds(body.keep_alive))
     took = int((time.perf_counter() - t0) * 1e9)
     common: dict[str, Any]  # each field's own type: the response Struct checks them
     common = {"model": body.model, "created_at": _now(), "done": True, "done_reason": "load",

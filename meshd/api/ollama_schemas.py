@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from meshd.domain.keepalive import parse_keep_alive
 from meshd.domain.reasoning import ThinkChoice
 from meshd.domain.sampling import MAX_TOP_LOGPROBS
 
@@ -121,9 +122,19 @@ class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise FieldError("tool_calls", "only assistant messages carry tool_calls")
 
 
+def keep_alive_seconds(value: str | float | None) -> float | None:
+    """``keep_alive`` in seconds (``math.inf``: forever; None: not said), or the
+    FieldError that names it."""
+    try:
+        return parse_keep_alive(value)
+    except ValueError as e:
+        raise FieldError("keep_alive", str(e)) from None
+
+
 def _check_generation(req: _Generation) -> None:
     if not req.model.strip():
         raise FieldError("model", "model is required")
+    keep_alive_seconds(req.keep_alive)
     _ = req.think_choice  # a FieldError for a level no model knows
     check_range("top_logprobs", req.top_logprobs, 0, MAX_TOP_LOGPROBS)
     if req.format not in (None, "", "json") and not isinstance(req.format, dict):
@@ -138,8 +149,8 @@ class _Generation(msgspec.Struct, kw_only=True, omit_defaults=True):
     options: Options | None = None
     #: Streamed as NDJSON unless false (Ollama's default is to stream).
     stream: bool = True
-    #: Accepted and not honoured: an instance serves the whole household, so one
-    #: client's keep_alive does not unload it (``DELETE /v1/instances/{id}`` does).
+    #: How long the model stays loaded after this request (seconds, or a duration such
+    #: as ``"10m"``; 0 unloads it after; negative: forever), see :attr:`keep_alive_s`.
     keep_alive: str | float | None = None
     think: bool | str | None = None
     logprobs: bool | None = None

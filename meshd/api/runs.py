@@ -92,6 +92,9 @@ class GenerateRequest:
     #: Tokens of context a request gets if this request places the model (Ollama's
     #: ``num_ctx``); an instance already placed keeps its own. 0: the default.
     context: int = 0
+    #: Seconds the instance stays loaded after this request (Ollama's ``keep_alive``;
+    #: ``math.inf`` forever; None: the node's default).
+    keep_alive: float | None = None
     #: May start from the KV of an earlier request with the same beginning (None:
     #: sampled unseeded requests do; see ``Job.cache_prompt``).
     cache_prompt: bool | None = None
@@ -296,7 +299,7 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
             cache_prompt=req.cache_prompt, speculate=req.speculate, client=client,
             think=req.think, template_kwargs=req.template_kwargs,
         )  # fmt: skip
-        chunks = services.generate(inst, job)
+        chunks = services.generate(inst, job, req.keep_alive)
         first = await _first(chunks, lambda e: refusal(e, inst, route, req.max_tokens))
     except ApiError as e:
         ticket.release()
@@ -331,6 +334,15 @@ async def instance_of(ctx: ApiContext, model: str, context: int = 0) -> Instance
         if err is None:
             raise
         raise err from None
+
+
+async def load_only(ctx: ApiContext, model: str, context: int, keep_alive: float | None) -> None:
+    """Ollama's request with no prompt: load the model's instance and keep it loaded
+    ``keep_alive`` seconds; ``keep_alive`` 0 unloads it instead (``ollama stop``)."""
+    inst = ctx.services.view().find_instance(model) if keep_alive == 0 else None
+    if inst is None:
+        inst = await instance_of(ctx, model, context)
+    ctx.services.keep_alive(inst.id, keep_alive)
 
 
 async def _first(

@@ -102,8 +102,15 @@ class Services(Protocol):
         self,
         inst: Instance,
         job: Job,
+        keep_alive: float | None = None,
     ) -> AsyncIterator[wire.DataChunk]:
-        """Run one request on ``inst``: its chunks, the first one the acknowledgement."""
+        """Run one request on ``inst``: its chunks, the first one the acknowledgement;
+        then keep the instance loaded ``keep_alive`` seconds (None: the default)."""
+        ...
+
+    def keep_alive(self, instance_id: str, seconds: float | None) -> None:
+        """Keep ``instance_id`` loaded ``seconds`` from now (None: the node's default;
+        0: unload it once no request runs on it)."""
         ...
 
     async def doctor(self) -> Report:

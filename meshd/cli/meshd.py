@@ -114,6 +114,7 @@ def _config(args: argparse.Namespace) -> NodeConfig:
         max_clock_drift_ms=args.max_clock_drift,
         tombstone_grace_ms=args.tombstone_grace,
         load_wait=args.load_wait,
+        keep_alive=args.keep_alive,
         models_rescan=args.models_rescan,
         chunk_timeout=args.chunk_timeout,
         request_expiry=args.request_expiry,

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 LIVENESS_STYLE = {"alive": "green", "suspect": "yellow", "dead": "red", "left": "dim"}
 RUNNER_STYLE = {
     "ready": "green", "fetching": "cyan", "loading": "yellow", "failed": "red", "stopped": "dim",
-    "pending": "dim", "unavailable": "red",
+    "unloaded": "dim", "pending": "dim", "unavailable": "red",
 }  # fmt: skip
 GIB = 1024**3
 BAR_WIDTH = 10

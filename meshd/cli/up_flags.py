@@ -16,6 +16,7 @@ from meshd.cli.argtypes import (
 )
 from meshd.cli.keys import add_key_flags
 from meshd.crdt.hlc import DEFAULT_MAX_DRIFT_MS
+from meshd.domain.keepalive import DEFAULT_KEEP_ALIVE_S, parse_keep_alive
 from meshd.logs import LOG_FORMATS
 from meshd.models import DEFAULT_MODEL
 from meshd.node.config import (
@@ -241,6 +242,15 @@ def _request_timing_flags(up: argparse.ArgumentParser) -> None:
         "Retry-After (default: %(default)s)",
     )
     up.add_argument(
+        "--keep-alive",
+        type=_keep_alive,
+        default=DEFAULT_KEEP_ALIVE_S,
+        metavar="DURATION",
+        help="how long an instance stays loaded after its last request, unless the request "
+        "says (Ollama's keep_alive): seconds or a duration such as 10m; negative: forever "
+        "(default: %(default)s s)",
+    )
+    up.add_argument(
         "--chunk-timeout",
         type=positive_float,
         default=CHUNK_TIMEOUT_S,
@@ -296,6 +306,15 @@ def _request_timing_flags(up: argparse.ArgumentParser) -> None:
         help="text lines, or one JSON object a line for log collectors; the node's "
         "runners log the same way (default: %(default)s)",
     )
+
+
+def _keep_alive(text: str) -> float:
+    try:
+        seconds = parse_keep_alive(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    assert seconds is not None
+    return seconds
 
 
 def _port(text: str) -> int:

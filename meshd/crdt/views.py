@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from meshd.domain.facts import ModelFacts
+from meshd.domain.keepalive import Awake
 from meshd.domain.nodes import Device, NodeResources
 
 from .lww import Entry, LWWMap
@@ -109,7 +110,9 @@ class NodeCard(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     model_facts: list[ModelFacts] = []
 
 
-RunnerStateName = Literal["fetching", "loading", "ready", "failed", "stopped"]
+#: ``unloaded``: the instance idled past its keep-alive: no process runs it here until a
+#: request wakes it (see ``meshd.domain.keepalive``).
+RunnerStateName = Literal["fetching", "loading", "ready", "failed", "stopped", "unloaded"]
 
 
 class RunnerStatus(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
@@ -175,6 +178,9 @@ class Health(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     #: (A node of an older meshd keys them by model name: no instance id matches
     #: such an entry, so its figures are left out rather than shown under both.)
     serving: dict[str, ModelSpeed] = {}
+    #: Per instance (by id) this node's API sent requests to: until when it wants it
+    #: loaded, and whether a request of its runs on it now (``meshd.domain.keepalive``).
+    awake: dict[str, Awake] = {}
 
 
 class Stage(msgspec.Struct, kw_only=True, frozen=True):

@@ -413,6 +413,14 @@ class LlamaStage:
         own choice, ``auto``): see :func:`meshd.engines.attention.flash_attn`."""
         return attention.flash_attn(self.kv_cache, self.n_gpu_layers, self.exact, self._flash_attn)
 
+    def set_threads(self, n: int) -> int:
+        """Compute the next steps (prompts and decodes) with ``n`` CPU threads; the count
+        llama.cpp holds now. Between steps only (see :mod:`meshd.engines.freecores`)."""
+        self.n_threads = n = max(1, int(n))
+        for ctx in (c for c in (self._ctx, self._embed_ctx) if c):
+            self._L.llama_set_n_threads(ctx, n, n)
+        return int(self._L.llama_n_threads(self._ctx)) if self._ctx else n
+
     @property
     def kept_rows(self) -> int:
         """Rows of other work after which a sequence kept for no request (a cached
@@ -501,15 +509,15 @@ class LlamaStage:
     def free(self, seq: int) -> None:
         """Release a request's KV cache; its seq id can start a new request at pos 0."""
         self._check_open()
-        self._check_seq(seq)
+        check_seq(seq, self.n_seq_max)
         self._L.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
     def share(self, src: int, dst: int, n: int) -> None:
         """Make the empty ``dst`` hold ``src``'s first ``n`` positions: the cells are
         shared (one KV buffer holds every sequence), nothing is copied."""
         self._check_open()
-        self._check_seq(src)
-        self._check_seq(dst)
+        check_seq(src, self.n_seq_max)
+        check_seq(dst, self.n_seq_max)
         past = self.n_past(src)
         # A recurrent state is the whole sequence's: only all of it can be copied.
         if self.n_past(dst) != 0 or past < n or (self.recurrent and past != n):
@@ -519,7 +527,7 @@ class LlamaStage:
     def truncate(self, seq: int, n: int) -> None:
         """Keep only ``seq``'s first ``n`` positions."""
         self._check_open()
-        self._check_seq(seq)
+        check_seq(seq, self.n_seq_max)
         if not 0 <= n <= self.n_past(seq):
             raise StageInputError(f"cannot keep {n} positions of seq {seq}")
         # llama.cpp refuses (False) to cut a recurrent state back: never go on with it.
@@ -529,12 +537,6 @@ class LlamaStage:
     def _check_open(self) -> None:
         if self._ctx is None:
             raise StageError("stage is closed")
-
-    def _check_seq(self, seq: int) -> None:
-        check_seq(seq, self.n_seq_max)
-
-    def _validate(self, items: Sequence[StageInput]) -> list[np.ndarray]:
-        return validate_inputs(self, items)
 
     def forward(self, items: Sequence[StageInput]) -> list[StageOutput]:
         """Run this stage's layers on several requests at once; outputs in item order.
@@ -558,7 +560,7 @@ class LlamaStage:
             and all(_one_token(it) for it in items)
         ):
             return self._decode_step(items)
-        inputs = self._validate(items)
+        inputs = validate_inputs(self, items)
         lengths = [len(a) for a in inputs]
         total = sum(lengths)
         ends = np.cumsum(lengths)
@@ -811,15 +813,12 @@ class LlamaStage:
 
     def close(self) -> None:
         """Free the contexts and the model. Safe to call twice."""
-        if self._embed_ctx is not None:
-            self._L.llama_free(self._embed_ctx)
-            self._embed_ctx = None
-        if self._ctx is not None:
-            self._L.llama_free(self._ctx)
-            self._ctx = None
-        if self._model is not None:
-            self._L.llama_model_free(self._model)
-            self._model = None
+        L = self._L
+        for name, free in (("_embed_ctx", L.llama_free), ("_ctx", L.llama_free),
+                           ("_model", L.llama_model_free)):  # fmt: skip
+            if getattr(self, name) is not None:
+                free(getattr(self, name))
+                setattr(self, name, None)
 
     def __enter__(self) -> LlamaStage:
         return self

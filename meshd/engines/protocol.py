@@ -9,10 +9,11 @@ an argument list (every user of the machine can read those) or in the environmen
 The runner reports on stdout (:data:`RunnerEvent`, tagged by ``"event"``): ``listening``
 with its port, then ``ready`` or ``failed`` with a reason; later ``load`` (requests
 holding KV), ``generation`` (a plan generation adopted) and ``expired`` (a request
-freed after idling). It reads commands on stdin after the config (:data:`RunnerCommand`,
-tagged by ``"cmd"``): ``generation`` (adopt a new plan generation), ``members`` (the
-client keys its sockets admit) and ``stop``. EOF on stdin means the node is gone: the
-runner exits.
+freed after idling) and ``threads`` (the CPU threads its engine computes with now). It
+reads commands on stdin after the config (:data:`RunnerCommand`, tagged by ``"cmd"``):
+``generation`` (adopt a new plan generation), ``members`` (the client keys its sockets
+admit), ``threads`` (compute with that many CPU threads from the next step) and
+``stop``. EOF on stdin means the node is gone: the runner exits.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ __all__ = [
     "RunnerEvent",
     "SetGeneration",
     "SetMembers",
+    "SetThreads",
     "SocketKeys",
     "Stop",
+    "ThreadsSet",
     "decode_command",
     "decode_config",
     "decode_event",
@@ -214,7 +217,15 @@ class Beat(msgspec.Struct, tag="beat", tag_field="event"):
 #: How often a runner beats.
 BEAT_S = 0.25
 
-RunnerEvent = Listening | Ready | Failed | Load | GenerationAdopted | Expired | Beat
+
+class ThreadsSet(msgspec.Struct, tag="threads", tag_field="event"):
+    """The stage computes with ``n`` CPU threads from its next step (0: its engine has
+    no such setting, as MLX)."""
+
+    n: int
+
+
+RunnerEvent = Listening | Ready | Failed | Load | GenerationAdopted | Expired | Beat | ThreadsSet
 
 
 # -- commands: supervisor -> runner (stdin) --------------------------------------------
@@ -241,11 +252,18 @@ class SetDraft(msgspec.Struct, tag="draft", tag_field="cmd"):
     addr: Addr | None = None
 
 
+class SetThreads(msgspec.Struct, tag="threads", tag_field="cmd"):
+    """Compute with ``n`` CPU threads from the next step: the cores other processes
+    leave free changed (see ``meshd.engines.freecores``)."""
+
+    n: int
+
+
 class Stop(msgspec.Struct, tag="stop", tag_field="cmd"):
     """Exit now."""
 
 
-RunnerCommand = SetGeneration | SetMembers | SetDraft | Stop
+RunnerCommand = SetGeneration | SetMembers | SetDraft | SetThreads | Stop
 
 _events = msgspec.json.Decoder(RunnerEvent)
 _commands = msgspec.json.Decoder(RunnerCommand)

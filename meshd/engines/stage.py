@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -25,7 +25,9 @@ __all__ = [
     "StageInput",
     "StageInputError",
     "StageOutput",
+    "Threaded",
     "check_seq",
+    "set_threads",
     "stage_role",
     "validate_inputs",
 ]
@@ -152,6 +154,22 @@ class Stage(Protocol):
     def close(self) -> None:
         """Free the engine's memory."""
         ...
+
+
+@runtime_checkable
+class Threaded(Protocol):
+    """A stage whose engine computes with a number of CPU threads that may change
+    between steps (llama.cpp; MLX has no such setting: it runs on the GPU)."""
+
+    def set_threads(self, n: int) -> int:
+        """Use ``n`` threads from the next step on; the count the engine now holds."""
+        ...
+
+
+def set_threads(stage: object, n: int) -> int:
+    """Have ``stage`` compute with ``n`` CPU threads, where its engine can; the count it
+    holds now (0: its engine has no such setting)."""
+    return stage.set_threads(n) if isinstance(stage, Threaded) else 0
 
 
 def stage_role(first: bool, last: bool) -> str:

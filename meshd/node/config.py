@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshd.crdt import hlc, liveness
+from meshd.domain.keepalive import DEFAULT_KEEP_ALIVE_S
 from meshd.engines.protocol import REQUEST_EXPIRY_S, STREAM_INTERVAL_S
 from meshd.models import DEFAULT_MODEL
 from meshd.placement.policy import KV_SEQUENCES, KV_TOKENS
@@ -116,6 +117,9 @@ class NodeConfig:
     #: Seconds a request broken by a fault waits for its repaired plan to serve.
     replay_wait: float = REPLAY_WAIT_S
     load_wait: float = LOAD_WAIT_S
+    #: Seconds an instance stays loaded after its last request unless the request said
+    #: (``keep_alive``; ``math.inf``: forever; see ``meshd.domain.keepalive``).
+    keep_alive: float = DEFAULT_KEEP_ALIVE_S
     models_rescan: float = MODELS_RESCAN_S
     first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT_S
     chunk_timeout: float = CHUNK_TIMEOUT_S

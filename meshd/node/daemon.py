@@ -53,10 +53,12 @@ from .presence import Presence, cap_memory, first_card
 from .requests import Requests
 from .roots import ModelRoots
 from .services import NodeServices
+from .sleep import Sleep
 from .state import ClusterState
 from .supervisor import Supervisor, decode_bps, tell_drafts
 from .supervisor_settings import SupervisorSettings
 from .tasks import Tasks
+from .thread_tuner import tune_threads
 from .twins import EXIT_ID_CLASH, Twins
 from .weights import Weights
 
@@ -113,6 +115,7 @@ class Node:
         self.membership = membership
         self.twins = twins
         self.supervisor = supervisor
+        self.sleep = Sleep(identity.node_id, state, config.keep_alive)
         self.instances = instances
         self.requests = requests
         self.metrics = metrics
@@ -182,16 +185,18 @@ class Node:
         self.tasks.spawn(self.membership.run(), name="liveness")
         self.tasks.spawn(self.instances.run_repairs(), name="repair")
         self.tasks.spawn(self._choose_drafts(), name="drafts")
+        runners = self.supervisor.runners.values
+        self.tasks.spawn(tune_threads(runners), name="threads")
+        placed = lambda: instances(self.state.map)  # noqa: E731
+        self.tasks.spawn(self.sleep.run(placed, runners, self._reconcile), name="keep-alive")
         if self.access.desk is not None:
             self.tasks.spawn(self.access.desk.run(), name="join-desk")
         if cfg.discovery:
             await self._start_discovery()
         self.tasks.spawn(self.instances.at_start(cfg.model), name="model")
         self.tasks.spawn(self.instances.kept.run(), name="keep-placements")
-        self.tasks.spawn(
-            self.presence.watch_models(self._scan_models, self.instances.facts, cfg.models_rescan),
-            name="models",
-        )
+        facts, every = self.instances.facts, cfg.models_rescan
+        self.tasks.spawn(self.presence.watch_models(self._scan_models, facts, every), name="models")
         card = self.presence.card
         log.info(
             "node %s (%s) up: api http://%s:%d, mesh port %d, pub port %d, backends %s",
@@ -288,7 +293,7 @@ class Node:
         return changed is not None
 
     def _reconcile(self) -> None:
-        self.supervisor.schedule(lambda: instances(self.state.map))
+        self.supervisor.schedule(lambda: self.sleep.awake(instances(self.state.map)))
         self.instances.kept.changed()
 
     def _give_way(self) -> None:
@@ -489,30 +494,22 @@ async def _assemble(
         fetch=weights.fetch,
         fetchable=weights.can_fetch,
     )
-    requests = Requests(state, dataplane, cfg)
-    instances_ = Instances(
-        state, cfg, cache_dir=cache_dir, aborted=lambda: requests.aborted, roots=roots
-    )
+    requests = Requests(state, dataplane, cfg, on_awake=lambda: node.presence.beat_soon())
+    instances_ = Instances(state, cfg, cache_dir=cache_dir, aborted=lambda: requests.aborted,
+                           roots=roots, wake=requests.wake)  # fmt: skip
     peers = Peers(
-        state,
-        gossip,
-        tasks,
-        own_addresses=own,
+        state, gossip, tasks, own_addresses=own,
         virtual=virtual_addresses(),
         seeds=list(cfg.peers),
         hello_interval=cfg.hello_interval,
         introduce=(lambda h, p: node._introduce(h, p)) if cfg.secret else None,
         key_of=access.members.key_of if access.secured else None,
         member_at=(lambda h, p: access.member_at(ctx, h, p)) if access.secured else None,
-    )
+    )  # fmt: skip
     membership = Membership(
-        state,
-        gossip,
-        peers,
-        dead_after=cfg.dead_after,
-        forget_after=cfg.forget_after,
+        state, gossip, peers, dead_after=cfg.dead_after, forget_after=cfg.forget_after,
         tombstone_grace_ms=cfg.tombstone_grace_ms,
-    )
+    )  # fmt: skip
     card = await first_card(
         cfg, identity.node_id, incarnation, backends, devices, own,
         ports=(gossip.mesh_port, gossip.pub_port, api.port, dataplane.port, weights.port),
@@ -525,7 +522,8 @@ async def _assemble(
         heartbeat_interval=cfg.heartbeat_interval,
         max_memory=cfg.max_memory,
         synced=lambda: membership.synced(),
-        runners=supervisor.statuses,
+        runners=lambda: supervisor.statuses() + node.sleep.statuses(instances(state.map)),
+        awake=requests.awake,
         in_flight=dataplane.in_flight,
         speed=metrics.speed.summary,
         decode_bps=lambda: decode_bps(supervisor.runners.values()),

@@ -57,7 +57,7 @@ def fetch_progress(states: list[StageState]) -> tuple[str, float]:
 
 
 #: Where an instance stands, in one word (see :func:`instance_state`).
-INSTANCE_STATES = ("ready", "unrepairable", "repairing", "fetching", "loading")
+INSTANCE_STATES = ("ready", "unrepairable", "repairing", "fetching", "loading", "unloaded")
 
 
 def instance_state(states: list[StageState], unrepairable: str | None) -> str:
@@ -65,7 +65,9 @@ def instance_state(states: list[StageState], unrepairable: str | None) -> str:
     it serves), ``unrepairable`` (a stage lost and no plan fits the nodes left: it will
     not serve by itself), ``repairing`` (a stage lost: its node not live or its runner
     failed; the survivors re-place it), ``fetching`` (a stage fetches its slice) or
-    ``loading`` (the rest: runners starting, loading, or not reported yet)."""
+    ``unloaded`` (every stage's runners stopped after its keep-alive: the next request
+    loads it again) or ``loading`` (the rest: runners starting, loading, or not
+    reported yet)."""
     if all(s.state == "ready" and s.addr is not None for s in states):
         return "ready"
     if unrepairable:
@@ -74,6 +76,8 @@ def instance_state(states: list[StageState], unrepairable: str | None) -> str:
         return "repairing"
     if any(s.state == "fetching" for s in states):
         return "fetching"
+    if all(s.state == "unloaded" for s in states):
+        return "unloaded"
     return "loading"
 
 

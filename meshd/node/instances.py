@@ -64,11 +64,14 @@ class Instances:
         cache_dir: Path,
         aborted: Callable[[], str | None],
         roots: ModelRoots | None = None,
+        wake: Callable[[str], None] = lambda instance_id: None,
     ) -> None:
         self.state = state
         self.config = config
         self.cache_dir = cache_dir
         self._aborted = aborted
+        #: Has an unloaded instance loaded again (``Requests.wake``: this node's word).
+        self._wake = wake
         #: This node's model roots: the only files it reads for a name (see roots.py).
         self.roots = roots
         #: The placements kept in the data dir (see kept.py).
@@ -242,7 +245,8 @@ class Instances:
         return await self.wait_ready(inst.id, model, wait)
 
     async def wait_ready(self, instance_id: str, model: str, wait: float | None = None) -> Instance:
-        """Until every stage of the instance is ready (woken by cluster changes)."""
+        """Until every stage of the instance is ready (woken by cluster changes); one
+        unloaded (idle past its keep-alive) is loaded again meanwhile."""
         deadline = time.monotonic() + (self.config.load_wait if wait is None else wait)
         while True:
             view = self.state.view()
@@ -252,6 +256,8 @@ class Instances:
             states = view.stage_states(cur)
             if all(s.state == "ready" and s.addr for s in states):
                 return cur
+            if any(s.state == "unloaded" for s in states):
+                self._wake(instance_id)  # idle past its keep-alive: the request waits
             # A stage that is gone (dead node, given-up runner) is repaired within a
             # moment when the cluster can hold the instance; when it cannot, nothing
             # will change by waiting: say so now, with placement's reason, instead of a

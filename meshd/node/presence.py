@@ -25,6 +25,7 @@ from meshd.crdt.views import (
     node_key,
 )
 from meshd.domain.facts import ModelFacts
+from meshd.domain.keepalive import Awake
 from meshd.domain.nodes import Device
 from meshd.models.inventory import held_models
 
@@ -97,6 +98,7 @@ class Presence:
         speed: Callable[[], tuple[float, dict[str, ModelSpeed]]] = lambda: (0.0, {}),
         decode_bps: Callable[[], float] = lambda: 0.0,
         rtt_ms: Callable[[], dict[str, float]] = dict,
+        awake: Callable[[], dict[str, Awake]] = dict,
     ) -> None:
         self.state = state
         self.tasks = tasks
@@ -109,6 +111,7 @@ class Presence:
         self._speed = speed
         self._decode_bps = decode_bps
         self._rtt_ms = rtt_ms
+        self._awake = awake
         #: Set by the drain: the heartbeat says ``draining`` and placement avoids us.
         self.draining = False
         self._seq = 0
@@ -135,6 +138,7 @@ class Presence:
             serving=serving,
             decode_bps=self._decode_bps(),
             rtt_ms=self._rtt_ms(),
+            awake=self._awake(),
         )
 
     def announce(self) -> None:

@@ -16,12 +16,13 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 import msgspec
 
 from meshd.crdt.views import Instance
 from meshd.domain.job import Job
+from meshd.domain.keepalive import Awake, until
 from meshd.logs import current_request
 from meshd.transport import wire
 from meshd.transport.dataplane import DataPlane
@@ -86,8 +87,18 @@ def replay_target(
 class Requests:
     """Requests this node's API owns, from ``Generate`` to the last chunk."""
 
-    def __init__(self, state: ClusterState, dataplane: DataPlane, config: NodeConfig) -> None:
+    def __init__(
+        self,
+        state: ClusterState,
+        dataplane: DataPlane,
+        config: NodeConfig,
+        on_awake: Callable[[], None] = lambda: None,
+    ) -> None:
         self.state = state
+        #: Called when this node's word on an instance's keep-alive changed (it beats).
+        self.on_awake = on_awake
+        #: This node's word on each instance's keep-alive (see :meth:`awake`).
+        self.said: dict[str, Awake] = {}
         self.dataplane = dataplane
         self.config = config
         #: Set when the node stops with requests still open: each ends with this
@@ -99,6 +110,33 @@ class Requests:
         #: Requests waiting for a sequence on their stage 0, and their place there.
         self.queued: dict[str, int] = {}
         state.changes.listen(self._wake)
+
+    def keep_alive(self, instance: str, seconds: float | None) -> None:
+        """This node's word on ``instance`` from now: keep it loaded ``seconds`` (None:
+        the node's default; 0: unload it once no request runs on it), told to the nodes
+        that run it in the next heartbeat, at once."""
+        now = time.time()
+        keep = self.config.keep_alive if seconds is None else seconds
+        self.said[instance] = Awake(set_at=now, until=until(now, keep))
+        self.on_awake()
+
+    def wake(self, instance: str) -> None:
+        """Have an unloaded instance loaded again (for the default keep-alive), unless
+        this node's word already wants it loaded."""
+        w = self.said.get(instance)
+        if w is None or w.until <= time.time():
+            self.keep_alive(instance, None)
+
+    def awake(self) -> dict[str, Awake]:
+        """This node's word on each instance it sent requests to (for its heartbeat):
+        busy while a request of its runs on it."""
+        placed = self.state.view().instances
+        self.said = {i: w for i, w in self.said.items() if i in placed}
+        out = dict(self.said)
+        for i in self.load:
+            w = out.get(i)
+            out[i] = Awake(set_at=w.set_at if w else 0.0, until=w.until if w else 0.0, busy=True)
+        return out
 
     def in_flight(self) -> int:
         """Requests this node owns now, those waiting for a replay's plan included (no
@@ -124,20 +162,20 @@ class Requests:
         job: Job,
         *,
         replay: bool = True,
+        keep_alive: float | None = None,
     ) -> AsyncGenerator[wire.DataChunk, None]:
-        """Run one request on ``inst``; yield its chunks until the final one.
-
-        The first chunk carries ``n_prompt``; the last one ``finish_reason``. Raises
+        """Run one request on ``inst``; yield its chunks until the final one; then keep
+        the instance loaded ``keep_alive`` seconds (None: the node's default). The first
+        chunk carries ``n_prompt``; the last one ``finish_reason``. Raises
         :class:`RequestFailed` with a typed code when the request cannot complete.
-        Closing the iterator early cancels the request on every stage.
-
-        With ``replay``, a pipeline that breaks mid-request (a stage's node or runner
-        gone, or the plan moved on under it: :data:`REPLAYABLE`) is not the end: the
-        request is sent again on the instance's next plan with the tokens already
-        produced, which are re-prefilled, and the output continues where it stopped
-        (greedy output is the same as without the failure). While it waits for that
-        plan, :data:`KEEPALIVE` is yielded every ``keepalive`` seconds. When no repair
-        is possible it fails at once; a possible one gets ``replay_wait`` seconds.
+        Closing the iterator early cancels the request on every stage. With ``replay``, a
+        pipeline that breaks mid-request (a stage's node or runner gone, or the plan
+        moved on under it: :data:`REPLAYABLE`) is not the end: the request is sent again
+        on the instance's next plan with the tokens already produced, which are
+        re-prefilled, and the output continues where it stopped (greedy output is the
+        same as without the failure). While it waits for that plan, :data:`KEEPALIVE`
+        is yielded every ``keepalive`` seconds. When no repair is possible it fails at
+        once; a possible one gets ``replay_wait`` seconds.
         """
         # Replicas share the load: the least busy ready instance of the model takes it,
         # counted at once (no await in between), so a burst spreads evenly.
@@ -199,12 +237,13 @@ class Requests:
                     until = min(deadline, beat) if acked else deadline
                     await self.state.changes.wait(until - now)
         finally:
-            self._uncount(counted)
+            self._uncount(counted, keep_alive)
 
-    def _uncount(self, instance: str) -> None:
+    def _uncount(self, instance: str, keep_alive: float | None) -> None:
         self.load[instance] -= 1
         if not self.load[instance]:
             del self.load[instance]
+        self.keep_alive(instance, keep_alive)
         # The drain waits for this node's requests to end.
         self.state.changes.notify()
 

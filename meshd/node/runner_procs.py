@@ -25,6 +25,7 @@ from meshd.engines.protocol import (
     RunnerConfig,
     RunnerEvent,
     SetDraft,
+    ThreadsSet,
     encode,
 )
 from meshd.models.folder import folder_sha256
@@ -72,6 +73,8 @@ class RunnerProc:
     step_s: float = 0.0
     expect_s: float = 0.0
     stall: str = ""
+    #: The CPU threads it said it computes with (0: not said; see ``thread_tuner``).
+    threads: int = 0
 
     def take(self, ev: RunnerEvent | None) -> bool:
         """Note what the runner said on stdout; whether its status changed (a beat
@@ -89,6 +92,9 @@ class RunnerProc:
         elif isinstance(ev, Load):
             self.active, self.waiting, self.proposed = ev.active, ev.waiting, ev.proposed
             self.layer_ms = ev.layer_ms or self.layer_ms
+        elif isinstance(ev, ThreadsSet):
+            self.threads = ev.n
+            return False  # not in the heartbeat
         elif isinstance(ev, Failed):
             self.state, self.reason = "failed", public_reason(ev.reason)
             log.warning("runner %s stage %d failed: %s", k.instance, k.stage, self.reason)

@@ -253,9 +253,14 @@ class NodeServices:
         self,
         inst: Instance,
         job: Job,
+        keep_alive: float | None = None,
     ) -> AsyncIterator[wire.DataChunk]:
         """Run one request on ``inst`` (see :meth:`Requests.generate`)."""
-        return self._requests.generate(inst, job)
+        return self._requests.generate(inst, job, keep_alive=keep_alive)
+
+    def keep_alive(self, instance_id: str, seconds: float | None) -> None:
+        """See :meth:`Requests.keep_alive`."""
+        self._requests.keep_alive(instance_id, seconds)
 
     # -- doctor --------------------------------------------------------------------
     async def doctor(self) -> dx.Report:

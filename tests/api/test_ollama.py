@@ -13,7 +13,7 @@ import pytest
 from meshd.api.ollama_schemas import ChatRequest
 from meshd.models.resolve import DEFAULT_MODEL
 from tests.api.reference import WEATHER, greedy_chat
-from tests.cluster import NodeProc
+from tests.cluster import NodeProc, wait_for
 
 ollama = pytest.importorskip("ollama")
 jsonschema = pytest.importorskip("jsonschema")
@@ -174,6 +174,7 @@ def test_errors_are_in_ollamas_shape(oc, via) -> None:
         },
         {"model": DEFAULT_MODEL, "messages": HI, "format": {"type": "nonsense"}},
         {"model": DEFAULT_MODEL, "messages": HI, "think": "extreme"},
+        {"model": DEFAULT_MODEL, "messages": HI, "keep_alive": "soon"},
         # meshd's own tool_choice (a string) still names a tool that is there.
         {"model": DEFAULT_MODEL, "messages": HI, "tools": TOOLS, "tool_choice": "nope"},
     ):
@@ -193,6 +194,19 @@ def test_an_empty_chat_loads_the_model(oc) -> None:
     assert r.done and r.done_reason == "load"
     r = oc.generate(model=DEFAULT_MODEL, prompt="")
     assert r.done and r.done_reason == "load"
+
+
+def test_keep_alive_0_unloads_the_model_and_the_next_request_loads_it_again(oc, via) -> None:
+    # Its stages run on a and b, the requests come through c: c's word travels in its
+    # heartbeat, a and b stop their runners, and c's next request wakes them (it waits).
+    first = oc.chat(model=DEFAULT_MODEL, messages=HI, options=GREEDY, keep_alive=0)
+    (inst,) = [i for i in via.get("/v1/instances")["data"] if i["model"] == DEFAULT_MODEL]
+    path = f"/v1/instances/{inst['id']}"
+    wait_for(lambda: via.get(path)["state"] == "unloaded", 60, 0.1)
+    assert {s["state"] for s in via.get(path)["stages"]} == {"unloaded"}
+    again = oc.chat(model=DEFAULT_MODEL, messages=HI, options=GREEDY)  # the default: 5 min
+    assert again.message.content == first.message.content and again.done_reason == "length"
+    assert via.get(path)["state"] == "ready"
 
 
 def test_a_tool_choice_object_is_ignored_as_ollama_ignores_it(via) -> None:

@@ -3,9 +3,9 @@
 In this process, against the supervisor itself: its settings are the node's; a stage
 whose model is not here, or one over the node's cap, fails without a process and the
 node keeps saying so after the stage moves; a burst of plan changes is one reconcile;
-a real runner keeps its process when only the plan's generation moves, and is replaced
-when its range does, and the slice it no longer uses leaves the cache when the cache is
-over its quota.
+a real runner computes with the threads the free cores it is told of leave it, keeps its
+process when only the plan's generation moves, and is replaced when its range does, and
+the slice it no longer uses leaves the cache when the cache is over its quota.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from meshd.crdt.views import Instance
-from meshd.engines.threads import GOMP_DEFAULT_SPINCOUNT
+from meshd.engines.threads import GOMP_DEFAULT_SPINCOUNT, default_threads
 from meshd.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 from meshd.models.facts import read_model_facts
 from meshd.models.slicing import slice_path
@@ -27,6 +27,7 @@ from meshd.node.config import NodeConfig
 from meshd.node.stage_runners import desired_stages, undesired
 from meshd.node.supervisor import Supervisor
 from meshd.node.supervisor_settings import SupervisorSettings
+from meshd.node.thread_tuner import tune_threads
 
 from .test_cluster_view import inst
 
@@ -124,6 +125,28 @@ async def _ready(sup: Supervisor, generation: int, timeout: float = 90) -> None:
             await asyncio.sleep(0.05)
 
 
+async def _threads_follow_the_free_cores(sup: Supervisor) -> None:
+    """Told that other processes hold the cores, the runner computes with one thread;
+    told they are free again, with its whole share, as llama.cpp's context says back."""
+    r = sup.runners[("x", 0)]
+    most = r.config.n_threads or default_threads()
+    if most < 2:
+        return  # one core: no thread to take away
+    free = [0.5]
+    tuning = asyncio.create_task(
+        tune_threads(lambda: sup.runners.values(), every=0.01, free=lambda pids: free[0])
+    )
+    try:
+        async with asyncio.timeout(30):
+            while r.threads != 1:
+                await asyncio.sleep(0.02)
+            free[0] = float(most)
+            while r.threads != most:
+                await asyncio.sleep(0.02)
+    finally:
+        tuning.cancel()
+
+
 @pytest.mark.timeout(180)
 async def test_a_new_generation_keeps_the_runner_and_a_new_range_replaces_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -136,6 +159,7 @@ async def test_a_new_generation_keeps_the_runner_and_a_new_range_replaces_it(
     # No room for unused slices: the one a replaced runner used goes at once.
     sup = supervisor(tmp_path, resolve=lambda m: path, slice_cache=0)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)  # the suite's (tests/conftest.py)
+    monkeypatch.delenv("MESHD_THREADS", raising=False)  # it would pin the threads
 
     def plan(gen: int, end: int) -> dict[str, Instance]:
         i = inst("x", "a", gen=gen, model=DEFAULT_MODEL)
@@ -153,6 +177,7 @@ async def test_a_new_generation_keeps_the_runner_and_a_new_range_replaces_it(
         if environ.exists():
             env = dict(v.split(b"=", 1) for v in environ.read_bytes().split(b"\0") if b"=" in v)
             assert env[b"GOMP_SPINCOUNT"] == str(GOMP_DEFAULT_SPINCOUNT).encode()
+        await _threads_follow_the_free_cores(sup)
         await sup.reconcile(plan(2, n))  # a repair elsewhere: same stage, same weights
         await _ready(sup, 2)
         assert sup.runners[("x", 0)].proc is first and first.returncode is None

@@ -18,10 +18,12 @@ from meshd.engines.protocol import (
     SetDraft,
     SetGeneration,
     SetMembers,
+    SetThreads,
     Stop,
+    ThreadsSet,
     decode_command,
 )
-from meshd.engines.stage import Stage
+from meshd.engines.stage import Stage, set_threads
 from meshd.transport import wire
 from meshd.transport.members import Members
 from meshd.transport.security import HANDSHAKE_EVENTS, CurveKeys, HandshakeReporter, sender_key
@@ -183,6 +185,9 @@ class Runner:
                     self.links.dealers.drop_node(nid)
             elif isinstance(cmd, SetDraft):
                 self.core.drafts.set(cmd.instance, cmd.addr)
+            elif isinstance(cmd, SetThreads):
+                # Commands run between steps only: a step never changes threads midway.
+                emit(ThreadsSet(n=set_threads(self.core.stage, cmd.n)))
             elif isinstance(cmd, Stop):
                 return False
         return True
