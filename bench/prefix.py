@@ -63,7 +63,8 @@ def ttft(
             if not line.startswith("data:") or line.endswith("[DONE]"):
                 continue
             obj = json.loads(line[5:])
-            piece = "".join((c.get("delta") or {}).get("content") or "" for c in obj["choices"])
+            choices = obj.get("choices") or []
+            piece = "".join((c.get("delta") or {}).get("content") or "" for c in choices)
             if piece and not first:
                 first = time.perf_counter() - t0
             text.append(piece)
