@@ -509,25 +509,20 @@ def measure_once(
 def prefix_once(client: httpx.Client, api: str, model: str, words: int) -> dict[str, float]:
     """Turn 2 of a long chat against turn 1, bench/prefix.py's way: turn 1 is a new
     text of ``words`` words (~1,500 tokens at 1450) and a question, so nothing of it is
-    cached; its answer (32 tokens at most, greedy) and one more question make turn 2.
-    Every request says ``cache_prompt: true`` (a greedy request computes its whole
-    prompt by default, and drops what the runner kept)."""
+    cached; its answer (16 tokens at most, greedy) and one more question make turn 2.
+    No request says ``cache_prompt``: greedy ones reuse a kept prefix by default."""
     import prefix
 
     seed = next(_SEEDS)
     first = [{"role": "user", "content": f"{prefix.long_text(seed, words)}\n\nWhich word "
               "comes first?"}]  # fmt: skip
-    t1, u1 = prefix.ttft(client, api, first, model=model, cache_prompt=True)
-    body = {"model": model, "messages": first, "max_tokens": 32, "temperature": 0,
-            "cache_prompt": True}  # fmt: skip
-    r = client.post(api + "/v1/chat/completions", json=body)
-    r.raise_for_status()
+    t1, u1, answer = prefix.ttft(client, api, first, model=model)
     history = [
         *first,
-        {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+        {"role": "assistant", "content": answer},
         {"role": "user", "content": "And which word comes last?"},
     ]
-    t2, u2 = prefix.ttft(client, api, history, model=model, cache_prompt=True)
+    t2, u2, _ = prefix.ttft(client, api, history, model=model)
 
     def cached(u: dict) -> int:
         return int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)

@@ -42,10 +42,12 @@ class Trial:
 def stream(
     via: NodeProc, events: list[tuple[float, str]], max_tokens: int, **sampling: object
 ) -> None:
-    """Stream a completion, greedy unless ``sampling`` says otherwise; append (time, SSE
-    line) to ``events``."""
+    """Stream a completion, greedy and exact unless ``sampling`` says otherwise (a
+    replay must give the uninterrupted text token for token); append (time, SSE line)
+    to ``events``."""
     body = {"model": DEFAULT_MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True, **sampling}  # fmt: skip
+            "temperature": 0, "stream": True, "ignore_eos": True, "exact": True,
+            **sampling}  # fmt: skip
     with httpx.stream("POST", via.api + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):

@@ -153,6 +153,7 @@ async def messages(request: Request) -> Response:
         grammar=body.grammar,
         tools=_tool_use(body),
         think=body.thinking.choice if body.thinking is not None else ThinkChoice(),
+        exact=body.exact,
     )
     run = await admit(context(request), "messages", req)
     if body.stream:

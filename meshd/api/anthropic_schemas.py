@@ -248,6 +248,8 @@ class MessagesRequest(_Conversation, kw_only=True, omit_defaults=True):
     output_config: OutputConfig | None = None
     #: The structured-outputs beta's spelling of ``output_config.format``.
     output_format: OutputFormat | None = None
+    #: Extension (every dialect): the exact mode, see ``schemas._GenerationRequest``.
+    exact: bool | None = None
 
     def __post_init__(self) -> None:
         self._check()

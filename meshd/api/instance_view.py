@@ -124,6 +124,9 @@ class InstanceView(msgspec.Struct, kw_only=True):
     draft: str | None
     #: The default of its requests that do not say ``speculate`` (null: meshd's).
     speculate: bool | None
+    #: Whether its requests that do not say ``exact`` run in the exact mode (no
+    #: prefix reuse, no speculation).
+    exact: bool
     #: Requests the answering node's own API runs on it now.
     in_flight: int
     #: Bytes of the model's weights (what memory and a prefill pay), and of them what
@@ -212,6 +215,7 @@ def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {
         kv_cache=inst.spec.kv_cache,
         draft=draft[0].id if draft else None,
         speculate=inst.spec.speculate,
+        exact=inst.spec.exact,
         in_flight=load.get(inst.id, 0),
         weight_bytes=facts.total_bytes if facts else None,
         active_bytes=facts.active_bytes if facts else None,

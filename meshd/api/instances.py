@@ -70,6 +70,9 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     #: Whether requests that do not say speculate (speculative decoding): null as
     #: meshd decides (sampled unseeded requests on a split), true all, false none.
     speculate: bool | None = None
+    #: The exact mode for requests that do not say ``exact``: no prefix reuse, no
+    #: speculation (bit-identical answers whatever ran before; slower).
+    exact: bool = False
     #: Node names or ids the model must never run on (stored as ids).
     exclude: list[str] = []
 
@@ -110,6 +113,7 @@ async def create_instance(request: Request) -> Response:
         kv_cache=body.kv_cache,
         draft=body.draft.strip(),
         speculate=body.speculate,
+        exact=body.exact,
         exclude=[x.strip() for x in body.exclude],
     )
     try:

@@ -141,20 +141,13 @@ def _request(
                  for f in fs]  # fmt: skip
         tools = ToolUse(tools=specs, choice=body.tool_mode)
     return GenerateRequest(
-        model=_model(ctx, body.model),
-        messages=messages,
-        prompt=prompt,
-        max_tokens=opts.max_tokens,
-        max_tokens_param="options.num_predict",
-        context=opts.num_ctx or 0,
-        sampling=_sampling(opts),
-        stop=list(opts.stop or []),
-        logprobs=body.n_logprobs,
-        grammar=body.grammar,
-        tools=tools,
-        think=body.think_choice,
+        model=_model(ctx, body.model), messages=messages, prompt=prompt,
+        max_tokens=opts.max_tokens, max_tokens_param="options.num_predict",
+        context=opts.num_ctx or 0, sampling=_sampling(opts), stop=list(opts.stop or []),
+        logprobs=body.n_logprobs, grammar=body.grammar, tools=tools, think=body.think_choice,
+        exact=body.exact if body.exact is not None else opts.exact,
         keep_alive=o.keep_alive_seconds(body.keep_alive),
-    )
+    )  # fmt: skip
 
 
 async def chat(request: Request) -> Response:

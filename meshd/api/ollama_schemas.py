@@ -81,6 +81,9 @@ class Options(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float | None = None
     seed: int | None = None
     stop: list[str] | None = None
+    #: Extension: the exact mode, here too since the ``ollama`` client sends no
+    #: field of its own making but passes ``options`` on (the body's own wins).
+    exact: bool | None = None
 
     def __post_init__(self) -> None:
         check_int64(self)
@@ -155,6 +158,9 @@ class _Generation(msgspec.Struct, kw_only=True, omit_defaults=True):
     think: bool | str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    #: Extension (every dialect): the exact mode, see ``schemas._GenerationRequest``;
+    #: ``options.exact`` where absent.
+    exact: bool | None = None
 
     @property
     def grammar(self) -> str | None:

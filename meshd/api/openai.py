@@ -132,6 +132,7 @@ def _generate_request(
         ignore_eos=body.ignore_eos,
         cache_prompt=body.cache_prompt,
         speculate=body.speculate,
+        exact=body.exact,
         logprobs=body.n_logprobs,
         grammar=body.response_format.grammar
         if isinstance(body, schemas.ChatCompletionRequest) and body.response_format

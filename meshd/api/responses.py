@@ -80,6 +80,7 @@ def generate_request(body: rs.ResponseRequest) -> GenerateRequest:
         grammar=fmt.grammar if fmt is not None else None,
         tools=_tool_use(body),
         think=body.think,
+        exact=body.exact,
     )
 
 

@@ -13,13 +13,12 @@ What a request may carry
   ``max_output_tokens``, ``temperature``, ``top_p``, ``tools`` (functions),
   ``tool_choice``, ``parallel_tool_calls``, ``text.format`` (``text``, ``json_object``,
   ``json_schema``: a grammar), ``stream``, ``metadata`` (echoed), and the extensions
-  chat completions take too: ``top_k``, ``min_p``, ``repeat_penalty``,
-  ``repeat_last_n`` and ``seed``.
+  chat completions take too: ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n``,
+  ``seed`` and ``exact`` (the exact mode, :mod:`meshd.domain.exact`).
 * **Rejected** (400 ``unsupported_parameter``): what needs state kept on the server
-  (``previous_response_id``, ``conversation``, ``background``, ``item_reference``
-  items), tools other than functions (``web_search``, ``file_search``, ...), and
-  content other than text (images, files, audio). Answering without them would
-  silently lie to the client.
+  (``previous_response_id``, ``conversation``, ``background``, ``item_reference`` items),
+  tools other than functions (``web_search``, ``file_search``, ...), and content other
+  than text (images, files, audio). Answering without them would silently lie to the client.
 * **Ignored**: everything else (``store``, ``user``, ``reasoning``, ``truncation``,
   ``include``, and fields OpenAI adds later).
 """
@@ -295,11 +294,12 @@ class ResponseRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    #: Extensions (llama.cpp), as chat completions take them.
+    #: Extensions (llama.cpp's, and meshd's ``exact``), as chat completions take them.
     top_k: int | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
     repeat_last_n: int | None = None
+    exact: bool | None = None
     seed: int | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | ToolChoice | None = None

@@ -96,10 +96,12 @@ class GenerateRequest:
     #: ``math.inf`` forever; None: the node's default).
     keep_alive: float | None = None
     #: May start from the KV of an earlier request with the same beginning (None:
-    #: sampled unseeded requests do; see ``Job.cache_prompt``).
+    #: yes; see ``Job.cache_prompt``).
     cache_prompt: bool | None = None
-    #: May draft tokens for the pipeline to verify (None: as ``cache_prompt``).
+    #: May draft tokens for the pipeline to verify (None: see ``Job.speculate``).
     speculate: bool | None = None
+    #: The exact mode (``meshd.domain.exact``; None: as the instance says).
+    exact: bool | None = None
     #: How the model should think, and more variables for its chat template.
     think: ThinkChoice = field(default_factory=ThinkChoice)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -296,8 +298,8 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
         job = Job(
             messages=req.messages, prompt=req.prompt, prompt_tokens=req.prompt_tokens,
             sampling=params, tools=req.tools, embed=req.embed, count_only=req.count_only,
-            cache_prompt=req.cache_prompt, speculate=req.speculate, client=client,
-            think=req.think, template_kwargs=req.template_kwargs,
+            cache_prompt=req.cache_prompt, speculate=req.speculate, exact=req.exact,
+            client=client, think=req.think, template_kwargs=req.template_kwargs,
         )  # fmt: skip
         chunks = services.generate(inst, job, req.keep_alive)
         first = await _first(chunks, lambda e: refusal(e, inst, route, req.max_tokens))

@@ -27,9 +27,8 @@ Fields fall in four groups, decided once here:
   a ``response_format`` type other than those three, and for completions ``echo: true``,
   ``best_of`` other than 1 and a non-empty ``suffix``.
   Each would change the shape or the meaning of the answer; answering without it
-  would silently lie to the client. Their neutral values (``functions: []``,
-  ``echo: false`` and so on) are accepted, because clients send
-  defaults.
+  would silently lie to the client. Their neutral values (``functions: []``, ``echo:
+  false`` and so on) are accepted, because clients send defaults.
 * **Ignored**: every other field, known to OpenAI (``user``, ``metadata``, ``store``,
   ``service_tier``, ...) or not. OpenAI
   clients add fields release after release; an unknown field must never fail a request.
@@ -257,14 +256,15 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: Extension (vLLM): keep generating past end-of-sequence until ``max_tokens``
     #: (benchmarks and tests need a fixed length).
     ignore_eos: bool = False
-    #: Extension (llama.cpp server): true starts from a cached prefix of an earlier
-    #: request, false computes the whole prompt; absent, a sampled request without a
-    #: seed uses the cache, and a greedy or seeded one (reproducible) does not.
+    #: Extensions: ``cache_prompt`` (llama.cpp server's) false computes the whole prompt
+    #: on a cold runner, true or absent may start from a cached prefix; ``speculate``
+    #: true drafts tokens by prompt lookup to verify in one pass, false never, absent as
+    #: the instance says, else on a split; ``exact`` (every dialect) true runs in the
+    #: exact mode (neither: the same tokens bit for bit whatever ran before), false not
+    #: even on an instance placed exact, absent as the instance says.
     cache_prompt: bool | None = None
-    #: Extension: true drafts tokens by prompt lookup for the pipeline to verify in one
-    #: pass (speculative decoding), false never; absent, sampled unseeded requests
-    #: on a model split over nodes do.
     speculate: bool | None = None
+    exact: bool | None = None
 
     @property
     def stop_sequences(self) -> list[str]:

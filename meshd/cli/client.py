@@ -29,6 +29,13 @@ DEFAULT_TIMEOUT = 5.0
 ADMIN_HEADER = "x-meshd-admin"
 #: Characters of one string of an answer shown at most.
 TEXT_LIMIT = 1024
+#: ``meshctl``'s exit codes: success, the node answered with an error, the node cannot be
+#: reached or the command line is wrong, interrupted.
+EXIT_OK = 0
+EXIT_NODE_ERROR = 1
+EXIT_UNREACHABLE = 2
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
 #: One streamed piece of a chat answer: ``("reasoning" | "content", text)``.
 Delta = tuple[str, str]

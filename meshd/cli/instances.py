@@ -87,7 +87,9 @@ def print_instances(data: list, client: NodeClient) -> None:
         )
         for x in inst.get("excluded") or []:
             stages += f"\nnot on {x.get('name') or '?'} ({x['node'][:8]}): {x.get('reason')}"
-        row = [inst["id"], inst["model"], str(inst.get("generation", "")), stages]
+        # An exact instance says so by its model: its requests run slower on purpose.
+        model = inst["model"] + (" (exact)" if inst.get("exact") else "")
+        row = [inst["id"], model, str(inst.get("generation", "")), stages]
         t.add_row(*map(escape, [*row, *([inst.get("draft") or ""] if drafts else [])]))
     if not data:
         print("no instances placed")

@@ -6,7 +6,8 @@ the environment, and the owner token from the data dir: ``keys.py``); nothing he
 decides anything the node's API decides.
 
 Adding a command: write ``_add_<name>(subparsers, common)`` that adds a subparser and
-sets ``func`` to a ``(args, client) -> int`` function, and list it in ``COMMANDS``.
+sets ``func`` to a ``(args, client) -> int`` function, and list it in ``COMMANDS`` (one
+with many flags in a module of its own: ``place.py``).
 
 Exit codes: 0 success, 1 the node answered with an error, 2 the node cannot be reached
 or the command line is wrong, 130 interrupted.
@@ -24,9 +25,14 @@ from meshd import __version__
 
 # What every command needs only: meshctl must start in 0.3 s, so each command imports
 # the rest itself (rich's tables, the secret file's zmq) when it runs.
-from .argtypes import positive_float, positive_int
+from .argtypes import positive_float
 from .client import (
     DEFAULT_TIMEOUT,
+    EXIT_INTERRUPTED,
+    EXIT_NODE_ERROR,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
     NODE_ENV,
     MeshctlError,
     NodeClient,
@@ -35,13 +41,8 @@ from .client import (
 )
 from .keys import add_meshctl_key_flags, meshctl_keys
 from .pipes import reader_may_leave
+from .place import add_place
 from .secret import add_secret
-
-EXIT_OK = 0
-EXIT_NODE_ERROR = 1
-EXIT_UNREACHABLE = 2
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 
 Command = Callable[[argparse.Namespace, NodeClient], int]
 
@@ -86,48 +87,6 @@ def cmd_models(args: argparse.Namespace, client: NodeClient) -> int:
     return EXIT_OK
 
 
-def cmd_place(args: argparse.Namespace, client: NodeClient) -> int:
-    """Place a model on the cluster and print the plan."""
-    from .instances import print_instances, wait_serving
-
-    body: dict = {"model": args.model}
-    if args.nodes and args.nodes.strip().isdigit():
-        # `--nodes 2` reads as "over two nodes" (a count); names are comma-separated.
-        # A node whose name is all digits can still be named by its id.
-        body["min_nodes"] = int(args.nodes)
-    elif args.nodes:
-        body["nodes"] = [n.strip() for n in args.nodes.split(",") if n.strip()]
-    if args.engines:
-        body["engines"] = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if args.min_nodes:
-        body["min_nodes"] = args.min_nodes
-    if args.ctx:
-        body["context"] = args.ctx
-    if args.replicas:
-        body["replicas"] = args.replicas
-    if args.keep:
-        body["keep"] = True
-    if args.kv_cache:
-        body["kv_cache"] = args.kv_cache
-    if args.draft:
-        body["draft"] = args.draft
-    if args.speculate:
-        body["speculate"] = {"auto": None, "on": True, "off": False}[args.speculate]
-    if args.exclude:
-        body["exclude"] = [n.strip() for x in args.exclude for n in x.split(",") if n.strip()]
-    placed = client.place(body)
-    insts = placed["data"] if placed.get("object") == "list" else [placed]
-    wait = sys.stdout.isatty() if args.wait is None else args.wait
-    if wait:
-        deadline = time.monotonic() + args.wait_timeout
-        insts = [wait_serving(client, i, max(0.0, deadline - time.monotonic())) for i in insts]
-    print_instances(insts, client)
-    stages = [s for i in insts for s in i.get("stages") or []]
-    if wait and not all(s.get("state") == "ready" for s in stages):
-        return EXIT_NODE_ERROR
-    return EXIT_OK
-
-
 def cmd_ls(args: argparse.Namespace, client: NodeClient) -> int:
     """List the placed instances and the state of each stage."""
     from .instances import print_instances
@@ -154,6 +113,8 @@ def cmd_chat(args: argparse.Namespace, client: NodeClient) -> int:
     params: dict = {"max_tokens": args.max_tokens}
     if args.temperature is not None:
         params["temperature"] = args.temperature
+    if args.exact:
+        params["exact"] = True
     conv = Conversation(model=args.model, system=args.system or "")
     if args.prompt:
         return EXIT_OK if ask(client, conv, " ".join(args.prompt), params) else EXIT_INTERRUPTED
@@ -202,74 +163,6 @@ def _add_models(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.set_defaults(func=cmd_models)
 
 
-def _add_place(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "place", parents=[common],
-        help="Place a model (split across nodes): it replaces the instance a request "
-        "placed on its own (--keep keeps it).",
-    )  # fmt: skip
-    p.add_argument("model", help="alias (smollm2-135m), path to a .gguf, or HF repo id")
-    p.add_argument(
-        "--nodes",
-        metavar="N|NAMES",
-        help="a count (split over at least N nodes) or comma-separated node names or ids, "
-        "in stage order",
-    )
-    p.add_argument("--engines", help="comma-separated engine per stage (llama_cpp, mlx)")
-    p.add_argument("--min-nodes", type=int, help="split over at least this many nodes")
-    p.add_argument(
-        "--ctx",
-        type=positive_int,
-        metavar="TOKENS",
-        help="context of each request, prompt and answer (default: 4096, at most the "
-        "model's trained context); every stage reserves KV cache for it",
-    )
-    p.add_argument(
-        "--kv-cache", choices=["f16", "q8_0", "q4_0"],
-        help="KV cache type of the llama.cpp stages: q8_0 or q4_0 keep about 0.53x or "
-        "0.28x the bytes of f16 (a longer context in the same memory)",
-    )  # fmt: skip
-    p.add_argument(
-        "--draft", metavar="MODEL",
-        help="the placed model that drafts tokens for this one to verify (speculative "
-        "decoding; default: any placed model with the same tokens and at most half the "
-        "size, nearest first; a named one may be any size); 'none' for none",
-    )  # fmt: skip
-    p.add_argument(
-        "--speculate", choices=["auto", "on", "off"],
-        help="speculative decoding for requests that do not say: auto (default) drafts "
-        "for sampled requests without a seed on a split, on for every request, off for "
-        "none (a request's own 'speculate' still decides for it)",
-    )  # fmt: skip
-    p.add_argument(
-        "--exclude", action="append", metavar="NODE",
-        help="never run this model on NODE (a name or id; repeat or comma-separate for "
-        "more): placement leaves it out on every node, repairs included",
-    )  # fmt: skip
-    p.add_argument(
-        "--replicas", type=positive_int, metavar="N",
-        help="place N instances of the model, each on nodes of its own (more than the "
-        "nodes can hold is refused, nothing placed); requests go to the least busy one",
-    )  # fmt: skip
-    p.add_argument(
-        "--keep", action="store_true",
-        help="keep the model's automatic instance (the one a request placed) beside this "
-        "one; without it, this placement replaces it: the model moves",
-    )  # fmt: skip
-    p.add_argument(
-        "--wait",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="wait until every stage serves, with each stage's progress (fetching its "
-        "weights from a peer, loading) (default: at a terminal)",
-    )
-    p.add_argument(
-        "--wait-timeout", type=positive_float, default=900.0, metavar="S",
-        help="with --wait: give up after this many seconds (default: 900)",
-    )  # fmt: skip
-    p.set_defaults(func=cmd_place)
-
-
 def _add_ls(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("ls", parents=[common], help="List placed instances.")
     p.add_argument("--json", action="store_true", help="print the raw instance list")
@@ -293,6 +186,11 @@ def _add_chat(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float)
     p.add_argument("--system", help="system prompt")
+    p.add_argument(
+        "--exact", action="store_true",
+        help="the exact mode: no prefix reuse, no speculation (the same answer bit for "
+        "bit whatever ran before; each turn computes its whole conversation)",
+    )  # fmt: skip
     p.set_defaults(func=cmd_chat)
 
 
@@ -396,7 +294,7 @@ def _add_pull(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
 
 
 COMMANDS = [
-    _add_top, _add_nodes, _add_models, _add_place, _add_ls, _add_rm, _add_chat, _add_members,
+    _add_top, _add_nodes, _add_models, add_place, _add_ls, _add_rm, _add_chat, _add_members,
     add_secret, _add_doctor, _add_pull,
 ]  # fmt: skip
 

@@ -217,17 +217,20 @@ class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     #: (sampled unseeded requests on a split), True all of them, False none. A request's
     #: own ``speculate`` overrides it.
     speculate: bool | None = None
+    #: The exact mode for its requests that do not say ``exact``
+    #: (:mod:`meshd.domain.exact`): no prefix reuse, no speculation.
+    exact: bool = False
     #: Node ids the owner keeps this model off: placement never gives them a stage of
     #: it, a repair included (see ``meshd.placement.place``).
     exclude: list[str] = []
 
     def relaxed(self) -> InstanceSpec:
         """What a repair places: the model, its context, KV cache type, draft model,
-        speculation default and excluded nodes, no pins (a repair serves with the nodes
+        speculation default, exact mode and excluded nodes, no pins (a repair serves with the nodes
         left rather than not at all)."""
         return InstanceSpec(
             model=self.model, context=self.context, kv_cache=self.kv_cache, draft=self.draft,
-            speculate=self.speculate, exclude=self.exclude,
+            speculate=self.speculate, exact=self.exact, exclude=self.exclude,
         )  # fmt: skip
 
 

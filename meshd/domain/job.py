@@ -31,15 +31,21 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     #: and runs nothing (Anthropic's ``count_tokens``).
     count_only: bool = False
     #: Whether stage 0 may start from the KV of an earlier request whose tokens begin
-    #: the same way (the prefix cache). None: a sampled request without a seed may; a
-    #: greedy or seeded one computes its whole prompt, so that the same request gives
-    #: the same answer whatever ran before (a reused prefix moves the low bits).
+    #: the same way (the prefix cache). None: yes, as llama.cpp's server does; False
+    #: computes the whole prompt on a cold runner (every stage's kept prefixes dropped),
+    #: as :attr:`exact` does. A reused prefix moves the low bits of the logits, so a
+    #: near-tie may flip between a warm and a cold run.
     cache_prompt: bool | None = None
     #: Whether stage 0 drafts tokens by prompt lookup for the last stage to verify in
-    #: one pass (speculative decoding). None: a sampled request without a seed on a
-    #: split instance does (a verified batch of rows sums in another order than one
-    #: row a step, and on one node the extra rows cost about what they save).
+    #: one pass (speculative decoding). None: as the instance says, else on a split
+    #: instance (a verified batch of rows sums in another order than one row a step,
+    #: and on one node the extra rows cost about what they save).
     speculate: bool | None = None
+    #: The exact mode (:mod:`meshd.domain.exact`): no fast path that may move the low
+    #: bits (no prefix reuse, no speculation, whatever the two above say), so the same
+    #: request gives the same tokens whatever ran before. None: as its instance says
+    #: (the API node settles it before it sends the job).
+    exact: bool | None = None
     #: Who asked, as the API node tells its clients apart (a hash of the API key,
     #: else the address): stage 0's queue takes turns between clients, so one client's
     #: many requests do not hold back another's few ("": a client of its own).

@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, Callable
 import msgspec
 
 from meshd.crdt.views import Instance
+from meshd.domain.exact import settled
 from meshd.domain.job import Job
 from meshd.domain.keepalive import Awake, until
 from meshd.logs import current_request
@@ -272,7 +273,7 @@ class Requests:
                 wire.Generate(
                     req=req, instance=inst.id, generation=inst.generation,
                     route=route, reply_to=self.dataplane.reply_addr(),
-                    job=job, resume_tokens=list(resume),
+                    job=settled(job, inst.spec.exact), resume_tokens=list(resume),
                 ),
             )  # fmt: skip
             timeout = self.config.first_chunk_timeout

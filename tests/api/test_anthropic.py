@@ -189,14 +189,18 @@ def test_x_api_key_and_errors_in_anthropics_shape(via) -> None:
 def test_turn_two_reads_turn_one_from_the_prefix_cache(ac, via) -> None:
     system = "You are a patient tutor who explains things to children in plain words."
     turn1 = [{"role": "user", "content": "Why is the sky blue?"}]
-    # Sampled (the default temperature) and unseeded: it uses the cache unasked.
-    m1 = ac.messages.create(model=DEFAULT_MODEL, max_tokens=24, system=system, messages=turn1)
+    # Unasked, every request uses the cache; the package's instance is exact, and this
+    # request says not.
+    warm = {"exact": False}
+    m1 = ac.messages.create(model=DEFAULT_MODEL, max_tokens=24, system=system, messages=turn1,
+                            extra_body=warm)  # fmt: skip
     history = [
         *turn1,
         {"role": "assistant", "content": m1.content[0].text},
         {"role": "user", "content": "And why are sunsets red?"},
     ]
-    m2 = ac.messages.create(model=DEFAULT_MODEL, max_tokens=8, system=system, messages=history)
+    m2 = ac.messages.create(model=DEFAULT_MODEL, max_tokens=8, system=system, messages=history,
+                            extra_body=warm)  # fmt: skip
     total1 = m1.usage.input_tokens + m1.usage.cache_read_input_tokens
     # At least all of turn 1's prompt comes from the cache; turn 2 computes the rest.
     assert m2.usage.cache_read_input_tokens >= total1

@@ -13,7 +13,7 @@ import pytest
 from meshd.api.ollama_schemas import ChatRequest
 from meshd.models.resolve import DEFAULT_MODEL
 from tests.api.reference import WEATHER, greedy_chat
-from tests.cluster import NodeProc, wait_for
+from tests.cluster import NodeProc, metric_total, wait_for
 
 ollama = pytest.importorskip("ollama")
 jsonschema = pytest.importorskip("jsonschema")
@@ -45,6 +45,12 @@ def test_chat_matches_the_openai_route_and_reports_measured_timings(oc, via) -> 
     assert 0 < r.eval_duration < r.total_duration
     assert 0 < r.prompt_eval_duration < r.total_duration
     assert r.load_duration + r.prompt_eval_duration + r.eval_duration <= r.total_duration
+    # The package's instance is exact; ``options.exact: false`` (the ollama client sends
+    # options on as given) lets this one start from the prompt the one before kept.
+    hits = metric_total(via, "meshd_prefix_cache_hits_total")
+    warm = oc.chat(model=DEFAULT_MODEL, messages=HI, options={**GREEDY, "exact": False})
+    assert warm.eval_count == N
+    assert metric_total(via, "meshd_prefix_cache_hits_total") > hits
 
 
 def test_streamed_chat_is_ndjson_and_ends_with_the_timings(oc) -> None:

@@ -319,19 +319,22 @@ def test_turn_two_of_a_chat_reports_its_cached_tokens(client) -> None:
         {"role": "assistant", "content": r1.choices[0].message.content},
         {"role": "user", "content": "And about sharks?"},
     ]
-    # Greedy (reproducible) requests use the cache when they ask.
+    # Greedy requests use the cache unasked, as llama.cpp's server does, unless they
+    # run exact, as every request on this package's instance does unless it says not.
     r2 = client.chat.completions.create(
         model=DEFAULT_MODEL, messages=history, max_tokens=8, temperature=0,
-        extra_body={"cache_prompt": True},
+        extra_body={"exact": False},
     )  # fmt: skip
     assert r2.usage.prompt_tokens_details is not None
     assert r1.usage.prompt_tokens <= r2.usage.prompt_tokens_details.cached_tokens
     assert r2.usage.prompt_tokens_details.cached_tokens < r2.usage.prompt_tokens
-    # Unasked, a greedy request computes its whole prompt.
-    r3 = client.chat.completions.create(
-        model=DEFAULT_MODEL, messages=history, max_tokens=8, temperature=0,
-    )  # fmt: skip
-    assert r3.usage.prompt_tokens_details is None
+    # Asked for a cold run, a request computes its whole prompt; so does an exact one.
+    for cold in ({"exact": False, "cache_prompt": False}, {}):
+        r3 = client.chat.completions.create(
+            model=DEFAULT_MODEL, messages=history, max_tokens=8, temperature=0,
+            extra_body=cold,
+        )  # fmt: skip
+        assert r3.usage.prompt_tokens_details is None, cold
 
 
 def test_a_request_that_quotes_its_input_is_drafted_and_verified(client, via) -> None:
@@ -339,7 +342,7 @@ def test_a_request_that_quotes_its_input_is_drafted_and_verified(client, via) ->
     asked = [{"role": "user", "content": f"Repeat this code exactly:\n{code}"}]
     spec = client.chat.completions.create(
         model=DEFAULT_MODEL, messages=asked, max_tokens=48, temperature=0,
-        extra_body={"speculate": True},
+        extra_body={"exact": False},  # on a split, greedy requests draft unasked
     )  # fmt: skip
     assert spec.choices[0].message.content
     metrics = httpx.get(via.api + "/metrics", timeout=10).text

@@ -62,10 +62,17 @@ def test_a_string_input_with_instructions_answers_and_counts_as_chat_does(client
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.usage.output_tokens == chat.usage.completion_tokens
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
-    assert r.usage.input_tokens_details.cached_tokens == 0
+    assert r.usage.input_tokens_details.cached_tokens == 0  # the package's instance is exact
     assert r.output_text == chat.choices[0].message.content
     finish = chat.choices[0].finish_reason
     assert r.status == ("incomplete" if finish == "length" else "completed")
+    # ``exact: false`` in the body: this one starts from the prompt the chat kept.
+    warm = client.responses.create(
+        model=DEFAULT_MODEL, instructions="You answer in one short sentence.",
+        input="What colour is the sky?", max_output_tokens=4, temperature=0,
+        extra_body={"exact": False},
+    )  # fmt: skip
+    assert 0 < warm.usage.input_tokens_details.cached_tokens < warm.usage.input_tokens
 
 
 def test_greedy_items_input_gives_chat_completions_text(client) -> None:

@@ -125,7 +125,7 @@ def test_greedy_output_with_a_draft_model_is_the_output_without(
     try:
         _set_draft(target[0], "draft", tap.addr)
         s = Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
-        plain = _run(api, target, "plain", sampling=s, speculate=False)
+        plain = _run(api, target, "plain", sampling=s, exact=True)
         assert not tap.asks()  # a request that does not speculate never asks
         spec = _run(api, target, "spec", sampling=s, speculate=True)
         assert tokens_of(spec) == tokens_of(plain)
@@ -166,7 +166,10 @@ def test_a_replay_with_a_draft_model_continues_exactly(
     _set_draft(target[0], "draft", draft.addr)
     try:
         s = Sampling(temperature=0.0, max_tokens=30, ignore_eos=True)
-        whole = tokens_of(_run(api, target, "replay-whole", sampling=s, speculate=True))
+        # Cold, as the replay is (it reuses no prefix).
+        whole = tokens_of(
+            _run(api, target, "replay-whole", sampling=s, speculate=True, cache_prompt=False)
+        )
         replay = _run(api, target, "replay-9", sampling=s, speculate=True, resume_tokens=whole[:9])
         assert tokens_of(replay) == whole[9:]
         assert replay[-1].usage.drafted_tokens > 0
@@ -204,7 +207,7 @@ def test_a_draft_model_that_never_answers_does_not_stall_a_request(
     try:
         _set_draft(target[0], "draft", black_hole.addr)
         s = Sampling(temperature=0.0, max_tokens=30, ignore_eos=True)
-        plain = _run(api, target, "hole-plain", sampling=s, speculate=False)
+        plain = _run(api, target, "hole-plain", sampling=s, exact=True)
         t0 = time.monotonic()
         spec = _run(api, target, "hole-spec", sampling=s, speculate=True)
         took = time.monotonic() - t0

@@ -8,12 +8,16 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
+from meshd.domain.exact import EXACT, FastPaths, fast_paths, settled
+from meshd.domain.job import Job
 from meshd.domain.sampling import Sampling
 from meshd.engines.llama_stage import LlamaStage
 from meshd.engines.runner import common_prefix
+from meshd.engines.runner.admission import reuses_prefix, speculates
 from meshd.engines.stage import StageInput, StageInputError
 from meshd.transport import wire
 from tests.synthetic import N_LAYERS, write_model
@@ -36,6 +40,35 @@ def test_common_prefix() -> None:
     assert common_prefix([1, 2], [1, 2, 3]) == 2
     assert common_prefix([], [1]) == 0
     assert common_prefix([7], [8]) == 0
+
+
+SEEDED = Sampling(temperature=0.8, seed=3)
+
+
+def test_every_request_takes_the_fast_paths_unless_exact(tmp_path: Path) -> None:
+    def reuses(job: Job, resume: list[int] | None = None) -> bool:
+        addr = wire.Addr("n", ["127.0.0.1"], 1)
+        g = wire.Generate(req="r", instance="i", generation=1, route=[addr], reply_to=addr,
+                          job=job, resume_tokens=resume or [])  # fmt: skip
+        return reuses_prefix(g)
+
+    one = runner_config(tmp_path, tmp_path)
+    split = runner_config(tmp_path, tmp_path, bounds=[(0, 15), (15, 30)])
+    for s in (GREEDY, SEEDED, Sampling(temperature=0.8)):
+        job = Job(prompt="x", sampling=s)
+        assert fast_paths(job) == FastPaths()
+        assert reuses(job) and speculates(job, split) and not speculates(job, one)
+        exact = settled(job, instance_exact=True)
+        assert fast_paths(exact) is EXACT
+        asked = msgspec.structs.replace(exact, cache_prompt=True, speculate=True)
+        assert not reuses(asked) and not speculates(asked, split)
+    # Asked: a cold run, no drafts; a replay never reuses; a request's own exact
+    # wins over its instance's.
+    assert not reuses(Job(prompt="x", cache_prompt=False))
+    assert not speculates(Job(prompt="x", speculate=False), split)
+    assert not reuses(Job(prompt="x"), resume=[1])
+    mine = settled(Job(prompt="x", exact=False), instance_exact=True)
+    assert reuses(mine) and speculates(mine, split)
 
 
 @pytest.mark.parametrize("engine", ["llama", "mlx"])
@@ -111,8 +144,9 @@ def two_slots(
 
 
 def _run(api: ApiSide, route: list[RunnerProcess], req: str, **kw: object) -> list[wire.DataChunk]:
-    # Greedy requests use the cache only when they ask (see the auto rule's test).
-    api.generate(route, req, **{"sampling": GREEDY, "cache_prompt": True, **kw})
+    # Unasked, greedy requests use the cache too (see the default's test). A split
+    # drafts unasked as well: not here, where the cache alone is under test.
+    api.generate(route, req, **{"sampling": GREEDY, "speculate": False, **kw})
     chunks = api.result(req)
     assert not any(c.error for c in chunks), chunks
     # Its release reaches stage 0 a moment after the answer reaches us (from the last
@@ -155,24 +189,30 @@ def test_turn_two_starts_from_turn_one_and_answers_as_if_computed(
     assert tokens_of(cached) == tokens_of(fresh)
 
 
-def test_unasked_only_a_sampled_unseeded_request_uses_the_cache(
+def test_unasked_every_request_uses_the_cache_and_an_exact_one_none(
     two_slots: list[RunnerProcess], api: ApiSide
 ) -> None:
-    _run(api, two_slots, "base", prompt=STORY)
     prompt = STORY + " The end."
 
-    def n_cached(req: str, sampling: Sampling) -> int:
-        api.generate(two_slots, req, prompt=prompt, sampling=sampling)
+    def n_cached(req: str, sampling: Sampling, **kw: object) -> int:
+        # The base again first: each request finds STORY kept, whatever the one
+        # before it left.
+        _run(api, two_slots, f"base-{req}", prompt=STORY)
+        api.generate(two_slots, req, prompt=prompt, sampling=sampling, **kw)
         chunks = api.result(req)
         assert not any(c.error for c in chunks), chunks
         two_slots[0].wait_active(0, 10)
         return chunks[0].n_cached
 
-    sampled = Sampling(temperature=0.8, max_tokens=4)
-    assert n_cached("sampled", sampled) > 0
-    # Reproducible ones compute their whole prompt: the same answer whatever ran before.
-    assert n_cached("greedy", GREEDY) == 0
-    assert n_cached("seeded", Sampling(temperature=0.8, seed=3, max_tokens=4)) == 0
+    seeded = Sampling(temperature=0.8, seed=3, max_tokens=4)
+    assert n_cached("sampled", Sampling(temperature=0.8, max_tokens=4)) > 0
+    # As llama.cpp's server: greedy and seeded requests too (a near-tie may flip).
+    assert n_cached("greedy", GREEDY) > 0
+    assert n_cached("seeded", seeded) > 0
+    # A cold run when asked, and in the exact mode, whatever cache_prompt says then.
+    assert n_cached("cold", GREEDY, cache_prompt=False) == 0
+    assert n_cached("exact", seeded, exact=True) == 0
+    assert n_cached("exact-asked", GREEDY, exact=True, cache_prompt=True) == 0
 
 
 def test_kept_prefixes_give_way_and_the_last_one_is_taken_over(

@@ -162,10 +162,12 @@ def runner(
 
 
 def chat(api: ApiSide, runner: RunnerProcess, req: str, **sampling: object) -> list[wire.DataChunk]:
-    """A greedy chat completion of CONVERSATION through the runner."""
+    """A greedy chat completion of CONVERSATION through the runner, exact (compared
+    with llama-cpp-python's: no prefix an earlier request left)."""
     api.generate(
         [runner], req, messages=generate(CONVERSATION).messages,
         sampling=Sampling(temperature=0.0, max_tokens=48, **sampling),  # type: ignore[arg-type]
+        exact=True,
     )  # fmt: skip
     return api.result(req)
 

@@ -64,12 +64,16 @@ def test_seeded_sampling_replayed_from_position_k_continues_the_same_stream(
     sampling = Sampling(
         temperature=1.0, top_p=0.95, seed=1234, max_tokens=n, ignore_eos=True
     )  # fmt: skip
-    api.generate([single], "whole", prompt=PROMPT, sampling=sampling)
+    # Exact: the whole run must not start from a prefix an earlier test left, which
+    # the replay (cold, as every replay) would not see.
+    api.generate([single], "whole", prompt=PROMPT, sampling=sampling, exact=True)
     whole = tokens_of(api.result("whole"))
     assert len(whole) == n
     # What the API node sends after losing a stage at token k: the same request, with
     # the tokens the client already has re-prefilled.
-    api.generate([single], "replay", prompt=PROMPT, sampling=sampling, resume_tokens=whole[:k])
+    api.generate(
+        [single], "replay", prompt=PROMPT, sampling=sampling, resume_tokens=whole[:k], exact=True
+    )
     replay = api.result("replay")
     assert tokens_of(replay) == whole[k:]
     assert replay[-1].usage == wire.Usage(replay[0].n_prompt, n)
@@ -97,11 +101,12 @@ def test_bad_sampling_from_the_wire_is_a_typed_error_and_the_runner_goes_on(
 
 
 def test_greedy_replay_is_exact(single: RunnerProcess, api: ApiSide) -> None:
-    api.generate([single], "whole", prompt=PROMPT, sampling=greedy(16))
+    api.generate([single], "whole", prompt=PROMPT, sampling=greedy(16), exact=True)
     whole = api.result("whole")
     api.generate(
-        [single], "replay", prompt=PROMPT, sampling=greedy(16), resume_tokens=tokens_of(whole)[:5]
-    )
+        [single], "replay", prompt=PROMPT, sampling=greedy(16), resume_tokens=tokens_of(whole)[:5],
+        exact=True,
+    )  # fmt: skip
     replay = api.result("replay")
     assert tokens_of(replay) == tokens_of(whole)[5:]
     assert text_of(whole).endswith(text_of(replay))

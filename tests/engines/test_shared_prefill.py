@@ -75,16 +75,18 @@ def test_choices_of_one_prompt_run_its_prefill_once_on_every_stage(
     def sampling(seed: int) -> Sampling:
         return Sampling(temperature=0.9, seed=seed, max_tokens=12, ignore_eos=True)
 
+    # Exact, every request: none starts from a prefix another left (a reused prefix is
+    # no shared prefill, and moves the low bits the seeds draw from), none drafts.
     # Alone first: what each seed draws with nothing shared.
     alone = {}
     for seed in (1, 2, 3):
-        api.generate(pipeline, f"alone-{seed}", prompt=PROMPT, sampling=sampling(seed))
+        api.generate(pipeline, f"alone-{seed}", prompt=PROMPT, sampling=sampling(seed), exact=True)
         alone[seed] = tokens_of(api.result(f"alone-{seed}"))
     # Three choices at once, and a fourth while they are live.
     for seed in (1, 2, 3):
-        api.generate(pipeline, f"n-{seed}", prompt=PROMPT, sampling=sampling(seed))
+        api.generate(pipeline, f"n-{seed}", prompt=PROMPT, sampling=sampling(seed), exact=True)
     api.wait("n-1", lambda c: bool(c.tokens), 60)
-    api.generate(pipeline, "late", prompt=PROMPT, sampling=sampling(1))
+    api.generate(pipeline, "late", prompt=PROMPT, sampling=sampling(1), exact=True)
     firsts = {}
     for req in ("n-1", "n-2", "n-3", "late"):
         chunks = api.result(req)

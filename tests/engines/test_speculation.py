@@ -123,9 +123,10 @@ def _split(
 
 
 def _chains_to_the_plain_output(api: ApiSide, route: list[RunnerProcess], name: str) -> None:
-    """Greedy 60 tokens with speculation are those without, and steps went chained."""
+    """Greedy 60 tokens with speculation are those of an exact run (none), and steps
+    went chained."""
     s = Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
-    plain = _run(api, route, f"{name}-plain", sampling=s, speculate=False)
+    plain = _run(api, route, f"{name}-plain", sampling=s, exact=True)
     spec = _run(api, route, f"{name}-spec", sampling=s, speculate=True)
     assert tokens_of(spec) == tokens_of(plain)
     u = spec[-1].usage
@@ -154,7 +155,7 @@ def test_greedy_output_with_speculation_is_the_output_without(
     pipeline: list[RunnerProcess], api: ApiSide, max_tokens: int
 ) -> None:
     s = Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    plain = _run(api, pipeline, f"plain-{max_tokens}", sampling=s, speculate=False)
+    plain = _run(api, pipeline, f"plain-{max_tokens}", sampling=s, exact=True)
     spec = _run(api, pipeline, f"spec-{max_tokens}", sampling=s, speculate=True)
     assert tokens_of(spec) == tokens_of(plain)
     assert text_of(spec) == text_of(plain)
@@ -178,22 +179,34 @@ def test_a_seeded_sample_with_speculation_is_the_sample_without(
     # Each position draws its own random number: keeping a draft token exactly when
     # the draw gives it is the rejection rule, and the stream is the same.
     s = Sampling(temperature=0.7, seed=5, max_tokens=40, ignore_eos=True)
-    plain = _run(api, pipeline, "seeded-plain", sampling=s, speculate=False)
+    plain = _run(api, pipeline, "seeded-plain", sampling=s, exact=True)
     spec = _run(api, pipeline, "seeded-spec", sampling=s, speculate=True)
     assert tokens_of(spec) == tokens_of(plain)
     assert spec[-1].usage.drafted_tokens > 0
+
+
+def test_unasked_a_split_drafts_for_greedy_requests_and_an_exact_one_never(
+    pipeline: list[RunnerProcess], api: ApiSide
+) -> None:
+    s = Sampling(temperature=0.0, max_tokens=30, ignore_eos=True)
+    unasked = _run(api, pipeline, "unasked", sampling=s)
+    assert unasked[-1].usage.drafted_tokens > 0, unasked[-1].usage
+    # The exact mode turns speculation off, even where the request asks for it.
+    exact = _run(api, pipeline, "exact-asked", sampling=s, exact=True, speculate=True)
+    assert exact[-1].usage.drafted_tokens == 0, exact[-1].usage
+    assert tokens_of(exact) == tokens_of(unasked)
 
 
 def test_a_stop_string_inside_a_draft_ends_the_answer_there(
     pipeline: list[RunnerProcess], api: ApiSide
 ) -> None:
     s = Sampling(temperature=0.0, max_tokens=60, ignore_eos=True)
-    plain = _run(api, pipeline, "stop-plain", sampling=s, speculate=False)
+    plain = _run(api, pipeline, "stop-plain", sampling=s, exact=True)
     text = text_of(plain)
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop
     cut = Sampling(temperature=0.0, max_tokens=60, ignore_eos=True, stop=[stop])
-    a = _run(api, pipeline, "stop-a", sampling=cut, speculate=False)
+    a = _run(api, pipeline, "stop-a", sampling=cut, exact=True)
     b = _run(api, pipeline, "stop-b", sampling=cut, speculate=True)
     assert text_of(a) == text_of(b) and b[-1].finish_reason == "stop"
     assert b[-1].stop_sequence == stop
@@ -205,7 +218,7 @@ def test_one_stage_speculates_alone(
     path = write_model(tmp_path / "synth.gguf", model_path, "llama")
     with _split(path, slice_dir, tmp_path, [(0, N_LAYERS)]) as route:
         s = Sampling(temperature=0.0, max_tokens=50, ignore_eos=True)
-        plain = _run(api, route, "one-plain", sampling=s, speculate=False)
+        plain = _run(api, route, "one-plain", sampling=s, exact=True)
         spec = _run(api, route, "one-spec", sampling=s, speculate=True)
         assert tokens_of(spec) == tokens_of(plain)
         assert spec[-1].usage.accepted_tokens > 0
@@ -227,7 +240,10 @@ def test_a_speculating_request_replayed_from_token_k_continues_exactly(
     # What the API node sends after losing a stage at token k: the tokens the client
     # has, re-fed one a step; drafting resumes after them and the stream is the same.
     s = Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
-    whole = tokens_of(_run(api, pipeline, "spec-whole", sampling=s, speculate=True))
+    # Cold, as the replays are (they reuse no prefix).
+    whole = tokens_of(
+        _run(api, pipeline, "spec-whole", sampling=s, speculate=True, cache_prompt=False)
+    )
     for k in (1, 17):
         replay = _run(
             api, pipeline, f"spec-replay-{k}", sampling=s, speculate=True,
@@ -247,11 +263,11 @@ def test_a_kept_answer_holds_its_own_positions_only(
     prompt = list(range(300, 340)) * 3
     greedy = Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
     whole = tokens_of(api.answer(pipeline, "kept-whole", prompt_tokens=prompt,
-                                 sampling=greedy, speculate=False))  # fmt: skip
-    # A greedy request that reuses nothing runs cold: every kept prefix (``whole``'s
+                                 sampling=greedy, exact=True))  # fmt: skip
+    # An exact request reuses nothing and runs cold: every kept prefix (``whole``'s
     # too) is dropped first.
     one = msgspec.structs.replace(greedy, max_tokens=1)
-    api.answer(pipeline, "kept-cold", prompt_tokens=[5] * 10, sampling=one, speculate=False)
+    api.answer(pipeline, "kept-cold", prompt_tokens=[5] * 10, sampling=one, exact=True)
     cut = msgspec.structs.replace(greedy, max_tokens=20)
     first = api.answer(pipeline, "kept-first", prompt_tokens=prompt, sampling=cut,
                        speculate=True, cache_prompt=True)  # fmt: skip
@@ -287,9 +303,9 @@ def test_other_architectures_speculate_and_reuse_a_prefix_exactly(
         prompt = list(range(300, 340)) * 3
         greedy = Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
         whole = tokens_of(api.answer(route, f"{case}-plain", prompt_tokens=prompt,
-                                     sampling=greedy, speculate=False))  # fmt: skip
+                                     sampling=greedy, exact=True))  # fmt: skip
         one = msgspec.structs.replace(greedy, max_tokens=1)
-        api.answer(route, f"{case}-cold", prompt_tokens=[5] * 10, sampling=one, speculate=False)
+        api.answer(route, f"{case}-cold", prompt_tokens=[5] * 10, sampling=one, exact=True)
         spec = api.answer(route, f"{case}-spec", prompt_tokens=prompt, sampling=greedy,
                           speculate=True, cache_prompt=True)  # fmt: skip
         assert tokens_of(spec) == whole

@@ -39,7 +39,7 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, li
 
 def _body(stream: bool) -> dict:
     return {"model": DEFAULT_MODEL, "prompt": faultlab.PROMPT, "max_tokens": N_TOKENS,
-            "temperature": 0, "stream": stream, "ignore_eos": True}  # fmt: skip
+            "temperature": 0, "stream": stream, "ignore_eos": True, "exact": True}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from meshd.crdt.replica import Replica
 from meshd.crdt.views import Instance, InstanceSpec, Stage, instance_key
 from meshd.node.kept import Kept, PlacementsFile, observe, stale
 
-SPEC = InstanceSpec(model="m", context=1024, kv_cache="q8_0", speculate=False, nodes=["a"])
+SPEC = InstanceSpec(model="m", context=1024, kv_cache="q8_0", speculate=False, exact=True,
+                    nodes=["a"])  # fmt: skip
 
 
 def _inst(r: Replica, iid: str, spec: InstanceSpec = SPEC, placed: int = 0) -> Instance:

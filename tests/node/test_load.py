@@ -59,8 +59,9 @@ def _start(c: Cluster, name: str, *extra: str) -> NodeProc:
 
 
 def _body(prompt: str, **kw) -> dict:
+    # Exact: answers are compared with a lone one's, where only batching may differ.
     return {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
-            "temperature": 0, "stream": True, "logprobs": 3, **kw}  # fmt: skip
+            "temperature": 0, "stream": True, "logprobs": 3, "exact": True, **kw}  # fmt: skip
 
 
 #: How close (in log-probability) the two best tokens must be for a batched greedy

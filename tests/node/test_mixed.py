@@ -98,7 +98,7 @@ def _run(via: NodeProc, nodes: list[NodeProc], engines: list[str], activations: 
                  120, interval=0.2)  # fmt: skip
         r = httpx.post(via.api + "/v1/completions", timeout=300, json={
             "model": DEFAULT_MODEL, "prompt": PROMPT, "max_tokens": N, "temperature": 0,
-            "ignore_eos": True})  # fmt: skip
+            "ignore_eos": True, "exact": True})  # fmt: skip
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
     finally:
@@ -135,7 +135,7 @@ def test_an_mlx_folder_splits_over_two_nodes_with_the_ggufs_tokens(
                  120, interval=0.2)  # fmt: skip
         r = httpx.post(trio[2].api + "/v1/completions", timeout=300, json={
             "model": str(folder), "prompt": PROMPT, "max_tokens": N, "temperature": 0,
-            "ignore_eos": True})  # fmt: skip
+            "ignore_eos": True, "exact": True})  # fmt: skip
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == wholes["mlx"]
         chat = httpx.post(trio[1].api + "/v1/chat/completions", timeout=300, json={

@@ -65,7 +65,7 @@ def _probe(host: Host) -> list | None:
 _ASK = r"""
 import json, urllib.request
 body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8,
-        "temperature": 0}
+        "temperature": 0, "exact": True}
 req = urllib.request.Request("http://127.0.0.1:7470/v1/completions",
                              data=json.dumps(body).encode(),
                              headers={"Content-Type": "application/json"})

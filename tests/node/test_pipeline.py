@@ -116,8 +116,10 @@ def agrees_up_to_a_near_tie(logprobs: dict, want: str, margin: float = 1.5) -> b
 
 
 def complete(via: NodeProc, prompt: str, **kw) -> dict:
+    """A greedy completion, exact (compared with llama.cpp's: no kept prefix, no
+    drafts) unless ``kw`` says."""
     body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
-            "temperature": 0, **kw}  # fmt: skip
+            "temperature": 0, "exact": True, **kw}  # fmt: skip
     r = httpx.post(via.api + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
@@ -280,14 +282,15 @@ def test_openai_client_against_a_node_that_holds_no_stage(
     models = [m.id for m in client.models.list()]
     assert DEFAULT_MODEL in models
     msgs = [{"role": "user", "content": "Name a colour."}]
+    exact = {"exact": True}  # the stream must give the text the whole one gave
     whole = client.chat.completions.create(
-        model=DEFAULT_MODEL, messages=msgs, max_tokens=16, temperature=0
+        model=DEFAULT_MODEL, messages=msgs, max_tokens=16, temperature=0, extra_body=exact
     )
     text = whole.choices[0].message.content
     assert text and whole.usage.completion_tokens <= 16
     stream = client.chat.completions.create(
         model=DEFAULT_MODEL, messages=msgs, max_tokens=16, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, extra_body=exact,
     )  # fmt: skip
     parts, usage = [], None
     for ev in stream:

@@ -15,7 +15,7 @@ from tests.cluster import Cluster, NodeProc, wait_for, wait_serving
 pytestmark = pytest.mark.timeout(240)
 
 #: The settings a restore must bring back (the node's own --context is TEST_CONTEXT).
-SETTINGS = {"context": 512, "kv_cache": "q8_0", "speculate": False}
+SETTINGS = {"context": 512, "kv_cache": "q8_0", "speculate": False, "exact": True}
 
 
 def _kept(n: NodeProc) -> dict:

@@ -33,8 +33,9 @@ def test_a_node_without_the_model_file_places_and_serves_it(
     assert not card("thin").get("models")  # it really lacks the file
     assert thin.get("/v1/instances")["data"] == []
 
+    # Exact: the two answers below are compared token for token.
     body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Name a colour."}],
-            "max_tokens": 12, "temperature": 0}  # fmt: skip
+            "max_tokens": 12, "temperature": 0, "exact": True}  # fmt: skip
     r = httpx.post(thin.api + "/v1/chat/completions", json=body, timeout=90)
     assert r.status_code == 200, r.text
     (inst,) = thin.get("/v1/instances")["data"]

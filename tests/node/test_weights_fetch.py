@@ -74,7 +74,9 @@ def runner(node: NodeProc, about: NodeProc, instance: str) -> dict | None:
 
 
 def complete(via: NodeProc) -> dict:
-    body = {"model": "smol", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    """A greedy completion, exact: compared token for token with the reference."""
+    body = {"model": "smol", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "exact": True}  # fmt: skip
     r = httpx.post(via.api + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
@@ -229,7 +231,8 @@ def test_an_mlx_folder_travels_as_the_folder_of_a_stages_layers(
         return inst
 
     def text() -> str:
-        body = {"model": "smol-mlx", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        body = {"model": "smol-mlx", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                "exact": True}  # fmt: skip
         r = httpx.post(b.api + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]

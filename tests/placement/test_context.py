@@ -53,9 +53,11 @@ def test_a_context_past_the_trained_one_is_refused() -> None:
 
 
 def test_a_repair_keeps_the_context() -> None:
-    spec = InstanceSpec(model=SMOL.name, nodes=["a", "b"], context=2048, speculate=False)
+    spec = InstanceSpec(model=SMOL.name, nodes=["a", "b"], context=2048, speculate=False,
+                        exact=True)  # fmt: skip
     # The pins go; what each request gets stays.
-    assert spec.relaxed() == InstanceSpec(model=SMOL.name, context=2048, speculate=False)
+    assert spec.relaxed() == InstanceSpec(model=SMOL.name, context=2048, speculate=False,
+                                          exact=True)  # fmt: skip
     nodes = {n.id: n for n in (node("a", "a", CPU, 8 * GiB), node("b", "b", CPU, 8 * GiB))}
     stages = place(spec, SMOL, nodes)
     inst = Instance(id="i", spec=spec, stages=stages, generation=1, facts=SMOL)

@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 
 from meshd.domain.chat import ChatTurn
+from meshd.domain.exact import fast_paths
 from meshd.domain.job import Job
 from meshd.domain.sampling import Sampling
 from meshd.engines.grammar import bounded_strings, check_grammar, closed_objects, lark_grammar
@@ -46,31 +47,29 @@ def capped(g: wire.Generate, cap: int | None) -> wire.Generate:
 
 
 def reuses_prefix(g: wire.Generate) -> bool:
-    """Whether ``g`` may start from a kept prefix.
+    """Whether ``g`` may start from a kept prefix: unless it says ``cache_prompt:
+    false`` or runs exact, as llama.cpp's server does.
 
     A reused prefix moves the low bits of the logits (the engine sums a batch of rows
     in another order than the batches that made the prefix: up to ~0.5 on a quantized
-    model), so only requests whose answer is random anyway use it unless they ask: a
-    greedy or seeded one gives the same answer whatever ran before, and a replay's
-    tokens continue exactly."""
+    model), so a near-tie may flip between a warm and a cold run; the exact mode
+    (:mod:`meshd.domain.exact`) and a replay (its tokens continue exactly) run cold."""
     job = g.job
-    reuse = job.cache_prompt
-    if reuse is None:
-        reuse = job.sampling.temperature > 0 and job.sampling.seed is None
+    reuse = fast_paths(job).prefix_reuse and job.cache_prompt is not False
     return reuse and not g.resume_tokens and not job.embed
 
 
 def speculates(job: Job, cfg: RunnerConfig) -> bool:
-    """Whether ``job`` drafts: as it asks, else as its instance says, else where a trip
-    between nodes sets the pace (a split), for requests whose answer is random anyway
-    (a verified batch of rows sums in another order than one row a step). On one node
-    the draft's extra rows cost about what they save (bench/speculate.py: 0.93-0.96x
-    on the default model)."""
-    s = job.sampling
+    """Whether ``job`` drafts: never in the exact mode; else as it asks, else as its
+    instance says, else where a trip between nodes sets the pace (a split), greedy
+    and seeded requests too (the draft budget stops a request where drafts do not
+    pay). On one node the draft's extra rows cost about what they save
+    (bench/speculate.py: 0.93-0.96x on the default model)."""
     speculate = cfg.speculate if job.speculate is None else job.speculate
     if speculate is None:
-        speculate = cfg.n_stages > 1 and s.temperature > 0 and s.seed is None
-    return speculate and not job.embed and cfg.draft_max > 0
+        speculate = cfg.n_stages > 1
+    allowed = fast_paths(job).speculation and not job.embed
+    return allowed and speculate and cfg.draft_max > 0
 
 
 class Prompts:
