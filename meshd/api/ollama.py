@@ -31,7 +31,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
-from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse
+from meshd.domain.chat import IMAGE_MARKER, ChatTurn, ToolCallTurn, ToolSpec, ToolUse, image_text
 from meshd.domain.facts import ModelFacts
 from meshd.domain.sampling import SamplingChoice
 from meshd.node.cluster import ClusterView
@@ -53,6 +53,8 @@ from .answers import (
 )
 from .bodies import parse_body
 from .errors import ApiError, model_not_found, node_error
+from .image_budget import check_images
+from .images import image_bytes
 from .logprobs import chat_logprobs
 from .ollama_embed import embed, embeddings
 from .ollama_embed import ollama_model as _model
@@ -123,7 +125,15 @@ def _turn(m: o.Message) -> ChatTurn:
         )
         for i, c in enumerate(m.tool_calls or ())
     ]
-    return ChatTurn(m.role, m.content, calls, None, m.tool_name, m.thinking)
+    images = decoded(m.images)
+    # As Ollama does: a message's images come before its text.
+    text = IMAGE_MARKER * len(images) + image_text(m.content)
+    return ChatTurn(m.role, text, calls, None, m.tool_name, m.thinking, images)
+
+
+def decoded(images: list[str] | None) -> list[bytes]:
+    """Ollama's base64 ``images`` as bytes (checked when the body was parsed)."""
+    return [image_bytes(data, "images") for data in images or ()]
 
 
 def _request(
@@ -164,7 +174,9 @@ async def chat(request: Request) -> Response:
     ctx = context(request)
     if not body.messages:
         return await _load_only(ctx, body, chat=True)
-    req = _request(ctx, body, messages=[_turn(m) for m in body.messages])
+    turns = [_turn(m) for m in body.messages]
+    check_images([b for t in turns for b in t.images])
+    req = _request(ctx, body, messages=turns)
     return await _serve(request, ctx, body, req, chat=True)
 
 
@@ -178,7 +190,10 @@ async def generate(request: Request) -> Response:
         req = _request(ctx, body, prompt=body.prompt)
     else:
         turns = [ChatTurn("system", body.system)] if body.system else []
-        req = _request(ctx, body, messages=[*turns, ChatTurn("user", body.prompt)])
+        images = decoded(body.images)
+        check_images(images, "images")
+        user = ChatTurn("user", IMAGE_MARKER * len(images) + image_text(body.prompt), images=images)
+        req = _request(ctx, body, messages=[*turns, user])
     return await _serve(request, ctx, body, req, chat=False)
 
 

@@ -36,6 +36,7 @@ from .answers import (
 )
 from .bodies import parse_body
 from .errors import model_not_found
+from .image_budget import check_images
 from .logprobs import chat_logprobs, completion_logprobs
 from .runs import GenerateRequest, Run, admit_choices
 from .services import context
@@ -51,13 +52,14 @@ async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     body = await parse_body(request, schemas.ChatCompletionRequest)
     turns = [_turn(m) for m in body.messages]
+    check_images([b for t in turns for b in t.images])
     return await _serve(request, body, _generate_request(body, messages=turns), "chat")
 
 
 def _turn(m: schemas.ChatMessage) -> ChatTurn:
     calls = [ToolCallTurn(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()]
     thoughts = m.reasoning_content or m.reasoning
-    return ChatTurn(m.role, m.text, calls, m.tool_call_id, m.name, thoughts)
+    return ChatTurn(m.role, m.text, calls, m.tool_call_id, m.name, thoughts, m.images)
 
 
 def _tool_use(body: _Body) -> ToolUse | None:

@@ -18,7 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse
+from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse, image_text
 from meshd.domain.sampling import SamplingChoice
 
 from . import responses_schemas as rs
@@ -30,6 +30,7 @@ from .answers import (
     whole,
 )
 from .bodies import parse_body
+from .image_budget import check_images
 from .responses_stream import Draft, Stream, call_item, status
 from .runs import GenerateRequest, Run, admit_choices
 from .services import context
@@ -95,7 +96,7 @@ def turns(body: rs.ResponseRequest) -> list[ChatTurn]:
     if body.instructions is not None:
         out.append(ChatTurn("system", body.instructions))
     if isinstance(body.input, str):
-        out.append(ChatTurn("user", body.input))
+        out.append(ChatTurn("user", image_text(body.input)))
         return out
     names: dict[str, str] = {}
     thoughts = None  # a reasoning item's, for the assistant turn after it
@@ -106,7 +107,7 @@ def turns(body: rs.ResponseRequest) -> list[ChatTurn]:
             role = "system" if item.role == "developer" else item.role
             assert role is not None  # checked on decode
             mine = thoughts if role == "assistant" else None
-            out.append(ChatTurn(role, item.text, reasoning=mine))
+            out.append(ChatTurn(role, item.text, reasoning=mine, images=item.images))
             thoughts = None if role == "assistant" else thoughts
         elif item.type == "function_call":
             assert item.call_id is not None and item.name is not None
@@ -123,6 +124,7 @@ def turns(body: rs.ResponseRequest) -> list[ChatTurn]:
             out.append(ChatTurn("tool", item.text, [], item.call_id, names.get(item.call_id)))
         elif item.type == "reasoning":
             thoughts = item.thoughts or None
+    check_images([b for t in out for b in t.images], "input")
     return out
 
 

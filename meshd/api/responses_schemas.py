@@ -18,8 +18,8 @@ What a request may carry
 * **Rejected** (400 ``unsupported_parameter``): what needs state kept on the server
   (``previous_response_id``, ``conversation``, ``background``, ``item_reference``
   items), tools other than functions (``web_search``, ``file_search``, ...), and
-  content other than text (images, files, audio). Answering without them would
-  silently lie to the client.
+  content other than text and ``input_image`` data URLs (files, audio, remote image
+  URLs). Answering without them would silently lie to the client.
 * **Ignored**: everything else (``store``, ``user``, ``reasoning``, ``truncation``,
   ``include``, and fields OpenAI adds later).
 """
@@ -31,9 +31,11 @@ from typing import Any, Literal
 
 import msgspec
 
+from meshd.domain.chat import IMAGE_MARKER, image_text
 from meshd.domain.reasoning import ThinkChoice
 from meshd.engines.grammar import json_schema_grammar
 
+from .images import url_image
 from .rules import (
     MAX_TOOLS,
     FieldError,
@@ -114,23 +116,32 @@ class InputContent(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     type: str
     text: str | None = None
+    #: An ``input_image`` part's data URL (nodes never fetch a remote one).
+    image_url: str | None = None
 
 
 def _content_text(content: str | list[InputContent], field: str) -> str:
-    """``content`` as one string (text parts joined by newlines, as chat joins them), or
-    a FieldError naming the first part that is not text."""
+    """``content`` as one string (text parts joined by newlines, as chat joins them,
+    an ``input_image`` part as the :data:`IMAGE_MARKER` of its place), or a
+    FieldError naming the first part that is neither."""
     if isinstance(content, str):
-        return content
+        return image_text(content)
     for i, part in enumerate(content):
+        if part.type == "input_image" and field == "content":
+            url_image(part.image_url or "", f"{field}[{i}].image_url")
+            continue
         if part.type not in _TEXT_PARTS:
             raise unsupported(
                 f"{field}[{i}].type",
-                f"content part type {part.type!r} is not supported; meshd serves text "
-                "models (use type 'input_text')",
+                f"content part type {part.type!r} is not supported; meshd reads "
+                "'input_text' and 'input_image' parts",
             )
         if part.text is None:
             raise FieldError(f"{field}[{i}].text", "a text content part needs a string `text`")
-    return "\n".join(part.text or "" for part in content)
+    return "\n".join(
+        IMAGE_MARKER if part.type == "input_image" else image_text(part.text or "")
+        for part in content
+    )
 
 
 class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -187,6 +198,17 @@ class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.type == "function_call_output":
             return _content_text(self.output or "", "output")
         return _content_text(self.content or "", "content")
+
+    @property
+    def images(self) -> list[bytes]:
+        """A message's ``input_image`` parts as bytes, in order."""
+        if self.type != "message" or not isinstance(self.content, list):
+            return []
+        return [
+            url_image(p.image_url or "", "image_url")
+            for p in self.content
+            if p.type == "input_image"
+        ]
 
     @property
     def thoughts(self) -> str:

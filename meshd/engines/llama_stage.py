@@ -22,9 +22,10 @@ A stage is not thread-safe: a runner calls it from one thread.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from meshd.models.scaling import input_scale
 
 from . import attention
 from .ggml_lib import Ggml, cpu_extra_buffer_types
+from .projector import Projector
 from .stage import (
     ContextFullError,
     StageError,
@@ -447,6 +449,8 @@ class LlamaStage:
         self._b_seq_ptrs = (i32p * cap)(*[ctypes.cast(base + 4 * i, i32p) for i in range(cap)])
         batch = self._L.llama_batch()
         batch.n_tokens = 0
+        #: A first stage's embedding rows (an image's), allocated on first use.
+        self._b_embd0: npt.NDArray[np.float32] | None = None
         if self.first:
             self._b_tok: npt.NDArray[np.int32] | None = np.zeros(cap, np.int32)
             self._b_embd: npt.NDArray[np.float32] | None = None
@@ -564,6 +568,12 @@ class LlamaStage:
             and all(_one_token(it) for it in items)
         ):
             return self._decode_step(items)
+        if self.first and any(it.hidden is not None for it in items):
+            return self._forward_mixed(items)
+        return self._forward(items)
+
+    def _forward(self, items: Sequence[StageInput]) -> list[StageOutput]:
+        """:meth:`forward` of items that all take the batch's kind of input."""
         inputs = self._validate(items)
         lengths = [len(a) for a in inputs]
         total = sum(lengths)
@@ -607,6 +617,49 @@ class LlamaStage:
         assert hidden_out is not None
         # Views of one array made for this call: nothing else ever writes to it.
         return [hidden_out[s:e] for s, e in zip(starts, ends, strict=True)]
+
+    def _forward_mixed(self, items: Sequence[StageInput]) -> list[StageOutput]:
+        """:meth:`forward` on a first stage whose items carry embedding rows too (an
+        image's, from the projector): llama.cpp takes tokens or embeddings in one
+        batch, never both, so the token items run first, then the row items, through
+        a batch that takes embeddings. A failure rolls every item back, as forward's."""
+        rows = [i for i, it in enumerate(items) if it.hidden is not None]
+        toks = [i for i, it in enumerate(items) if it.hidden is None]
+        out: list[StageOutput | None] = [None] * len(items)
+        try:
+            if toks:
+                for i, o in zip(toks, self._forward([items[i] for i in toks]), strict=True):
+                    out[i] = o
+            with self._embedding_input():
+                for i, o in zip(rows, self._forward([items[i] for i in rows]), strict=True):
+                    out[i] = o
+        except BaseException:
+            for it in items:
+                self._L.llama_memory_seq_rm(self._mem, it.seq, it.pos, -1)
+            raise
+        return [o for o in out if o is not None]
+
+    @contextlib.contextmanager
+    def _embedding_input(self) -> Iterator[None]:
+        """The batch takes embedding rows for a while (a first stage's image rows)."""
+        if self._b_embd0 is None:
+            self._b_embd0 = np.zeros((self.n_batch, self.hidden_size), np.float32)
+        batch, tok = self._batch, self._b_tok
+        self._b_tok, self._b_embd = None, self._b_embd0
+        batch.token = None
+        batch.embd = self._b_embd0.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        try:
+            yield
+        finally:
+            self._b_tok, self._b_embd = tok, None
+            assert tok is not None
+            batch.token = tok.ctypes.data_as(ctypes.POINTER(self._L.llama_token))
+            batch.embd = None
+
+    def projector(self, path: Path | str) -> Projector:
+        """The image projector at ``path`` for this stage's model (a first stage's:
+        its rows go in where the token embeddings would)."""
+        return Projector(path, self._model, self.hidden_size, self.n_threads, _get_backend().log_cb)
 
     def _decode_step(self, items: Sequence[StageInput]) -> list[StageOutput]:
         """:meth:`forward` for one new token per request on a whole-model stage (each

@@ -12,6 +12,7 @@ Memory a stage needs on its node (see :func:`stage_need`)::
     + token embedding   (every llama.cpp stage; an MLX stage only when it is the
                          first one, or the last one with a tied output head)
     + head bytes        (last stage)
+    + projector bytes   (a llama.cpp first stage: the model's image projector)
     + KV reservation    (min(kv_tokens, n_ctx_train) x kv_sequences
                          x kv_bytes_per_token_layer x layers of the stage)
     + floor_bytes       (kept free on the node)
@@ -378,6 +379,7 @@ class _Model:
     active: tuple[int, ...]
     embed: int
     head: int
+    projector: int  # image projector bytes, on a llama.cpp stage 0
     kv_layer: int  # KV reservation per layer (F16, as MLX keeps it)
     kv_tokens: int  # ... for this many tokens a request
     kv_sequences: int  # ... and this many requests
@@ -433,6 +435,7 @@ class _Model:
             active=tuple(active),
             embed=facts.embed_bytes,
             head=facts.head_bytes,
+            projector=facts.projector_bytes,
             kv_layer=tokens * policy.kv_sequences * facts.kv_bytes_per_token_layer,
             kv_tokens=tokens,
             kv_sequences=policy.kv_sequences,
@@ -457,6 +460,8 @@ class _Model:
     def need(self, start: int, end: int, engine: str) -> int:
         first, last = start == 0, end == self.n
         extra = self.head if last else 0
+        if first and engine != "mlx":  # llama.cpp's stage 0 runs the image projector
+            extra += self.projector
         # llama.cpp demands token_embd in every slice; MLX embeds on the first stage
         # and uses the embedding as the output head on the last one when it is tied.
         if engine != "mlx" or first or (last and self.head == 0):
