@@ -43,7 +43,6 @@ from .answers import (
 )
 from .bodies import parse_body
 from .errors import ApiError
-from .image_budget import check_images
 from .runs import GenerateRequest, Run, admit
 from .services import context
 from .sse import SSE_HEADERS, SSE_MEDIA_TYPE
@@ -108,7 +107,6 @@ def _turns(body: a.MessagesRequest | a.CountTokensRequest) -> list[ChatTurn]:
                 turns.append(ChatTurn("tool", out, [], tid, names.get(tid)))
         if text or not any(b.type == "tool_result" for b in m.content):
             turns.append(ChatTurn("user", text, images=images))
-    check_images([b for t in turns for b in t.images])
     return turns
 
 

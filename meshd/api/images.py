@@ -14,11 +14,12 @@ import base64
 import binascii
 import re
 
+from meshd.domain.chat import IMAGE_MARKER, ChatTurn, ToolCallTurn, image_text
 from meshd.domain.images import IMAGE_FORMATS, image_format
 
 from .rules import FieldError
 
-__all__ = ["MAX_IMAGE_BYTES", "image_bytes", "url_image"]
+__all__ = ["MAX_IMAGE_BYTES", "image_bytes", "image_turn", "url_image"]
 
 #: Images of one request, bytes in all: the request travels to stage 0 in one control
 #: frame (``wire.MAX_CONTROL_FRAME``, 4 MiB) with its text.
@@ -58,3 +59,14 @@ def url_image(url: str, param: str) -> bytes:
     if ";base64" not in m.group(2).lower():
         raise FieldError(param, f"{param} must be base64 (data:image/png;base64,...)")
     return image_bytes(m.group(3), param)
+
+
+def image_turn(
+    role: str, text: str, images: list[str] | None, calls: list[ToolCallTurn] | None = None,
+    name: str | None = None, thinking: str | None = None,
+) -> ChatTurn:  # fmt: skip
+    """An Ollama message as a chat turn: its base64 ``images`` (checked when the body
+    was parsed) placed before its text, as Ollama places them."""
+    found = [image_bytes(data, "images") for data in images or ()]
+    marked = IMAGE_MARKER * len(found) + image_text(text)
+    return ChatTurn(role, marked, calls or [], None, name, thinking, found)

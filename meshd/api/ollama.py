@@ -31,7 +31,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
-from meshd.domain.chat import IMAGE_MARKER, ChatTurn, ToolCallTurn, ToolSpec, ToolUse, image_text
+from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse
 from meshd.domain.facts import ModelFacts
 from meshd.domain.sampling import SamplingChoice
 from meshd.node.cluster import ClusterView
@@ -53,14 +53,13 @@ from .answers import (
 )
 from .bodies import parse_body
 from .errors import ApiError, model_not_found, node_error
-from .image_budget import check_images
-from .images import image_bytes
+from .images import image_turn
 from .logprobs import chat_logprobs
 from .ollama_embed import embed, embeddings
 from .ollama_embed import ollama_model as _model
 from .runs import GenerateRequest, Run, admit, instance_of
 from .services import ApiContext, context
-from .toolcalls import Call, ChoiceCalls
+from .toolcalls import Call, ChoiceCalls, json_text
 
 __all__ = [
     "COMPAT_VERSION",
@@ -120,20 +119,10 @@ def _sampling(opts: o.Options) -> SamplingChoice:
 
 def _turn(m: o.Message) -> ChatTurn:
     calls = [
-        ToolCallTurn(
-            f"call_{i}", c.function.name, msgspec.json.encode(c.function.arguments).decode()
-        )
+        ToolCallTurn(f"call_{i}", c.function.name, json_text(c.function.arguments))
         for i, c in enumerate(m.tool_calls or ())
     ]
-    images = decoded(m.images)
-    # As Ollama does: a message's images come before its text.
-    text = IMAGE_MARKER * len(images) + image_text(m.content)
-    return ChatTurn(m.role, text, calls, None, m.tool_name, m.thinking, images)
-
-
-def decoded(images: list[str] | None) -> list[bytes]:
-    """Ollama's base64 ``images`` as bytes (checked when the body was parsed)."""
-    return [image_bytes(data, "images") for data in images or ()]
+    return image_turn(m.role, m.content, m.images, calls, m.tool_name, m.thinking)
 
 
 def _request(
@@ -174,9 +163,7 @@ async def chat(request: Request) -> Response:
     ctx = context(request)
     if not body.messages:
         return await _load_only(ctx, body, chat=True)
-    turns = [_turn(m) for m in body.messages]
-    check_images([b for t in turns for b in t.images])
-    req = _request(ctx, body, messages=turns)
+    req = _request(ctx, body, messages=[_turn(m) for m in body.messages])
     return await _serve(request, ctx, body, req, chat=True)
 
 
@@ -190,10 +177,7 @@ async def generate(request: Request) -> Response:
         req = _request(ctx, body, prompt=body.prompt)
     else:
         turns = [ChatTurn("system", body.system)] if body.system else []
-        images = decoded(body.images)
-        check_images(images, "images")
-        user = ChatTurn("user", IMAGE_MARKER * len(images) + image_text(body.prompt), images=images)
-        req = _request(ctx, body, messages=[*turns, user])
+        req = _request(ctx, body, messages=[*turns, image_turn("user", body.prompt, body.images)])
     return await _serve(request, ctx, body, req, chat=False)
 
 

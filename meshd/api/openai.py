@@ -36,7 +36,6 @@ from .answers import (
 )
 from .bodies import parse_body
 from .errors import model_not_found
-from .image_budget import check_images
 from .logprobs import chat_logprobs, completion_logprobs
 from .runs import GenerateRequest, Run, admit_choices
 from .services import context
@@ -52,7 +51,6 @@ async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     body = await parse_body(request, schemas.ChatCompletionRequest)
     turns = [_turn(m) for m in body.messages]
-    check_images([b for t in turns for b in t.images])
     return await _serve(request, body, _generate_request(body, messages=turns), "chat")
 
 

@@ -30,7 +30,6 @@ from .answers import (
     whole,
 )
 from .bodies import parse_body
-from .image_budget import check_images
 from .responses_stream import Draft, Stream, call_item, status
 from .runs import GenerateRequest, Run, admit_choices
 from .services import context
@@ -124,7 +123,6 @@ def turns(body: rs.ResponseRequest) -> list[ChatTurn]:
             out.append(ChatTurn("tool", item.text, [], item.call_id, names.get(item.call_id)))
         elif item.type == "reasoning":
             thoughts = item.thoughts or None
-    check_images([b for t in out for b in t.images], "input")
     return out
 
 

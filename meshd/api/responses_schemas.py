@@ -31,11 +31,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from meshd.domain.chat import IMAGE_MARKER, image_text
 from meshd.domain.reasoning import ThinkChoice
 from meshd.engines.grammar import json_schema_grammar
 
-from .images import url_image
+from .responses_content import InputContent, content_images, content_text
 from .rules import (
     MAX_TOOLS,
     FieldError,
@@ -81,8 +80,6 @@ ItemStatus = Literal["completed", "incomplete", "in_progress"]
 
 #: The roles a message item may have (``developer`` is OpenAI's newer ``system``).
 _ROLES = frozenset({"user", "system", "developer", "assistant"})
-#: Content part types that are text (``output_text``: an assistant message sent back).
-_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
 def new_response_id() -> str:
@@ -108,40 +105,6 @@ def new_function_call_id() -> str:
 
 # ---------------------------------------------------------------------------------------
 # the request
-
-
-class InputContent(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One part of an input message's content. Checked by the item that holds it: a
-    ``reasoning`` item's parts are skipped, whatever their type."""
-
-    type: str
-    text: str | None = None
-    #: An ``input_image`` part's data URL (nodes never fetch a remote one).
-    image_url: str | None = None
-
-
-def _content_text(content: str | list[InputContent], field: str) -> str:
-    """``content`` as one string (text parts joined by newlines, as chat joins them,
-    an ``input_image`` part as the :data:`IMAGE_MARKER` of its place), or a
-    FieldError naming the first part that is neither."""
-    if isinstance(content, str):
-        return image_text(content)
-    for i, part in enumerate(content):
-        if part.type == "input_image" and field == "content":
-            url_image(part.image_url or "", f"{field}[{i}].image_url")
-            continue
-        if part.type not in _TEXT_PARTS:
-            raise unsupported(
-                f"{field}[{i}].type",
-                f"content part type {part.type!r} is not supported; meshd reads "
-                "'input_text' and 'input_image' parts",
-            )
-        if part.text is None:
-            raise FieldError(f"{field}[{i}].text", "a text content part needs a string `text`")
-    return "\n".join(
-        IMAGE_MARKER if part.type == "input_image" else image_text(part.text or "")
-        for part in content
-    )
 
 
 class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -170,7 +133,7 @@ class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
                 )  # fmt: skip
             if self.content is None:
                 raise FieldError("content", "a message needs content (a string or parts)")
-            _content_text(self.content, "content")
+            content_text(self.content, "content")
         elif self.type == "function_call":
             for name in ("call_id", "name", "arguments"):
                 if getattr(self, name) is None:
@@ -180,7 +143,7 @@ class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise FieldError("call_id", "a function_call_output item needs a `call_id`")
             if self.output is None:
                 raise FieldError("output", "a function_call_output item needs an `output`")
-            _content_text(self.output, "output")
+            content_text(self.output, "output")
         elif self.type == "item_reference":
             raise unsupported(
                 "type", "item_reference is not supported: meshd stores no items; send the "
@@ -196,19 +159,13 @@ class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     def text(self) -> str:
         """A message's content, or a function's output, as one string."""
         if self.type == "function_call_output":
-            return _content_text(self.output or "", "output")
-        return _content_text(self.content or "", "content")
+            return content_text(self.output or "", "output")
+        return content_text(self.content or "", "content")
 
     @property
     def images(self) -> list[bytes]:
         """A message's ``input_image`` parts as bytes, in order."""
-        if self.type != "message" or not isinstance(self.content, list):
-            return []
-        return [
-            url_image(p.image_url or "", "image_url")
-            for p in self.content
-            if p.type == "input_image"
-        ]
+        return content_images(self.content) if self.type == "message" else []
 
     @property
     def thoughts(self) -> str:

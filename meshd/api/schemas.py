@@ -48,7 +48,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from meshd.domain.chat import IMAGE_MARKER, image_text
 from meshd.domain.reasoning import ThinkChoice
 from meshd.domain.sampling import (
     MAX_LOGIT_BIAS,
@@ -57,7 +56,7 @@ from meshd.domain.sampling import (
 )
 from meshd.engines.grammar import GrammarError, check_grammar, json_schema_grammar
 
-from .images import url_image
+from .content_parts import ContentPart, parts_images, parts_text
 from .rules import INT64_MAX as _INT64_MAX
 from .rules import MAX_TOOLS, FieldError, check_function, check_sampling_fields, check_stops
 from .rules import check_int64 as _check_int64
@@ -311,48 +310,6 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self.max_tokens
 
 
-class ImageUrl(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """``image_url`` of an image part: a ``data:`` URL (nodes never fetch a remote one)."""
-
-    url: str
-    detail: str | None = None
-
-
-class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One part of a message's content: ``{"type": "text", "text": ...}``, or an image
-    ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``.
-
-    ``type`` is a plain string (not a Literal) so that an audio or file part gets a
-    message that says why, rather than a bare enum error.
-    """
-
-    type: str
-    text: str | None = None
-    #: An image part's URL (some clients send the URL as a bare string).
-    image_url: ImageUrl | str | None = None
-
-    def __post_init__(self) -> None:
-        if self.type == "image_url":
-            if self.image_url is None:
-                raise FieldError("image_url", "an image_url part needs `image_url.url`")
-            url_image(self.url, "image_url")  # checked here, where the error names it
-            return
-        if self.type != "text":
-            raise _unsupported(
-                "type",
-                f"content part type {self.type!r} is not supported; "
-                "meshd reads 'text' and 'image_url' parts",
-            )
-        if self.text is None:
-            raise FieldError("text", "a text content part needs a string `text`")
-
-    @property
-    def url(self) -> str:
-        """An image part's URL."""
-        u = self.image_url
-        return u.url if isinstance(u, ImageUrl) else u or ""
-
-
 class FunctionCall(msgspec.Struct, kw_only=True):
     """``tool_calls[].function``: a function's name and its arguments as JSON text."""
 
@@ -393,24 +350,13 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def text(self) -> str:
-        """The content as one string: text parts joined by newlines, each image part
-        as the :data:`IMAGE_MARKER` of its place (a user's own markers dropped), ``""``
-        for none."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return image_text(self.content)
-        return "\n".join(
-            IMAGE_MARKER if part.type == "image_url" else image_text(part.text or "")
-            for part in self.content
-        )
+        """The content as one string (see :func:`.content_parts.parts_text`)."""
+        return parts_text(self.content)
 
     @property
     def images(self) -> list[bytes]:
         """The bytes of its image parts, in order."""
-        if not isinstance(self.content, list):
-            return []
-        return [url_image(p.url, "image_url") for p in self.content if p.type == "image_url"]
+        return parts_images(self.content)
 
 
 class FunctionDef(msgspec.Struct, kw_only=True, omit_defaults=True):

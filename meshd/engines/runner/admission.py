@@ -27,7 +27,7 @@ from meshd.models.tools import (
 )
 from meshd.transport import wire
 
-from .images import NO_PROJECTOR, ImageRows, image_ids, prompt_work
+from .images import NO_PROJECTOR, ImageRows, image_ids, open_projector, prompt_work
 from .seats import Seats
 from .state import Refused, Request, Work
 from .thinking import Rendered, ThinkSetup
@@ -292,6 +292,11 @@ class Prompts:
         grammar = lark_grammar(forced_call_lark(shown, self.tool_format, name, self.tool_specials))
         check_grammar(grammar)
         return grammar
+
+
+def prompts_for(cfg: RunnerConfig, stage: Stage, template: str | None) -> Prompts:
+    """Stage 0's :class:`Prompts`, with the model's image projector where it has one."""
+    return Prompts(stage, template, *open_projector(cfg, stage))
 
 
 @dataclass
