@@ -24,24 +24,25 @@ def _prompt() -> tuple[list[int], list[ImageRows]]:
     return tokens, [ImageRows(3, rows)]
 
 
-def test_prompt_steps_are_token_runs_and_image_rows_in_order() -> None:
+def _shape(parts: list[np.ndarray] | None) -> list[tuple[int, bool]]:
+    return [(len(p), p.ndim == 2) for p in parts or ()]
+
+
+def test_a_prompt_is_one_step_of_token_runs_and_image_rows_in_order() -> None:
     tokens, images = _prompt()
-    work = prompt_work("r", tokens, images, 0, START)
-    assert [(w.pos, w.rows, w.hidden is not None) for w in work] == [
-        (0, 3, False), (3, 4, True), (7, 2, False),
-    ]  # fmt: skip
-    assert work[0].start is START and all(w.start is None for w in work[1:])
-    assert work[2].tokens is not None and work[2].tokens.tolist() == [7, 8]
+    w = prompt_work("r", tokens, images, 0, START)
+    assert (w.pos, w.rows, w.start) == (0, 9, START)
+    assert _shape(w.parts) == [(3, False), (4, True), (2, False)]
+    assert w.parts is not None and w.parts[2].tolist() == [7, 8]
 
 
 def test_a_cached_prefix_may_end_inside_an_image() -> None:
     tokens, images = _prompt()
-    work = prompt_work("r", tokens, images, 5, START)
-    assert [(w.pos, w.rows) for w in work] == [(5, 2), (7, 2)]
-    assert work[0].hidden is not None
-    assert np.array_equal(work[0].hidden, images[0].rows[2:])
+    w = prompt_work("r", tokens, images, 5, START)
+    assert (w.pos, _shape(w.parts)) == (5, [(2, True), (2, False)])
+    assert w.parts is not None and np.array_equal(w.parts[0], images[0].rows[2:])
     past = prompt_work("r", tokens, images, 8, START)  # past the image: tokens only
-    assert [(w.pos, w.rows, w.tokens is not None) for w in past] == [(8, 1, True)]
+    assert (past.pos, _shape(past.parts)) == (8, [(1, False)])
 
 
 def test_an_image_stands_as_ids_of_its_bytes_that_no_token_has() -> None:

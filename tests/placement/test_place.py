@@ -577,8 +577,8 @@ def test_stale_previous_plan_is_ignored():
 def test_too_small_node_is_named_with_its_shortfall_in_bytes(f: ModelFacts, frac, backend):
     engine = expected_engine([backend], f.engines)
     assume(engine)
-    avail = int(whole(f) * frac)
-    assume(avail < whole(f))
+    avail = int(need(f, 0, f.n_layers, engine) * frac)
+    assume(avail < need(f, 0, f.n_layers, engine))
     nodes = by_id(node("ab12cd34ef", "pi", [backend], avail))
     with pytest.raises(PlacementError) as err:
         place(SPEC, f, nodes)

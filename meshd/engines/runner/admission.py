@@ -366,7 +366,11 @@ def admit(
         route=r.route, reply_to=r.reply_to, sampling=r.sampling, n_prompt=n, resume=resume,
         embed=job.embed, slot=seq, prefix_slot=source, prefix_n=n_cached, cold=cold,
     )  # fmt: skip
-    work = prompt_work(g.req, prompt, images, n_cached, start)
+    work = (
+        [prompt_work(g.req, prompt, images, n_cached, start)]
+        if images
+        else [Work(g.req, n_cached, tokens=np.asarray(prompt[n_cached:], np.int32), start=start)]
+    )
     # The tokens already sent go through one decode step each, as they did the first
     # time: prefilling them in one batch runs other kernels (other float sums), and
     # a near-tie could then flip, so the continuation would not be the text the

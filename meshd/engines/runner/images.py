@@ -47,24 +47,24 @@ def image_ids(image: bytes, n: int) -> list[int]:
 
 def prompt_work(
     req: str, prompt: list[int], images: list[ImageRows], n_cached: int, start: wire.Start
-) -> list[Work]:
-    """A prompt's steps from ``n_cached`` on: its token runs and its images' rows in
-    order (a cached prefix may end inside an image: its other rows then)."""
-    work: list[Work] = []
+) -> Work:
+    """A prompt's step from ``n_cached`` on: its token runs and its images' rows in
+    order (a cached prefix may end inside an image: its other rows then), run as one
+    step, so that the prompt crosses a split once, as a text prompt does."""
+    parts: list[np.ndarray] = []
     pos = n_cached
     for im in images:
         end = im.start + len(im.rows)
         if end <= pos:
             continue
         if im.start > pos:
-            work.append(Work(req, pos, tokens=np.asarray(prompt[pos : im.start], np.int32)))
+            parts.append(np.asarray(prompt[pos : im.start], np.int32))
             pos = im.start
-        work.append(Work(req, pos, hidden=im.rows[pos - im.start :]))
+        parts.append(im.rows[pos - im.start :])
         pos = end
-    if pos < len(prompt) or not work:
-        work.append(Work(req, pos, tokens=np.asarray(prompt[pos:], np.int32)))
-    work[0].start = start
-    return work
+    if pos < len(prompt) or not parts:
+        parts.append(np.asarray(prompt[pos:], np.int32))
+    return Work(req, n_cached, parts=parts, start=start)
 
 
 def open_projector(cfg: RunnerConfig, stage: Stage) -> tuple[Projector | None, str]:
