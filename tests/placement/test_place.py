@@ -176,8 +176,7 @@ def model_facts(draw: st.DrawFn) -> ModelFacts:
             engines=["llama_cpp", "mlx"],
         )
     engines = draw(st.sampled_from([["llama_cpp", "mlx"], ["llama_cpp"], ["mlx"]]))
-    projector = draw(st.sampled_from([0, 0, 300 * MiB]))  # an image projector, sometimes
-    return replace(base, engines=engines, projector_bytes=projector)
+    return replace(base, engines=engines)
 
 
 @st.composite
@@ -577,8 +576,8 @@ def test_stale_previous_plan_is_ignored():
 def test_too_small_node_is_named_with_its_shortfall_in_bytes(f: ModelFacts, frac, backend):
     engine = expected_engine([backend], f.engines)
     assume(engine)
-    avail = int(need(f, 0, f.n_layers, engine) * frac)
-    assume(avail < need(f, 0, f.n_layers, engine))
+    avail = int(whole(f) * frac)
+    assume(avail < whole(f))
     nodes = by_id(node("ab12cd34ef", "pi", [backend], avail))
     with pytest.raises(PlacementError) as err:
         place(SPEC, f, nodes)
