@@ -138,11 +138,13 @@ FUNCTION_LIMIT = 80
 
 MODULE_SIZES: dict[str, int] = {
     "meshd/api/errors.py": 403,
-    "meshd/api/ollama.py": 466,
-    "meshd/api/responses_schemas.py": 494,
-    "meshd/api/schemas.py": 931,
+    "meshd/api/ollama.py": 465,
+    "meshd/api/ollama_schemas.py": 408,
+    "meshd/api/responses_schemas.py": 474,
+    "meshd/api/runs.py": 405,
+    "meshd/api/schemas.py": 912,
     "meshd/cli/top.py": 704,
-    "meshd/engines/llama_stage.py": 834,
+    "meshd/engines/llama_stage.py": 751,
     "meshd/engines/mlx_stage.py": 816,
     "meshd/models/folder.py": 490,
     "meshd/node/cluster.py": 481,
@@ -168,7 +170,7 @@ FUNCTION_SIZES: dict[str, int] = {
     "meshd/node/diagnosis.py::_bonjour": 86,
     "meshd/node/requests.py::Requests.generate": 82,
     "meshd/placement/place.py::_repair": 84,
-    "meshd/placement/place.py::place": 124,
+    "meshd/placement/place.py::place": 123,
 }
 
 # TEMPORARY exemptions from the size check, for a module being split while the check

@@ -23,7 +23,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse
+from meshd.domain.chat import IMAGE_MARKER, ChatTurn, ToolCallTurn, ToolSpec, ToolUse, image_text
 from meshd.domain.reasoning import ThinkChoice
 from meshd.domain.sampling import SamplingChoice
 from meshd.transport import wire
@@ -76,9 +76,14 @@ def _turns(body: a.MessagesRequest | a.CountTokensRequest) -> list[ChatTurn]:
     names: dict[str, str] = {}  # tool_use id -> the tool's name, for its result
     for m in body.messages:
         if isinstance(m.content, str):
-            turns.append(ChatTurn(m.role, m.content))
+            turns.append(ChatTurn(m.role, image_text(m.content)))
             continue
-        text = "\n".join(b.text or "" for b in m.content if b.type == "text")
+        text = "\n".join(
+            IMAGE_MARKER if b.type == "image" else image_text(b.text or "")
+            for b in m.content
+            if b.type in ("text", "image")
+        )
+        images = [b.source.image for b in m.content if b.type == "image" and b.source]
         if m.role == "assistant":
             calls = [
                 ToolCallTurn(b.id or "", b.name or "", json_text(b.input or {}))
@@ -88,7 +93,9 @@ def _turns(body: a.MessagesRequest | a.CountTokensRequest) -> list[ChatTurn]:
             for c in calls:
                 names[c.id] = c.name
             thoughts = "\n".join(b.thinking or "" for b in m.content if b.type == "thinking")
-            turns.append(ChatTurn("assistant", text, calls, reasoning=thoughts or None))
+            turns.append(
+                ChatTurn("assistant", text, calls, reasoning=thoughts or None, images=images)
+            )
             continue
         # Results first: they answer the calls of the assistant turn just before.
         for b in m.content:
@@ -99,7 +106,7 @@ def _turns(body: a.MessagesRequest | a.CountTokensRequest) -> list[ChatTurn]:
                 tid = b.tool_use_id or ""
                 turns.append(ChatTurn("tool", out, [], tid, names.get(tid)))
         if text or not any(b.type == "tool_result" for b in m.content):
-            turns.append(ChatTurn("user", text))
+            turns.append(ChatTurn("user", text, images=images))
     return turns
 
 

@@ -1,6 +1,7 @@
 """Anthropic Messages schemas (``/v1/messages``): request and response bodies as Structs.
 
-Honoured: ``system`` (a string or text blocks), ``messages`` with text, ``tool_use``
+Honoured: ``system`` (a string or text blocks), ``messages`` with text, ``image``
+(``source.type: base64``; a ``url`` source is refused: nodes never fetch), ``tool_use``
 and ``tool_result`` blocks, ``max_tokens``, ``stop_sequences``, ``temperature`` (0-1),
 ``top_p``, ``top_k``, ``stream``, ``tools`` (custom tools: ``name``, ``description``,
 ``input_schema``), ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``, with
@@ -15,7 +16,7 @@ earlier answers go back to the template as the assistant turn's thoughts (most
 templates drop past thoughts); their signature is not checked, and
 ``redacted_thinking`` blocks are dropped. Accepted and ignored: ``metadata``,
 ``cache_control`` anywhere, ``service_tier``, ``container``, ``output_config.effort``.
-A 400 names what cannot be done: image or document blocks, other output formats, and
+A 400 names what cannot be done: document blocks, image URLs, other output formats, and
 server tools (web search, code execution, ...), which run on Anthropic's side.
 
 The ``anthropic`` SDK (2.x) takes ``temperature``, ``top_p`` and ``top_k`` through
@@ -31,6 +32,7 @@ import msgspec
 from meshd.domain.reasoning import ThinkChoice
 from meshd.engines.grammar import json_schema_grammar
 
+from .images import image_bytes, url_image
 from .rules import (
     MAX_TOOLS,
     FieldError,
@@ -60,7 +62,35 @@ __all__ = [
 ]
 
 #: Block types of a request meshd reads; thinking blocks are dropped.
-_READ = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+_READ = frozenset({"text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+
+
+class ImageSource(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An image block's ``source``: ``base64`` data only (nodes never fetch a ``url``)."""
+
+    type: str
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type == "url":
+            url_image(self.url or "", "url")  # a remote URL: refused, and says why
+        elif self.type != "base64":
+            raise unsupported(
+                "type", f"image source type {self.type!r} is not supported; send base64 data"
+            )
+        elif self.data is None:
+            raise FieldError("data", "a base64 image source needs `data`")
+        else:
+            image_bytes(self.data, "data")
+
+    @property
+    def image(self) -> bytes:
+        """The image's bytes."""
+        if self.type == "url":
+            return url_image(self.url or "", "url")
+        return image_bytes(self.data or "", "data")
 
 
 class Block(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -79,14 +109,18 @@ class Block(msgspec.Struct, kw_only=True, omit_defaults=True):
     is_error: bool | None = None
     #: thinking (its signature is not checked: the thoughts are a local model's)
     thinking: str | None = None
+    #: image
+    source: ImageSource | None = None
 
     def __post_init__(self) -> None:
         if self.type not in _READ:
             raise unsupported(
                 "type",
-                f"content block type {self.type!r} is not supported; meshd serves text "
-                "models (text, tool_use and tool_result blocks)",
+                f"content block type {self.type!r} is not supported; meshd reads text, "
+                "image, tool_use and tool_result blocks",
             )
+        if self.type == "image" and self.source is None:
+            raise FieldError("source", "an image block needs a `source`")
         if self.type == "text" and self.text is None:
             raise FieldError("text", "a text block needs a string `text`")
         if self.type == "tool_use" and (not self.id or not self.name):

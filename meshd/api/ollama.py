@@ -53,12 +53,13 @@ from .answers import (
 )
 from .bodies import parse_body
 from .errors import ApiError, model_not_found, node_error
+from .images import image_turn
 from .logprobs import chat_logprobs
 from .ollama_embed import embed, embeddings
 from .ollama_embed import ollama_model as _model
 from .runs import GenerateRequest, Run, admit, load_only
 from .services import ApiContext, context
-from .toolcalls import Call, ChoiceCalls
+from .toolcalls import Call, ChoiceCalls, json_text
 
 __all__ = [
     "COMPAT_VERSION",
@@ -118,12 +119,10 @@ def _sampling(opts: o.Options) -> SamplingChoice:
 
 def _turn(m: o.Message) -> ChatTurn:
     calls = [
-        ToolCallTurn(
-            f"call_{i}", c.function.name, msgspec.json.encode(c.function.arguments).decode()
-        )
+        ToolCallTurn(f"call_{i}", c.function.name, json_text(c.function.arguments))
         for i, c in enumerate(m.tool_calls or ())
     ]
-    return ChatTurn(m.role, m.content, calls, None, m.tool_name, m.thinking)
+    return image_turn(m.role, m.content, m.images, calls, m.tool_name, m.thinking)
 
 
 def _request(
@@ -170,7 +169,7 @@ async def generate(request: Request) -> Response:
         req = _request(ctx, body, prompt=body.prompt)
     else:
         turns = [ChatTurn("system", body.system)] if body.system else []
-        req = _request(ctx, body, messages=[*turns, ChatTurn("user", body.prompt)])
+        req = _request(ctx, body, messages=[*turns, image_turn("user", body.prompt, body.images)])
     return await _serve(request, ctx, body, req, chat=False)
 
 

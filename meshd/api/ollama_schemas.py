@@ -4,8 +4,10 @@ Requests follow Ollama's own API documentation; every sampling knob lives in
 ``options``. Fields Ollama defines for its own model store or GPUs (``num_gpu``,
 ``num_thread``, ``use_mmap``, ``mirostat``, ...) are accepted and ignored, as Ollama
 ignores options a model does not use. What would change the meaning of an answer and
-cannot be done is a 400 naming the field: images, a custom ``template``, a ``suffix``
-(fill-in-the-middle) and ``context`` (the token ids of an earlier answer). ``think``
+cannot be done is a 400 naming the field: a custom ``template``, a ``suffix``
+(fill-in-the-middle), ``context`` (the token ids of an earlier answer), and images
+that are no base64 image (``images``: base64 files, read by the model's projector;
+a model without one answers a 400 that says so). ``think``
 (true, false, or gpt-oss's ``low``/``medium``/``high``) turns a thinking model's
 thoughts on or off with the model's own switch; a model that does not think ignores
 it. Thoughts come in ``message.thinking`` (chat) or ``thinking`` (generate).
@@ -23,6 +25,7 @@ from meshd.domain.keepalive import parse_keep_alive
 from meshd.domain.reasoning import ThinkChoice
 from meshd.domain.sampling import MAX_TOP_LOGPROBS
 
+from .images import image_bytes
 from .rules import (
     MAX_TOOLS,
     FieldError,
@@ -119,8 +122,8 @@ class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
     thinking: str | None = None
 
     def __post_init__(self) -> None:
-        if self.images:
-            raise unsupported("images", "meshd serves text models: images are not supported")
+        for i, data in enumerate(self.images or ()):
+            image_bytes(data, f"images[{i}]")  # checked here, where the error names it
         if self.tool_calls and self.role != "assistant":
             raise FieldError("tool_calls", "only assistant messages carry tool_calls")
 
@@ -254,8 +257,10 @@ class GenerateRequest(_Generation, kw_only=True, omit_defaults=True):
                 "context (an earlier answer's token ids) is not supported; send the "
                 "conversation to /api/chat instead",
             )
-        if self.images:
-            raise unsupported("images", "meshd serves text models: images are not supported")
+        for i, data in enumerate(self.images or ()):
+            image_bytes(data, f"images[{i}]")
+        if self.images and self.raw:
+            raise unsupported("images", "images go with the model's template: not with raw: true")
 
 
 class EmbedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -57,7 +57,7 @@ async def chat_completions(request: Request) -> Response:
 def _turn(m: schemas.ChatMessage) -> ChatTurn:
     calls = [ToolCallTurn(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()]
     thoughts = m.reasoning_content or m.reasoning
-    return ChatTurn(m.role, m.text, calls, m.tool_call_id, m.name, thoughts)
+    return ChatTurn(m.role, m.text, calls, m.tool_call_id, m.name, thoughts, m.images)
 
 
 def _tool_use(body: _Body) -> ToolUse | None:

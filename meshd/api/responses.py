@@ -18,7 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse
+from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse, image_text
 from meshd.domain.sampling import SamplingChoice
 
 from . import responses_schemas as rs
@@ -96,7 +96,7 @@ def turns(body: rs.ResponseRequest) -> list[ChatTurn]:
     if body.instructions is not None:
         out.append(ChatTurn("system", body.instructions))
     if isinstance(body.input, str):
-        out.append(ChatTurn("user", body.input))
+        out.append(ChatTurn("user", image_text(body.input)))
         return out
     names: dict[str, str] = {}
     thoughts = None  # a reasoning item's, for the assistant turn after it
@@ -107,7 +107,7 @@ def turns(body: rs.ResponseRequest) -> list[ChatTurn]:
             role = "system" if item.role == "developer" else item.role
             assert role is not None  # checked on decode
             mine = thoughts if role == "assistant" else None
-            out.append(ChatTurn(role, item.text, reasoning=mine))
+            out.append(ChatTurn(role, item.text, reasoning=mine, images=item.images))
             thoughts = None if role == "assistant" else thoughts
         elif item.type == "function_call":
             assert item.call_id is not None and item.name is not None

@@ -16,9 +16,10 @@ What a request may carry
   chat completions take too: ``top_k``, ``min_p``, ``repeat_penalty``, ``repeat_last_n``,
   ``seed`` and ``exact`` (the exact mode, :mod:`meshd.domain.exact`).
 * **Rejected** (400 ``unsupported_parameter``): what needs state kept on the server
-  (``previous_response_id``, ``conversation``, ``background``, ``item_reference`` items),
-  tools other than functions (``web_search``, ``file_search``, ...), and content other
-  than text (images, files, audio). Answering without them would silently lie to the client.
+  (``previous_response_id``, ``conversation``, ``background``, ``item_reference``
+  items), tools other than functions (``web_search``, ``file_search``, ...), and
+  content other than text and ``input_image`` data URLs (files, audio, remote image
+  URLs). Answering without them would silently lie to the client.
 * **Ignored**: everything else (``store``, ``user``, ``reasoning``, ``truncation``,
   ``include``, and fields OpenAI adds later).
 """
@@ -33,6 +34,7 @@ import msgspec
 from meshd.domain.reasoning import ThinkChoice
 from meshd.engines.grammar import json_schema_grammar
 
+from .responses_content import InputContent, content_images, content_text
 from .rules import (
     MAX_TOOLS,
     FieldError,
@@ -78,8 +80,6 @@ ItemStatus = Literal["completed", "incomplete", "in_progress"]
 
 #: The roles a message item may have (``developer`` is OpenAI's newer ``system``).
 _ROLES = frozenset({"user", "system", "developer", "assistant"})
-#: Content part types that are text (``output_text``: an assistant message sent back).
-_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
 def new_response_id() -> str:
@@ -105,31 +105,6 @@ def new_function_call_id() -> str:
 
 # ---------------------------------------------------------------------------------------
 # the request
-
-
-class InputContent(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One part of an input message's content. Checked by the item that holds it: a
-    ``reasoning`` item's parts are skipped, whatever their type."""
-
-    type: str
-    text: str | None = None
-
-
-def _content_text(content: str | list[InputContent], field: str) -> str:
-    """``content`` as one string (text parts joined by newlines, as chat joins them), or
-    a FieldError naming the first part that is not text."""
-    if isinstance(content, str):
-        return content
-    for i, part in enumerate(content):
-        if part.type not in _TEXT_PARTS:
-            raise unsupported(
-                f"{field}[{i}].type",
-                f"content part type {part.type!r} is not supported; meshd serves text "
-                "models (use type 'input_text')",
-            )
-        if part.text is None:
-            raise FieldError(f"{field}[{i}].text", "a text content part needs a string `text`")
-    return "\n".join(part.text or "" for part in content)
 
 
 class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -158,7 +133,7 @@ class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
                 )  # fmt: skip
             if self.content is None:
                 raise FieldError("content", "a message needs content (a string or parts)")
-            _content_text(self.content, "content")
+            content_text(self.content, "content")
         elif self.type == "function_call":
             for name in ("call_id", "name", "arguments"):
                 if getattr(self, name) is None:
@@ -168,7 +143,7 @@ class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise FieldError("call_id", "a function_call_output item needs a `call_id`")
             if self.output is None:
                 raise FieldError("output", "a function_call_output item needs an `output`")
-            _content_text(self.output, "output")
+            content_text(self.output, "output")
         elif self.type == "item_reference":
             raise unsupported(
                 "type", "item_reference is not supported: meshd stores no items; send the "
@@ -184,8 +159,13 @@ class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     def text(self) -> str:
         """A message's content, or a function's output, as one string."""
         if self.type == "function_call_output":
-            return _content_text(self.output or "", "output")
-        return _content_text(self.content or "", "content")
+            return content_text(self.output or "", "output")
+        return content_text(self.content or "", "content")
+
+    @property
+    def images(self) -> list[bytes]:
+        """A message's ``input_image`` parts as bytes, in order."""
+        return content_images(self.content) if self.type == "message" else []
 
     @property
     def thoughts(self) -> str:

@@ -36,6 +36,7 @@ from meshd.transport import wire
 from .accesslog import note_run
 from .errors import ApiError, bad_request, node_error, overloaded
 from .gone import unless_gone, until_disconnected
+from .image_budget import check_images
 from .limits import Ticket, current_client
 from .overflow import refusal
 from .sampling import check_max_tokens, pipeline_sampling
@@ -258,9 +259,11 @@ class Run:
 async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
     """Take a request, find (or place) the model's instance and start the request.
 
-    Raises :class:`ApiError` (503 draining, 429 full, the node's typed errors); every
+    Raises :class:`ApiError` (400 images past their budget, 503 draining, 429 full,
+    the node's typed errors); every
     refusal is counted under ``route``. The caller must :meth:`Run.close` the run.
     """
+    check_images([b for t in req.messages or () for b in t.images])
     services = ctx.services
     metrics = services.metrics
     # Metrics are labelled by model: only a model the cluster knows becomes a label (a

@@ -55,6 +55,7 @@ from meshd.domain.sampling import (
 )
 from meshd.engines.grammar import GrammarError, check_grammar, json_schema_grammar
 
+from .content_parts import ContentPart, parts_images, parts_text
 from .rules import INT64_MAX as _INT64_MAX
 from .rules import MAX_TOOLS, FieldError, check_function, check_sampling_fields, check_stops
 from .rules import check_int64 as _check_int64
@@ -309,27 +310,6 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self.max_tokens
 
 
-class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` parts.
-
-    ``type`` is a plain string (not a Literal) so that an image or audio part gets a
-    message that says why, rather than a bare enum error.
-    """
-
-    type: str
-    text: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.type != "text":
-            raise _unsupported(
-                "type",
-                f"content part type {self.type!r} is not supported; "
-                "meshd serves text models (use type 'text')",
-            )
-        if self.text is None:
-            raise FieldError("text", "a text content part needs a string `text`")
-
-
 class FunctionCall(msgspec.Struct, kw_only=True):
     """``tool_calls[].function``: a function's name and its arguments as JSON text."""
 
@@ -370,12 +350,13 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def text(self) -> str:
-        """The content as one string: text parts joined by newlines, ``""`` for none."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text or "" for part in self.content)
+        """The content as one string (see :func:`.content_parts.parts_text`)."""
+        return parts_text(self.content)
+
+    @property
+    def images(self) -> list[bytes]:
+        """The bytes of its image parts, in order."""
+        return parts_images(self.content)
 
 
 class FunctionDef(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -1,5 +1,6 @@
-"""A conversation as every layer passes it on: chat turns flattened to text, the
-functions a request offers and how it wants them called."""
+"""A conversation as every layer passes it on: chat turns flattened to text (an
+image's place in it marked, its bytes beside), the functions a request offers and
+how it wants them called."""
 
 from __future__ import annotations
 
@@ -7,7 +8,18 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["ChatTurn", "ToolCallTurn", "ToolSpec", "ToolUse"]
+__all__ = ["IMAGE_MARKER", "ChatTurn", "ToolCallTurn", "ToolSpec", "ToolUse", "image_text"]
+
+#: Where an image of a turn goes in its text (U+E002, private use: no tokenizer gives it
+#: a meaning). Stage 0 renders the chat template with it in place and puts the image's
+#: rows there; a user's own U+E002 is dropped (:func:`image_text`), so only the API
+#: node's markers remain, one per image, in order.
+IMAGE_MARKER = "\ue002"
+
+
+def image_text(text: str) -> str:
+    """A user's text with any :data:`IMAGE_MARKER` removed (it is the API's to place)."""
+    return text.replace(IMAGE_MARKER, "")
 
 
 class ToolCallTurn(msgspec.Struct, frozen=True, array_like=True):
@@ -31,6 +43,9 @@ class ChatTurn(msgspec.Struct, frozen=True, array_like=True):
     name: str | None = None
     #: An assistant turn's thoughts, sent back by the client.
     reasoning: str | None = None
+    #: The turn's images (the bytes of each file, PNG, JPEG...), in the order of the
+    #: :data:`IMAGE_MARKER` in ``content`` that each stands for.
+    images: list[bytes] = []
 
     def as_dict(self) -> dict[str, object]:
         """The turn as an OpenAI message (what chat templates are given)."""

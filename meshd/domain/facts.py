@@ -76,6 +76,9 @@ class ModelFacts(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     vocab_hash: str = ""
     #: Weights the model holds, each tensor's elements summed (0: not known).
     n_params: int = 0
+    #: Bytes of its image projector (an ``mmproj*.gguf`` beside it; 0: it has none),
+    #: which a llama.cpp stage 0 loads beside its layers.
+    projector_bytes: int = 0
 
     def active_layer_bytes(self) -> list[int]:
         """Bytes a token reads of each block: :attr:`layer_active_bytes` where the

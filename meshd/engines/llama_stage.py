@@ -22,9 +22,10 @@ A stage is not thread-safe: a runner calls it from one thread.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,8 @@ from meshd.models.gguf import check_gguf_file, read_metadata
 from meshd.models.scaling import input_scale
 
 from . import attention
-from .ggml_lib import Ggml, cpu_extra_buffer_types
+from .llama_backend import LlamaVocab, _get_backend
+from .projector import Projector
 from .stage import (
     ContextFullError,
     StageError,
@@ -50,7 +52,7 @@ from .stage import (
 )
 from .threads import default_threads
 
-__all__ = ["LlamaStage", "LlamaVocab"]
+__all__ = ["LlamaStage", "LlamaVocab", "_get_backend"]
 
 log = logging.getLogger("meshd.engines.llama")
 
@@ -66,144 +68,6 @@ MIN_BATCH = 32
 
 #: KV cache types a stage may keep (``InstanceSpec.kv_cache``) -> llama.cpp's ggml type.
 KV_CACHE_GGML = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
-
-
-class _Backend:
-    """llama_cpp and ggml, loaded once per process on first use."""
-
-    def __init__(self) -> None:
-        # Imported here, not at module import: see configure_threads().
-        import llama_cpp
-
-        self.L: Any = llama_cpp
-        # Held for the life of the process: llama.cpp keeps only the C pointer.
-        self.log_cb = llama_cpp.llama_log_callback(_llama_log)
-        llama_cpp.llama_log_set(self.log_cb, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
-        self.ggml = Ggml(llama_cpp)
-        #: Whether this build packs weights for Intel AMX (see LlamaStage.__init__).
-        self.amx = "AMX" in cpu_extra_buffer_types(llama_cpp)
-        if self.amx:
-            log.warning(
-                "this llama.cpp build uses Intel AMX, whose matmul crashes (llama.cpp "
-                "#20824): stages load without repacked weights; `./install.sh` on this "
-                "machine builds llama-cpp-python without AMX"
-            )
-
-
-#: ggml_log_level in this llama.cpp: 1 debug, 2 info, 3 warn, 4 error, 5 continuation.
-#: (llama_cpp._logger still maps the older 1 info / 2 warn / 3 error numbering.)
-_LOG_LEVELS = {3: logging.WARNING, 4: logging.ERROR}
-_backend: _Backend | None = None
-
-
-#: Warnings that say nothing true about a stage: with one unified KV cache for all
-#: sequences llama.cpp compares the whole cache (n_ctx x n_seq_max cells) with the
-#: trained context, while each request is capped at the trained context by the runner.
-_QUIET = (b"possible training context overflow",)
-
-
-def _llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    # llama.cpp logs every tensor it loads at INFO/DEBUG; a runner keeps only warnings
-    # and errors, in its own log rather than on stderr.
-    py_level = _LOG_LEVELS.get(level)
-    if py_level is not None and text and not any(q in text for q in _QUIET):
-        log.log(py_level, "%s", text.decode("utf-8", "replace").rstrip())
-
-
-def _get_backend() -> _Backend:
-    global _backend
-    if _backend is None:
-        _backend = _Backend()
-    return _backend
-
-
-class LlamaVocab:
-    """A GGUF's vocabulary through llama.cpp: tokenize, pieces, end-of-generation ids.
-
-    Every engine tokenizes through this, so token ids, pieces and stop ids agree across
-    llama.cpp and MLX stages. :meth:`load` reads only the vocabulary of a file
-    (``vocab_only``); a LlamaStage passes the vocabulary of the model it loaded.
-    """
-
-    def __init__(self, L: Any, vocab: Any, model: Any = None) -> None:
-        self._L = L
-        self._vocab = vocab
-        #: Owned vocab-only model, freed by :meth:`close` (None when borrowed).
-        self._model = model
-        self.n_vocab = int(L.llama_vocab_n_tokens(vocab))
-        self._eos: set[int] | None = None
-
-    @classmethod
-    def load(cls, path: Path) -> LlamaVocab:
-        """The vocabulary of the GGUF at ``path``, without reading any tensor."""
-        L = _get_backend().L
-        params = L.llama_model_default_params()
-        params.vocab_only = True
-        model = L.llama_model_load_from_file(str(path).encode(), params)
-        if not model:
-            raise StageError(f"llama.cpp could not read the vocabulary of {path}")
-        return cls(L, L.llama_model_get_vocab(model), model)
-
-    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        """Token ids of ``text`` (see :meth:`LlamaStage.tokenize`)."""
-        data = text.encode("utf-8")
-        n_max = len(data) + 8
-        while True:
-            buf = (self._L.llama_token * n_max)()
-            n = int(
-                self._L.llama_tokenize(
-                    self._vocab, data, len(data), buf, n_max, add_special, parse_special
-                )
-            )
-            if n >= 0:
-                return list(buf[:n])
-            # A negative count is the size the result needs.
-            n_max = -n
-
-    def token_to_piece(self, token: int, special: bool = False) -> bytes:
-        """The raw bytes of one token (see :meth:`LlamaStage.token_to_piece`)."""
-        size = 32
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = int(self._L.llama_token_to_piece(self._vocab, token, buf, size, 0, special))
-            if n >= 0:
-                return buf.raw[:n]
-            size = -n
-
-    @property
-    def bos_token(self) -> str | None:
-        """The BOS token's text (what chat templates get as ``bos_token``), or None."""
-        return self._special_text(int(self._L.llama_vocab_bos(self._vocab)))
-
-    @property
-    def eos_token(self) -> str | None:
-        """The EOS token's text (what chat templates get as ``eos_token``), or None."""
-        return self._special_text(int(self._L.llama_vocab_eos(self._vocab)))
-
-    def _special_text(self, token: int) -> str | None:
-        # The token's text as the vocabulary stores it ("<|im_start|>", "<s>"), which is
-        # what llama-cpp-python passes to templates; its piece would render as nothing.
-        if token < 0:
-            return None
-        text = self._L.llama_vocab_get_text(self._vocab, token)
-        return text.decode("utf-8", errors="replace") if text else None
-
-    def eos_tokens(self) -> set[int]:
-        """eos, eot and every token llama.cpp marks end-of-generation (scanned once)."""
-        if self._eos is None:
-            L, v = self._L, self._vocab
-            eos = {int(t) for t in (L.llama_vocab_eos(v), L.llama_vocab_eot(v)) if t >= 0}
-            # Chat end-of-turn tokens (<|im_end|>, <|eot_id|>...) are found by their text.
-            eos.update(i for i in range(self.n_vocab) if L.llama_vocab_is_eog(v, i))
-            self._eos = eos
-        return set(self._eos)
-
-    def close(self) -> None:
-        """Free an owned vocab-only model. Safe to call twice."""
-        if self._model is not None:
-            self._L.llama_model_free(self._model)
-            self._model = None
 
 
 def _one_token(it: StageInput) -> bool:
@@ -449,6 +313,8 @@ class LlamaStage:
         self._b_seq_ptrs = (i32p * cap)(*[ctypes.cast(base + 4 * i, i32p) for i in range(cap)])
         batch = self._L.llama_batch()
         batch.n_tokens = 0
+        #: A first stage's embedding rows (an image's), allocated on first use.
+        self._b_embd0: npt.NDArray[np.float32] | None = None
         if self.first:
             self._b_tok: npt.NDArray[np.int32] | None = np.zeros(cap, np.int32)
             self._b_embd: npt.NDArray[np.float32] | None = None
@@ -560,6 +426,12 @@ class LlamaStage:
             and all(_one_token(it) for it in items)
         ):
             return self._decode_step(items)
+        if self.first and any(it.hidden is not None for it in items):
+            return self._forward_mixed(items)
+        return self._forward(items)
+
+    def _forward(self, items: Sequence[StageInput]) -> list[StageOutput]:
+        """:meth:`forward` of items that all take the batch's kind of input."""
         inputs = validate_inputs(self, items)
         lengths = [len(a) for a in inputs]
         total = sum(lengths)
@@ -603,6 +475,49 @@ class LlamaStage:
         assert hidden_out is not None
         # Views of one array made for this call: nothing else ever writes to it.
         return [hidden_out[s:e] for s, e in zip(starts, ends, strict=True)]
+
+    def _forward_mixed(self, items: Sequence[StageInput]) -> list[StageOutput]:
+        """:meth:`forward` on a first stage whose items carry embedding rows too (an
+        image's, from the projector): llama.cpp takes tokens or embeddings in one
+        batch, never both, so the token items run first, then the row items, through
+        a batch that takes embeddings. A failure rolls every item back, as forward's."""
+        rows = [i for i, it in enumerate(items) if it.hidden is not None]
+        toks = [i for i, it in enumerate(items) if it.hidden is None]
+        out: list[StageOutput | None] = [None] * len(items)
+        try:
+            if toks:
+                for i, o in zip(toks, self._forward([items[i] for i in toks]), strict=True):
+                    out[i] = o
+            with self._embedding_input():
+                for i, o in zip(rows, self._forward([items[i] for i in rows]), strict=True):
+                    out[i] = o
+        except BaseException:
+            for it in items:
+                self._L.llama_memory_seq_rm(self._mem, it.seq, it.pos, -1)
+            raise
+        return [o for o in out if o is not None]
+
+    @contextlib.contextmanager
+    def _embedding_input(self) -> Iterator[None]:
+        """The batch takes embedding rows for a while (a first stage's image rows)."""
+        if self._b_embd0 is None:
+            self._b_embd0 = np.zeros((self.n_batch, self.hidden_size), np.float32)
+        batch, tok = self._batch, self._b_tok
+        self._b_tok, self._b_embd = None, self._b_embd0
+        batch.token = None
+        batch.embd = self._b_embd0.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        try:
+            yield
+        finally:
+            self._b_tok, self._b_embd = tok, None
+            assert tok is not None
+            batch.token = tok.ctypes.data_as(ctypes.POINTER(self._L.llama_token))
+            batch.embd = None
+
+    def projector(self, path: Path | str) -> Projector:
+        """The image projector at ``path`` for this stage's model (a first stage's:
+        its rows go in where the token embeddings would)."""
+        return Projector(path, self._model, self.hidden_size, self.n_threads, _get_backend().log_cb)
 
     def _decode_step(self, items: Sequence[StageInput]) -> list[StageOutput]:
         """:meth:`forward` for one new token per request on a whole-model stage (each

@@ -187,10 +187,11 @@ def check_seq(seq: int, n_seq_max: int) -> None:
 
 def input_rows(stage: Stage, tokens: np.ndarray | None, hidden: np.ndarray | None) -> np.ndarray:
     """One input as the engine takes it: int32 token ids on a first stage, float32
-    ``(n, hidden)`` rows elsewhere; StageInputError for anything else."""
-    if stage.first:
+    ``(n, hidden)`` rows elsewhere and, in place of token embeddings, on a first stage
+    too (an image's rows); StageInputError for anything else."""
+    if stage.first and not (tokens is None and hidden is not None):
         if tokens is None or hidden is not None:
-            raise StageInputError("a first stage takes tokens, not hidden rows")
+            raise StageInputError("a first stage takes tokens, or embedding rows alone")
         arr = np.asarray(tokens)
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
             raise StageInputError(f"tokens must be a 1-D int array, got {arr.dtype}")
@@ -224,8 +225,9 @@ def validate_embed_inputs(stage: Stage, items: Sequence[StageInput]) -> list[np.
 def validate_inputs(stage: Stage, items: Sequence[StageInput]) -> list[np.ndarray]:
     """Check every item for ``stage`` before anything runs; return its input as arrays.
 
-    One rule book for every engine: tokens on a first stage, ``(n, hidden)`` rows
-    elsewhere, each seq once, ``pos`` equal to what the stage holds, within ``n_ctx``.
+    One rule book for every engine: tokens on a first stage (or rows that stand for
+    token embeddings there: an image's), ``(n, hidden)`` rows elsewhere, each seq
+    once, ``pos`` equal to what the stage holds, within ``n_ctx``.
     """
     seen: set[int] = set()
     inputs: list[np.ndarray] = []

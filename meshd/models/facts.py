@@ -27,6 +27,7 @@ from .generation import gguf_sampling
 from .gguf import GgufHeader, read_header
 from .hashing import file_key, file_sha256
 from .mlx_layout import gguf_layout
+from .projectors import find_projector
 from .resolve import ResolvedModel, resolve_model
 
 __all__ = ["read_facts", "read_model_facts", "read_resolved_facts"]
@@ -72,7 +73,8 @@ def read_resolved_facts(
 def read_facts(
     path: Path, name: str, sha256: str | None = None, cache_dir: Path | None = None
 ) -> ModelFacts:
-    """Read a GGUF model's placement facts from its metadata.
+    """Read a GGUF model's placement facts from its metadata (and the size of its
+    image projector, :func:`find_projector`, when one lies beside it).
 
     ``name`` is what the user asked for (alias, path or repo id). ``sha256`` may be
     passed when already known; otherwise the file is hashed (cached in ``cache_dir``
@@ -80,12 +82,15 @@ def read_facts(
     not a usable GGUF model, FileNotFoundError for a missing one.
     """
     path = Path(path)
-    cached = _cached_facts(path, cache_dir)
-    if cached is not None:
-        return msgspec.structs.replace(cached, name=name)
-    facts = _read_facts(path, name, sha256, cache_dir)
-    _cache_facts(path, cache_dir, facts)
-    return facts
+    facts = _cached_facts(path, cache_dir)
+    if facts is None:
+        facts = _read_facts(path, name, sha256, cache_dir)
+        _cache_facts(path, cache_dir, facts)
+    # Looked for each time, not cached with the model's facts: a projector comes and
+    # goes beside a model that stays the same.
+    projector = find_projector(path)
+    size = projector.stat().st_size if projector is not None else 0
+    return msgspec.structs.replace(facts, name=name, projector_bytes=size)
 
 
 #: Named by version: facts cached by an older meshd lack fields added since, or

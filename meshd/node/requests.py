@@ -297,6 +297,8 @@ class Requests:
                         "bad_prompt",
                         "bad_sampling",
                         "not_generative",
+                        "no_projector",
+                        "bad_image",
                     )
                     at = chunk.error.stage
                     full = chunk.error.code == "overloaded"  # stage 0's queue is full

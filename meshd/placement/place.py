@@ -9,8 +9,8 @@ and ties break on node id; shares are exact fractions.
 Memory a stage needs on its node (see :func:`stage_need`)::
 
     ceil(layer bytes x weight_overhead)
-    + token embedding   (every llama.cpp stage; an MLX stage only when it is the
-                         first one, or the last one with a tied output head)
+    + token embedding   (every llama.cpp stage, the first with the image projector; an
+                         MLX stage only when first, or last with a tied output head)
     + head bytes        (last stage)
     + KV reservation    (min(kv_tokens, n_ctx_train) x kv_sequences
                          x kv_bytes_per_token_layer x layers of the stage)
@@ -246,15 +246,14 @@ def place(
     **Splits.** Only a proven split is cut, some every few layers, boundaries moved there
     (``support.stage_limit``); asked for more, or fitting no fewer nodes, the error says why.
 
-    **Fresh plan.** Candidates are ranked by usable memory (budget less the floor),
-    most first, ties on node id. For k = ``spec.min_nodes``, k + 1, ..., the top k
-    candidates, in rank order, get the layers split in proportion to usable memory
-    (in proportion to measured speed, ``decode_bps``, instead when every one of them
-    has one), rounded by largest remainder (ties to the earlier stage), every stage
-    >= 1 layer; then each boundary, left to right, is moved to the nearest position
-    (ties: the lower one) for which this stage fits its node and the stages after it
-    can still fit theirs. The first k that fits wins: one node when the model fits on
-    one. When every candidate has measured its speed, each k that fits is tried and a
+    **Fresh plan.** Candidates are ranked by usable memory (budget less the floor), most first,
+    ties on node id. For k = ``spec.min_nodes``, k + 1, ..., the top k candidates, in rank
+    order, get the layers split in proportion to usable memory (in proportion to measured speed,
+    ``decode_bps``, instead when every one of them has one), rounded by largest remainder (ties
+    to the earlier stage), every stage >= 1 layer; then each boundary, left to right, is moved
+    to the nearest position (ties: the lower one) for which this stage fits its node and the
+    stages after it can still fit theirs. The first k that fits wins: one node when the model
+    fits on one. When every candidate has measured its speed, each k that fits is tried and a
     plan on more nodes replaces one on fewer only when its predicted tokens/s
     (:func:`predicted_tokens_s`) is :data:`SPLIT_GAIN` times higher.
 
@@ -377,6 +376,7 @@ class _Model:
     active: tuple[int, ...]
     embed: int
     head: int
+    projector: int  # image projector bytes, on a llama.cpp stage 0
     kv_layer: int  # KV reservation per layer (F16, as MLX keeps it)
     kv_tokens: int  # ... for this many tokens a request
     kv_sequences: int  # ... and this many requests
@@ -433,6 +433,7 @@ class _Model:
             active=tuple(active),
             embed=facts.embed_bytes,
             head=facts.head_bytes,
+            projector=facts.projector_bytes,
             kv_layer=tokens * policy.kv_sequences * facts.kv_bytes_per_token_layer,
             kv_tokens=tokens,
             kv_sequences=policy.kv_sequences,
@@ -457,7 +458,7 @@ class _Model:
 
     def need(self, start: int, end: int, engine: str) -> int:
         first, last = start == 0, end == self.n
-        extra = self.head if last else 0
+        extra = (self.head if last else 0) + (self.projector if first and engine != "mlx" else 0)
         # llama.cpp demands token_embd in every slice; MLX embeds on the first stage
         # and uses the embedding as the output head on the last one when it is tied.
         if engine != "mlx" or first or (last and self.head == 0):
@@ -573,9 +574,8 @@ def _room(c: _Cand, engine: str) -> str:
 
 #: A plan on more nodes must predict this much more speed than one on fewer.
 SPLIT_GAIN = 1.05
-#: What a hop costs beyond half the link's round trip (serialising, the wake-ups of
-#: both ends: measured ~0.5 ms on loopback), and the round trip assumed for a link
-#: neither end has measured.
+#: What a hop costs beyond half the link's round trip (serialising, the wake-ups of both ends:
+#: measured ~0.5 ms on loopback), and the round trip assumed for a link neither end has measured.
 HOP_MS = 0.5
 UNKNOWN_RTT_MS = 1.0
 
@@ -586,11 +586,11 @@ def _rtt(a: _Cand, b: _Cand) -> float:
 
 
 def _predict(m: _Model, stages: Sequence[Stage], cands: Mapping[str, _Cand]) -> float:
-    """Predicted decode tokens/s of one request through ``stages``: each stage reads
-    the bytes of its layers a token runs (a MoE block's active experts, not all of
-    them), and the head's on the last, at its node's ``speed``; and each
-    hop of the ring (the last stage's token goes back to the first) costs half the
-    link's round trip plus :data:`HOP_MS`. 0.0 when a node's speed is not known."""
+    """Predicted decode tokens/s of one request through ``stages``: each stage reads the
+    bytes of its layers a token runs (a MoE block's active experts, not all of them), and
+    the head's on the last, at its node's ``speed``; and each hop of the ring (the last
+    stage's token goes back to the first) costs half the link's round trip plus
+    :data:`HOP_MS`. 0.0 when a node's speed is not known."""
     ms = 0.0
     for s in stages:
         c = cands[s.node]

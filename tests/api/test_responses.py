@@ -259,7 +259,9 @@ def _post(via: NodeProc, body: dict) -> httpx.Response:
         ({"input": [{"role": "user", "content": [
             {"type": "input_text", "text": "What is this?"},
             {"type": "input_image", "image_url": "https://example.com/a.png"}]}]},
-         "input[0].content[1].type", "unsupported_parameter"),
+         "input[0].content[1].image_url", None),  # nodes never fetch
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+         "input[0].content[0].type", "unsupported_parameter"),
         ({"input": [{"type": "function_call_output", "call_id": "call_1",
                      "output": [{"type": "input_file", "file_id": "f"}]}]},
          "input[0].output[0].type", "unsupported_parameter"),

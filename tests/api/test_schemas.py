@@ -419,6 +419,11 @@ async def test_n_over_the_choice_limit_is_rejected(client: httpx.AsyncClient) ->
         ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", None),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0].image_url.url",
+            None,
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
             "messages[0].content[0].type",
             "unsupported_parameter",
         ),

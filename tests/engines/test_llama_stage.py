@@ -279,7 +279,9 @@ def test_stage_refuses_inputs_that_do_not_fit(
     with pytest.raises(StageInputError):
         middle.forward([StageInput(0, 0, tokens=toks)])  # a middle stage takes rows
     with pytest.raises(StageInputError):
-        first.forward([StageInput(0, 0, hidden=rows)])  # a first stage takes tokens
+        first.forward([StageInput(0, 0, tokens=toks, hidden=rows)])  # tokens, or rows alone
+    with pytest.raises(StageInputError):
+        first.forward([StageInput(0, 0, hidden=rows[:, :10])])  # rows as wide as the model
     with pytest.raises(StageInputError):
         middle.forward([StageInput(0, 0, hidden=rows[:, :10])])
     with pytest.raises(StageInputError):

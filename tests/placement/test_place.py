@@ -79,6 +79,7 @@ def need(f: ModelFacts, start: int, end: int, engine: str, p: Policy = POLICY) -
         math.ceil(sum(f.layer_bytes[start:end]) * p.weight_overhead)
         + (f.embed_bytes if carries_embed else 0)
         + (f.head_bytes if last else 0)
+        + (f.projector_bytes if start == 0 and engine != "mlx" else 0)
         + tokens * p.kv_sequences * f.kv_bytes_per_token_layer * (end - start)
         + p.floor_bytes
     )
@@ -858,3 +859,13 @@ def test_a_model_whose_split_is_not_proven_is_never_split() -> None:
             by_id(big["b"], node("c", "c", ["llama_cpp-cpu"], half)),
             prev,
         )
+
+
+def test_the_image_projector_is_counted_on_a_llama_cpp_stage_0() -> None:
+    seen = msgspec.structs.replace(SMOL, projector_bytes=200 * 2**20)
+    plain = {(s, e, eng): stage_need(SMOL, s, e, eng) for s, e in ((0, 15), (15, 30))
+             for eng in ("llama_cpp", "mlx")}  # fmt: skip
+    assert stage_need(seen, 0, 15, "llama_cpp") - plain[(0, 15, "llama_cpp")] == 200 * 2**20
+    assert stage_need(seen, 15, 30, "llama_cpp") == plain[(15, 30, "llama_cpp")]
+    # MLX runs no projector (an image request to it is refused, not run).
+    assert stage_need(seen, 0, 15, "mlx") == plain[(0, 15, "mlx")]

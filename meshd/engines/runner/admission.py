@@ -9,11 +9,12 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from meshd.domain.chat import ChatTurn
+from meshd.domain.chat import IMAGE_MARKER, ChatTurn
 from meshd.domain.exact import fast_paths
 from meshd.domain.job import Job
 from meshd.domain.sampling import Sampling
 from meshd.engines.grammar import bounded_strings, check_grammar, closed_objects, lark_grammar
+from meshd.engines.projector import Projector, ProjectorError
 from meshd.engines.protocol import RunnerConfig
 from meshd.engines.stage import Stage
 from meshd.models.chat import CHATML_TEMPLATE, quote_specials, render_chat, split_quoted
@@ -27,6 +28,7 @@ from meshd.models.tools import (
 )
 from meshd.transport import wire
 
+from .images import NO_PROJECTOR, ImageRows, image_ids, open_projector, prompt_work
 from .seats import Seats
 from .state import Refused, Request, Work
 from .thinking import Rendered, ThinkSetup
@@ -73,11 +75,20 @@ def speculates(job: Job, cfg: RunnerConfig) -> bool:
 
 
 class Prompts:
-    """A model's prompts: chat messages through its template, tools as it writes them."""
+    """A model's prompts: chat messages through its template, tools as it writes them,
+    images through its projector (None: it reads none, ``no_images`` says why)."""
 
-    def __init__(self, stage: Stage, template: str | None) -> None:
+    def __init__(
+        self,
+        stage: Stage,
+        template: str | None,
+        projector: Projector | None = None,
+        no_images: str = NO_PROJECTOR,
+    ) -> None:
         self.stage = stage
         self.template = template
+        self.projector = projector
+        self.no_images = no_images
         #: :func:`tool_format` of the template (how this model writes tool calls).
         self.tool_format: ToolFormat = tool_format(template)
         #: Its markers that are control tokens of the model, and their ids: a forced
@@ -104,8 +115,20 @@ class Prompts:
 
     def prompt(self, job: Job) -> tuple[list[int], Rendered]:
         """:meth:`tokenize`, and what rendering settled about the thoughts."""
+        tokens, rendered, _ = self.prompt_images(job)
+        return tokens, rendered
+
+    def prompt_images(self, job: Job) -> tuple[list[int], Rendered, list[ImageRows]]:
+        """:meth:`prompt`, and the rows of its images: their positions hold
+        :func:`image_ids` in the token list. :class:`Refused` for images this model
+        cannot read."""
         if job.messages is not None:
-            return self._chat(job, job.messages)
+            if not any(t.images for t in job.messages):
+                return (*self._chat(job, job.messages), [])
+            return self._chat_images(job, job.messages)
+        return (*self._plain(job), [])
+
+    def _plain(self, job: Job) -> tuple[list[int], Rendered]:
         n_vocab = self.stage.n_vocab
         if job.prompt_tokens is not None:
             bad = [t for t in job.prompt_tokens if not 0 <= t < n_vocab]
@@ -116,6 +139,67 @@ class Prompts:
         return list(tokens), Rendered(on=False)
 
     def _chat(self, job: Job, turns: list[ChatTurn]) -> tuple[list[int], Rendered]:
+        runs, bos, rendered = self._render(job, turns)
+        if not any(quoted for _, quoted in runs):  # as it always was: no quote to honour
+            plain = "".join(run for run, _ in runs)
+            tokens = self.stage.tokenize(plain, add_special=not bos, parse_special=True)
+            return list(tokens), rendered
+        out: list[int] = []
+        for i, (run, quoted) in enumerate(runs):
+            add = i == 0 and not bos
+            out += self.stage.tokenize(run, add_special=add, parse_special=not quoted)
+        return out, rendered
+
+    def _chat_images(
+        self, job: Job, turns: list[ChatTurn]
+    ) -> tuple[list[int], Rendered, list[ImageRows]]:
+        """:meth:`_chat` of turns with images: the text between them tokenized, each
+        image's chunks (its rows, and the tokens a projector wraps them in) in place."""
+        if self.projector is None:
+            raise Refused("no_projector", self.no_images)
+        for i, t in enumerate(turns):
+            if t.content.count(IMAGE_MARKER) != len(t.images):
+                raise Refused("bad_prompt", f"messages[{i}] has {len(t.images)} images "
+                              f"but {t.content.count(IMAGE_MARKER)} places for them")  # fmt: skip
+        images = [b for t in turns for b in t.images]
+        runs, bos, rendered = self._render(job, turns)
+        if sum(run.count(IMAGE_MARKER) for run, _ in runs) != len(images):
+            raise Refused(
+                "bad_prompt", "the chat template dropped or repeated a message with an image"
+            )
+        out: list[int] = []
+        rows: list[ImageRows] = []
+        pending = iter(images)
+        first = True
+        for run, quoted in runs:
+            for k, piece in enumerate(run.split(IMAGE_MARKER)):
+                if k:
+                    self._image(next(pending), out, rows)
+                if piece or first:
+                    add = first and not bos
+                    out += self.stage.tokenize(piece, add_special=add, parse_special=not quoted)
+                    first = False
+        return out, rendered, rows
+
+    def _image(self, image: bytes, out: list[int], rows: list[ImageRows]) -> None:
+        """Put ``image``'s chunks at the end of ``out`` (its rows in ``rows``)."""
+        assert self.projector is not None
+        try:
+            chunks = self.projector.chunks(image)
+        except ProjectorError as e:
+            raise Refused("bad_image", f"cannot read the image: {e}") from e
+        for c in chunks:
+            if c.ndim == 1:
+                out += [int(t) for t in c]
+            else:
+                rows.append(ImageRows(len(out), c))
+                out += image_ids(image, len(c))
+
+    def _render(
+        self, job: Job, turns: list[ChatTurn]
+    ) -> tuple[list[tuple[str, bool]], bool, Rendered]:
+        """The prompt text as runs of (text, quoted), whether it starts with the BOS
+        already, and what rendering settled about the thoughts."""
         # Every string the request brought has its special-token text quoted, so that
         # only the template's own special tokens become special ids (models/chat.py).
         rendered = self.think.render(job, turns, lambda v: quote_specials(v, self._specials_in))
@@ -141,15 +225,7 @@ class Prompts:
         # the vocabulary's own BOS too would double it (llama.cpp warns, and output
         # quality drops). Otherwise the vocabulary decides, as for a plain prompt.
         bos = bool(self.bos_text) and bool(runs) and runs[0][0].startswith(self.bos_text)
-        if not any(quoted for _, quoted in runs):  # as it always was: no quote to honour
-            plain = "".join(run for run, _ in runs)
-            tokens = self.stage.tokenize(plain, add_special=not bos, parse_special=True)
-            return list(tokens), rendered
-        out: list[int] = []
-        for i, (run, quoted) in enumerate(runs):
-            add = i == 0 and not bos
-            out += self.stage.tokenize(run, add_special=add, parse_special=not quoted)
-        return out, rendered
+        return runs, bos, rendered
 
     def _specials_in(self, text: str) -> list[str]:
         """The special-token texts in ``text`` (a user's): those the tokenizer turns
@@ -217,6 +293,11 @@ class Prompts:
         return grammar
 
 
+def prompts_for(cfg: RunnerConfig, stage: Stage, template: str | None) -> Prompts:
+    """Stage 0's :class:`Prompts`, with the model's image projector where it has one."""
+    return Prompts(stage, template, *open_projector(cfg, stage))
+
+
 @dataclass
 class Admitted:
     """A request stage 0 took: its state, what its first activation carries to the
@@ -244,7 +325,9 @@ def admit(
     except ValueError as e:
         raise Refused("bad_sampling", str(e)) from e
     try:
-        prompt, rendered = prompts.prompt(g.job)
+        prompt, rendered, images = prompts.prompt_images(g.job)
+    except Refused:
+        raise
     except Exception as e:
         raise Refused("bad_prompt", f"cannot tokenize the prompt: {e}") from e
     sampling = prompts.sampling(g.job, rendered, grammar)
@@ -282,14 +365,20 @@ def admit(
         route=r.route, reply_to=r.reply_to, sampling=r.sampling, n_prompt=n, resume=resume,
         embed=job.embed, slot=seq, prefix_slot=source, prefix_n=n_cached, cold=cold,
     )  # fmt: skip
-    work = [Work(g.req, n_cached, tokens=np.asarray(prompt[n_cached:], np.int32), start=start)]
+    work = (
+        [prompt_work(g.req, prompt, images, n_cached, start)]
+        if images
+        else [Work(g.req, n_cached, tokens=np.asarray(prompt[n_cached:], np.int32), start=start)]
+    )
     # The tokens already sent go through one decode step each, as they did the first
     # time: prefilling them in one batch runs other kernels (other float sums), and
     # a near-tie could then flip, so the continuation would not be the text the
     # uninterrupted request gives. One row a step costs a few ms per token.
     work += [Work(g.req, n + i, tokens=np.array([t], np.int32)) for i, t in enumerate(resume)]
     # Nor can it drop a rejected draft: such a model never speculates.
-    return Admitted(r, start, work, speculates(job, cfg) and not stage.recurrent)
+    # Nor does a prompt with images: its token list has ids no model drafts from.
+    spec = speculates(job, cfg) and not stage.recurrent and not images
+    return Admitted(r, start, work, spec)
 
 
 def join(a: wire.Activation, s: wire.Start, seats: Seats) -> Request:

@@ -22,7 +22,7 @@ from meshd.engines.stage import Stage
 from meshd.transport import wire
 from meshd.transport.tensors import TensorError, decode_rows, encode_rows
 
-from .admission import Admitted, Prompts, admit, capped, join
+from .admission import Admitted, admit, capped, join, prompts_for
 from .links import Links, emit
 from .output import Ended, Output
 from .requests import Requests
@@ -66,7 +66,7 @@ class RunnerCore:
         #: Tokens one request may span: the runner's KV room per request, but never
         #: past what the model was trained for (positions beyond it are garbage).
         self.n_ctx = min(cfg.n_ctx, stage.n_ctx_train or cfg.n_ctx)
-        self.prompts = Prompts(stage, template) if self.first else None
+        self.prompts = prompts_for(cfg, stage, template) if self.first else None
         self.output = Output(stage, self.n_ctx, cfg.model_path, links) if self.last else None
         #: Stage 0: drafts from a draft model's runner, when the node names one.
         self.drafts = DraftClient(cfg.instance, links.send)

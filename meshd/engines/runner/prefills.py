@@ -48,8 +48,8 @@ def step_key(r: Request, w: Work) -> bytes | None:
     """The share key of a prompt step (None for any other: generated tokens differ
     from one choice to the next, and a request started from a cached prefix holds
     KV no other request's lineage vouches for)."""
-    if r.lineage is None or r.n_cached or w.pos + w.rows > r.n_prompt:
-        return None
+    if r.lineage is None or r.n_cached or w.pos + w.rows > r.n_prompt or w.parts is not None:
+        return None  # (a prompt with images runs for each choice: it is no plain input)
     return prefill_key(w, r.lineage)
 
 

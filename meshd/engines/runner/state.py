@@ -104,10 +104,15 @@ class Work:
     draft_by: str = ""
     #: The request's epoch at stage 0 when it was sent (``wire.Token.epoch``).
     epoch: int = 0
+    #: Stage 0: a prompt with images, as token runs and image rows in order (instead
+    #: of ``tokens``): one step, whose rows go on in one activation.
+    parts: list[np.ndarray] | None = None
 
     @property
     def rows(self) -> int:
         """Rows of input the step runs (tokens at stage 0, hidden rows after)."""
+        if self.parts is not None:
+            return sum(len(p) for p in self.parts)
         if self.tokens is not None:
             return len(self.tokens)
         assert self.hidden is not None  # a Work carries one or the other

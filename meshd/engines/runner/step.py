@@ -94,6 +94,8 @@ class Stepper:
         run: list[tuple[Work, bytes | None]] = []
         followers: list[tuple[Work, bytes]] = []
         leading: set[bytes] = set()
+        parted = [self.run_parts(reqs[w.req], w) for w in batch if w.parts is not None]
+        batch = [w for w in batch if w.parts is None]
         for w in batch:
             # A recurrent state is shared whole or not at all: each choice runs its own.
             k = None if self.stage.recurrent else step_key(reqs[w.req], w)
@@ -104,7 +106,7 @@ class Stepper:
                 if k is not None:
                     leading.add(k)
         if not run:
-            return Ran([], followers)
+            return Ran(parted, followers)
         items = [self.item(reqs[w.req], w) for w, _ in run]
         rows = [it.n_rows for it in items]
         self.seats.count_rows(sum(rows))
@@ -128,7 +130,29 @@ class Stepper:
             reqs[w.req].lineage = k
             if k is not None:
                 self.prefills.remember(k, w.req, w.pos + w.rows, d.out)
-        return Ran(done, followers, news, spent)
+        return Ran(parted + done, followers, news, spent)
+
+    def run_parts(self, r: Request, w: Work) -> Done:
+        """A prompt with images at stage 0: its token runs and image rows through the
+        engine in order (it takes one kind a call), the rows out as one step's."""
+        assert w.parts is not None
+        t0 = time.perf_counter()
+        outs, pos = [], w.pos
+        try:
+            for part in w.parts:
+                rows = part if part.ndim == 2 else None
+                item = StageInput(
+                    r.seq, pos, tokens=None if rows is not None else part, hidden=rows
+                )
+                outs.append(self.stage.forward([item])[0])
+                pos += len(part)
+        except Exception as e:
+            log.warning("request %s failed at this stage: %s", w.req, e, extra={"req": w.req})
+            self.stage.truncate(r.seq, w.pos)
+            return Done(w, None, 0.0, error=str(e))
+        out = outs[-1] if self.last else np.concatenate(outs)
+        r.lineage = None
+        return Done(w, out, round(time.perf_counter() - t0, 6))
 
     def follow(self, ran: Ran, reqs: dict[str, Request]) -> Iterator[Done]:
         """The followers' steps, one at a time (the loop sends each result before the

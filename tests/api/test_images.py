@@ -1,0 +1,201 @@
+"""Images in, through the official clients (``openai``, ``anthropic``, ``ollama``):
+a synthetic vision model (``tests/synthetic_vision.py``: a small llama text model and
+an MLP projector beside it) split over nodes a and b answers an image request with
+the very greedy tokens of the same model run whole on node a; what cannot be read is
+a 400 in the caller's dialect, and changes nothing.
+
+The two instances are two copies of the same files (a model is named by its path)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from meshd.models.resolve import DEFAULT_MODEL
+from tests.cluster import NodeProc, wait_for
+from tests.synthetic_vision import N_IMAGE_ROWS, png, write_vision_model
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+ollama = pytest.importorskip("ollama")
+
+pytestmark = pytest.mark.timeout(300)
+
+RED, BLUE = png(8, 8, seed=1), png(20, 12, seed=2)
+TEXT = "What is in this picture?"
+N = 8
+
+
+def _url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def _chat(image: bytes, text: str = TEXT) -> list[dict]:
+    return [{"role": "user", "content": [
+        {"type": "text", "text": text},
+        {"type": "image_url", "image_url": {"url": _url(image)}},
+    ]}]  # fmt: skip
+
+
+def _place(owner: str, via: NodeProc, model: Path, nodes: list[str]) -> str:
+    r = httpx.post(owner + "/v1/instances", json={"model": str(model), "nodes": nodes}, timeout=60)
+    assert r.status_code == 201, r.text
+    path = f"/v1/instances/{r.json()['id']}"
+    wait_for(lambda: all(s["state"] == "ready" for s in via.get(path)["stages"]), 120, 0.2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vision(trio: dict[str, NodeProc], a_models: Path, model_path: Path) -> Iterator[dict]:
+    """The vision model split over a and b, and a copy of it whole on a."""
+    split = write_vision_model(a_models / "vision-split", model_path)
+    whole = write_vision_model(a_models / "vision-whole", model_path)
+    owner, via = trio["a"].api, trio["c"]
+    placed = []
+    try:
+        placed.append(_place(owner, via, split, ["a", "b"]))
+        placed.append(_place(owner, via, whole, ["a"]))
+        yield {"split": str(split), "whole": str(whole)}
+    finally:
+        for path in placed:
+            httpx.delete(owner + path, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def ac(via: NodeProc):
+    return anthropic.Anthropic(base_url=via.api, api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def oc(via: NodeProc):
+    return ollama.Client(host=via.api, timeout=120)
+
+
+def _openai(client, model: str, image: bytes, **extra) -> str:
+    r = client.chat.completions.create(
+        model=model, messages=_chat(image), max_tokens=N, temperature=0, extra_body=extra
+    )
+    assert r.usage.prompt_tokens > 4, r.usage  # the image's rows count as prompt
+    return r.choices[0].message.content
+
+
+def test_split_equals_whole_through_openai_anthropic_and_ollama(client, ac, oc, vision) -> None:
+    split, whole = vision["split"], vision["whole"]
+    assert _openai(client, split, RED) == _openai(client, whole, RED)
+
+    def anth(model: str) -> str:
+        data = base64.b64encode(BLUE).decode()
+        m = ac.messages.create(model=model, max_tokens=N, extra_body={"temperature": 0}, messages=[
+            {"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": data}},
+                {"type": "text", "text": TEXT},
+            ]},
+        ])  # fmt: skip
+        return "".join(b.text for b in m.content if b.type == "text")
+
+    assert anth(split) == anth(whole)
+
+    def olla(model: str) -> str:
+        r = oc.chat(model=model, options={"temperature": 0, "num_predict": N},
+                    messages=[{"role": "user", "content": TEXT, "images": [RED]}])  # fmt: skip
+        return r.message.content
+
+    assert olla(split) == olla(whole)
+
+
+def _first_logprobs(client, model: str, image: bytes, **extra) -> tuple[dict, int, int]:
+    """The first token's top logprobs of a greedy answer, the prompt's tokens and
+    those the prefix cache gave."""
+    r = client.chat.completions.create(
+        model=model, messages=_chat(image), max_tokens=2, temperature=0, logprobs=True,
+        top_logprobs=5, extra_body=extra,
+    )  # fmt: skip
+    top = {t.token: t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs}
+    details = r.usage.prompt_tokens_details
+    return top, r.usage.prompt_tokens, (details.cached_tokens or 0) if details else 0
+
+
+def _distance(a: dict, b: dict) -> float:
+    return max(abs(a[t] - b[t]) if t in a and t in b else 99.0 for t in {*a, *b})
+
+
+def test_the_image_moves_the_answer_and_the_prefix_cache_keys_on_it(client, vision) -> None:
+    split = vision["split"]
+    red, _, _ = _first_logprobs(client, split, RED)
+    blue, n_prompt, _ = _first_logprobs(client, split, BLUE)
+    apart = _distance(red, blue)
+    assert apart > 1e-3  # the rows reach the model: another image, other odds
+    # The last answer's KV is kept (BLUE's). With the prefix cache on, the same text
+    # with another image takes the text before the image from it, and no more: its
+    # odds stay its own (a reused prefix moves low bits only).
+    warm, _, cached = _first_logprobs(client, split, RED, cache_prompt=True)
+    assert 0 < cached < n_prompt - N_IMAGE_ROWS
+    assert _distance(warm, red) < apart / 10
+    # The same image again: its rows come from the cache too.
+    _, _, again = _first_logprobs(client, split, RED, cache_prompt=True)
+    assert again == n_prompt - 1
+
+
+def test_remote_image_urls_are_refused_nodes_never_fetch(client, ac, vision) -> None:
+    remote = "https://example.com/cat.png"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=vision["split"], max_tokens=N, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": remote}}]},
+        ])  # fmt: skip
+    assert "not fetched" in str(e.value)
+    with pytest.raises(anthropic.BadRequestError) as ea:
+        ac.messages.create(model=vision["split"], max_tokens=N, messages=[
+            {"role": "user", "content": [{"type": "image",
+                                          "source": {"type": "url", "url": remote}}]},
+        ])  # fmt: skip
+    assert "not fetched" in str(ea.value)
+
+
+def test_a_model_without_projector_says_so_in_each_dialect(client, ac, oc, vision) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=DEFAULT_MODEL, messages=_chat(RED), max_tokens=N)
+    assert "reads text only" in str(e.value)
+    data = base64.b64encode(RED).decode()
+    with pytest.raises(anthropic.BadRequestError) as ea:
+        ac.messages.create(model=DEFAULT_MODEL, max_tokens=N, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": data}}]},
+        ])  # fmt: skip
+    assert "reads text only" in str(ea.value)
+    with pytest.raises(ollama.ResponseError) as eo:
+        oc.chat(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "hi", "images": [RED]}])
+    assert eo.value.status_code == 400 and "reads text only" in str(eo.value)
+
+
+def test_bad_images_are_a_clear_400_and_change_nothing(client, via, vision) -> None:
+    split = vision["split"]
+    before = _openai(client, split, RED)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=split, max_tokens=N, messages=[
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}]},
+        ])  # fmt: skip
+    assert "not valid base64" in str(e.value)
+    text = "data:image/png;base64," + base64.b64encode(b"just some text").decode()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=split, max_tokens=N, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": text}}]},
+        ])  # fmt: skip
+    assert "is not an image" in str(e.value)
+    # A file that starts like a PNG and is none: stage 0's decoder says so.
+    broken = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\nbroken").decode()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=split, max_tokens=N, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": broken}}]},
+        ])  # fmt: skip
+    assert "could not be decoded" in str(e.value)
+    # (the ollama client checks base64 itself: the body as another client sends it)
+    bad = {"model": split, "messages": [{"role": "user", "content": "hi", "images": ["%%%"]}]}
+    r = httpx.post(via.api + "/api/chat", json=bad, timeout=30)
+    assert r.status_code == 400 and "not valid base64" in r.json()["error"], r.text
+    assert _openai(client, split, RED) == before
