@@ -140,7 +140,7 @@ MODULE_SIZES: dict[str, int] = {
     "meshd/api/errors.py": 403,
     "meshd/api/ollama.py": 465,
     "meshd/api/ollama_schemas.py": 408,
-    "meshd/api/responses_schemas.py": 474,
+    "meshd/api/responses_schemas.py": 478,
     "meshd/api/runs.py": 405,
     "meshd/api/schemas.py": 912,
     "meshd/cli/top.py": 704,

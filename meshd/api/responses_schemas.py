@@ -408,7 +408,8 @@ OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(msgspec.Struct, kw_only=True):
-    """meshd caches no prompt across requests as OpenAI bills it: zeros."""
+    """Of the input tokens, those the prefix cache gave (``cached_tokens``); meshd
+    writes no cache a client pays for (``cache_write_tokens``: 0)."""
 
     cached_tokens: int = 0
     cache_write_tokens: int = 0
@@ -430,10 +431,13 @@ class ResponseUsage(msgspec.Struct, kw_only=True):
     total_tokens: int
 
     @classmethod
-    def of(cls, input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> ResponseUsage:
+    def of(
+        cls, input_tokens: int, output_tokens: int, reasoning_tokens: int = 0, cached: int = 0
+    ) -> ResponseUsage:
         """Usage with ``total_tokens`` computed."""
         return cls(
             input_tokens=input_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=cached),
             output_tokens=output_tokens,
             output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
             total_tokens=input_tokens + output_tokens,

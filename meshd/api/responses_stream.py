@@ -70,8 +70,9 @@ class Draft:
     ) -> rs.Response:
         """The finished response: ``incomplete`` when cut at ``max_output_tokens``."""
         u = rs.ResponseUsage.of(
-            usage.prompt_tokens, usage.completion_tokens, usage.reasoning_tokens
-        )
+            usage.prompt_tokens, usage.completion_tokens, usage.reasoning_tokens,
+            usage.cached_tokens,
+        )  # fmt: skip
         return self.response(status(finish_reason), output, u)
 
 
