@@ -50,8 +50,9 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     nodes: list[str] = []
     #: Engine per stage (parallel to ``nodes``), e.g. ``["llama_cpp", "mlx"]``.
     engines: list[str] = []
-    #: Activation type between adjacent MLX stages: ``f32``, ``f16`` or ``bf16``.
-    activations: str = "f32"
+    #: Wire type of the hidden rows between stages: ``f16`` (half the bytes),
+    #: ``bf16`` or ``f32``; requests in the exact mode send ``f32`` whatever it says.
+    activations: str = "f16"
     #: Tokens of context each request gets (0: the model's trained context as far as
     #: memory allows, see ``meshd.placement.place.default_context``); placement
     #: reserves KV cache for it on every stage.

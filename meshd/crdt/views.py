@@ -199,9 +199,10 @@ class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     min_nodes: int = 1
     nodes: list[str] = []
     engines: list[str] = []
-    #: Wire type of activations between two adjacent MLX stages: ``f32`` (default),
-    #: ``f16`` or ``bf16``. Hops that touch llama.cpp always carry float32.
-    activations: str = "f32"
+    #: Wire type of the hidden rows between stages (``f16`` default, ``bf16``,
+    #: ``f32``): half the bytes of float32 on every hop. A request in the exact mode
+    #: sends float32 whatever this says (:mod:`meshd.domain.exact`).
+    activations: str = "f16"
     #: Tokens of context each request gets (prompt + answer); 0: the default (the
     #: model's trained context as far as memory allows, see
     #: ``meshd.placement.place.default_context``). Placement reserves KV for it on
@@ -218,7 +219,7 @@ class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     #: own ``speculate`` overrides it.
     speculate: bool | None = None
     #: The exact mode for its requests that do not say ``exact``
-    #: (:mod:`meshd.domain.exact`): no prefix reuse, no speculation.
+    #: (:mod:`meshd.domain.exact`): no prefix reuse, no speculation, float32 hops.
     exact: bool = False
     #: Node ids the owner keeps this model off: placement never gives them a stage of
     #: it, a repair included (see ``meshd.placement.place``).

@@ -33,10 +33,15 @@ class FastPaths(msgspec.Struct, frozen=True, kw_only=True):
     #: Draft tokens for the pipeline to verify in one pass: a batch of rows sums in
     #: another order than one row a step.
     speculation: bool = True
+    #: Send hidden rows between stages in the instance's narrow type (f16 by default,
+    #: ``InstanceSpec.activations``): half the bytes of float32, and a stage's rows
+    #: rounded to 11 significant bits move the next stage's logits (on a quantized
+    #: model about as far as its own quantization does: docs/operations.md).
+    narrow_hops: bool = True
 
 
 #: What the exact mode allows: none of them.
-EXACT = FastPaths(prefix_reuse=False, speculation=False)
+EXACT = FastPaths(prefix_reuse=False, speculation=False, narrow_hops=False)
 
 
 def fast_paths(job: Job) -> FastPaths:

@@ -125,8 +125,8 @@ class RunnerConfig(msgspec.Struct, kw_only=True):
     n_gpu_layers: int = 0
     exact: bool = False
     n_threads: int | None = None
-    #: Wire type of the activations this stage sends on (see transport.tensors);
-    #: anything but f32 only between two MLX stages (InstanceSpec.activations).
+    #: Wire type of the activations this stage sends on (see transport.tensors;
+    #: ``InstanceSpec.activations``), but float32 for a request in the exact mode.
     send_dtype: str = "f32"
     #: A request with no message and no compute for this long is freed (see
     #: ``Runner.expire``); 0 or less never expires one.

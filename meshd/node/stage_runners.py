@@ -79,12 +79,12 @@ def slice_to_fetch(cache_dir: Path, inst: Instance, i: int) -> Path | None:
 
 
 def send_dtype(inst: Instance, i: int) -> str:
-    """Wire type of the activations stage ``i`` sends: the spec's choice on a hop
-    between two MLX stages, float32 on every other hop."""
-    stages = inst.stages
-    if i + 1 < len(stages) and stages[i].engine == "mlx" and stages[i + 1].engine == "mlx":
-        return inst.spec.activations
-    return "f32"
+    """Wire type of the activations stage ``i`` sends its requests' rows as: the spec's
+    choice (every engine takes float32 rows in, whatever crossed the wire), float32
+    for an instance in the exact mode. A request in the exact mode sends float32 on
+    any hop (the runner decides per request: ``wire.Start.exact``)."""
+    last = i + 1 >= len(inst.stages)  # sends no rows
+    return "f32" if last or inst.spec.exact else inst.spec.activations
 
 
 def _vram(inst: Instance, i: int) -> int:

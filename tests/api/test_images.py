@@ -85,11 +85,13 @@ def _openai(client, model: str, image: bytes, **extra) -> str:
 
 def test_split_equals_whole_through_openai_anthropic_and_ollama(client, ac, oc, vision) -> None:
     split, whole = vision["split"], vision["whole"]
-    assert _openai(client, split, RED) == _openai(client, whole, RED)
+    # Exact (meshd.domain.exact): float32 hops, nothing reused or drafted.
+    assert _openai(client, split, RED, exact=True) == _openai(client, whole, RED, exact=True)
 
     def anth(model: str) -> str:
         data = base64.b64encode(BLUE).decode()
-        m = ac.messages.create(model=model, max_tokens=N, extra_body={"temperature": 0}, messages=[
+        m = ac.messages.create(model=model, max_tokens=N, extra_body={"temperature": 0,
+                               "exact": True}, messages=[
             {"role": "user", "content": [
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                              "data": data}},
@@ -101,7 +103,7 @@ def test_split_equals_whole_through_openai_anthropic_and_ollama(client, ac, oc, 
     assert anth(split) == anth(whole)
 
     def olla(model: str) -> str:
-        r = oc.chat(model=model, options={"temperature": 0, "num_predict": N},
+        r = oc.chat(model=model, options={"temperature": 0, "num_predict": N, "exact": True},
                     messages=[{"role": "user", "content": TEXT, "images": [RED]}])  # fmt: skip
         return r.message.content
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshd.engines.guard import OUTPUT_BOUND, fault_injection, output_fault
+from meshd.engines.guard import OUTPUT_BOUND, fault_injection, hop_dtype, output_fault
 
 
 def test_a_sound_output_passes_and_a_corrupt_one_says_what_is_wrong() -> None:
@@ -20,10 +20,12 @@ def test_a_sound_output_passes_and_a_corrupt_one_says_what_is_wrong() -> None:
     bad = rows.copy()
     bad[2, 7] = -3 * OUTPUT_BOUND
     assert "-3e+06" not in (why := output_fault(bad) or "") and "3e+06" in why
-    # An f16 hop holds at most 65504: more would arrive as Inf.
-    bad = rows.copy()
-    bad[0, 0] = 70000.0
-    assert output_fault(bad) is None and "6.55e+04" in (output_fault(bad, "f16") or "")
+    # An f16 hop holds at most 65504: such a step goes as float32, sound, not a fault.
+    big = rows.copy()
+    big[0, 0] = 70000.0
+    assert output_fault(big) is None
+    assert hop_dtype(big, "f16") == "f32" and hop_dtype(rows, "f16") == "f16"
+    assert hop_dtype(big, "bf16") == "bf16" and hop_dtype(big, "f32") == "f32"
 
 
 def test_the_fault_drill_corrupts_from_its_nth_output_on() -> None:

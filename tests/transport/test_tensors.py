@@ -47,13 +47,16 @@ def test_a_frame_of_the_wrong_size_or_type_is_refused(dtype: str, size: int) -> 
         decode_rows(b"\0" * 8, "f8", 1, 1)
 
 
-def _inst(engines: list[str], activations: str) -> Instance:
+def _inst(engines: list[str], activations: str, exact: bool = False) -> Instance:
     stages = [Stage(node=f"n{i}", start=i, end=i + 1, engine=e) for i, e in enumerate(engines)]
-    spec = InstanceSpec(model="m", activations=activations)
+    spec = InstanceSpec(model="m", activations=activations, exact=exact)
     return Instance(id="i", spec=spec, generation=1, stages=stages)
 
 
-def test_only_hops_between_two_mlx_stages_narrow() -> None:
+def test_every_hop_narrows_unless_the_instance_is_exact() -> None:
     inst = _inst(["mlx", "mlx", "llama_cpp", "mlx"], "bf16")
-    assert [send_dtype(inst, i) for i in range(4)] == ["bf16", "f32", "f32", "f32"]
+    assert [send_dtype(inst, i) for i in range(4)] == ["bf16", "bf16", "bf16", "f32"]
+    assert InstanceSpec(model="m").activations == "f16"
+    assert send_dtype(_inst(["llama_cpp", "llama_cpp"], "f16"), 0) == "f16"
+    assert send_dtype(_inst(["llama_cpp", "llama_cpp"], "f16", exact=True), 0) == "f32"
     assert send_dtype(_inst(["mlx", "mlx"], "f32"), 0) == "f32"

@@ -360,10 +360,12 @@ def admit(
         g.req, seq, list(g.route), g.reply_to, job.sampling, n_prompt=n,
         generation=g.generation, embed=job.embed, slot=seq, n_cached=n_cached, source=source,
         tokens=None if job.embed else [*prompt, *resume], client=job.client,
+        exact=not fast_paths(job).narrow_hops,
     )  # fmt: skip
     start = wire.Start(
         route=r.route, reply_to=r.reply_to, sampling=r.sampling, n_prompt=n, resume=resume,
         embed=job.embed, slot=seq, prefix_slot=source, prefix_n=n_cached, cold=cold,
+        exact=r.exact,
     )  # fmt: skip
     work = (
         [prompt_work(g.req, prompt, images, n_cached, start)]
@@ -388,4 +390,5 @@ def join(a: wire.Activation, s: wire.Start, seats: Seats) -> Request:
     return Request(
         a.req, seq, list(s.route), s.reply_to, s.sampling, s.n_prompt,
         generation=a.generation, embed=s.embed, slot=s.slot, n_cached=s.prefix_n,
+        exact=s.exact,
     )  # fmt: skip

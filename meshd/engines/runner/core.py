@@ -16,7 +16,7 @@ import zmq
 
 from meshd.engines.calibrate import LayerClock
 from meshd.engines.draft_model import DraftClient, DraftServer
-from meshd.engines.guard import fault_injection, output_fault
+from meshd.engines.guard import fault_injection, hop_dtype, output_fault
 from meshd.engines.protocol import STAGE_FAULT, Failed, GenerationAdopted, Load, RunnerConfig
 from meshd.engines.stage import Stage
 from meshd.transport import wire
@@ -313,18 +313,19 @@ class RunnerCore:
             self.release(r.req, "cancel")
             return
         out = d.out if self.inject is None else self.inject(d.out)
-        why = output_fault(out, self.cfg.send_dtype if self.output is None else "f32")
+        why = output_fault(out)
         if why is not None:
             self.fault(r, why)
             return
         r.last_active = time.monotonic()
         compute = [*w.compute, d.spent]
         if self.output is None:
-            rows = encode_rows(out, self.cfg.send_dtype)
+            dtype = hop_dtype(out, "f32" if r.exact else self.cfg.send_dtype)
+            rows = encode_rows(out, dtype)
             act = wire.Activation(
                 req=r.req, instance=self.cfg.instance, generation=self.generation,
                 pos=w.pos, rows=rows.shape[0], hidden=rows.shape[1], start=w.start,
-                compute=compute, dtype=self.cfg.send_dtype, draft=w.draft,
+                compute=compute, dtype=dtype, draft=w.draft,
                 draft_by=w.draft_by, epoch=w.epoch,
             )  # fmt: skip
             self.links.send(r.route[self.cfg.stage + 1], act, rows.data)

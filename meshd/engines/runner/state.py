@@ -52,6 +52,8 @@ class Request:
     epoch: int = 0
     #: Stage 0: who asked (``Job.client``), for the queue's turns between clients.
     client: str = ""
+    #: The exact mode (``wire.Start.exact``): its rows go on as float32.
+    exact: bool = False
     #: time.perf_counter() when its last token was fed (0: none yet).
     fed_at: float = 0.0
     #: It has drafted: a step may come back to an earlier position (the rejected
