@@ -180,8 +180,7 @@ class Start(msgspec.Struct, kw_only=True):
     #: Run as on a fresh runner: every stage drops its kept prefixes first (where a
     #: sequence's cells lie in the KV buffer moves its attention's low bits).
     cold: bool = False
-    #: The exact mode: every stage sends this request's rows as float32, whatever
-    #: narrower type its hop carries for other requests.
+    #: The exact mode: every stage sends this request's rows as float32.
     exact: bool = False
 
 

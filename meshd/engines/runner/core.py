@@ -313,8 +313,7 @@ class RunnerCore:
             self.release(r.req, "cancel")
             return
         out = d.out if self.inject is None else self.inject(d.out)
-        why = output_fault(out)
-        if why is not None:
+        if (why := output_fault(out)) is not None:
             self.fault(r, why)
             return
         r.last_active = time.monotonic()
