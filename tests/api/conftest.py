@@ -56,3 +56,17 @@ def via(trio: dict[str, NodeProc]) -> NodeProc:
 def client(via: NodeProc):
     openai = pytest.importorskip("openai")
     return openai.OpenAI(base_url=via.api + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="package")
+def ac(via: NodeProc):
+    """The official ``anthropic`` client pointed at node c."""
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=via.api, api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="package")
+def oc(via: NodeProc):
+    """The official ``ollama`` client pointed at node c."""
+    ollama = pytest.importorskip("ollama")
+    return ollama.Client(host=via.api, timeout=120)

@@ -11,7 +11,6 @@ import pytest
 from meshd.api.anthropic import system_prompt
 from meshd.models.resolve import DEFAULT_MODEL
 from tests.api.reference import WEATHER, greedy_chat
-from tests.cluster import NodeProc
 
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
@@ -24,11 +23,6 @@ GREEDY = {"temperature": 0}  # the 2.x SDK sends sampling through extra_body
 N = 8
 TOOLS = [{"name": "get_weather", "description": "The current weather in a city",
           "input_schema": WEATHER}]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def ac(via: NodeProc):
-    return anthropic.Anthropic(base_url=via.api, api_key="unused", timeout=120, max_retries=0)
 
 
 def test_a_message_matches_the_openai_route(ac, via) -> None:

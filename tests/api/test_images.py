@@ -65,16 +65,6 @@ def vision(trio: dict[str, NodeProc], a_models: Path, model_path: Path) -> Itera
             httpx.delete(owner + path, timeout=10)
 
 
-@pytest.fixture(scope="module")
-def ac(via: NodeProc):
-    return anthropic.Anthropic(base_url=via.api, api_key="unused", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def oc(via: NodeProc):
-    return ollama.Client(host=via.api, timeout=120)
-
-
 def _openai(client, model: str, image: bytes, **extra) -> str:
     r = client.chat.completions.create(
         model=model, messages=_chat(image), max_tokens=N, temperature=0, extra_body=extra
@@ -144,6 +134,15 @@ def test_the_image_moves_the_answer_and_the_prefix_cache_keys_on_it(client, visi
     assert again == n_prompt - 1
 
 
+def _refused(client, model: str, url: str) -> str:
+    """The 400's text for a chat whose one part is the image at ``url``."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, max_tokens=N, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]},
+        ])  # fmt: skip
+    return str(e.value)
+
+
 def test_remote_image_urls_are_refused_nodes_never_fetch(client, ac, vision) -> None:
     remote = "https://example.com/cat.png"
     with pytest.raises(openai.BadRequestError) as e:
@@ -178,25 +177,12 @@ def test_a_model_without_projector_says_so_in_each_dialect(client, ac, oc, visio
 def test_bad_images_are_a_clear_400_and_change_nothing(client, via, vision) -> None:
     split = vision["split"]
     before = _openai(client, split, RED)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=split, max_tokens=N, messages=[
-            {"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}]},
-        ])  # fmt: skip
-    assert "not valid base64" in str(e.value)
+    assert "not valid base64" in _refused(client, split, "data:image/png;base64,%%%")
     text = "data:image/png;base64," + base64.b64encode(b"just some text").decode()
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=split, max_tokens=N, messages=[
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": text}}]},
-        ])  # fmt: skip
-    assert "is not an image" in str(e.value)
+    assert "is not an image" in _refused(client, split, text)
     # A file that starts like a PNG and is none: stage 0's decoder says so.
     broken = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\nbroken").decode()
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=split, max_tokens=N, messages=[
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": broken}}]},
-        ])  # fmt: skip
-    assert "could not be decoded" in str(e.value)
+    assert "could not be decoded" in _refused(client, split, broken)
     # (the ollama client checks base64 itself: the body as another client sends it)
     bad = {"model": split, "messages": [{"role": "user", "content": "hi", "images": ["%%%"]}]}
     r = httpx.post(via.api + "/api/chat", json=bad, timeout=30)

@@ -13,7 +13,7 @@ import pytest
 from meshd.api.ollama_schemas import ChatRequest
 from meshd.models.resolve import DEFAULT_MODEL
 from tests.api.reference import WEATHER, greedy_chat
-from tests.cluster import NodeProc, metric_total, wait_for
+from tests.cluster import metric_total, wait_for
 
 ollama = pytest.importorskip("ollama")
 jsonschema = pytest.importorskip("jsonschema")
@@ -26,11 +26,6 @@ N = 8
 GREEDY = {"temperature": 0, "num_predict": N}
 TOOLS = [{"type": "function", "function": {"name": "get_weather",
           "description": "The current weather in a city", "parameters": WEATHER}}]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def oc(via: NodeProc):
-    return ollama.Client(host=via.api, timeout=120)
 
 
 def test_chat_matches_the_openai_route_and_reports_measured_timings(oc, via) -> None:

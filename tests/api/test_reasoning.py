@@ -62,16 +62,6 @@ def thinker(trio: dict[str, NodeProc], a_models: Path, model_path: Path) -> Iter
         httpx.delete(owner + stages, timeout=10)
 
 
-@pytest.fixture(scope="module")
-def ac(via: NodeProc):
-    return anthropic.Anthropic(base_url=via.api, api_key="unused", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def oc(via: NodeProc):
-    return ollama.Client(host=via.api, timeout=120)
-
-
 def test_chat_completions_give_thoughts_apart_whole_and_streamed(client, thinker) -> None:
     r = client.chat.completions.create(model=thinker, messages=SCRIPTED, max_tokens=60)
     m = r.choices[0].message
