@@ -9,9 +9,10 @@ model (``tests/synthetic_vision.py``: a small llama text model with the default 
 tokenizer, and an MLP projector beside it), written twice to a temporary folder: one
 copy split over both nodes, the other whole on the first. Each repeat sends, in
 alternating order, the same greedy chat request with one image (a random PNG of its
-own) to each, streamed, and the same request without the image as a control. Printed:
-median time to first token of each (min-max), and the ratios split / whole, with and
-without the image: the price of the cut for an image request against a text one.
+own) to each, streamed, and the same request without the image as a control, each as
+sent by default and in the exact mode (``"exact": true``: no kept prefix, no drafts,
+float32 hops). Printed: median time to first token of each (min-max), and the ratios
+split / whole: the price of the cut for an image request against a text one.
 A benchmark: it prints figures and exits 0 whatever they are.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import base64
 import importlib.util
+import itertools
 import json
 import sys
 import time
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def ttft(client: Any, api: str, model: str, image: bytes | None) -> float:
+def ttft(client: Any, api: str, model: str, image: bytes | None, exact: bool = False) -> float:
     """Seconds to the first streamed token of a greedy request (with ``image``)."""
     content: Any = "What is in this picture?"
     if image is not None:
@@ -41,7 +43,7 @@ def ttft(client: Any, api: str, model: str, image: bytes | None) -> float:
         content = [{"type": "text", "text": content},
                    {"type": "image_url", "image_url": {"url": url}}]  # fmt: skip
     body = {"model": model, "messages": [{"role": "user", "content": content}],
-            "stream": True, "max_tokens": 4, "temperature": 0}  # fmt: skip
+            "stream": True, "max_tokens": 4, "temperature": 0, "exact": exact}  # fmt: skip
     t0 = time.perf_counter()
     with client.stream("POST", api + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
@@ -76,16 +78,17 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
     api = n0.api
     for model in (split, whole):  # warm both: first requests pay one-time costs
         ttft(client, api, str(model), png(16, 16, seed=999))
-    got: dict[tuple[str, bool], list[float]] = {}
+    got: dict[tuple[str, bool, bool], list[float]] = {}
     for rep in range(args.repeat):
         image = png(32, 32, seed=rep)
         order = [(split, "split"), (whole, "whole")]
         for model, name in order if rep % 2 == 0 else order[::-1]:
-            for with_image in (True, False):
-                t = ttft(client, api, str(model), image if with_image else None)
-                got.setdefault((name, with_image), []).append(t)
+            for with_image, exact in itertools.product((True, False), (False, True)):
+                t = ttft(client, api, str(model), image if with_image else None, exact)
+                got.setdefault((name, with_image, exact), []).append(t)
         log(f"repeat {rep + 1}: " + ", ".join(
-            f"{n}{' image' if i else ' text'} {v[-1] * 1000:.0f} ms" for (n, i), v in got.items()
+            f"{n}{' image' if i else ' text'}{' exact' if x else ''} {v[-1] * 1000:.0f} ms"
+            for (n, i, x), v in got.items()
         ))  # fmt: skip
 
     def ms(xs: list[float]) -> str:
@@ -93,11 +96,11 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
         return f"{med(ys):.0f} ({spread(ys, '{:.0f}')})"
 
     rows = []
-    for with_image in (True, False):
-        s, w = got[("split", with_image)], got[("whole", with_image)]
+    for with_image, exact in itertools.product((True, False), (False, True)):
+        s, w = got[("split", with_image, exact)], got[("whole", with_image, exact)]
         rows.append([
-            "image + text" if with_image else "text only", ms(w), ms(s),
-            f"{med(s) / med(w):.2f}",
+            ("image + text" if with_image else "text only") + (", exact" if exact else ""),
+            ms(w), ms(s), f"{med(s) / med(w):.2f}",
         ])  # fmt: skip
     print(f"\nsynthetic vision model, time to first token, {args.repeat} repeats")
     print(table(rows, ["request", "whole ms (min-max)", "split over 2 ms", "split / whole"]))

@@ -496,7 +496,8 @@ async def _assemble(
     )
     requests = Requests(state, dataplane, cfg, on_awake=lambda: node.presence.beat_soon())
     instances_ = Instances(state, cfg, cache_dir=cache_dir, aborted=lambda: requests.aborted,
-                           roots=roots, wake=requests.wake)  # fmt: skip
+                           roots=roots, wake=requests.wake,
+                           on_read=lambda f: node.presence.hold(f))  # fmt: skip
     peers = Peers(
         state, gossip, tasks, own_addresses=own,
         virtual=virtual_addresses(),

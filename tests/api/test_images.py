@@ -45,7 +45,15 @@ def _place(owner: str, via: NodeProc, model: Path, nodes: list[str]) -> str:
     r = httpx.post(owner + "/v1/instances", json={"model": str(model), "nodes": nodes}, timeout=60)
     assert r.status_code == 201, r.text
     path = f"/v1/instances/{r.json()['id']}"
-    wait_for(lambda: all(s["state"] == "ready" for s in via.get(path)["stages"]), 120, 0.2)
+
+    def ready() -> bool:
+        # Written just now and placed at once: the stage on b fetches its slice from a,
+        # which must say it holds the file before its next scan (Presence.hold).
+        stages = via.get(path)["stages"]
+        assert not [s for s in stages if s["state"] == "failed"], stages
+        return all(s["state"] == "ready" for s in stages)
+
+    wait_for(ready, 120, 0.2)
     return path
 
 
