@@ -80,3 +80,19 @@ def test_a_hybrid_asked_to_speculate_cache_and_share_answers_the_whole_models_te
         chunks = api.result(f"n-{i}")
         assert not any(c.error for c in chunks), chunks
         assert tokens_of(chunks) == want
+
+
+def test_a_hybrid_replayed_from_token_k_continues_exactly(
+    hybrid: tuple[Path, list[RunnerProcess]], api: ApiSide
+) -> None:
+    # What a node sends after a stage fault: the prompt and the tokens the client has.
+    # A recurrent state cannot be cut back to a kept point, so every stage runs the
+    # prompt again and then those tokens one step each, as the first run did.
+    _, route = hybrid
+    s = Sampling(temperature=0.0, max_tokens=N, ignore_eos=True)
+    first = tokens_of(api.answer(route, "replay-whole", prompt=PROMPT, sampling=s, exact=True))
+    k = 5
+    api.generate(route, "replay-k", prompt=PROMPT, sampling=s, resume_tokens=first[:k], exact=True)
+    replay = api.result("replay-k")
+    assert not any(c.error for c in replay), replay
+    assert tokens_of(replay) == first[k:]
