@@ -138,8 +138,6 @@ FUNCTION_LIMIT = 80
 
 MODULE_SIZES: dict[str, int] = {
     "meshd/api/errors.py": 403,
-    "meshd/api/ollama.py": 465,
-    "meshd/api/ollama_schemas.py": 408,
     "meshd/api/responses_schemas.py": 478,
     "meshd/api/runs.py": 405,
     "meshd/api/schemas.py": 912,
@@ -148,7 +146,7 @@ MODULE_SIZES: dict[str, int] = {
     "meshd/engines/mlx_stage.py": 816,
     "meshd/models/folder.py": 490,
     "meshd/node/cluster.py": 481,
-    "meshd/node/daemon.py": 574,
+    "meshd/node/daemon.py": 570,
     "meshd/node/diagnosis.py": 637,
     "meshd/node/supervisor.py": 493,
     "meshd/placement/place.py": 1045,
@@ -166,7 +164,7 @@ FUNCTION_SIZES: dict[str, int] = {
     "meshd/models/convert.py::_gguf_tokenizer": 99,
     "meshd/models/convert.py::gguf_to_mlx_folder": 98,
     "meshd/models/folder.py::inspect_folder": 123,
-    "meshd/node/daemon.py::_assemble": 153,
+    "meshd/node/daemon.py::_assemble": 149,
     "meshd/node/diagnosis.py::_bonjour": 86,
     "meshd/node/requests.py::Requests.generate": 82,
     "meshd/placement/place.py::_repair": 84,

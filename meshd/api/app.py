@@ -17,6 +17,7 @@ from . import (
     instances,
     members,
     ollama,
+    ollama_models,
     openai,
     responses,
     webui,
@@ -80,16 +81,16 @@ ROUTES: list[Guarded] = [
     # Ollama, on the same port.
     Guarded(USE, "/", ollama.root, methods=["GET", "HEAD"]),
     Guarded(USE, "/api/version", ollama.version, methods=["GET"]),
-    Guarded(USE, "/api/tags", ollama.tags, methods=["GET"]),
-    Guarded(USE, "/api/ps", ollama.ps, methods=["GET"]),
-    Guarded(USE, "/api/show", ollama.show, methods=["POST"]),
+    Guarded(USE, "/api/tags", ollama_models.tags, methods=["GET"]),
+    Guarded(USE, "/api/ps", ollama_models.ps, methods=["GET"]),
+    Guarded(USE, "/api/show", ollama_models.show, methods=["POST"]),
     Guarded(USE, "/api/chat", ollama.chat, methods=["POST"]),
     Guarded(USE, "/api/generate", ollama.generate, methods=["POST"]),
     Guarded(USE, "/api/embed", ollama.embed, methods=["POST"]),
     Guarded(USE, "/api/embeddings", ollama.embeddings, methods=["POST"]),
     # Pull places the model (an explicit placement); delete removes its instances.
-    Guarded(ADMIN, "/api/pull", ollama.pull, methods=["POST"]),
-    Guarded(ADMIN, "/api/delete", ollama.delete, methods=["DELETE"]),
+    Guarded(ADMIN, "/api/pull", ollama_models.pull, methods=["POST"]),
+    Guarded(ADMIN, "/api/delete", ollama_models.delete, methods=["DELETE"]),
     # Answered "not supported" whoever asks: they change nothing.
     *(
         Guarded(USE, path, ollama.not_supported, methods=["POST", "HEAD"])

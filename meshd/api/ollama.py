@@ -1,5 +1,5 @@
 """Ollama's API on the node's own port: ``/api/chat``, ``/api/generate``, ``/api/embed``,
-the model routes and ``/api/version``; a thin adapter like :mod:`.openai`.
+and ``/api/version``; a thin adapter like :mod:`.openai`.
 
 Bodies parse into the one :class:`~.runs.GenerateRequest`; answers come from
 :mod:`.answers` and are written as Ollama writes them: NDJSON objects, one per piece,
@@ -12,32 +12,26 @@ stage 0's acknowledgement, ``prompt_eval_duration`` from there to the first toke
 (prefill through every stage), ``eval_duration`` from the first token to the last, and
 ``total_duration`` the whole request.
 
-The model routes speak of what the cluster serves: ``/api/tags`` lists every model a
-live node holds or an instance serves, ``/api/ps`` the placed instances, ``/api/pull``
-places a model (meshd downloads nothing: the file must be on some node),
-``/api/delete`` removes its instances (the file stays). A name may carry Ollama's
-``:latest`` tag.
+The model routes (``/api/tags``, ``ps``, ``show``, ``pull``, ``delete``) are in
+:mod:`.ollama_models`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response
 
 from meshd.domain.chat import ChatTurn, ToolCallTurn, ToolSpec, ToolUse
-from meshd.domain.facts import ModelFacts
 from meshd.domain.sampling import SamplingChoice
-from meshd.node.cluster import ClusterView
-from meshd.node.errors import ModelLoading
 from meshd.transport import wire
 
+from . import ollama_replies as replies
 from . import ollama_schemas as o
 from .answers import (
     Called,
@@ -52,7 +46,7 @@ from .answers import (
     whole,
 )
 from .bodies import parse_body
-from .errors import ApiError, model_not_found, node_error
+from .errors import ApiError
 from .images import image_turn
 from .logprobs import chat_logprobs
 from .ollama_embed import embed, embeddings
@@ -64,35 +58,21 @@ from .toolcalls import Call, ChoiceCalls, json_text
 __all__ = [
     "COMPAT_VERSION",
     "chat",
-    "delete",
     "embed",
     "embeddings",
     "generate",
     "not_supported",
-    "ps",
-    "pull",
     "root",
-    "show",
-    "tags",
     "version",
 ]
 
 #: The Ollama version whose API this adapter follows. Clients compare it with the
 #: versions they need (GitHub Copilot wants a number here, not meshd's own version).
 COMPAT_VERSION = "0.12.6"
-NDJSON = "application/x-ndjson"
-#: ``/api/ps`` reports no expiry: an instance stays until it is removed.
-_NEVER = "9999-12-31T23:59:59Z"
-#: How long ``/api/pull`` waits for a model's instance to become ready.
-PULL_TIMEOUT_S = 600.0
 
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-def _json(obj: object) -> Response:
-    return Response(msgspec.json.encode(obj), media_type="application/json")
 
 
 async def root(request: Request) -> Response:
@@ -102,7 +82,7 @@ async def root(request: Request) -> Response:
 
 async def version(request: Request) -> Response:
     """``GET /api/version``."""
-    return _json({"version": COMPAT_VERSION})
+    return replies.json_response({"version": COMPAT_VERSION})
 
 
 # ---------------------------------------------------------------------------------------
@@ -186,16 +166,18 @@ async def _load_only(
               "total_duration": took, "load_duration": took}  # fmt: skip
     resp: msgspec.Struct
     if chat:
-        resp = o.ChatResponse(message=o.AssistantMessage(role="assistant", content=""), **common)
+        resp = replies.ChatResponse(
+            message=replies.AssistantMessage(role="assistant", content=""), **common
+        )
     else:
-        resp = o.GenerateResponse(response="", **common)
+        resp = replies.GenerateResponse(response="", **common)
     return _one(resp, stream=body.stream)
 
 
 def _one(obj: msgspec.Struct, *, stream: bool) -> Response:
     if stream:
-        return Response(msgspec.json.encode(obj) + b"\n", media_type=NDJSON)
-    return _json(obj)
+        return Response(msgspec.json.encode(obj) + b"\n", media_type=replies.NDJSON)
+    return replies.json_response(obj)
 
 
 def _timings(run: Run, usage: wire.Usage) -> dict:
@@ -241,10 +223,10 @@ def _piece(
     common = {"model": body.model, "created_at": _now(), "done": False, "logprobs": lp, **done}
     if chat:
         calls_ = _tool_calls(calls or [])
-        msg = o.AssistantMessage(role="assistant", content=text, tool_calls=calls_,
+        msg = replies.AssistantMessage(role="assistant", content=text, tool_calls=calls_,
                                  thinking=thinking or None)  # fmt: skip
-        return o.ChatResponse(message=msg, **common)
-    return o.GenerateResponse(response=text, thinking=thinking or None, **common)
+        return replies.ChatResponse(message=msg, **common)
+    return replies.GenerateResponse(response=text, thinking=thinking or None, **common)
 
 
 def _calls(body: o.ChatRequest | o.GenerateRequest, run: Run) -> ChoiceCalls | None:
@@ -263,7 +245,9 @@ async def _serve(
 ) -> Response:
     run = await admit(ctx, "ollama_chat" if chat else "ollama_generate", req)
     if body.stream:
-        return streamed([run], _stream(run, body, chat=chat), _error_line, media_type=NDJSON)
+        return streamed(
+            [run], _stream(run, body, chat=chat), replies.error_line, media_type=replies.NDJSON
+        )
     got = await whole(request, [run])
     if got is None:
         return client_closed()
@@ -273,11 +257,7 @@ async def _serve(
         logprobs=a.logprobs if body.n_logprobs is not None else None, thinking=a.reasoning,
         done=True, done_reason=_done_reason(a.finish_reason), **_timings(run, a.usage),
     )  # fmt: skip
-    return _json(resp)
-
-
-def _error_line(err: ApiError) -> bytes:
-    return msgspec.json.encode(err.body_in("ollama")) + b"\n"
+    return replies.json_response(resp)
 
 
 async def _stream(
@@ -306,152 +286,6 @@ async def _stream(
 
 # ---------------------------------------------------------------------------------------
 # models
-
-
-def _facts(view: ClusterView, name: str) -> ModelFacts | None:
-    inst = view.find_instance(name)
-    if inst is not None and inst.facts is not None:
-        return inst.facts
-    return view.facts_from_peers(name)
-
-
-def _size(f: ModelFacts | None) -> int:
-    return 0 if f is None else sum(f.layer_bytes) + f.embed_bytes + f.head_bytes
-
-
-def _details(f: ModelFacts | None) -> o.ModelDetails:
-    if f is None:
-        return o.ModelDetails(format="gguf", family="", families=[])
-    quants = [q for q in f.quant_types if q not in ("F32",)] or f.quant_types
-    return o.ModelDetails(
-        format=f.format, family=f.architecture, families=[f.architecture],
-        parameter_size=f.parameter_size, quantization_level=quants[0] if quants else "",
-    )  # fmt: skip
-
-
-_EPOCH = "1970-01-01T00:00:00Z"
-
-
-async def tags(request: Request) -> Response:
-    """``GET /api/tags``: every model the cluster can serve."""
-    view = context(request).services.view()
-    models = []
-    for name in view.known_models():
-        f = _facts(view, name)
-        models.append(o.TagsEntry(
-            name=name, model=name, modified_at=_EPOCH, size=_size(f),
-            digest=f.sha256 if f else "", details=_details(f),
-        ))  # fmt: skip
-    return Response(
-        msgspec.json.encode(o.TagsResponse(models=models)), media_type="application/json"
-    )
-
-
-async def ps(request: Request) -> Response:
-    """``GET /api/ps``: the placed instances (they stay until removed)."""
-    view = context(request).services.view()
-    models = []
-    for inst in sorted(view.instances.values(), key=lambda i: i.id):
-        f = inst.facts
-        models.append(o.PsEntry(
-            name=inst.spec.model, model=inst.spec.model, size=_size(f),
-            digest=f.sha256 if f else "", details=_details(f), expires_at=_NEVER,
-            size_vram=0, context_length=f.n_ctx_train if f else 0,
-        ))  # fmt: skip
-    return _json(o.PsResponse(models=models))
-
-
-async def show(request: Request) -> Response:
-    """``POST /api/show``: a model's details, ``model_info`` and capabilities."""
-    body = await parse_body(request, o.ModelRequest)
-    ctx = context(request)
-    name = _model(ctx, body.model_name)
-    view = ctx.services.view()
-    if not view.is_known(name):
-        raise model_not_found(body.model_name, view.known_models())
-    f = _facts(view, name)
-    info: dict[str, object] = {}
-    caps = ["embedding"] if f is not None and f.embedding_only else ["completion", "tools"]
-    if f is not None:
-        a = f.architecture
-        info = {
-            "general.architecture": a,
-            "general.parameter_count": f.n_params,
-            f"{a}.context_length": f.n_ctx_train,
-            f"{a}.block_count": f.n_layers,
-            f"{a}.embedding_length": f.hidden_size,
-        }
-    resp = o.ShowResponse(
-        modelfile="", parameters="", template="", details=_details(f), model_info=info,
-        capabilities=caps, modified_at=_EPOCH,
-    )  # fmt: skip
-    return _json(resp)
-
-
-async def pull(request: Request) -> Response:
-    """``POST /api/pull``: place the model on the cluster and wait until it serves.
-
-    meshd fetches no weights from a registry: a model is pullable when some node holds
-    its file (or resolves its name). Streams Ollama's status objects.
-    """
-    body = await parse_body(request, o.ModelRequest)
-    ctx = context(request)
-    model = _model(ctx, body.model_name)
-    deadline = time.monotonic() + PULL_TIMEOUT_S
-
-    async def ready() -> None:
-        while True:
-            try:
-                await ctx.services.instance_for(model)
-                return
-            except ModelLoading:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(1.0)
-            except Exception as e:
-                err = node_error(e, model, placing=True)
-                if err is None:
-                    raise
-                raise err from None
-
-    if not body.stream:
-        await ready()
-        return _json({"status": "success"})
-    # Errors before the stream starts are plain HTTP errors; a failure after it is a
-    # final {"error": ...} line, as Ollama sends.
-    task = asyncio.ensure_future(ready())
-    done, _ = await asyncio.wait({task}, timeout=0.5)
-    if done:
-        task.result()
-
-    async def lines() -> AsyncIterator[bytes]:
-        yield msgspec.json.encode({"status": f"placing {model} on the cluster"}) + b"\n"
-        try:
-            await task
-        except ApiError as e:
-            yield _error_line(e)
-            return
-        yield msgspec.json.encode({"status": "success"}) + b"\n"
-
-    return StreamingResponse(lines(), media_type=NDJSON)
-
-
-async def delete(request: Request) -> Response:
-    """``DELETE /api/delete``: remove the model's instances (its file stays on disk)."""
-    body = await parse_body(request, o.ModelRequest)
-    ctx = context(request)
-    name = _model(ctx, body.model_name)
-    view = ctx.services.view()
-    ids = [i.id for i in view.instances.values() if i.spec.model == name]
-    inst = view.find_instance(name)
-    if inst is not None and inst.id not in ids:
-        ids.append(inst.id)
-    if not ids:
-        raise ApiError(404, f"model '{body.model_name}' is not placed in this cluster",
-                       type="not_found_error", code="model_not_found")  # fmt: skip
-    for iid in ids:
-        ctx.services.remove(iid)
-    return Response(status_code=200)
 
 
 async def not_supported(request: Request) -> Response:

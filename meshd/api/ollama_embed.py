@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from . import ollama_replies as replies
 from . import ollama_schemas as o
 from .answers import client_closed
 from .bodies import parse_body
@@ -19,10 +19,6 @@ from .gone import unless_gone
 from .services import ApiContext, context
 
 __all__ = ["embed", "embeddings", "ollama_model"]
-
-
-def _json(obj: object) -> Response:
-    return Response(msgspec.json.encode(obj), media_type="application/json")
 
 
 def ollama_model(ctx: ApiContext, name: str) -> str:
@@ -66,9 +62,9 @@ async def embed(request: Request) -> Response:
             f"dimensions {body.dimensions} is not supported: this model's embeddings have "
             f"{len(vectors[0])}", param="dimensions",
         )  # fmt: skip
-    resp = o.EmbedResponse(model=body.model, embeddings=vectors, total_duration=took,
+    resp = replies.EmbedResponse(model=body.model, embeddings=vectors, total_duration=took,
                            load_duration=0, prompt_eval_count=n)  # fmt: skip
-    return _json(resp)
+    return replies.json_response(resp)
 
 
 async def embeddings(request: Request) -> Response:
@@ -80,4 +76,4 @@ async def embeddings(request: Request) -> Response:
         vectors, _, _ = await _vectors(request, body.model, [body.prompt])
     except _Gone:
         return client_closed()
-    return _json(o.EmbeddingsResponse(embedding=vectors[0]))
+    return replies.json_response(replies.EmbeddingsResponse(embedding=vectors[0]))

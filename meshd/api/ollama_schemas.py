@@ -1,4 +1,5 @@
-"""Ollama's HTTP schemas (``/api/...``): request and response bodies as Structs.
+"""Ollama's HTTP schemas (``/api/...``): the request bodies as Structs (the answers:
+``ollama_replies``).
 
 Requests follow Ollama's own API documentation; every sampling knob lives in
 ``options``. Fields Ollama defines for its own model store or GPUs (``num_gpu``,
@@ -38,27 +39,16 @@ from .rules import (
     think_choice,
     unsupported,
 )
-from .schemas import ChatTokenLogprob, Tool
+from .schemas import Tool
 
 __all__ = [
-    "AssistantMessage",
     "ChatRequest",
-    "ChatResponse",
     "EmbedRequest",
-    "EmbedResponse",
     "EmbeddingsRequest",
-    "EmbeddingsResponse",
     "GenerateRequest",
-    "GenerateResponse",
     "Message",
-    "ModelDetails",
     "ModelRequest",
     "Options",
-    "PsEntry",
-    "PsResponse",
-    "ShowResponse",
-    "TagsEntry",
-    "TagsResponse",
     "ToolCall",
     "ToolCallFunction",
 ]
@@ -307,102 +297,3 @@ class ModelRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     def model_name(self) -> str:
         """The model named."""
         return (self.model or self.name).strip()
-
-
-# ---------------------------------------------------------------------------------------
-# responses
-
-
-class _Timings(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What the last object of an answer carries: nanoseconds, measured on this node
-    (see ``meshd.api.ollama``)."""
-
-    model: str
-    created_at: str
-    done: bool
-    done_reason: str | None = None
-    total_duration: int | None = None
-    load_duration: int | None = None
-    prompt_eval_count: int | None = None
-    prompt_eval_duration: int | None = None
-    eval_count: int | None = None
-    eval_duration: int | None = None
-    logprobs: list[ChatTokenLogprob] | None = None
-
-
-class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A message of an answer (``content`` always present, ``""`` when empty)."""
-
-    role: Literal["assistant"]
-    content: str
-    tool_calls: list[ToolCall] | None = None
-    #: A thinking model's thoughts (absent when it did not think).
-    thinking: str | None = None
-
-
-class ChatResponse(_Timings, kw_only=True, omit_defaults=True):
-    message: AssistantMessage
-
-
-class GenerateResponse(_Timings, kw_only=True, omit_defaults=True):
-    response: str
-    thinking: str | None = None
-
-
-class EmbedResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
-    model: str
-    embeddings: list[list[float]]
-    total_duration: int | None = None
-    load_duration: int | None = None
-    prompt_eval_count: int | None = None
-
-
-class EmbeddingsResponse(msgspec.Struct, kw_only=True):
-    embedding: list[float]
-
-
-class ModelDetails(msgspec.Struct, kw_only=True):
-    parent_model: str = ""
-    format: str
-    family: str
-    families: list[str]
-    parameter_size: str = ""
-    quantization_level: str = ""
-
-
-class TagsEntry(msgspec.Struct, kw_only=True):
-    name: str
-    model: str
-    modified_at: str
-    size: int
-    digest: str
-    details: ModelDetails
-
-
-class TagsResponse(msgspec.Struct, kw_only=True):
-    models: list[TagsEntry]
-
-
-class PsEntry(msgspec.Struct, kw_only=True):
-    name: str
-    model: str
-    size: int
-    digest: str
-    details: ModelDetails
-    expires_at: str
-    size_vram: int
-    context_length: int
-
-
-class PsResponse(msgspec.Struct, kw_only=True):
-    models: list[PsEntry]
-
-
-class ShowResponse(msgspec.Struct, kw_only=True):
-    modelfile: str
-    parameters: str
-    template: str
-    details: ModelDetails
-    model_info: dict[str, Any]
-    capabilities: list[str]
-    modified_at: str

@@ -495,9 +495,10 @@ async def _assemble(
         fetchable=weights.can_fetch,
     )
     requests = Requests(state, dataplane, cfg, on_awake=lambda: node.presence.beat_soon())
-    instances_ = Instances(state, cfg, cache_dir=cache_dir, aborted=lambda: requests.aborted,
-                           roots=roots, wake=requests.wake,
-                           on_read=lambda f: node.presence.hold(f))  # fmt: skip
+    instances_ = Instances(
+        state, cfg, cache_dir=cache_dir, aborted=lambda: requests.aborted, roots=roots,
+        wake=requests.wake, held=lambda f: node.presence.hold(f),
+    )  # fmt: skip
     peers = Peers(
         state, gossip, tasks, own_addresses=own,
         virtual=virtual_addresses(),
@@ -531,16 +532,10 @@ async def _assemble(
         rtt_ms=gossip.rtt_ms,
     )
     twins = Twins(
-        state,
-        gossip,
-        peers,
-        tasks,
-        card=lambda: node.presence.card,
-        identity_file=identity.data_dir / ID_FILE,
-        on_give_way=lambda: node._give_way(),
-        public=identity.key.public,
-        curve=keys.public if keys is not None else None,
-    )
+        state, gossip, peers, tasks, card=lambda: node.presence.card,
+        identity_file=identity.data_dir / ID_FILE, on_give_way=lambda: node._give_way(),
+        public=identity.key.public, curve=keys.public if keys is not None else None,
+    )  # fmt: skip
     node = Node(
         config=cfg,
         identity=identity,

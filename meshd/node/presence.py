@@ -230,7 +230,7 @@ class Presence:
         slice from and reports the model missing until the scan catches up. The scan
         replaces the entry with its own when it sees the file."""
         held = self.card.model_facts
-        if facts.name in self.card.models or any(f.name == facts.name and f.sha256 == facts.sha256 for f in held):
+        if facts.name in self.card.models or any(f == facts for f in held):
             return
         card = msgspec.structs.replace(self.card, model_facts=[*held, facts])
         if len(encode(card)) > VALUE_CAPS[NODE] - CARD_HEADROOM:
