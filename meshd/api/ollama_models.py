@@ -11,13 +11,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from meshd.domain.facts import ModelFacts
-from meshd.node.cluster import ClusterView
+from meshd.domain.keepalive import expires, live_words
+from meshd.node.cluster import ClusterView, instance_state
 from meshd.node.errors import ModelLoading
 
 from . import ollama_replies as replies
@@ -29,7 +31,8 @@ from .services import context
 
 __all__ = ["delete", "ps", "pull", "show", "tags"]
 
-#: ``/api/ps`` reports no expiry: an instance stays until it is removed.
+#: ``/api/ps``'s expiry of an instance kept forever, or of one no API node has said a
+#: keep-alive for (its nodes' own default runs from their last request).
 _NEVER = "9999-12-31T23:59:59Z"
 #: How long ``/api/pull`` waits for a model's instance to become ready.
 PULL_TIMEOUT_S = 600.0
@@ -59,6 +62,10 @@ def _details(f: ModelFacts | None) -> replies.ModelDetails:
 _EPOCH = "1970-01-01T00:00:00Z"
 
 
+def _rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
 async def tags(request: Request) -> Response:
     """``GET /api/tags``: every model the cluster can serve."""
     view = context(request).services.view()
@@ -75,14 +82,19 @@ async def tags(request: Request) -> Response:
 
 
 async def ps(request: Request) -> Response:
-    """``GET /api/ps``: the placed instances (they stay until removed)."""
+    """``GET /api/ps``: the instances loaded now (as Ollama lists the models in memory:
+    one unloaded after its keep-alive is not), each with when its keep-alive ends."""
     view = context(request).services.view()
+    words = live_words(view.healths, view.is_live)
     models = []
     for inst in sorted(view.instances.values(), key=lambda i: i.id):
-        f = inst.facts
+        if instance_state(view.stage_states(inst), view.unrepairable(inst)) == "unloaded":
+            continue
+        f, ends = inst.facts, expires(words.get(inst.id, []))
         models.append(replies.PsEntry(
             name=inst.spec.model, model=inst.spec.model, size=_size(f),
-            digest=f.sha256 if f else "", details=_details(f), expires_at=_NEVER,
+            digest=f.sha256 if f else "", details=_details(f),
+            expires_at=_NEVER if ends is None else _rfc3339(ends),
             size_vram=0, context_length=f.n_ctx_train if f else 0,
         ))  # fmt: skip
     return replies.json_response(replies.PsResponse(models=models))

@@ -15,11 +15,22 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 import msgspec
 
-__all__ = ["DEFAULT_KEEP_ALIVE_S", "FOREVER", "Awake", "asleep", "parse_keep_alive", "until"]
+__all__ = [
+    "DEFAULT_KEEP_ALIVE_S",
+    "FOREVER",
+    "Awake",
+    "Heard",
+    "asleep",
+    "expires",
+    "live_words",
+    "parse_keep_alive",
+    "until",
+]
 
 #: Seconds an instance stays loaded after its last request when nobody says (Ollama's).
 DEFAULT_KEEP_ALIVE_S = 300.0
@@ -82,3 +93,31 @@ def asleep(words: Iterable[Awake], busy: bool, fallback: float, now: float) -> b
         return False
     end = max(said, key=lambda w: w.set_at).until if said else fallback
     return now >= end
+
+
+def expires(words: Iterable[Awake]) -> float | None:
+    """When an instance's keep-alive ends, as the latest word says (epoch seconds);
+    None when kept forever, or when nobody said (its nodes' own default then runs from
+    their last request, which no API node sees)."""
+    said = list(words)
+    if not said:
+        return None
+    end = max(said, key=lambda w: w.set_at).until
+    return None if end >= FOREVER else end
+
+
+class Heard(Protocol):
+    """What a node's heartbeat says of keep-alives (``Health.awake``)."""
+
+    @property
+    def awake(self) -> Mapping[str, Awake]: ...
+
+
+def live_words(healths: Mapping[str, Heard], live: Callable[[str], bool]) -> dict[str, list[Awake]]:
+    """Per instance, the words of the nodes that are ``live`` (``healths``: by node)."""
+    words: dict[str, list[Awake]] = {}
+    for nid, h in healths.items():
+        if live(nid):
+            for iid, w in h.awake.items():
+                words.setdefault(iid, []).append(w)
+    return words

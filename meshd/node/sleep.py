@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from meshd.crdt.views import Instance, RunnerStatus
-from meshd.domain.keepalive import Awake, asleep, until
+from meshd.domain.keepalive import asleep, live_words, until
 
 from .runner_procs import RunnerProc
 from .state import ClusterState
@@ -43,15 +43,6 @@ class Sleep:
         self._busy_at: dict[str, float] = {}
         self._proposed: dict[str, int] = {}
 
-    def _words(self) -> dict[str, list[Awake]]:
-        view = self.state.view()
-        words: dict[str, list[Awake]] = {}
-        for nid, h in view.healths.items():
-            if view.is_live(nid):
-                for iid, w in h.awake.items():
-                    words.setdefault(iid, []).append(w)
-        return words
-
     def _busy(self, runners: Iterable[RunnerProc]) -> set[str]:
         """Instances whose runners here hold a request, or drafted since last time (a
         draft model's runner serves other runners, not the API: drafting is its use)."""
@@ -66,7 +57,8 @@ class Sleep:
 
     def update(self, instances: dict[str, Instance], runners: Iterable[RunnerProc]) -> bool:
         """Decide again which of this node's instances sleep; whether that changed."""
-        now, busy, words = time.time(), self._busy(runners), self._words()
+        view = self.state.view()
+        now, busy, words = time.time(), self._busy(runners), live_words(view.healths, view.is_live)
         nid = self.node_id
         here = {i for i, inst in instances.items() if any(s.node == nid for s in inst.stages)}
         self._busy_at = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 
 import httpx
 import msgspec
@@ -205,9 +206,19 @@ def test_keep_alive_0_unloads_the_model_and_the_next_request_loads_it_again(oc, 
     path = f"/v1/instances/{inst['id']}"
     wait_for(lambda: via.get(path)["state"] == "unloaded", 60, 0.1)
     assert {s["state"] for s in via.get(path)["stages"]} == {"unloaded"}
-    again = oc.chat(model=DEFAULT_MODEL, messages=HI, options=GREEDY)  # the default: 5 min
+    assert DEFAULT_MODEL not in [m.model for m in oc.ps().models]  # as Ollama: not loaded
+    again = oc.chat(model=DEFAULT_MODEL, messages=HI, options=GREEDY, keep_alive="10m")
     assert again.message.content == first.message.content and again.done_reason == "length"
     assert via.get(path)["state"] == "ready"
+
+    def expiry() -> float | None:
+        (m,) = [m for m in oc.ps().models if m.model == DEFAULT_MODEL]
+        return m.expires_at.timestamp() if m.expires_at.year < 9999 else None
+
+    # c's word (in its next heartbeat) says when: 10 minutes after the request.
+    wait_for(lambda: expiry() is not None, 30, 0.1)
+    assert 540 < (expiry() or 0) - time.time() <= 600
+    oc.generate(model=DEFAULT_MODEL, prompt="", keep_alive=-1)  # as before, for the others
 
 
 def test_a_tool_choice_object_is_ignored_as_ollama_ignores_it(via) -> None:

@@ -9,7 +9,15 @@ import math
 
 import pytest
 
-from meshd.domain.keepalive import FOREVER, Awake, asleep, parse_keep_alive, until
+from meshd.domain.keepalive import (
+    FOREVER,
+    Awake,
+    asleep,
+    expires,
+    live_words,
+    parse_keep_alive,
+    until,
+)
 
 
 def test_ollamas_values_in_seconds() -> None:
@@ -46,3 +54,16 @@ def test_the_latest_word_decides_unless_a_request_runs() -> None:
     # Nobody said anything: the node's own default after it was last busy.
     assert not asleep([], False, fallback=50.0, now=49.0)
     assert asleep([], False, fallback=50.0, now=50.0)
+
+
+def test_the_expiry_ollamas_ps_shows_is_the_latest_live_words() -> None:
+    class Beat:
+        def __init__(self, **awake: Awake) -> None:
+            self.awake = awake
+
+    old, new = Awake(set_at=10.0, until=700.0), Awake(set_at=20.0, until=320.0)
+    words = live_words({"a": Beat(i=old), "b": Beat(i=new), "gone": Beat(j=new)}, "ab".__contains__)
+    assert words == {"i": [old, new]}  # a node no longer live says nothing
+    assert expires(words["i"]) == 320.0  # the later word, though it ends sooner
+    assert expires([Awake(set_at=30.0, until=FOREVER)]) is None  # kept forever
+    assert expires([]) is None  # nobody said: its nodes' own default
