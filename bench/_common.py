@@ -286,11 +286,14 @@ def start_node(
     peers: Sequence[Node] = (),
     timeout: float = 60.0,
     extra: Sequence[str] = (),
+    cpus: str = "",
 ) -> Node:
     """``meshd up --no-model`` on loopback, OS-chosen ports; wait for its ready line.
 
     The nodes of one ``cluster`` share a secret file in ``tmp`` (made on first use), so
     they are members at once, as a secured household's nodes are after approval.
+    ``cpus`` (``taskset -c`` syntax: ``"0"``, ``"2-3"``) pins the node and the runners
+    it starts, so that nodes on one machine act as machines of their own.
     """
     secret = tmp / f"{cluster}.secret"
     if not secret.exists():
@@ -302,6 +305,8 @@ def start_node(
     ]  # fmt: skip
     for p in peers:
         args += ["--peer", f"127.0.0.1:{p.mesh_port}"]
+    if cpus:
+        args = ["taskset", "-c", cpus, *args]
     proc = Proc(args, tmp / f"node-{name}.log")
     _, m = proc.wait_line(READY, timeout)
     return Node(name, proc, m["api"], int(m["mesh"]))

@@ -4,7 +4,8 @@ whole, in the same run.
     python bench/images.py                 # 5 repeats
     python bench/images.py --repeat 9
 
-Two ``meshd up`` processes on loopback (secured, no discovery) serve a synthetic vision
+Two ``meshd up`` processes on loopback (secured, no discovery; each pinned to a core of
+its own where there are two) serve a synthetic vision
 model (``tests/synthetic_vision.py``: a small llama text model with the default model's
 tokenizer, and an MLP projector beside it), written twice to a temporary folder: one
 copy split over both nodes, the other whole on the first. Each repeat sends, in
@@ -23,6 +24,8 @@ import base64
 import importlib.util
 import itertools
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -70,8 +73,12 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
     models = tmp / "models"
     split = write_vision_model(models / "split", tokenizer)
     whole = write_vision_model(models / "whole", tokenizer)
-    n0 = start_node(tmp, "n0", "images", extra=["--models", str(models)])
-    start_node(tmp, "n1", "images", peers=[n0])
+    # Each node on a core of its own, as two machines: else the two stages of the split
+    # share the cores, each runner gets half (meshd/engines/freecores.py), and the
+    # figure measures that, not the cut.
+    pin = len(os.sched_getaffinity(0)) >= 2 and shutil.which("taskset") is not None
+    n0 = start_node(tmp, "n0", "images", extra=["--models", str(models)], cpus="0" if pin else "")
+    start_node(tmp, "n1", "images", peers=[n0], cpus="1" if pin else "")
     client = http_client()
     place(client, n0, str(split), ["n0", "n1"])
     place(client, n0, str(whole), ["n0"])
