@@ -11,7 +11,8 @@ with every core, as a whole-model runner would start), both with a whole-model
 runner's OpenMP environment. Each round measures every subject quiet, then with a
 competing CPU-bound process (``while True: pass``, not niced) pinned to the first core
 this process may use, started 2 s before the subject's streams (meshd's threads adapt
-within that), then quiet again. A stream: one greedy request of ``--tokens`` tokens;
+within that), then quiet again; each quiet stream after 3 s of quiet (meshd takes a
+thread back after 2 s of a free core). A stream: one greedy request of ``--tokens`` tokens;
 decode tok/s from the first token to the last. The figure: busy / quiet decode per
 subject (median over the rounds). Issue 36's goal for meshd: >= 0.4 (0.02 before
 meshd's threads followed the free cores).
@@ -55,6 +56,10 @@ from _common import (
 #: Seconds the competitor runs before a subject's streams: meshd samples the free
 #: cores every 0.5 s and drops a thread at once.
 SETTLE_S = 2.0
+#: Seconds of quiet before a quiet stream: meshd takes a thread back only after 4
+#: samples in a row (2 s) found a core free for it (meshd/engines/freecores.py), so a
+#: stream right after the competitor, or after another subject's, would run on one.
+QUIET_S = 3.0
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -139,11 +144,13 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
     loads: list[float] = []
     for r in range(args.rounds):
         for name, run in subjects.items():
+            time.sleep(QUIET_S)
             meter = OthersMeter()
             quiet = run().decode_tok_s
             loads.append(meter.share())
             with competitor():
                 busy = run().decode_tok_s
+            time.sleep(QUIET_S)
             quiet = statistics.mean([quiet, run().decode_tok_s])
             raw[name].append((quiet, busy))
             ratios[name].append(busy / quiet)
