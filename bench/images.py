@@ -80,8 +80,10 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
     n0 = start_node(tmp, "n0", "images", extra=["--models", str(models)], cpus="0" if pin else "")
     start_node(tmp, "n1", "images", peers=[n0], cpus="1" if pin else "")
     client = http_client()
-    place(client, n0, str(split), ["n0", "n1"])
-    place(client, n0, str(whole), ["n0"])
+    # Named as n0 lists them (the folders' names): n1 fetches its slice by that name.
+    split, whole = split.parent.name, whole.parent.name
+    place(client, n0, split, ["n0", "n1"])
+    place(client, n0, whole, ["n0"])
     api = n0.api
     for model in (split, whole):  # warm both: first requests pay one-time costs
         ttft(client, api, str(model), png(16, 16, seed=999))

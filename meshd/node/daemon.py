@@ -495,10 +495,8 @@ async def _assemble(
         fetchable=weights.can_fetch,
     )
     requests = Requests(state, dataplane, cfg, on_awake=lambda: node.presence.beat_soon())
-    instances_ = Instances(
-        state, cfg, cache_dir=cache_dir, aborted=lambda: requests.aborted, roots=roots,
-        wake=requests.wake, held=lambda f: node.presence.hold(f),
-    )  # fmt: skip
+    instances_ = Instances(state, cfg, cache_dir=cache_dir, aborted=lambda: requests.aborted,
+                           roots=roots, wake=requests.wake)  # fmt: skip
     peers = Peers(
         state, gossip, tasks, own_addresses=own,
         virtual=virtual_addresses(),

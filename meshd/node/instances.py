@@ -65,7 +65,6 @@ class Instances:
         aborted: Callable[[], str | None],
         roots: ModelRoots | None = None,
         wake: Callable[[str], None] = lambda instance_id: None,
-        held: Callable[[ModelFacts], None] = lambda facts: None,
     ) -> None:
         self.state = state
         self.config = config
@@ -73,8 +72,6 @@ class Instances:
         self._aborted = aborted
         #: Has an unloaded instance loaded again (``Requests.wake``: this node's word).
         self._wake = wake
-        #: Facts just read from this node's disk (``Presence.hold``: advertise them).
-        self._held = held
         #: This node's model roots: the only files it reads for a name (see roots.py).
         self.roots = roots
         #: The placements kept in the data dir (see kept.py).
@@ -122,7 +119,6 @@ class Instances:
                             raise
                         return f  # not cached: the holder may change its file
                     self._facts[canon] = f
-                    self._held(f)
                 return f
         finally:
             # Requests may name any string: keep no lock for a name with nothing cached.

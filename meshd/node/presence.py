@@ -222,21 +222,6 @@ class Presence:
             self.update_card(models=names, model_facts=kept)
             await self.advertise_facts(read)
 
-    def hold(self, facts: ModelFacts) -> None:
-        """Advertise the facts of a model just read here, before the next scan lists it.
-
-        A model copied in and placed at once would otherwise be in a plan before it is
-        in this node's card: a peer given a stage of it finds no node to fetch its
-        slice from and reports the model missing until the scan catches up. The scan
-        replaces the entry with its own when it sees the file."""
-        held = self.card.model_facts
-        if facts.name in self.card.models or any(f == facts for f in held):
-            return
-        card = msgspec.structs.replace(self.card, model_facts=[*held, facts])
-        if len(encode(card)) > VALUE_CAPS[NODE] - CARD_HEADROOM:
-            return  # the card is full: the scan's own budget decides what stays
-        self.update_card(model_facts=card.model_facts)
-
     async def advertise_facts(self, read: Callable[[str], Awaitable[ModelFacts]]) -> None:
         """Put the facts of the models this node holds in its card (read once, cached on
         disk), so that a node without the file can place one of them on the nodes that

@@ -34,7 +34,8 @@ def trio(tmp_path_factory: pytest.TempPathFactory, a_models: Path) -> Iterator[d
     """A 3-node cluster whose default model is split over a and b, exact."""
     with Cluster(tmp_path_factory.mktemp("openai")) as c:
         a = c.start("a", env={"MESHD_TEST_SCRIPT": SCRIPT},  # thinking.SCRIPT_ENV
-                    extra_args=["--models", str(a_models)])  # fmt: skip
+                    # A model a test writes there is listed within a second.
+                    extra_args=["--models", str(a_models), "--models-rescan", "0.5"])  # fmt: skip
         b = c.start("b", peers=[a])
         cc = c.start("c", peers=[a])
         wait_for(lambda: len(cc.cluster()["nodes"]) == 3, 15)

@@ -4,7 +4,8 @@ an MLP projector beside it) split over nodes a and b answers an image request wi
 the very greedy tokens of the same model run whole on node a; what cannot be read is
 a 400 in the caller's dialect, and changes nothing.
 
-The two instances are two copies of the same files (a model is named by its path)."""
+The two instances are two copies of the same files, each named by its folder as a's
+scan lists it (so b fetches its slice of the split from a)."""
 
 from __future__ import annotations
 
@@ -41,16 +42,17 @@ def _chat(image: bytes, text: str = TEXT) -> list[dict]:
     ]}]  # fmt: skip
 
 
-def _place(owner: str, via: NodeProc, model: Path, nodes: list[str]) -> str:
-    r = httpx.post(owner + "/v1/instances", json={"model": str(model), "nodes": nodes}, timeout=60)
+def _place(owner: str, via: NodeProc, model: str, nodes: list[str]) -> str:
+    r = httpx.post(owner + "/v1/instances", json={"model": model, "nodes": nodes}, timeout=60)
     assert r.status_code == 201, r.text
     path = f"/v1/instances/{r.json()['id']}"
 
     def ready() -> bool:
-        # Written just now and placed at once: the stage on b fetches its slice from a,
-        # which must say it holds the file before its next scan (Presence.hold).
+        # Every stage where it was placed: b fetches its slice from a (a stage that
+        # gave up would be moved, and the split would be no split).
         stages = via.get(path)["stages"]
         assert not [s for s in stages if s["state"] == "failed"], stages
+        assert [s["name"] for s in stages] == nodes, stages
         return all(s["state"] == "ready" for s in stages)
 
     wait_for(ready, 120, 0.2)
@@ -60,14 +62,16 @@ def _place(owner: str, via: NodeProc, model: Path, nodes: list[str]) -> str:
 @pytest.fixture(scope="module")
 def vision(trio: dict[str, NodeProc], a_models: Path, model_path: Path) -> Iterator[dict]:
     """The vision model split over a and b, and a copy of it whole on a."""
-    split = write_vision_model(a_models / "vision-split", model_path)
-    whole = write_vision_model(a_models / "vision-whole", model_path)
+    write_vision_model(a_models / "vision-split", model_path)
+    write_vision_model(a_models / "vision-whole", model_path)
     owner, via = trio["a"].api, trio["c"]
+    names = {"vision-split", "vision-whole"}
+    wait_for(lambda: names <= {m["id"] for m in via.get("/v1/models")["data"]}, 30, 0.1)
     placed = []
     try:
-        placed.append(_place(owner, via, split, ["a", "b"]))
-        placed.append(_place(owner, via, whole, ["a"]))
-        yield {"split": str(split), "whole": str(whole)}
+        placed.append(_place(owner, via, "vision-split", ["a", "b"]))
+        placed.append(_place(owner, via, "vision-whole", ["a"]))
+        yield {"split": "vision-split", "whole": "vision-whole"}
     finally:
         for path in placed:
             httpx.delete(owner + path, timeout=10)
