@@ -1,6 +1,7 @@
 """Choices of one prompt prefill it once: a stage shares the KV and the output of an
 identical pos-0 input (``Stage.share``), on llama.cpp and MLX, across a real 2-stage
-pipeline of runner processes."""
+pipeline of runner processes; new requests that arrive together prefill in one engine
+call, exactly as each would alone."""
 
 from __future__ import annotations
 
@@ -103,3 +104,35 @@ def test_choices_of_one_prompt_run_its_prefill_once_on_every_stage(
     for stage in (0, 1):
         ran = [req for req, c in firsts.items() if c[stage] > 0]
         assert len(ran) <= 1, (stage, firsts)
+
+
+def test_new_requests_that_arrive_together_prefill_in_one_call_exactly(
+    pipeline: list[RunnerProcess], api: ApiSide
+) -> None:
+    prompts = [f"Request {i}: name three {w} and say why." for i, w in
+               enumerate(["rivers", "colours", "tools"])]  # fmt: skip
+    greedy = Sampling(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = [
+        tokens_of(api.answer(pipeline, f"alone-{i}", prompt=p, sampling=greedy, exact=True))
+        for i, p in enumerate(prompts)
+    ]
+    stage0 = pipeline[0]
+    before = stage0.load()
+    # Stage 0 stopped while they come (a runner busy or not yet scheduled): it finds
+    # all three waiting when it runs again, as when they arrive within one step. (On
+    # a starved machine its heartbeats may have dropped the link: then this side
+    # holds all three until the redial's handshake, and they go in one write.)
+    with stage0.paused():
+        sent = sum(
+            api.generate(pipeline, f"together-{i}", prompt=p, sampling=greedy, exact=True)
+            for i, p in enumerate(prompts)
+        )
+        stage0.wait_unread(sent, 10)
+    together = [tokens_of(api.result(f"together-{i}")) for i in range(len(prompts))]
+    stage0.wait_active(0, 30)
+    after = stage0.load()
+    # One engine call ran the three prompts, and the exact mode's tokens are each
+    # prompt's alone: a sequence's rows sum alike whatever else shares the call.
+    assert after["prefill_calls"] - before["prefill_calls"] == 1, (before, after)
+    assert after["prefill_steps"] - before["prefill_steps"] == 3, (before, after)
+    assert together == alone
