@@ -139,7 +139,7 @@ FUNCTION_LIMIT = 80
 MODULE_SIZES: dict[str, int] = {
     "meshd/api/errors.py": 403,
     "meshd/api/responses_schemas.py": 478,
-    "meshd/api/runs.py": 405,
+    "meshd/api/runs.py": 413,
     "meshd/api/schemas.py": 912,
     "meshd/cli/top.py": 704,
     "meshd/engines/llama_stage.py": 749,
@@ -152,7 +152,7 @@ MODULE_SIZES: dict[str, int] = {
     "meshd/placement/place.py": 1045,
     "meshd/transport/discovery.py": 410,
     "meshd/transport/gossip.py": 462,
-    "meshd/transport/wire.py": 442,
+    "meshd/transport/wire.py": 444,
 }
 
 # "file::qualified.name" (Class.method, outer.inner) -> lines.

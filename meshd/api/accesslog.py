@@ -20,14 +20,21 @@ from contextvars import ContextVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["AccessLog", "note_run"]
+__all__ = ["AccessLog", "note_run", "request_started"]
 
 log = logging.getLogger("meshd.api")
 
 #: The run summaries of the request being served (None: no request is being served).
 _RUNS: ContextVar[list[str] | None] = ContextVar("meshd_runs", default=None)
+#: When the request being served came in (perf_counter; None: none is being served).
+_STARTED: ContextVar[float | None] = ContextVar("meshd_started", default=None)
 #: A path is logged up to this long (a client may send a very long one).
 _MAX_PATH = 200
+
+
+def request_started() -> float | None:
+    """When the HTTP request being served came in (``time.perf_counter``), if one is."""
+    return _STARTED.get()
 
 
 def note_run(summary: str) -> bool:
@@ -56,6 +63,7 @@ class AccessLog:
         status = 0
         runs: list[str] = []
         token = _RUNS.set(runs)
+        started = _STARTED.set(t0)
 
         async def _send(message: Message) -> None:
             nonlocal status
@@ -67,6 +75,7 @@ class AccessLog:
             await self.app(scope, receive, _send)
         finally:
             _RUNS.reset(token)
+            _STARTED.reset(started)
             _log_line(scope, status, time.perf_counter() - t0, runs)
 
 

@@ -33,8 +33,9 @@ from meshd.node.errors import RequestFailed
 from meshd.node.metrics import Metrics
 from meshd.transport import wire
 
-from .accesslog import note_run
+from .accesslog import note_run, request_started
 from .errors import ApiError, bad_request, node_error, overloaded
+from .firsttoken import Stamps, observe
 from .gone import unless_gone, until_disconnected
 from .image_budget import check_images
 from .limits import Ticket, current_client
@@ -141,6 +142,7 @@ class Run:
         t0: float,
         path: str = "",
         tools: Sequence[ToolSpec] = (),
+        stamps: Stamps | None = None,
     ) -> None:
         self.chunks = chunks
         self.first = first
@@ -165,6 +167,8 @@ class Run:
         #: and the last token arrived (0: not yet). Dialects that report timings use them.
         self.t0 = t0
         self.t_acked = time.perf_counter()
+        #: Its times before the first token (its phases: :mod:`.firsttoken`).
+        self.stamps = stamps
         self.t_first = 0.0
         self.t_last = 0.0
         self._closed = False
@@ -195,6 +199,8 @@ class Run:
                     if last is None:
                         ttft = now - self.t0
                         m.ttft.labels(model).observe(ttft)
+                        if self.stamps is not None:
+                            observe(m, model, self.stamps, now, c)
                     else:
                         itl = (now - last) / k
                         m.itl.labels(model).observe(itl)
@@ -305,7 +311,9 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
             client=client, think=req.think, template_kwargs=req.template_kwargs,
         )  # fmt: skip
         chunks = services.generate(inst, job, req.keep_alive)
+        t_sent = time.perf_counter()
         first = await _first(chunks, lambda e: refusal(e, inst, route, req.max_tokens))
+        stamps = Stamps(request_started() or t0, t_sent, time.perf_counter(), first.admit_s)
     except ApiError as e:
         ticket.release()
         metrics.requests.labels(route, model, str(e.status)).inc()
@@ -323,7 +331,7 @@ async def admit(ctx: ApiContext, route: str, req: GenerateRequest) -> Run:
     )
     return Run(
         chunks, first, model=model, instance=inst.id, route=route, ticket=ticket,
-        metrics=metrics, t0=t0, path=path,
+        metrics=metrics, t0=t0, path=path, stamps=stamps,
         tools=req.tools.tools if req.tools is not None else [],
     )  # fmt: skip
 

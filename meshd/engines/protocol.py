@@ -188,6 +188,11 @@ class Load(msgspec.Struct, tag="load", tag_field="event"):
     proposed: int = 0
     #: Stage 0: requests queued for a sequence.
     waiting: int = 0
+    #: Engine calls that ran prompt steps so far, those steps, and the most in one
+    #: call (``runner.state.Counters``): whether new requests prefill together.
+    prefill_calls: int = 0
+    prefill_steps: int = 0
+    widest_prefill: int = 0
 
 
 class GenerationAdopted(msgspec.Struct, tag="generation", tag_field="event"):

@@ -44,6 +44,11 @@ class Metrics:
             "meshd_time_to_first_token_seconds", "Request start to first token",
             ["model"], buckets=_LATENCY, registry=r,
         )  # fmt: skip
+        self.first_token_phase = Histogram(
+            "meshd_first_token_phase_seconds",
+            "Time to first token by phase (meshd.api.firsttoken: api, admit, stage0, "
+            "prefill, deliver)", ["model", "phase"], buckets=_FAST, registry=r,
+        )  # fmt: skip
         self.itl = Histogram(
             "meshd_inter_token_seconds", "Time between tokens of one stream",
             ["model"], buckets=_FAST, registry=r,
@@ -112,7 +117,14 @@ class Metrics:
         )  # fmt: skip
 
     def _queue_metrics(self, r: CollectorRegistry) -> None:
-        """How requests wait their turn in their stage 0's queue."""
+        """How requests wait their turn in their stage 0's queue, and how their
+        prompts share its engine calls."""
+        self.prefills = Gauge(
+            "meshd_stage0_prefills",
+            "Stage 0's engine calls that ran prompt steps (calls), those steps (steps) "
+            "and the most in one call (widest), by instance", ["instance", "figure"],
+            registry=r,
+        )  # fmt: skip
         self.queue_wait = Histogram(
             "meshd_queue_wait_seconds",
             "Time a request waited for a sequence in its stage 0's queue (its turn)",

@@ -67,6 +67,8 @@ class RunnerProc:
     draft: tuple[str, wire.Addr] | None = None
     #: Tokens it drafted for other models' requests (a draft model's runner).
     proposed: int = 0
+    #: Its engine calls that ran prompt steps, those steps, the most in one call.
+    prefills: tuple[int, int, int] = (0, 0, 0)
     #: Its last beat (monotonic), what it said, and why it stalled, if it did
     #: (``meshd.node.watchdog``).
     last_beat: float = 0.0
@@ -92,6 +94,7 @@ class RunnerProc:
         elif isinstance(ev, Load):
             self.active, self.waiting, self.proposed = ev.active, ev.waiting, ev.proposed
             self.layer_ms = ev.layer_ms or self.layer_ms
+            self.prefills = (ev.prefill_calls, ev.prefill_steps, ev.widest_prefill)
         elif isinstance(ev, ThreadsSet):
             self.threads = ev.n
             return False  # not in the heartbeat

@@ -161,6 +161,8 @@ class NodeServices:
                 self.metrics.proposed.labels(iid).set(runner.proposed)
             if stage == 0:
                 self.metrics.stage_queue.labels(iid).set(runner.waiting)
+                for figure, n in zip(("calls", "steps", "widest"), runner.prefills, strict=True):
+                    self.metrics.prefills.labels(iid, figure).set(n)
         self.metrics.queued.set(len(self._requests.queued))
         m, sup = self.metrics, self._supervisor
         for name, counter, counts in (("faults", m.stage_faults, sup.stage_faults),

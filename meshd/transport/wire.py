@@ -354,8 +354,10 @@ class DataChunk(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     #: the seconds it expects to wait (0: not measured yet); nothing else is set.
     queued: int = 0
     eta_s: float = 0.0
-    #: On stage 0's acknowledgement: seconds the request waited for its sequence.
+    #: On stage 0's acknowledgement: seconds the request waited for its sequence, and
+    #: seconds its admission took (template, tokenizer, seat: meshd.api.firsttoken).
     waited_s: float = 0.0
+    admit_s: float = 0.0
     #: The thoughts' text that came with ``tokens`` (the last stage splits them).
     reasoning: str = ""
 

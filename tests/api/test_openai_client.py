@@ -8,6 +8,7 @@ pipeline do together, on real engines.
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 
 import httpx
@@ -335,6 +336,39 @@ def test_turn_two_of_a_chat_reports_its_cached_tokens(client) -> None:
             extra_body=cold,
         )  # fmt: skip
         assert r3.usage.prompt_tokens_details is None, cold
+
+
+def _phases(via: NodeProc) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each phase of ``meshd_first_token_phase_seconds`` at ``via``."""
+    out: dict[str, tuple[float, float]] = {}
+    for ln in httpx.get(via.api + "/metrics", timeout=10).text.splitlines():
+        if ln.startswith("meshd_first_token_phase_seconds_") and 'phase="' in ln:
+            phase = ln.split('phase="')[1].split('"')[0]
+            s, c = out.get(phase, (0.0, 0.0))
+            value = float(ln.split()[-1])
+            out[phase] = (s + value, c) if "_sum{" in ln else (s, c + value * ("_count{" in ln))
+    return out
+
+
+def test_a_first_tokens_phases_fit_within_the_clients_wait(client, via) -> None:
+    before = _phases(via)
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=4, temperature=0, stream=True,
+    )  # fmt: skip
+    waited = next(time.perf_counter() - t0 for ev in stream if ev.choices[0].delta.content)
+    for _ in stream:
+        pass
+    after = _phases(via)
+    took = {p: after[p][0] - before.get(p, (0.0, 0.0))[0] for p in after}
+    assert {p: after[p][1] - before.get(p, (0.0, 0.0))[1] for p in after} == dict.fromkeys(
+        ["api", "admit", "stage0", "prefill", "deliver"], 1.0
+    )
+    # Each came from the node's own clock (stage 0's part from stage 0's): together
+    # no longer than the client waited, and the prefill ran on real engines.
+    assert took["prefill"] > 0 and 0 < took["stage0"] <= took["admit"]
+    assert sum(took[p] for p in ("api", "admit", "prefill", "deliver")) <= waited
 
 
 def test_a_request_that_quotes_its_input_is_drafted_and_verified(client, via) -> None:

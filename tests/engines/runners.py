@@ -14,7 +14,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import zmq
@@ -133,6 +133,33 @@ class RunnerProcess:
         loads = [e["active"] for e in self.events if e["event"] == "load"]
         return loads[-1] if loads else 0
 
+    def load(self) -> dict:
+        """The runner's last ``load`` status event (``{}``: none yet)."""
+        with self._cond:
+            return next((e for e in reversed(self.events) if e["event"] == "load"), {})
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Stopped (SIGSTOP) inside the block, as a runner the kernel has not scheduled:
+        what is sent to it meanwhile waits in its socket, and it reads it all at once."""
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
+
+    def wait_unread(self, n_bytes: int, timeout: float) -> bool:
+        """Wait until at least ``n_bytes`` wait unread in the kernel on the connections
+        to this runner's port (``/proc/net/tcp``'s rx_queue): sent, not yet taken.
+        False after ``timeout``: the sender holds them (a link being redialled, whose
+        handshake waits for this runner), and sends them together once it is up."""
+        deadline = time.monotonic() + timeout
+        while _unread(self.port) < n_bytes:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)  # a kernel counter: nothing to wait on but the clock
+        return True
+
     def control(self, cmd: dict) -> None:
         """Send one control line, as the supervisor does."""
         assert self.proc.stdin is not None
@@ -158,6 +185,19 @@ class RunnerProcess:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+def _unread(port: int) -> int:
+    """Bytes that wait unread on the established TCP connections to local ``port``."""
+    total = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                local, state, queues = cols[1], cols[3], cols[4]
+                if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:
+                    total += int(queues.split(":")[1], 16)
+    return total
 
 
 def _connect(sock: zmq.Socket, endpoint: str, timeout: float = 10.0) -> None:
@@ -195,19 +235,21 @@ class ApiSide:
         """Where runners send this side's chunks."""
         return wire.Addr(node="api", addresses=["127.0.0.1"], port=self.port)
 
-    def send(self, to: RunnerProcess | wire.Addr, msg: wire.Message) -> None:
-        """Send ``msg`` to a runner."""
+    def send(self, to: RunnerProcess | wire.Addr, msg: wire.Message) -> int:
+        """Send ``msg`` to a runner; its encoded size."""
         addr = to.addr if isinstance(to, RunnerProcess) else to
         d = self._dealers.get(addr.port)
         if d is None:
             d = self._dealers[addr.port] = self.ctx.socket(zmq.DEALER)
             d.setsockopt(zmq.LINGER, 0)
             _connect(d, f"tcp://127.0.0.1:{addr.port}")
-        d.send(wire.encode(msg))
+        data = wire.encode(msg)
+        d.send(data)
+        return len(data)
 
-    def generate(self, route: list[RunnerProcess], req: str, **kw: object) -> None:
-        """Send a ``Generate`` for ``req`` to the first runner of ``route``."""
-        self.send(
+    def generate(self, route: list[RunnerProcess], req: str, **kw: object) -> int:
+        """Send a ``Generate`` for ``req`` to the first runner of ``route``; its size."""
+        return self.send(
             route[0],
             wire.Generate(
                 req=req, instance=route[0].cfg.instance, generation=route[0].cfg.generation,

@@ -1,6 +1,7 @@
 """Choices of one prompt prefill it once: a stage shares the KV and the output of an
 identical pos-0 input (``Stage.share``), on llama.cpp and MLX, across a real 2-stage
-pipeline of runner processes."""
+pipeline of runner processes; new requests that arrive together prefill in one engine
+call, with the bits of prefilling them one at a time."""
 
 from __future__ import annotations
 
@@ -103,3 +104,54 @@ def test_choices_of_one_prompt_run_its_prefill_once_on_every_stage(
     for stage in (0, 1):
         ran = [req for req, c in firsts.items() if c[stage] > 0]
         assert len(ran) <= 1, (stage, firsts)
+
+
+def test_new_requests_that_arrive_together_prefill_in_one_call(
+    pipeline: list[RunnerProcess], api: ApiSide
+) -> None:
+    prompts = [f"Request {i}: name three {w} and say why." for i, w in
+               enumerate(["rivers", "colours", "tools"])]  # fmt: skip
+    greedy = Sampling(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = [
+        tokens_of(api.answer(pipeline, f"alone-{i}", prompt=p, sampling=greedy, exact=True))
+        for i, p in enumerate(prompts)
+    ]
+    stage0 = pipeline[0]
+    before = stage0.load()
+    # Stage 0 stopped while they come (a runner busy or not yet scheduled): it finds
+    # all three waiting when it runs again, as when they arrive within one step. (On
+    # a starved machine its heartbeats may have dropped the link: then this side
+    # holds all three until the redial's handshake, and they go in one write.)
+    with stage0.paused():
+        sent = sum(
+            api.generate(pipeline, f"together-{i}", prompt=p, sampling=greedy, exact=True)
+            for i, p in enumerate(prompts)
+        )
+        stage0.wait_unread(sent, 10)
+    together = [tokens_of(api.result(f"together-{i}")) for i in range(len(prompts))]
+    stage0.wait_active(0, 30)
+    after = stage0.load()
+    # One engine call ran the three prompts, and each got its answer.
+    assert after["prefill_calls"] - before["prefill_calls"] == 1, (before, after)
+    assert after["prefill_steps"] - before["prefill_steps"] == 3, (before, after)
+    assert [len(t) for t in together] == [len(t) for t in alone] == [6, 6, 6]
+    # Their tokens need not be each one's alone, even exact: a request beside others
+    # holds other cells of the shared KV buffer, and where its cells lie moves its
+    # sums (below: batching itself moves nothing).
+
+
+def test_a_batched_prefill_gives_each_prompt_the_bits_of_one_at_a_time(model_path: Path) -> None:
+    texts = [f"Request {i}: name three {w} and say why." for i, w in
+             enumerate(["rivers", "colours", "tools"])]  # fmt: skip
+    with LlamaStage(model_path, first=True, last=True, n_ctx=256, n_seq_max=3,
+                    exact=True) as s:  # fmt: skip
+        prompts = [np.asarray(s.tokenize(t, add_special=True, parse_special=False), np.int32)
+                   for t in texts]  # fmt: skip
+        # One at a time, each beside the ones before (as they would arrive apart)...
+        apart = [s.forward([StageInput(seq=i, pos=0, tokens=p)])[0] for i, p in enumerate(prompts)]
+        for i in range(3):
+            s.free(i)
+        # ...and all in one call: the same cells, so the same bits, in the exact mode.
+        together = s.forward([StageInput(seq=i, pos=0, tokens=p) for i, p in enumerate(prompts)])
+    for a, b in zip(apart, together, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -93,7 +93,7 @@ class RunnerCore:
         ds = self.draft_server
         emit(Load(active=len(self.reqs), layer_ms=round(self.clock.ms, 4),
                   proposed=ds.proposed if ds is not None else 0,
-                  waiting=len(self.requests.waiting)))  # fmt: skip
+                  waiting=len(self.requests.waiting), **self.counters.prefills()))  # fmt: skip
 
     # -- messages ----------------------------------------------------------------------
     def handle(self, msg: wire.StageMessage, raw: list[zmq.Frame]) -> None:
@@ -226,9 +226,9 @@ class RunnerCore:
         )  # fmt: skip
 
     def admit(self, g: wire.Generate, waited_s: float = 0.0) -> None:
-        """Stage 0: take ``g`` (see :func:`.admission.admit`) and queue its prompt;
-        ``waited_s``: how long it waited for its sequence."""
+        """Stage 0: :func:`.admission.admit` ``g`` (it waited ``waited_s``), queue its prompt."""
         assert self.prompts is not None  # stage 0
+        t0 = time.perf_counter()
         try:
             got = admit(g, self.prompts, self.seats, self.cfg, self.n_ctx)
         except Refused as e:
@@ -248,7 +248,7 @@ class RunnerCore:
         fmt = self.prompts.tool_format if g.job.tools else None
         self.links.chunk(g.reply_to, wire.DataChunk(
             req=g.req, n_prompt=r.n_prompt, tool_format=fmt, n_cached=r.n_cached,
-            waited_s=round(waited_s, 3),
+            waited_s=round(waited_s, 3), admit_s=round(time.perf_counter() - t0, 6),
         ))  # fmt: skip
         if self.start_output(r, got.start.resume):
             self.work.extend(got.work)

@@ -139,10 +139,26 @@ class Counters:
     prefixes_aged: int = 0
     #: Steps dropped unrun: sent before a restart of their request (``wire.Token``).
     stale_steps: int = 0
+    #: Engine calls that ran prompt steps, the prompt steps they ran, and the most in
+    #: one call: new requests that arrive together prefill in one call.
+    prefill_calls: int = 0
+    prefill_steps: int = 0
+    widest_prefill: int = 0
 
     def drop(self, reason: str) -> None:
         """Count one frame dropped for ``reason``."""
         self.dropped[reason] += 1
+
+    def prefilled(self, steps: int) -> None:
+        """Count one engine call that ran ``steps`` prompt steps."""
+        self.prefill_calls += 1
+        self.prefill_steps += steps
+        self.widest_prefill = max(self.widest_prefill, steps)
+
+    def prefills(self) -> dict[str, int]:
+        """The prefill counts as ``protocol.Load`` carries them."""
+        return {"prefill_calls": self.prefill_calls, "prefill_steps": self.prefill_steps,
+                "widest_prefill": self.widest_prefill}  # fmt: skip
 
 
 class Refused(Exception):

@@ -109,6 +109,8 @@ class Stepper:
             return Ran(parted, followers)
         items = [self.item(reqs[w.req], w) for w, _ in run]
         rows = [it.n_rows for it in items]
+        if prompts := sum(w.pos < reqs[w.req].n_prompt for w, _ in run):
+            self.counters.prefilled(prompts)
         self.seats.count_rows(sum(rows))
         t0 = time.perf_counter()
         news = False
