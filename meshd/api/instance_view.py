@@ -24,7 +24,7 @@ from meshd.crdt.views import Instance
 from meshd.domain.facts import ModelFacts
 from meshd.domain.recurrent import state_refusals
 from meshd.node.cluster import ClusterView, InstanceSpeed, StageState, instance_state
-from meshd.placement import instance_context
+from meshd.placement import instance_context, node_resources, predicted_transfer_s
 from meshd.placement.support import split_refusal, stage_limit
 
 __all__ = [
@@ -145,6 +145,10 @@ class InstanceView(msgspec.Struct, kw_only=True):
     #: speeds and links, and what the API nodes measured (0: not known yet).
     predicted_tokens_s: float
     measured_tokens_s: float
+    #: Seconds placement predicts the hidden rows of a prompt as long as the context it
+    #: priced take over the plan's links, at their measured bandwidth (0: one stage, or
+    #: no link measured).
+    predicted_transfer_s: float
     speed: SpeedView
     #: Its plan, in pipeline order.
     stages: list[StageView]
@@ -224,6 +228,7 @@ def instance_view(view: ClusterView, inst: Instance, load: Mapping[str, int] = {
         state_refusals=state_refusals(facts.architecture) if facts else {},
         predicted_tokens_s=view.predicted_tokens_s(inst),
         measured_tokens_s=view.measured_tokens_s(inst),
+        predicted_transfer_s=_transfer_s(view, inst),
         speed=_speed(speed),
         stages=_stages(view, inst, states, speed.stage_ms),
         excluded=[
@@ -248,6 +253,16 @@ def instance_list(view: ClusterView, load: Mapping[str, int] = {}) -> InstanceLi
     """Every instance ``view`` holds, by id."""
     insts = sorted(view.instances.values(), key=lambda i: i.id)
     return InstanceList(data=[instance_view(view, i, load) for i in insts])
+
+
+def _transfer_s(view: ClusterView, inst: Instance) -> float:
+    """Placement's predicted prefill transfer of ``inst`` over its links now."""
+    if inst.facts is None:
+        return 0.0
+    nodes = node_resources(view.cards, view.healths, [s.node for s in inst.stages])
+    spec = inst.spec
+    dtype = "f32" if spec.exact else spec.activations  # the exact mode's hops
+    return predicted_transfer_s(inst.facts, inst.stages, nodes.values(), dtype, spec.context)
 
 
 def _cut_rule(facts: ModelFacts | None) -> str | None:

@@ -126,7 +126,7 @@ def snapshot(cluster: Mapping[str, Any], instances: Any) -> dict[str, Any]:
             "liveness": node.get("liveness"), "state": health.get("state"),
             "mem_available": health.get("mem_available"), "load": health.get("load"),
             "decode_bps": health.get("decode_bps", 0.0), "rtt_ms": health.get("rtt_ms", {}),
-            **node_speed(node),
+            "bw_mbps": health.get("bw_mbps", {}), **node_speed(node),
         })  # fmt: skip
     out = []
     for inst in _sorted_instances(instances):
@@ -139,8 +139,8 @@ def snapshot(cluster: Mapping[str, Any], instances: Any) -> dict[str, Any]:
             "id": inst.get("id"), "model": inst.get("model"),
             "generation": inst.get("generation"), "state": inst.get("state"),
             **_dict(inst.get("speed")), "stages": stages,
-            "predicted_tokens_s": inst.get("predicted_tokens_s"),
-            "measured_tokens_s": inst.get("measured_tokens_s"),
+            **{k: inst.get(k) for k in ("predicted_tokens_s", "predicted_transfer_s",
+                                        "measured_tokens_s")},
             "excluded": _list(inst.get("excluded")),
         })  # fmt: skip
     return {"cluster": cluster.get("cluster"), "self": cluster.get("self"), "nodes": nodes,

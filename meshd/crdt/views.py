@@ -169,6 +169,9 @@ class Health(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     #: Round trip (ms) to each peer it exchanged mesh requests with (the least of the
     #: recent ones: the link, not the peer's work), by node id.
     rtt_ms: dict[str, float] = {}
+    #: Bandwidth (Mbit/s) of the link to each peer it measured (``meshd.transport.links``),
+    #: by node id. A peer absent (a node of an older meshd sends none) is unknown, not 0.
+    bw_mbps: dict[str, float] = {}
     #: The node's anti-entropy horizon (see ``meshd.crdt.lww.stable_horizon``).
     synced: int = 0
     runners: list[RunnerStatus] = []

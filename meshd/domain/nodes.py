@@ -32,7 +32,8 @@ class NodeResources(msgspec.Struct, frozen=True):
     ``backends`` are engine backends such as ``llama_cpp-cpu`` or ``mlx-metal``
     (``<engine>-<device>``). ``mem_available`` and ``mem_total`` are bytes.
     ``decode_bps`` is the node's measured decode speed (bytes of weights read per
-    second); 0 means not measured. ``rtt_ms`` its round trips to peers, by id.
+    second); 0 means not measured. ``rtt_ms`` its round trips to peers, by id, and
+    ``bw_mbps`` the bandwidth of its links to them (Mbit/s; a peer absent: unknown).
     ``holds`` lists the instances this node has a runner loading or ready for: the
     memory those runners hold is no longer in ``mem_available``, and a repair credits
     it back (see ``Policy.credit_held``).
@@ -48,3 +49,4 @@ class NodeResources(msgspec.Struct, frozen=True):
     rtt_ms: dict[str, float] = {}
     #: Its GPUs, ``mem_free`` less what other instances' stages on it take there.
     devices: list[Device] = []
+    bw_mbps: dict[str, float] = {}

@@ -527,7 +527,7 @@ async def _assemble(
         in_flight=dataplane.in_flight,
         speed=metrics.speed.summary,
         decode_bps=lambda: decode_bps(supervisor.runners.values()),
-        rtt_ms=gossip.rtt_ms,
+        links=gossip.mesh,
     )
     twins = Twins(
         state, gossip, peers, tasks, card=lambda: node.presence.card,

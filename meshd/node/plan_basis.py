@@ -97,14 +97,15 @@ def figures_refusal(
     beat = _beat(src, n.id, m, hlc, secured)
     if isinstance(beat, str):
         return beat
-    live = [n.id, *beat.rtt_ms]
+    live = [n.id, *beat.rtt_ms, *beat.bw_mbps]
     want = node_resources({n.id: held[1]}, {n.id: beat}, live)[n.id]
     same = (n.name, n.backends, n.mem_available, n.mem_total, n.decode_bps, n.holds) == (
         want.name, want.backends, want.mem_available, want.mem_total, want.decode_bps,
         want.holds,
     )  # fmt: skip
-    # Round trips: to the nodes the writer placed among, as measured.
+    # Round trips and bandwidths: to the nodes the writer placed among, as measured.
     same = same and all(want.rtt_ms.get(k) == v for k, v in n.rtt_ms.items())
+    same = same and all(want.bw_mbps.get(k) == v for k, v in n.bw_mbps.items())
     # GPUs: the card's, with no more free memory than probed (other instances' stages
     # on the node take theirs, which the writer subtracted).
     same = same and len(n.devices) == len(want.devices)

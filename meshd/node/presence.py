@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import msgspec
 
@@ -81,6 +82,13 @@ async def first_card(
     )  # fmt: skip
 
 
+class Links(Protocol):
+    """What this node measured of its links to peers (``transport.mesh_peers.MeshPeers``)."""
+
+    def rtt_ms(self) -> dict[str, float]: ...
+    def bw_mbps(self) -> dict[str, float]: ...
+
+
 class Presence:
     """This node's card and heartbeat in the shared map."""
 
@@ -97,7 +105,7 @@ class Presence:
         in_flight: Callable[[], int],
         speed: Callable[[], tuple[float, dict[str, ModelSpeed]]] = lambda: (0.0, {}),
         decode_bps: Callable[[], float] = lambda: 0.0,
-        rtt_ms: Callable[[], dict[str, float]] = dict,
+        links: Links | None = None,
         awake: Callable[[], dict[str, Awake]] = dict,
     ) -> None:
         self.state = state
@@ -110,7 +118,7 @@ class Presence:
         self._in_flight = in_flight
         self._speed = speed
         self._decode_bps = decode_bps
-        self._rtt_ms = rtt_ms
+        self._links = links
         self._awake = awake
         #: Set by the drain: the heartbeat says ``draining`` and placement avoids us.
         self.draining = False
@@ -137,7 +145,8 @@ class Presence:
             tokens_s=tokens_s,
             serving=serving,
             decode_bps=self._decode_bps(),
-            rtt_ms=self._rtt_ms(),
+            rtt_ms=self._links.rtt_ms() if self._links else {},
+            bw_mbps=self._links.bw_mbps() if self._links else {},
             awake=self._awake(),
         )
 

@@ -12,7 +12,6 @@ from .place import (
     place,
     place_fetching,
     placement,
-    predicted_tokens_s,
     repair_needed,
     stage_need,
     stage_offload,
@@ -26,6 +25,7 @@ from .policy import (
     node_vram,
     plan_digest,
 )
+from .predict import predicted_tokens_s, predicted_transfer_s
 from .resources import NodeResources, node_resources
 from .support import SPLIT_PROVEN, engine_of, model_engines, split_refusal
 
@@ -52,6 +52,7 @@ __all__ = [
     "placement",
     "plan_digest",
     "predicted_tokens_s",
+    "predicted_transfer_s",
     "repair_needed",
     "split_refusal",
     "stage_need",

@@ -48,6 +48,7 @@ from .policy import (
     base_context,
     node_vram,
 )
+from .predict import prompt_bytes, request_s, stage_reads
 from .resources import NodeResources
 from .support import (
     cut_period,
@@ -254,8 +255,8 @@ def place(
     to the nearest position (ties: the lower one) for which this stage fits its node and the
     stages after it can still fit theirs. The first k that fits wins: one node when the model
     fits on one. When every candidate has measured its speed, each k that fits is tried and a
-    plan on more nodes replaces one on fewer only when its predicted tokens/s
-    (:func:`predicted_tokens_s`) is :data:`SPLIT_GAIN` times higher.
+    plan on more nodes replaces one on fewer only when a request through it is predicted
+    :data:`SPLIT_GAIN` times sooner (``predict.request_s``: the prompt's rows, the answer).
 
     **Nodes.** Those in ``spec.exclude`` (ids) are left out first. ``spec.nodes`` (ids
     or names, in stage order) pin: split as above; one not live raises ``unknown_node``.
@@ -346,7 +347,7 @@ def place(
         repaired = _repair(m, prev, alive, cands, ranked, spec.min_nodes)
         if repaired is not None and len(repaired) <= m.max_stages:
             return repaired
-    return _place_fresh(m, ranked, spec.min_nodes)
+    return _place_fresh(m, ranked, spec, facts)
 
 
 def _check_spec(spec: InstanceSpec, m: _Model) -> None:
@@ -522,6 +523,7 @@ class _Cand:
     #: Usable dedicated GPU bytes per engine (node_vram), for those that have any.
     vram: tuple[tuple[str, int], ...] = ()
     rtt: Mapping[str, float] = field(default_factory=dict)
+    bw: Mapping[str, float] = field(default_factory=dict)  # Mbit/s, absent: unknown
 
     @property
     def engine(self) -> str:
@@ -556,7 +558,7 @@ def _candidate(
     vram = tuple((e, v) for e in engines if (v := node_vram(r, e, policy)) > 0)
     # A GPU's memory is room too: it ranks the node like RAM would.
     usable = budget - m.floor + sum(v for _, v in vram[:1])
-    return _Cand(r.id, r.name, tuple(engines), budget, usable, speed, vram, r.rtt_ms)
+    return _Cand(r.id, r.name, tuple(engines), budget, usable, speed, vram, r.rtt_ms, r.bw_mbps)
 
 
 def _label(c: _Cand) -> str:
@@ -572,56 +574,8 @@ def _room(c: _Cand, engine: str) -> str:
 
 # --------------------------------------------------------------------------- predict
 
-#: A plan on more nodes must predict this much more speed than one on fewer.
+#: A plan on more nodes must predict its request this many times sooner than one on fewer.
 SPLIT_GAIN = 1.05
-#: What a hop costs beyond half the link's round trip (serialising, the wake-ups of both ends:
-#: measured ~0.5 ms on loopback), and the round trip assumed for a link neither end has measured.
-HOP_MS = 0.5
-UNKNOWN_RTT_MS = 1.0
-
-
-def _rtt(a: _Cand, b: _Cand) -> float:
-    got = [x for x in (a.rtt.get(b.id), b.rtt.get(a.id)) if x]
-    return min(got) if got else UNKNOWN_RTT_MS
-
-
-def _predict(m: _Model, stages: Sequence[Stage], cands: Mapping[str, _Cand]) -> float:
-    """Predicted decode tokens/s of one request through ``stages``: each stage reads the
-    bytes of its layers a token runs (a MoE block's active experts, not all of them), and
-    the head's on the last, at its node's ``speed``; and each hop of the ring (the last
-    stage's token goes back to the first) costs half the link's round trip plus
-    :data:`HOP_MS`. 0.0 when a node's speed is not known."""
-    ms = 0.0
-    for s in stages:
-        c = cands[s.node]
-        if c.speed <= 0:
-            return 0.0
-        head = (m.head or m.embed) if s.end == m.n else 0  # a tied head reads the embedding
-        read = m.active[s.end] - m.active[s.start] + head
-        ms += 1000 * read / c.speed
-    if len(stages) > 1:
-        ring = [cands[s.node] for s in stages]
-        ms += sum(_rtt(a, b) / 2 + HOP_MS for a, b in zip(ring, ring[1:] + ring[:1], strict=True))
-    return 1000 / ms if ms > 0 else 0.0
-
-
-def predicted_tokens_s(
-    facts: ModelFacts,
-    stages: Sequence[Stage],
-    nodes: Iterable[NodeResources],
-    policy: Policy = Policy(),  # noqa: B008 (frozen, immutable)
-) -> float:
-    """Decode tokens/s of one request that placement predicts for ``stages`` on
-    ``nodes`` (their measured ``decode_bps`` and ``rtt_ms``); 0.0 when a stage's node
-    has not measured its speed (or is not among ``nodes``)."""
-    m = _Model.of(facts, policy)
-    cands = {}
-    for r in nodes:
-        speed = r.decode_bps if math.isfinite(r.decode_bps) and r.decode_bps > 0 else 0.0
-        cands[r.id] = _Cand(r.id, r.name, (), 0, 0, speed, (), r.rtt_ms)
-    if any(s.node not in cands for s in stages):
-        return 0.0
-    return float(f"{_predict(m, stages, cands):.4g}")
 
 
 # ----------------------------------------------------------------------------- split
@@ -753,7 +707,12 @@ def _insufficient(m: _Model, members: Sequence[_Cand], engines: Sequence[str]) -
     )
 
 
-def _place_fresh(m: _Model, ranked: Sequence[_Cand], min_nodes: int) -> list[Stage]:
+def _place_fresh(
+    m: _Model, ranked: Sequence[_Cand], spec: InstanceSpec, facts: ModelFacts
+) -> list[Stage]:
+    min_nodes = spec.min_nodes
+    # A request is priced with a prompt of the context's rows at its hops' dtype.
+    prompt = prompt_bytes(facts, m.kv_tokens, "f32" if spec.exact else spec.activations)
     top = min(len(ranked), m.n, m.max_stages)
     # A plan needs at least every layer, the embedding and head once, a floor per node.
     least = m.n * min(m.kv(e) for e in m.engines) + m.embed + m.head
@@ -771,11 +730,12 @@ def _place_fresh(m: _Model, ranked: Sequence[_Cand], min_nodes: int) -> list[Sta
             continue
         if not measured:
             return plan  # the fewest nodes that fit
-        # Every node measured: a split that fits with fewer nodes is taken only when
-        # its predicted speed beats theirs by SPLIT_GAIN (hops cost on a real LAN).
-        speed = _predict(m, plan, {c.id: c for c in members})
-        if best is None or speed > best[0] * SPLIT_GAIN:
-            best = (speed, plan)
+        # Every node measured: a split that fits with fewer nodes is taken only when a
+        # request through it (the prompt's rows over its links, then the answer)
+        # predicts SPLIT_GAIN times sooner (hops cost on a real LAN).
+        secs = request_s(stage_reads(facts, plan), members, prompt)  # stages in members' order
+        if best is None or secs * SPLIT_GAIN < best[0]:
+            best = (secs, plan)
     if best is not None:
         return best[1]
     members = ranked[: max(min_nodes, top)]

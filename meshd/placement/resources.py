@@ -10,7 +10,14 @@ import msgspec
 from meshd.crdt.views import Health, NodeCard
 from meshd.domain.nodes import NodeResources
 
-__all__ = ["MEM_QUANTUM", "NodeResources", "less_gpu", "node_resources", "quantize_mem"]
+__all__ = [
+    "MEM_QUANTUM",
+    "NodeResources",
+    "less_gpu",
+    "node_resources",
+    "quantize_bw",
+    "quantize_mem",
+]
 
 
 #: ``mem_available`` is rounded down to a multiple of this many bytes (or of 1/16 of
@@ -31,6 +38,8 @@ MEM_TOTAL_SHARE = 16
 SPEED_STEP = 2 ** (1 / 4)
 #: Round trips shorter than this (ms) are the same to placement (a loopback, a switch).
 RTT_FLOOR_MS = 0.25
+#: Bandwidths below this (Mbit/s) are this to placement.
+BW_FLOOR_MBPS = 1.0
 
 
 def quantize_speed(value: float) -> float:
@@ -47,6 +56,14 @@ def quantize_rtt(ms: float) -> float:
     return max(RTT_FLOOR_MS, 2.0 ** math.ceil(math.log2(ms)))
 
 
+def quantize_bw(mbps: float) -> float:
+    """A bandwidth (Mbit/s) rounded down to a power of two, at least
+    :data:`BW_FLOOR_MBPS`; 0.0 (unknown) for a figure that is not one."""
+    if not (mbps > 0 and math.isfinite(mbps)):
+        return 0.0
+    return max(BW_FLOOR_MBPS, 2.0 ** math.floor(math.log2(mbps)))
+
+
 def quantize_mem(mem_available: int, mem_total: int = 0) -> int:
     """``mem_available`` rounded down to placement's step (see :data:`MEM_QUANTUM`)."""
     q = max(MEM_QUANTUM, mem_total // MEM_TOTAL_SHARE // MEM_QUANTUM * MEM_QUANTUM)
@@ -60,13 +77,14 @@ def node_resources(
 ) -> dict[str, NodeResources]:
     """The resources of every live node that has a card, by node id (sorted by id).
 
-    ``mem_available``, ``decode_bps`` and ``rtt_ms`` come from the node's heartbeat
-    when it has one that reports them (a heartbeat's 0 means "not reported"), else
-    ``mem_available`` from its card (``decode_bps`` is then 0, unmeasured); the speed
-    and round trips are rounded (:func:`quantize_speed`, :func:`quantize_rtt`), round
-    trips kept only to the nodes given. A live id without a card is skipped:
-    placement cannot know what it runs. ``mem_available`` is rounded down with
-    :func:`quantize_mem`, so that survivors compute a repair from the same figures.
+    ``mem_available``, ``decode_bps``, ``rtt_ms`` and ``bw_mbps`` come from the node's
+    heartbeat when it has one that reports them (a heartbeat's 0 means "not reported"),
+    else ``mem_available`` from its card (``decode_bps`` is then 0, unmeasured); the
+    speed, round trips and bandwidths are rounded (:func:`quantize_speed`,
+    :func:`quantize_rtt`, :func:`quantize_bw`), links kept only to the nodes given. A
+    live id without a card is skipped: placement cannot know what it runs.
+    ``mem_available`` is rounded down with :func:`quantize_mem`, so that survivors
+    compute a repair from the same figures.
     ``devices`` are the card's GPUs as probed (see :func:`less_gpu`).
     """
     out: dict[str, NodeResources] = {}
@@ -79,12 +97,18 @@ def node_resources(
         mem = card.mem_available
         bps = 0.0
         rtt: dict[str, float] = {}
+        bw: dict[str, float] = {}
         holds: set[str] = set()
         if health is not None:
             if health.mem_available > 0:
                 mem = health.mem_available
             bps = quantize_speed(health.decode_bps)
             rtt = {k: quantize_rtt(v) for k, v in sorted(health.rtt_ms.items()) if k in live_ids}
+            bw = {
+                k: q
+                for k, v in sorted(health.bw_mbps.items())
+                if k in live_ids and (q := quantize_bw(v)) > 0
+            }
             holds = {r.instance for r in health.runners if r.state in ("loading", "ready")}
         out[nid] = NodeResources(
             id=nid,
@@ -96,6 +120,7 @@ def node_resources(
             holds=sorted(holds),
             rtt_ms=rtt,
             devices=list(card.devices),
+            bw_mbps=bw,
         )
     return out
 

@@ -1,5 +1,11 @@
 """The gossip peers one node dials: where each one is (:class:`Endpoint`), its
-subscription on the node's one SUB, and one DEALER per peer for mesh requests.
+subscription on the node's one SUB, and one DEALER per peer for mesh requests, and
+what those requests measure of each link: its round trip, and its bandwidth (:mod:`.links`).
+
+A link with no bandwidth sample for :data:`PROBE_INTERVAL` is probed: the next pull to
+the peer (once its round trip is known) carries :data:`PROBE_BYTES` of padding in a
+frame after the message. Every meshd's mesh ROUTER reads the message frame alone, so
+an older node answers the pull as any other.
 
 One request in flight per peer, each bounded by ``request_timeout``; a timed-out DEALER
 is replaced so a late reply cannot be taken for the answer to the next request. In a
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,11 +27,17 @@ import zmq
 import zmq.asyncio
 
 from . import wire
+from .links import MIN_SAMPLE_BYTES, LinkMeter
 from .security import CurveKeys, NoServerKey
 from .sockets import CONTROL, decode_frame, open_socket
 from .stats import DropCounters
 
-__all__ = ["Endpoint", "MeshPeers", "PeerLink"]
+__all__ = ["PROBE_BYTES", "PROBE_INTERVAL", "Endpoint", "MeshPeers", "PeerLink"]
+
+#: Bytes of padding a probe carries, and how often a link is probed at most (a request
+#: that carried as many bytes since counts instead): a few hundred KB a peer, rarely.
+PROBE_BYTES = 256 * 1024
+PROBE_INTERVAL = 300.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,12 @@ class MeshPeers:
         self.request_timeout = request_timeout
         #: Peer id (or ``@address`` for a one-shot request) -> its sockets.
         self.links: dict[str, PeerLink] = {}
+        #: The bandwidth of each peer's link, from the requests that carry many bytes.
+        self.meter = LinkMeter()
+        #: Seconds between probes of one link (0: never).
+        self.probe_interval = PROBE_INTERVAL
+        #: Peer id -> when its link was last probed (monotonic).
+        self._probed: dict[str, float] = {}
         self._drop: Callable[[str], None] = lambda reason: counters.add("request", reason)
 
     def set(self, node_id: str, endpoint: Endpoint) -> None:
@@ -119,6 +138,8 @@ class MeshPeers:
     def drop(self, node_id: str) -> None:
         """Forget a peer's sockets."""
         p = self.links.pop(node_id, None)
+        self.meter.forget(node_id)
+        self._probed.pop(node_id, None)
         if p is None:
             return
         self._unsubscribe(p)
@@ -174,7 +195,8 @@ class MeshPeers:
                     self.counters.add("request", "bad_address")
                     return None
                 p.dealer = dealer
-            await p.dealer.send(wire.encode(msg))
+            out = [wire.encode(msg), *self._padding(key, p, msg)]
+            await p.dealer.send_multipart(out)
             t0 = time.monotonic()
             try:
                 frames = await asyncio.wait_for(
@@ -184,7 +206,8 @@ class MeshPeers:
                 p.dealer.close(linger=0)
                 p.dealer = None
                 return None
-            p.rtts.append(time.monotonic() - t0)
+            nbytes = sum(map(len, out)) + sum(map(len, frames))
+            self._timed(key, p, nbytes, time.monotonic() - t0)
         if key.startswith("@"):
             # Anonymous (seed) sockets are one-shot.
             self.drop_anonymous(key)
@@ -192,6 +215,37 @@ class MeshPeers:
             self.counters.add("request", "shape")
             return None
         return decode_frame(frames[0], self._drop, wire.decode_gossip)
+
+    def probe_due(self, peer: str) -> bool:
+        """Whether the link to ``peer`` has gone :attr:`probe_interval` without a
+        bandwidth sample or a probe."""
+        if self.probe_interval <= 0:
+            return False
+        last = max(self._probed.get(peer, -math.inf), self.meter.last(peer) or -math.inf)
+        return time.monotonic() - last >= self.probe_interval
+
+    def _padding(self, key: str, p: PeerLink, msg: wire.GossipMessage) -> list[bytes]:
+        """The probe's padding frame for a pull to ``key`` when its link is due one,
+        once its round trip is known (the probe's time is read against it)."""
+        if not isinstance(msg, wire.Pull) or key.startswith("@") or not p.rtts:
+            return []
+        if not self.probe_due(key):
+            return []
+        self._probed[key] = time.monotonic()
+        return [bytes(PROBE_BYTES)]
+
+    def _timed(self, key: str, p: PeerLink, nbytes: int, elapsed: float) -> None:
+        """A request's time: a round trip when it moved few bytes, else a bandwidth
+        sample (its wire time would spoil the round trip's least)."""
+        if nbytes < MIN_SAMPLE_BYTES:
+            p.rtts.append(elapsed)
+        elif not key.startswith("@"):
+            rtt = min(p.rtts) if p.rtts else None
+            self.meter.sample(key, nbytes, elapsed, rtt, time.monotonic())
+
+    def bw_mbps(self) -> dict[str, float]:
+        """Bandwidth of the link to each known peer in Mbit/s (see :mod:`.links`)."""
+        return {k: v for k, v in self.meter.mbps().items() if k in self.links}
 
     def drop_anonymous(self, key: str) -> None:
         """Close a one-shot (seed) request socket."""

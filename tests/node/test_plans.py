@@ -207,6 +207,8 @@ def test_each_nodes_figures_must_be_the_ones_it_signed() -> None:
     assert refusal(mesh, with_node(mem_available=0)) == "forged_basis"
     assert refusal(mesh, with_node(mem_available=1 << 40)) == "forged_basis"
     assert refusal(mesh, with_node(backends=[])) == "forged_basis"
+    # A link b never measured (a fast one, so that a split over it wins).
+    assert refusal(mesh, with_node(bw_mbps={mesh.id("a"): 1024.0})) == "forged_basis"
     # b's heartbeat re-signed by another member, or rewritten.
     h = basis.sources[i].health
     assert refusal(mesh, with_beat(sign_entry(mesh.keys["a"], h))) == "forged_basis"
