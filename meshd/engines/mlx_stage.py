@@ -29,14 +29,14 @@ residual-stream rows at the same absolute positions whichever engine ran them.
   stream in f32 like llama.cpp's exact mode.
 - Requests: one mlx-lm ``KVCache`` per layer per request (``seq``), for sliding-window
   layers too (their window is a mask: a ``RotatingKVCache`` overwrites positions that
-  ``truncate`` and ``share`` need). On a llama, mistral, qwen2, qwen3 or phi3 model
-  without windowed layers (``MlxStage.batched``) a forward call batches its
-  items ragged: the token-wise work (norms, projections, MLP, head) runs once on the
-  rows of every item concatenated, and only attention (rope offset, cache, causal
-  mask) runs per item. (MLX's CPU quantized matmul costs the same per row however
-  many rows it gets, so this saves nothing there; on Metal it shares each weight
-  read between the requests.) Other blocks run through their own ``__call__`` one
-  item at a time.
+  ``truncate`` and ``share`` need). On a llama, mistral, qwen2, qwen3, phi3 or
+  Gemma 3 model, windowed layers included (``MlxStage.batched``), a forward call
+  batches its items ragged: the token-wise work (norms, projections, MLP, head) runs
+  once on the rows of every item concatenated, and only attention (rope offset,
+  cache, causal or window mask) runs per item. (MLX's CPU quantized matmul costs the
+  same per row however many rows it gets, so this saves nothing there; on Metal it
+  shares each weight read between the requests.) Any other block would run through
+  its own ``__call__`` one item at a time.
 - Tokenizer: the GGUF's own vocabulary through llama.cpp (``vocab_only``), so token
   ids and pieces are the ones the llama.cpp stages use.
 - Folders (``config.json`` + ``*.safetensors``, see :mod:`meshd.models.folder`):
@@ -497,7 +497,7 @@ class MlxStage:
         self._embed = inner.embed_tokens if self.first else None
         self._embed_scale = _embed_scale(model) if self.first else None
         # Requests batched ragged where meshd.engines.mlx_ragged has the block.
-        self.batched = ragged_model(model, self._windows)
+        self.batched = ragged_model(model)
         if self.last:
             self._norm = inner.norm
             # A tied head is the embedding used as a linear layer.
@@ -570,7 +570,7 @@ class MlxStage:
         stream after the stage's last layer) on a stage that is not last, the last
         row's logits ``(n_vocab,)`` on the last one.
 
-        Where :attr:`batched` (llama, mistral, qwen2, qwen3, phi3 blocks, no window) the
+        Where :attr:`batched` (llama, mistral, qwen2, qwen3, phi3, Gemma 3 blocks) the
         rows of all items run together (ragged batch: attention per item, all other
         work on the concatenated rows, :mod:`meshd.engines.mlx_ragged`); other models
         run each item through the layers on its own. Either way in chunks of at most
@@ -679,8 +679,8 @@ class MlxStage:
         else:
             h = mx.array(x)[None]
         if self.batched:
-            for i, layer in enumerate(self._layers):
-                h = ragged_block(layer, h, [(s, e, c[i]) for s, e, c in spans])
+            for i, (layer, w) in enumerate(zip(self._layers, self._windows, strict=True)):
+                h = ragged_block(layer, h, [(s, e, c[i]) for s, e, c in spans], w)
         else:
             h = self._items(h, spans)
         if not self.last or not last_rows:
