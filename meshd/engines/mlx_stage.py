@@ -49,10 +49,11 @@ residual-stream rows at the same absolute positions whichever engine ran them.
   then cut to the stage's layers; the others are lazy parameters never evaluated
   (measured: a 2-of-16-layer stage adds exactly its 2 layers' bytes). The stage
   runs that model's own embedding (with Gemma's sqrt(hidden) scale, on token
-  embeddings only), its layers' ``__call__`` with mlx-lm's mask for each layer's
-  kind (from the model's ``make_cache()``: a rotating cache marks a sliding layer
-  and its window), its final norm and head, its ``sanitize`` (ties). Within ~2e-5
-  of mlx-lm's whole model in logits (0 for llama, mistral, qwen2, qwen3, phi3).
+  embeddings only), its layers (the ragged block, or their ``__call__`` with
+  mlx-lm's mask) with each layer's window (from the model's ``make_cache()``: a
+  rotating cache marks a sliding layer and its window), its final norm and head, its
+  ``sanitize`` (ties). Within ~3e-5 of mlx-lm's whole model in logits (0 for llama,
+  mistral, qwen2, qwen3, phi3).
   ``mx.load`` maps safetensors lazily, so a stage reads only its own
   tensors. Tokenizer: the folder's ``tokenizer.json`` through
   :class:`~meshd.models.vocab.HfVocab` (llama.cpp's rules for pieces and stop ids).

@@ -11,9 +11,9 @@ absolute layer index and its scaled embedding all count: a stage that got any of
 wrong fails.
 
 Measured (float32, CPU), stage chains (whole, 2 and 3 stages) vs mlx-lm's whole model,
-max |dlogits|: 0 for llama, mistral, qwen2, qwen3 and phi3; ~2e-5 for Gemma 3 and ~5e-6
+max |dlogits|: 0 for llama, mistral, qwen2, qwen3 and phi3; ~3e-5 for Gemma 3 and ~4e-6
 for the sliding llama (mlx-lm's rotating caches attend over fewer keys, in another
-order, where the stage masks its window); greedy tokens the same everywhere. Several
+order, where the stage slices a plain cache); greedy tokens the same everywhere. Several
 requests batched in one forward call (the ragged block of every architecture here,
 windowed layers included) vs each alone through the same chain: 0.
 """
