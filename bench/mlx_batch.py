@@ -2,12 +2,17 @@
 
     python bench/mlx_batch.py                        # 32 decode steps, median of 3
     python bench/mlx_batch.py --steps 64 --repeat 5 --streams 8
+    python bench/mlx_batch.py --archs llama gemma3_text --alone gemma3_text
 
-For each architecture (default: llama, qwen3, phi3, and gemma3_text, which runs one
-request at a time, as the control), a small synthetic model folder of the MLX
-architecture matrix (``tests/engines/test_mlx_architectures.py``: random float32
-weights, 4 layers, 64 wide, a 2048-token vocabulary) is written to a temporary dir and
-loaded as one whole ``MlxStage``. After each stream's prefill, ``--steps`` greedy
+For each architecture (default: llama, qwen3, phi3, gemma3_text, and llama_swa, a
+llama whose every second layer attends through a window of 4), a small synthetic
+model folder of the MLX architecture matrix (``tests/engines/test_mlx_architectures.py``:
+random float32 weights, 4 layers, 64 wide, a 2048-token vocabulary; Gemma 3 every
+second layer sliding with a window of 4, so decode runs past every window) is written
+to a temporary dir and loaded as one whole ``MlxStage``. Each of ``--alone`` (default:
+gemma3_text) is measured once more with the stage's batching off (its items one at a
+time through the model's own layers, as before Gemma 3 had a ragged block): the
+control. After each stream's prefill, ``--steps`` greedy
 decode steps are timed with 1 stream a forward call, then with ``--streams`` streams a
 call; the two alternate within each repeat, so drift hits both alike. Prints the
 aggregate decode tok/s of each (median, min-max) and their paired ratio, and whether
@@ -83,6 +88,21 @@ def decode_rate(stage: Any, streams: int, steps: int) -> float:
     return streams * steps / dt
 
 
+def streams_row(stage: Any, args: argparse.Namespace) -> list[str]:
+    """The table cells of one stage: 1 stream and ``--streams`` streams alternated
+    ``--repeat`` times (tok/s median, min-max), and their paired ratio."""
+    for k in (1, args.streams):
+        decode_rate(stage, k, 4)  # warm up
+    one: list[float] = []
+    many: list[float] = []
+    for _ in range(args.repeat):
+        one.append(decode_rate(stage, 1, args.steps))
+        many.append(decode_rate(stage, args.streams, args.steps))
+    ratios = paired(Series("many", xs=many), Series("one", xs=one))
+    return [f"{med(one):.0f}", spread(one, "{:.0f}"), f"{med(many):.0f}",
+            spread(many, "{:.0f}"), f"{med(ratios):.2f}"]  # fmt: skip
+
+
 def measure(tmp: Path, args: argparse.Namespace) -> int:
     from meshd.engines.mlx_stage import MlxStage
     from tests.engines.test_mlx_architectures import N_LAYERS, write_folder
@@ -94,19 +114,9 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
         folder = write_folder(tmp / arch, arch, tok, n_vocab)
         with MlxStage(folder, start=0, end=N_LAYERS, first=True, last=True, n_ctx=256,
                       n_seq_max=args.streams) as stage:  # fmt: skip
-            for k in (1, args.streams):
-                decode_rate(stage, k, 4)  # warm up
-            one: list[float] = []
-            many: list[float] = []
-            for _ in range(args.repeat):
-                one.append(decode_rate(stage, 1, args.steps))
-                many.append(decode_rate(stage, args.streams, args.steps))
-            batched = stage.batched
-        ratios = paired(Series("many", xs=many), Series("one", xs=one))
-        rows.append([
-            arch, "yes" if batched else "no", f"{med(one):.0f}", spread(one, "{:.0f}"),
-            f"{med(many):.0f}", spread(many, "{:.0f}"), f"{med(ratios):.2f}",
-        ])  # fmt: skip
+            for batched in [stage.batched] + ([False] if arch in args.alone else []):
+                stage.batched = batched
+                rows.append([arch, "yes" if batched else "no", *streams_row(stage, args)])
     print()
     print(f"MLX decode, {args.steps} greedy steps after a {PROMPT_TOKENS}-token prefill per "
           f"stream, median of {args.repeat} (min-max); one whole stage of a 4-layer, 64-wide "
@@ -122,7 +132,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
     p.add_argument("--repeat", type=int, default=3, help="runs per side (median)")
     p.add_argument("--streams", type=int, default=8, help="requests a call on the many side")
-    p.add_argument("--archs", nargs="+", default=["llama", "qwen3", "phi3", "gemma3_text"])
+    p.add_argument(
+        "--archs", nargs="+", default=["llama", "qwen3", "phi3", "gemma3_text", "llama_swa"]
+    )
+    p.add_argument("--alone", nargs="*", default=["gemma3_text"],
+                   help="architectures measured again with batching off (the control)")  # fmt: skip
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary folders")
     args = p.parse_args()
     return run_measure("meshd-bench-mlx-batch-", args.keep_logs, lambda tmp: measure(tmp, args))

@@ -81,10 +81,13 @@ MLX_FOLDER_ARCHITECTURES = frozenset(
 )
 
 #: Architectures whose requests an MLX stage runs together (the ragged batch of
-#: ``meshd.engines.mlx_ragged``, which re-implements the block mlx-lm's llama, qwen2,
-#: qwen3 and phi3 share; mlx-lm builds a mistral folder with its llama model), where
-#: no layer attends through a window. Any other runs one request at a time.
-MLX_BATCHED_ARCHITECTURES = frozenset({"llama", "mistral", "phi3", "qwen2", "qwen3"})
+#: ``meshd.engines.mlx_ragged``, which re-implements the blocks of mlx-lm's llama,
+#: qwen2, qwen3, phi3 and gemma3_text models, windowed layers included; mlx-lm builds
+#: a mistral folder with its llama model, an image-text gemma3 runs its gemma3_text
+#: model). Any other runs one request at a time.
+MLX_BATCHED_ARCHITECTURES = frozenset(
+    {"gemma3", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3"}
+)
 
 #: Why an MLX stage is not given a quantized KV cache (``InstanceSpec.kv_cache``): it
 #: keeps mlx-lm's f16 cache (its batched path has none other), and a cache type ignored

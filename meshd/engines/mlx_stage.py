@@ -29,14 +29,14 @@ residual-stream rows at the same absolute positions whichever engine ran them.
   stream in f32 like llama.cpp's exact mode.
 - Requests: one mlx-lm ``KVCache`` per layer per request (``seq``), for sliding-window
   layers too (their window is a mask: a ``RotatingKVCache`` overwrites positions that
-  ``truncate`` and ``share`` need). On a llama, mistral, qwen2, qwen3 or phi3 model
-  without windowed layers (``MlxStage.batched``) a forward call batches its
-  items ragged: the token-wise work (norms, projections, MLP, head) runs once on the
-  rows of every item concatenated, and only attention (rope offset, cache, causal
-  mask) runs per item. (MLX's CPU quantized matmul costs the same per row however
-  many rows it gets, so this saves nothing there; on Metal it shares each weight
-  read between the requests.) Other blocks run through their own ``__call__`` one
-  item at a time.
+  ``truncate`` and ``share`` need). On a llama, mistral, qwen2, qwen3, phi3 or
+  Gemma 3 model, windowed layers included (``MlxStage.batched``), a forward call
+  batches its items ragged: the token-wise work (norms, projections, MLP, head) runs
+  once on the rows of every item concatenated, and only attention (rope offset,
+  cache, causal or window mask) runs per item. (MLX's CPU quantized matmul costs the
+  same per row however many rows it gets, so this saves nothing there; on Metal it
+  shares each weight read between the requests.) Any other block would run through
+  its own ``__call__`` one item at a time.
 - Tokenizer: the GGUF's own vocabulary through llama.cpp (``vocab_only``), so token
   ids and pieces are the ones the llama.cpp stages use.
 - Folders (``config.json`` + ``*.safetensors``, see :mod:`meshd.models.folder`):
@@ -49,10 +49,11 @@ residual-stream rows at the same absolute positions whichever engine ran them.
   then cut to the stage's layers; the others are lazy parameters never evaluated
   (measured: a 2-of-16-layer stage adds exactly its 2 layers' bytes). The stage
   runs that model's own embedding (with Gemma's sqrt(hidden) scale, on token
-  embeddings only), its layers' ``__call__`` with mlx-lm's mask for each layer's
-  kind (from the model's ``make_cache()``: a rotating cache marks a sliding layer
-  and its window), its final norm and head, its ``sanitize`` (ties). Within ~2e-5
-  of mlx-lm's whole model in logits (0 for llama, mistral, qwen2, qwen3, phi3).
+  embeddings only), its layers (the ragged block, or their ``__call__`` with
+  mlx-lm's mask) with each layer's window (from the model's ``make_cache()``: a
+  rotating cache marks a sliding layer and its window), its final norm and head, its
+  ``sanitize`` (ties). Within ~3e-5 of mlx-lm's whole model in logits (0 for llama,
+  mistral, qwen2, qwen3, phi3).
   ``mx.load`` maps safetensors lazily, so a stage reads only its own
   tensors. Tokenizer: the folder's ``tokenizer.json`` through
   :class:`~meshd.models.vocab.HfVocab` (llama.cpp's rules for pieces and stop ids).
@@ -497,7 +498,7 @@ class MlxStage:
         self._embed = inner.embed_tokens if self.first else None
         self._embed_scale = _embed_scale(model) if self.first else None
         # Requests batched ragged where meshd.engines.mlx_ragged has the block.
-        self.batched = ragged_model(model, self._windows)
+        self.batched = ragged_model(model)
         if self.last:
             self._norm = inner.norm
             # A tied head is the embedding used as a linear layer.
@@ -570,7 +571,7 @@ class MlxStage:
         stream after the stage's last layer) on a stage that is not last, the last
         row's logits ``(n_vocab,)`` on the last one.
 
-        Where :attr:`batched` (llama, mistral, qwen2, qwen3, phi3 blocks, no window) the
+        Where :attr:`batched` (llama, mistral, qwen2, qwen3, phi3, Gemma 3 blocks) the
         rows of all items run together (ragged batch: attention per item, all other
         work on the concatenated rows, :mod:`meshd.engines.mlx_ragged`); other models
         run each item through the layers on its own. Either way in chunks of at most
@@ -679,8 +680,8 @@ class MlxStage:
         else:
             h = mx.array(x)[None]
         if self.batched:
-            for i, layer in enumerate(self._layers):
-                h = ragged_block(layer, h, [(s, e, c[i]) for s, e, c in spans])
+            for i, (layer, w) in enumerate(zip(self._layers, self._windows, strict=True)):
+                h = ragged_block(layer, h, [(s, e, c[i]) for s, e, c in spans], w)
         else:
             h = self._items(h, spans)
         if not self.last or not last_rows:
