@@ -33,10 +33,9 @@ residual-stream rows at the same absolute positions whichever engine ran them.
   Gemma 3 model, windowed layers included (``MlxStage.batched``), a forward call
   batches its items ragged: the token-wise work (norms, projections, MLP, head) runs
   once on the rows of every item concatenated, and only attention (rope offset,
-  cache, causal or window mask) runs per item. (MLX's CPU quantized matmul costs the
-  same per row however many rows it gets, so this saves nothing there; on Metal it
-  shares each weight read between the requests.) Any other block would run through
-  its own ``__call__`` one item at a time.
+  cache, causal or window mask) runs per item (it saves nothing on MLX's CPU, whose
+  quantized matmul costs the same per row; on Metal it shares each weight read).
+  Any other block would run through its own ``__call__`` one item at a time.
 - Tokenizer: the GGUF's own vocabulary through llama.cpp (``vocab_only``), so token
   ids and pieces are the ones the llama.cpp stages use.
 - Folders (``config.json`` + ``*.safetensors``, see :mod:`meshd.models.folder`):
