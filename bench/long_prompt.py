@@ -35,6 +35,8 @@ import _delay
 import lan
 from _common import (
     DEFAULT_MODEL,
+    READY,
+    Proc,
     chat_payload,
     cpu_model,
     http_client,
@@ -90,16 +92,38 @@ def ttft(client, node: lan.Node, prompt: str) -> float:
     return stream_chat(client, node.api, p).ttft
 
 
+def start_node(
+    tmp: Path, host: _delay.Host, name: str, cluster: str, peers: list[tuple[str, int]]
+) -> lan.Node:
+    """``meshd up`` inside ``host`` as ``lan.start_node`` starts it, waiting up to 10
+    minutes for it (a busy machine imports slowly)."""
+    secret = tmp / f"{cluster}.secret"
+    if not secret.exists():
+        from meshd.transport.security import write_secret
+
+        write_secret(secret)
+    args = lan.host_argv(host, [
+        sys.executable, "-m", "meshd.cli.meshd", "up", "--name", name, "--cluster", cluster,
+        "--no-model", "--no-discovery", "--api-port", "0", "--mesh-port", "0",
+        "--mesh-host", host.ip, "--data-dir", str(tmp / f"data-{name}"),
+        "--secret-file", str(secret),
+        *[a for ip, port in peers for a in ("--peer", f"{ip}:{port}")],
+    ])  # fmt: skip
+    proc = Proc(args, tmp / f"node-{name}.log", env=lan.node_env())
+    _, m = proc.wait_line(READY, 600.0)
+    return lan.Node(name, proc, m["api"], int(m["mesh"]))
+
+
 def start_cluster(tmp: Path, hosts: list[_delay.Host], name: str, env: dict[str, str]) -> lan.Node:
     """A cluster ``name`` with a node on each of ``hosts``, the model placed a stage on
     each; its first node (the API the client asks). ``env``: set in the nodes'."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # lan.node_env() copies this process's environment
     try:
-        first = lan.start_node(tmp, hosts[0], f"{name}0", name, [])
+        first = start_node(tmp, hosts[0], f"{name}0", name, [])
         names = [first.name]
         for i, h in enumerate(hosts[1:], 1):
-            lan.start_node(tmp, h, f"{name}{i}", name, [(hosts[0].ip, first.mesh_port)])
+            start_node(tmp, h, f"{name}{i}", name, [(hosts[0].ip, first.mesh_port)])
             names.append(f"{name}{i}")
     finally:
         for k, v in saved.items():
@@ -109,7 +133,7 @@ def start_cluster(tmp: Path, hosts: list[_delay.Host], name: str, env: dict[str,
                 os.environ[k] = v
     client = http_client()
     try:
-        wait_live(client, first, set(names), 60.0)
+        wait_live(client, first, set(names), 300.0)
         # Not lan.place: on a busy machine loading takes longer than its 180 s.
         r = client.post(f"{first.api}/v1/instances", json={"model": DEFAULT_MODEL, "nodes": names})
         r.raise_for_status()
