@@ -84,8 +84,14 @@ def prompts(model_path: Path, n_tokens: int, count: int) -> tuple[list[str], int
     return out, size(out[0])
 
 
-def ttft(client, node: lan.Node, prompt: str) -> float:
-    """Seconds to the first token of ``prompt`` (greedy, 4 tokens, no prefix reuse)."""
+def ttft(client, node: lan.Node, prompt: str, n_stages: int) -> float:
+    """Seconds to the first token of ``prompt`` (greedy, 4 tokens, no prefix reuse);
+    RuntimeError when the node's instance is no longer on ``n_stages`` stages (a busy
+    machine's missed heartbeats had it repaired onto one node: not the subject)."""
+    got = client.get(f"{node.api}/v1/instances").json()["data"]
+    stages = [len(i["stages"]) for i in got]
+    if stages != [n_stages]:
+        raise RuntimeError(f"{node.name}'s instance runs on {stages} stage(s), not {n_stages}")
     p = chat_payload(DEFAULT_MODEL, 4, meshd=True, messages=[{"role": "user", "content": prompt}])
     p["cache_prompt"] = False
     p["speculate"] = False
@@ -96,7 +102,9 @@ def start_node(
     tmp: Path, host: _delay.Host, name: str, cluster: str, peers: list[tuple[str, int]]
 ) -> lan.Node:
     """``meshd up`` inside ``host`` as ``lan.start_node`` starts it, waiting up to 10
-    minutes for it (a busy machine imports slowly)."""
+    minutes for it (a busy machine imports slowly), and a silence of up to 10 minutes
+    before a request's first token (its default, 30 s + 20 ms a prompt token, ends a
+    prefill on a busy machine)."""
     secret = tmp / f"{cluster}.secret"
     if not secret.exists():
         from meshd.transport.security import write_secret
@@ -106,7 +114,7 @@ def start_node(
         sys.executable, "-m", "meshd.cli.meshd", "up", "--name", name, "--cluster", cluster,
         "--no-model", "--no-discovery", "--api-port", "0", "--mesh-port", "0",
         "--mesh-host", host.ip, "--data-dir", str(tmp / f"data-{name}"),
-        "--secret-file", str(secret),
+        "--secret-file", str(secret), "--chunk-timeout", "600", "--request-expiry", "1200",
         *[a for ip, port in peers for a in ("--peer", f"{ip}:{port}")],
     ])  # fmt: skip
     proc = Proc(args, tmp / f"node-{name}.log", env=lan.node_env())
@@ -175,7 +183,7 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
             split = start_cluster(tmp, [a, b], "chunk", {})
             whole = start_cluster(tmp, [a, b], "whole", {"MESHD_PREFILL_CHUNK": "0"})
             it = iter(texts)
-            ttft(client, solo, next(it))  # warm: the first request's costs are not the point
+            ttft(client, solo, next(it), 1)  # warm: the first request's costs are not the point
             for r in range(args.rounds):
                 for label, mbit, rtt in LINKS:
                     net.set_rtt(rtt)
@@ -184,7 +192,7 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
                                       ("2 stages, whole", whole)):  # fmt: skip
                         if key == "1 node" and label != LINKS[0][0]:
                             continue  # one node crosses no link: once a round
-                        t = ttft(client, node, next(it))
+                        t = ttft(client, node, next(it), 1 if node is solo else 2)
                         ttfts.setdefault((key, label), []).append(t)
                         log(f"round {r}, {label}, {key}: TTFT {t:.2f} s")
         finally:
