@@ -26,6 +26,7 @@ chunk, exact mode too; ``0`` runs a prompt in one step, as before chunks.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from .state import Request, Work
 
@@ -38,7 +39,7 @@ CHUNK_TARGET_S = 0.25
 MIN_CHUNK_ROWS = 64
 
 
-def fixed_rows(environ: dict[str, str] | os._Environ[str] | None = None) -> int | None:
+def fixed_rows(environ: Mapping[str, str] | None = None) -> int | None:
     """The rows ``$MESHD_PREFILL_CHUNK`` fixes (0: unchunked), or None when unset.
     ValueError for a value that is no count."""
     raw = (os.environ if environ is None else environ).get(CHUNK_ENV, "").strip()
