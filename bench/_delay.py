@@ -7,6 +7,7 @@ the same TUN, from which the kernel forwards it to its destination.
 
     with DelayLan(n=2, prefix="mdl") as lan:   # hosts 10.77.1.2, 10.77.2.2, ...
         lan.set_rtt(5.0)                       # ms; each direction holds RTT/2
+        lan.set_rate(100)                      # Mbit/s each way of each host pair
         lan.hosts[1].popen([...])              # a process inside host 1
         print(lan.ping(0, 1, count=20))        # measured RTT min/avg/max (ms)
 
@@ -22,11 +23,19 @@ Layout:
   RTT (``set_rtt(r)`` sets a one-way delay of ``r / 2``).
 
 The relay (``python bench/_delay.py relay``, run inside the router namespace) is one
-thread: ``select`` on the non-blocking TUN fd with the head packet's due time as the
-timeout (microsecond resolution, unlike ``epoll``'s milliseconds), a FIFO of
-``(due, packet)`` (one delay for every packet keeps their order; a lower delay set
-later never lets a packet pass one queued before it), and one line per command on
-stdin (``delay MS``: the one-way delay). It runs on the machine's own cores, so its
+thread: ``select`` on the non-blocking TUN fd with the first packet's due time as the
+timeout (microsecond resolution, unlike ``epoll``'s milliseconds), a heap of
+``(due, packet)``, and one line per command on stdin (``delay MS``: the one-way delay;
+``rate MBIT``: each link's bandwidth, 0 for none).
+
+Each direction of each host pair (a packet's source and destination address) is a link
+of its own, with a wire that sends one packet at a time: a packet is due at the later
+of its arrival plus the delay and the previous packet's departure on its link plus its
+own size (its IP bytes) * 8 / rate. So a burst leaves at the link's rate after the
+delay, as from a switch port of that speed, and packets of one link never pass each
+other (a lower delay set later waits for those queued before it); links do not share
+bandwidth (a full-duplex switched LAN, not one Wi-Fi medium). ``DelayLan.set_rate``
+sets it. It runs on the machine's own cores, so its
 wake-up latency adds to the target: ``ping`` with ``set_rtt(0)`` measures that. It
 runs at a real-time priority (``SCHED_FIFO``), so the compute on the same cores delays
 its wake-ups less.
@@ -43,6 +52,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import heapq
 import itertools
 import os
 import re
@@ -53,7 +63,6 @@ import struct
 import subprocess
 import sys
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,8 +89,9 @@ def reap_stale(prefix: str) -> list[str]:
     return netns.reap_stale(prefix, _NAME_RE)
 
 
-def available() -> tuple[bool, str]:
-    """``(True, "")`` when this machine can build a delayed LAN, else ``(False, why)``."""
+def available(ping: bool = True) -> tuple[bool, str]:
+    """``(True, "")`` when this machine can build a delayed LAN, else ``(False, why)``;
+    ``ping``: and check its links with ``ping``."""
     if sys.platform != "linux":
         return False, f"network namespaces need Linux (this is {sys.platform})"
     if os.geteuid() != 0:
@@ -90,7 +100,7 @@ def available() -> tuple[bool, str]:
         return False, "no /dev/net/tun (the tun module is not loaded)"
     if shutil.which("ip") is None:
         return False, "iproute2 `ip` command not found"
-    if shutil.which("ping") is None:
+    if ping and shutil.which("ping") is None:
         return False, "`ping` not found (it checks the links' delay; Debian: iputils-ping)"
     return True, ""
 
@@ -107,37 +117,35 @@ def open_tun(name: str) -> int:
 
 
 def relay_main(argv: Sequence[str]) -> int:
-    """``relay DEV DELAY_MS``: hold every packet read from DEV for DELAY_MS, then
-    write it back. Prints ``ready`` once the device exists; reads ``delay MS`` lines
-    on stdin (answers ``ok MS``); exits when stdin closes."""
-    dev, delay = argv[0], float(argv[1]) / 1000.0
+    """``relay DEV DELAY_MS``: hold every packet read from DEV for DELAY_MS (and its
+    link's rate), then write it back. Prints ``ready`` once the device exists; reads
+    ``delay MS`` and ``rate MBIT`` lines on stdin (answers ``ok ...``); exits when
+    stdin closes."""
+    dev = argv[0]
+    wire = Wire(float(argv[1]) / 1000.0)
     _fine_timers()
     fd = open_tun(dev)
     ctl = sys.stdin.fileno()
     os.set_blocking(ctl, False)
-    pending: deque[tuple[float, bytes]] = deque()
-    last_due = 0.0
     buf = b""
     now = time.perf_counter
     print("ready", flush=True)
     while True:
         timeout = None
-        if pending:
-            timeout = max(0.0, pending[0][0] - now())
+        if wire.heap:
+            timeout = max(0.0, wire.heap[0][0] - now())
         r, _, _ = select.select([fd, ctl], [], [], timeout)
         if fd in r:
             t = now()
-            due = max(t + delay, last_due)
             while True:
                 try:
                     pkt = os.read(fd, 65536)
                 except BlockingIOError:
                     break
-                if delay <= 0 and not pending:
+                if wire.delay <= 0 and wire.rate <= 0 and not wire.heap:
                     _write(fd, pkt)
                 else:
-                    pending.append((due, pkt))
-                    last_due = due
+                    wire.hold(pkt, t)
         if ctl in r:
             try:
                 chunk = os.read(ctl, 4096)
@@ -148,13 +156,51 @@ def relay_main(argv: Sequence[str]) -> int:
             buf += chunk
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
-                parts = line.split()
-                if len(parts) == 2 and parts[0] == b"delay":
-                    delay = float(parts[1]) / 1000.0
-                    print(f"ok {delay * 1000:g}", flush=True)
-        t = now()
-        while pending and pending[0][0] <= t:
-            _write(fd, pending.popleft()[1])
+                answer = wire.command(line.split())
+                if answer:
+                    print(answer, flush=True)
+        for pkt in wire.due(now()):
+            _write(fd, pkt)
+
+
+class Wire:
+    """The relay's links: the one-way ``delay`` (s) and each link's ``rate``
+    (bits/s, 0: none), and the packets held, by due time (see the module doc)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.rate = 0.0
+        self.heap: list[tuple[float, int, bytes]] = []
+        #: Per link (source, destination address): when its last packet leaves.
+        self.free_at: dict[bytes, float] = {}
+        self._n = itertools.count()
+
+    def hold(self, pkt: bytes, t: float) -> None:
+        """Queue ``pkt``, read at ``t``."""
+        link = pkt[12:20]  # IPv4 source and destination
+        send = len(pkt) * 8 / self.rate if self.rate > 0 else 0.0
+        due = max(t + self.delay, self.free_at.get(link, 0.0) + send)
+        self.free_at[link] = due
+        heapq.heappush(self.heap, (due, next(self._n), pkt))
+
+    def due(self, t: float) -> list[bytes]:
+        """The packets due by ``t``, in order."""
+        out = []
+        while self.heap and self.heap[0][0] <= t:
+            out.append(heapq.heappop(self.heap)[2])
+        return out
+
+    def command(self, parts: list[bytes]) -> str:
+        """Act on a stdin line's words (``delay MS``, ``rate MBIT``); the answer."""
+        if len(parts) != 2:
+            return ""
+        if parts[0] == b"delay":
+            self.delay = float(parts[1]) / 1000.0
+            return f"ok {self.delay * 1000:g}"
+        if parts[0] == b"rate":
+            self.rate = max(0.0, float(parts[1])) * 1e6
+            return f"ok rate {self.rate / 1e6:g}"
+        return ""
 
 
 def _fine_timers() -> None:
@@ -272,19 +318,24 @@ class DelayLan:
     """``n`` host namespaces, each on its own veth to one router namespace whose
     forwarding passes through a delaying user-space relay (see the module doc)."""
 
-    def __init__(self, n: int = 2, prefix: str = "mdl", subnet: str = "10.77") -> None:
+    def __init__(
+        self, n: int = 2, prefix: str = "mdl", subnet: str = "10.77", mtu: int = 1500
+    ) -> None:
         if not re.fullmatch(r"[a-z0-9]+", prefix):
             raise ValueError("prefix must be lowercase letters and digits")
         if not 2 <= n <= 50:
             raise ValueError("n must be between 2 and 50")
         self.prefix = prefix
         self.subnet = subnet
+        #: Of every link (9000: jumbo frames, a sixth of the packets for the relay).
+        self.mtu = mtu
         base = f"{prefix}-{os.getpid()}-{next(_serial)}"
         self.router = f"{base}-rt"
         self.hosts = [Host(self, i, f"{base}-h{i}") for i in range(n)]
         self.procs: list[subprocess.Popen[Any]] = []
         self.relay: subprocess.Popen[str] | None = None
         self.rtt_ms = 0.0
+        self.rate_mbit = 0.0
         self._made: list[str] = []
         self._closed = False
 
@@ -317,10 +368,10 @@ class DelayLan:
             netns.ip("-n", rt, "link", "add", port, "type", "veth", "peer", "name", "eth0",
                 "netns", h.name)  # fmt: skip
             netns.ip("-n", rt, "addr", "add", f"{gw}/24", "dev", port)
-            netns.ip("-n", rt, "link", "set", port, "up")
+            netns.ip("-n", rt, "link", "set", port, "mtu", str(self.mtu), "up")
             self._sysctl(rt, f"net.ipv4.conf.{port}.rp_filter", "0")
             netns.ip("-n", h.name, "addr", "add", f"{h.ip}/24", "dev", "eth0")
-            netns.ip("-n", h.name, "link", "set", "eth0", "up")
+            netns.ip("-n", h.name, "link", "set", "eth0", "mtu", str(self.mtu), "up")
             netns.ip("-n", h.name, "route", "add", "default", "via", gw)
             # Everything a host sends to another host enters the relay.
             netns.ip("-n", rt, "rule", "add", "iif", port, "table", TABLE, "pref", "100")
@@ -336,7 +387,7 @@ class DelayLan:
         line = self.relay.stdout.readline().strip()
         if line != "ready":
             raise RuntimeError(f"the delay relay did not start (said {line!r})")
-        netns.ip("-n", rt, "link", "set", "tun0", "up")
+        netns.ip("-n", rt, "link", "set", "tun0", "mtu", str(self.mtu), "up")
         self._sysctl(rt, "net.ipv4.conf.tun0.rp_filter", "0")
         netns.ip("-n", rt, "route", "add", "default", "dev", "tun0", "table", TABLE)
 
@@ -365,6 +416,17 @@ class DelayLan:
             raise RuntimeError(f"the delay relay did not take the delay (said {line!r})")
         self.rtt_ms = rtt_ms
 
+    def set_rate(self, mbit: float) -> None:
+        """Let each direction of each host pair carry ``mbit`` Mbit/s (0: no limit)."""
+        assert self.relay is not None and self.relay.stdin is not None
+        assert self.relay.stdout is not None
+        self.relay.stdin.write(f"rate {mbit:g}\n")
+        self.relay.stdin.flush()
+        line = self.relay.stdout.readline().strip()
+        if not line.startswith("ok rate"):
+            raise RuntimeError(f"the delay relay did not take the rate (said {line!r})")
+        self.rate_mbit = mbit
+
     def ping(self, src: int, dst: int, count: int = 20, interval: float = 0.05) -> Ping:
         """``ping -c count`` from host ``src`` to host ``dst``: measured RTT (ms)."""
         return self.ping_ip(src, self.hosts[dst].ip, count, interval)
@@ -386,6 +448,31 @@ class DelayLan:
             vals.get("min", nan), vals.get("avg", nan), vals.get("max", nan),
             vals.get("mdev", nan),
         )  # fmt: skip
+
+    def throughput(self, src: int, dst: int, mbytes: float = 4.0, port: int = 5201) -> float:
+        """Mbit/s of one TCP transfer of ``mbytes`` MB from host ``src`` to host ``dst``
+        (timed by the receiver, from its first byte to its last: the link's rate, not
+        its delay)."""
+        recv = (
+            "import socket,time,sys;s=socket.socket();"
+            "s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+            f"s.bind(('{self.hosts[dst].ip}',{port}));s.listen(1);print('up',flush=True);"
+            "c,_=s.accept();n=0;t0=0.0\n"
+            "while True:\n b=c.recv(1<<20)\n if not b: break\n"
+            " t0=t0 or time.perf_counter();n+=len(b)\n"
+            "print(n*8/(time.perf_counter()-t0)/1e6,flush=True)"
+        )
+        p = self.hosts[dst].popen([sys.executable, "-c", recv], stdout=subprocess.PIPE, text=True)
+        assert p.stdout is not None
+        if p.stdout.readline().strip() != "up":
+            raise RuntimeError("the receiver did not start")
+        send = (
+            f"import socket;c=socket.create_connection(('{self.hosts[dst].ip}',{port}));"
+            f"c.sendall(bytes({int(mbytes * 1e6)}));c.close()"
+        )
+        self.hosts[src].run([sys.executable, "-c", send], timeout=120)
+        out, _ = p.communicate(timeout=120)
+        return float(out.strip())
 
     # -- cleanup -------------------------------------------------------------------------
 
@@ -426,22 +513,30 @@ def _close_all() -> None:
 
 
 def _check(argv: Sequence[str]) -> int:
-    """``python bench/_delay.py check [RTT_MS ...]``: build two hosts, ping each RTT."""
+    """``python bench/_delay.py check [RTT_MS ...]``: build two hosts, ping each RTT
+    (where ``ping`` is installed), then time a TCP transfer at 100 and 1000 Mbit/s and
+    with no rate (``$MTU``: the links' MTU, default 1500)."""
+    mtu = int(os.environ.get("MTU", "1500"))
     rtts = [float(x) for x in argv] or [0.0, 0.5, 5.0]
     signal.signal(signal.SIGTERM, lambda s, f: sys.exit(128 + s))
-    ok, why = available()
+    ok, why = available(ping=False)
     if not ok:
         print(f"cannot build the delayed LAN: {why}")
         return 1
-    with DelayLan(n=2, prefix="mdlchk") as lan:
+    with DelayLan(n=2, prefix="mdlchk", mtu=mtu) as lan:
         rows = []
-        for rtt in rtts:
+        for rtt in rtts if shutil.which("ping") else []:
             lan.set_rtt(rtt)
             lan.ping(0, 1, count=3)  # ARP and caches first
             rows.append(lan.ping(0, 1, count=20).row())
         widths = [max(len(r[i]) for r in [PING_HEADER, *rows]) for i in range(len(PING_HEADER))]
         for r in [PING_HEADER, *rows]:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+        lan.set_rtt(0)
+        for mbit in (100.0, 1000.0, 0.0):
+            lan.set_rate(mbit)
+            got = lan.throughput(0, 1, 4.0 if mbit else 16.0)
+            print(f"rate {mbit:g} Mbit/s (0: none): a 4-16 MB TCP transfer ran {got:.0f} Mbit/s")
     return 0
 
 

@@ -95,6 +95,7 @@ RUNNER_ENV_KEEP = (
     "HIP_", "ROCM_", "MLX_", "METAL_", "GGML_", "LLAMA_", "SYSTEMROOT", "WINDIR",
     "MESHD_FAULT_INJECT",  # a fault drill (meshd.engines.guard)
     "MESHD_TEST_SCRIPT",  # a test drill (meshd.engines.runner.thinking)
+    "MESHD_PREFILL_CHUNK",  # a benchmark's prompt chunks (meshd.engines.runner.chunks)
 )  # fmt: skip
 
 

@@ -1,9 +1,12 @@
 """What a hop carries: stage 0 of the default model, cut at layer 15, sends a request's
 rows as its instance's narrow type (f16 by default), and as float32 for a request in
-the exact mode. The test plays stage 1 over a real ROUTER and reads what arrives."""
+the exact mode; a long prompt's rows in chunks, each as soon as it is computed. The
+test plays stage 1 over a real ROUTER and reads what arrives."""
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,3 +77,35 @@ def test_a_hop_carries_f16_rows_and_an_exact_request_float32(
     exact, size = _first_hop(api, stage0, next_stage, "exact", exact=True)
     assert exact.dtype == "f32" and size == exact.rows * HIDDEN * 4
     assert exact.start is not None and exact.start.exact
+
+
+def test_a_long_prompt_goes_on_in_chunks_each_as_soon_as_it_is_computed(
+    stage0: RunnerProcess, api: ApiSide, next_stage: tuple[zmq.Socket, wire.Addr]
+) -> None:
+    # Exact mode: chunks of the engine's n_batch (455 rows at this runner's context),
+    # so a 1,000-token prompt goes as three activations at their absolute positions.
+    sock, addr = next_stage
+    n = 1000
+    api.send(stage0, wire.Generate(
+        req="long", instance=stage0.cfg.instance, generation=stage0.cfg.generation,
+        route=[stage0.addr, addr], reply_to=api.reply_to,
+        job=Job(prompt_tokens=[400 + i % 300 for i in range(n)], exact=True,
+                sampling=Sampling(temperature=0.0, max_tokens=1)),
+    ))  # fmt: skip
+    got: list[tuple[float, wire.Activation]] = []
+    while sum(a.rows for _, a in got) < n:
+        assert sock.poll(120_000), f"stage 0 sent {len(got)} chunk(s), then nothing"
+        frames = sock.recv_multipart()
+        msg = wire.decode_stage(frames[1])
+        if isinstance(msg, wire.Activation) and msg.req == "long":
+            got.append((time.monotonic(), msg))
+    api.cancel(stage0, "long")
+    stage0.wait_active(0, 10)
+    acts = [a for _, a in got]
+    starts = [0, *itertools.accumulate(a.rows for a in acts[:-1])]
+    assert len(acts) >= 3 and [a.pos for a in acts] == starts
+    assert acts[0].start is not None and all(a.start is None for a in acts[1:])
+    # The first chunk left before stage 0 computed the others: it arrived at least
+    # their compute (each activation says what its step took) before the last one.
+    later = sum(a.compute[0] for a in acts[1:])
+    assert got[-1][0] - got[0][0] >= 0.5 * later > 0

@@ -3,7 +3,8 @@
 Data plane (all messages carry the request id and the plan generation):
 
 * stage 0 gets ``Generate``: renders the chat template, tokenizes, checks the context,
-  sends the API node a ``DataChunk(n_prompt=...)``, then runs its layers;
+  sends the API node a ``DataChunk(n_prompt=...)``, then runs its layers on the prompt
+  in chunks, each sent on as soon as it is computed;
 * a middle stage gets ``Activation`` (hidden rows in a raw float32 frame) and passes
   its own on;
 * the last stage samples, sends text to the API node (``DataChunk``) and the token back
@@ -27,6 +28,7 @@ One module a job:
 ``admission``      stage 0's admission (prompt, tools, context) and a later stage's
 ``seats``          KV sequences and the prefix cache
 ``prefills``       prompt steps shared by the choices of one prompt
+``chunks``         stage 0's prompt cut into chunks, each sent on when computed
 ``step``           the batched engine call
 ``speculation``    stage 0's drafted and chained steps
 ``output``         the last stage: sampling, verification, text, embeddings

@@ -251,7 +251,7 @@ class RunnerCore:
             waited_s=round(waited_s, 3), admit_s=round(time.perf_counter() - t0, 6),
         ))  # fmt: skip
         if self.start_output(r, got.start.resume):
-            self.work.extend(got.work)
+            self.work.extend(self.stepper.chunker.cut(r, got.work))
 
     def start_output(self, r: Request, resume: list[int]) -> bool:
         """The last stage: ``r``'s sampling state; False when ``r`` ended instead."""

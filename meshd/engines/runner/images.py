@@ -50,7 +50,8 @@ def prompt_work(
 ) -> Work:
     """A prompt's step from ``n_cached`` on: its token runs and its images' rows in
     order (a cached prefix may end inside an image: its other rows then), run as one
-    step, so that the prompt crosses a split once, as a text prompt does."""
+    step, so that the prompt crosses a split once (a text prompt goes in chunks
+    instead: :mod:`.chunks`)."""
     parts: list[np.ndarray] = []
     pos = n_cached
     for im in images:

@@ -17,6 +17,7 @@ import numpy as np
 from meshd.engines.calibrate import LayerClock
 from meshd.engines.stage import Stage, StageInput, StageInputError
 
+from .chunks import Chunker
 from .prefills import Prefills, step_key
 from .seats import Seats
 from .state import Counters, Request, Work
@@ -87,6 +88,8 @@ class Stepper:
         self.counters = counters
         self.last = last
         self.prefills = Prefills()
+        #: Stage 0 cuts prompts into chunks (see :mod:`.chunks`), paced by the steps here.
+        self.chunker = Chunker(int(getattr(stage, "n_batch", 0)))
 
     def run(self, batch: list[Work], reqs: dict[str, Request]) -> Ran:
         """Run ``batch``: each prompt step once (the n choices of one prompt bring
@@ -122,6 +125,7 @@ class Stepper:
             done = [self.forward_one(w, it) for (w, _), it in zip(run, items, strict=True)]
         else:
             self.clock.record(time.perf_counter() - t0, rows)
+            self.chunker.pace.record(sum(rows), time.perf_counter() - t0)
             news = self.clock.news(t0)
             done = [Done(w, out, 0.0) for (w, _), out in zip(run, outs, strict=True)]
         spent = round(time.perf_counter() - t0, 6)
