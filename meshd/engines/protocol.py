@@ -188,6 +188,8 @@ class Load(msgspec.Struct, tag="load", tag_field="event"):
     proposed: int = 0
     #: Stage 0: requests queued for a sequence.
     waiting: int = 0
+    #: Seconds this stage has spent in its steps since it started.
+    busy_s: float = 0.0
 
 
 class GenerationAdopted(msgspec.Struct, tag="generation", tag_field="event"):

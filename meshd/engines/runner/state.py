@@ -139,6 +139,9 @@ class Counters:
     prefixes_aged: int = 0
     #: Steps dropped unrun: sent before a restart of their request (``wire.Token``).
     stale_steps: int = 0
+    #: Seconds spent stepping so far (``Load.busy_s``): beside another stage's and the
+    #: wall time, how much the stages of a split overlap.
+    busy_s: float = 0.0
 
     def drop(self, reason: str) -> None:
         """Count one frame dropped for ``reason``."""
