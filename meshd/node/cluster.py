@@ -380,6 +380,7 @@ class ClusterView:
                 used = stage_offload(
                     inst.facts, st.start, st.end, st.engine, vram,
                     context=instance_context(inst), kv_cache=inst.spec.kv_cache,
+                    seats=inst.spec.seats,
                 ).gpu_bytes  # fmt: skip
                 taken[st.node] = taken.get(st.node, 0) + used
         return {k: less_gpu(r, taken.get(k, 0)) for k, r in nodes.items()}

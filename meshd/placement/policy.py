@@ -21,9 +21,11 @@ __all__ = [
     "KV_CACHE_TYPES",
     "KV_SEQUENCES",
     "KV_TOKENS",
+    "MAX_SEATS",
     "Policy",
     "base_context",
     "instance_context",
+    "instance_seats",
     "next_generation",
     "node_vram",
     "plan_digest",
@@ -56,6 +58,9 @@ KV_CACHE_TYPES = {"f16": 1.0, "q8_0": 34 / 64, "q4_0": 18 / 64}
 #: :func:`default_context`).
 KV_TOKENS = 4096
 KV_SEQUENCES = 8
+#: Most seats an instance may ask for (``InstanceSpec.seats``): llama.cpp holds at
+#: most 256 sequences, and each seat's KV is reserved whole.
+MAX_SEATS = 64
 
 
 class Policy(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,6 +123,12 @@ def instance_context(inst: Instance) -> int:
     (``Instance.context``), else (a record from before it was kept) its spec's, else
     :func:`base_context`."""
     return inst.context or inst.spec.context or base_context(inst.facts)
+
+
+def instance_seats(inst: Instance) -> int:
+    """Requests each runner of ``inst`` holds KV for: its spec's seats, else
+    :data:`KV_SEQUENCES`."""
+    return inst.spec.seats or KV_SEQUENCES
 
 
 def base_context(facts: ModelFacts | None) -> int:
