@@ -25,6 +25,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,13 @@ def start_pinned(tmp: Path, name: str, cluster: str, cpu: int, peer: Node | None
 def place(client: Any, node: Node, nodes: list[str], seats: int) -> None:
     """The default model, a stage on each of ``nodes``, ``seats`` requests in flight."""
     body = {"model": DEFAULT_MODEL, "nodes": nodes, "seats": seats, "speculate": False}
-    r = client.post(f"{node.api}/v1/instances", json=body)
+    deadline = time.monotonic() + 300.0
+    while True:
+        r = client.post(f"{node.api}/v1/instances", json=body)
+        # A node's card names its backends once it has probed them (slow on a busy box).
+        if r.status_code != 409 or "no_backend" not in r.text or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
     if r.status_code >= 300:
         raise HttpError(r.status_code, r.text)
     iid = r.json()["id"]
