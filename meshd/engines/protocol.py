@@ -188,8 +188,10 @@ class Load(msgspec.Struct, tag="load", tag_field="event"):
     proposed: int = 0
     #: Stage 0: requests queued for a sequence.
     waiting: int = 0
-    #: Seconds this stage has spent in its steps since it started.
+    #: Seconds this stage has spent in its steps since it started, and the most
+    #: requests one step took (stage 0 of a split: one micro-batch, see the runner).
     busy_s: float = 0.0
+    widest: int = 0
 
 
 class GenerationAdopted(msgspec.Struct, tag="generation", tag_field="event"):

@@ -90,10 +90,10 @@ class RunnerCore:
 
     def report_load(self) -> None:
         """Tell the supervisor how many requests hold KV here (it shows in the heartbeat)."""
-        ds = self.draft_server
+        ds, c = self.draft_server, self.counters
         emit(Load(active=len(self.reqs), layer_ms=round(self.clock.ms, 4),
-                  proposed=ds.proposed if ds is not None else 0,
-                  waiting=len(self.requests.waiting), busy_s=self.counters.busy_s))  # fmt: skip
+                  proposed=ds.proposed if ds is not None else 0, busy_s=c.busy_s,
+                  waiting=len(self.requests.waiting), widest=c.widest))  # fmt: skip
 
     # -- messages ----------------------------------------------------------------------
     def handle(self, msg: wire.StageMessage, raw: list[zmq.Frame]) -> None:

@@ -142,6 +142,8 @@ class Counters:
     #: Seconds spent stepping so far (``Load.busy_s``): beside another stage's and the
     #: wall time, how much the stages of a split overlap.
     busy_s: float = 0.0
+    #: The most requests one step took (``Load.widest``).
+    widest: int = 0
 
     def drop(self, reason: str) -> None:
         """Count one frame dropped for ``reason``."""

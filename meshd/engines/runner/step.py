@@ -116,7 +116,9 @@ class Stepper:
         """The next step's items: one per request with work, on stage 0 of a split one
         micro-batch of them (see :func:`group_size`)."""
         cap = group_size(len(reqs), self.n_groups)
-        return take_batch(work, reqs, self.restarts, self.counters, cap)
+        batch = take_batch(work, reqs, self.restarts, self.counters, cap)
+        self.counters.widest = max(self.counters.widest, len(batch))
+        return batch
 
     def run(self, batch: list[Work], reqs: dict[str, Request]) -> Ran:
         """Run ``batch``: each prompt step once (the n choices of one prompt bring
