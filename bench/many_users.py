@@ -70,6 +70,8 @@ def start_pinned(tmp: Path, name: str, cluster: str, cpu: int, peer: Node | None
         "--cluster", cluster, "--no-model", "--no-discovery", "--api-port", "0",
         "--mesh-port", "0", "--mesh-host", "127.0.0.1",
         "--data-dir", str(tmp / f"data-{name}"), "--secret-file", str(secret),
+        # 16 prompts on one busy core may take longer than the default silence.
+        "--chunk-timeout", "600",
     ]  # fmt: skip
     if peer is not None:
         args += ["--peer", f"127.0.0.1:{peer.mesh_port}"]
