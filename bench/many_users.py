@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from _common import (
     DEFAULT_MODEL,
     READY,
@@ -85,7 +86,12 @@ def place(client: Any, node: Node, nodes: list[str], seats: int) -> None:
     body = {"model": DEFAULT_MODEL, "nodes": nodes, "seats": seats, "speculate": False}
     deadline = time.monotonic() + 300.0
     while True:
-        r = client.post(f"{node.api}/v1/instances", json=body)
+        try:
+            r = client.post(f"{node.api}/v1/instances", json=body)
+        except httpx.TransportError:  # a node this busy may drop a connection
+            if time.monotonic() > deadline:
+                raise
+            continue
         # A node's card names its backends once it has probed them (slow on a busy box).
         if r.status_code != 409 or "no_backend" not in r.text or time.monotonic() > deadline:
             break
