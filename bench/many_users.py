@@ -91,6 +91,7 @@ def place(client: Any, node: Node, nodes: list[str], seats: int) -> None:
         except httpx.TransportError:  # a node this busy may drop a connection
             if time.monotonic() > deadline:
                 raise
+            time.sleep(1.0)
             continue
         # A node's card names its backends once it has probed them (slow on a busy box).
         if r.status_code != 409 or "no_backend" not in r.text or time.monotonic() > deadline:
