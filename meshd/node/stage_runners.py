@@ -102,9 +102,8 @@ def gpu_layers(inst: Instance, i: int) -> int:
     if inst.facts is None:
         return 0
     return stage_offload(
-        inst.facts, st.start, st.end, st.engine, _vram(inst, i),
+        inst.facts, st.start, st.end, st.engine, _vram(inst, i), seats=inst.spec.seats,
         context=instance_context(inst), kv_cache=inst.spec.kv_cache,
-        seats=inst.spec.seats,
     ).layers  # fmt: skip
 
 
@@ -132,9 +131,8 @@ def admit(
         need = 0
         if inst.facts is not None:
             need = stage_offload(
-                inst.facts, st.start, st.end, st.engine, _vram(inst, i),
+                inst.facts, st.start, st.end, st.engine, _vram(inst, i), seats=inst.spec.seats,
                 context=instance_context(inst), kv_cache=inst.spec.kv_cache,
-                seats=inst.spec.seats,
             ).host_need  # fmt: skip
         if len(admitted) >= max_runners or (memory and total + need > memory):
             continue

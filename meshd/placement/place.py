@@ -36,8 +36,6 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import NamedTuple
 
-import msgspec
-
 from meshd.crdt.views import Instance, InstanceSpec, Stage
 from meshd.domain.facts import ModelFacts
 
@@ -48,6 +46,7 @@ from .policy import (
     Policy,
     base_context,
     node_vram,
+    with_context,
 )
 from .resources import NodeResources
 from .support import (
@@ -104,7 +103,7 @@ def stage_offload(
     ``vram`` bytes of dedicated GPU memory (see the module's **GPUs**), with ``context``
     tokens per request in a ``kv_cache`` cache for ``seats`` requests ("" / 0: the
     policy's)."""
-    m = _Model.of(facts, _with_context(policy or Policy(), context, kv_cache, seats))
+    m = _Model.of(facts, with_context(policy or Policy(), context, kv_cache, seats))
     eng = engine_of(engine)
     layers, gpu, host = m.offload(start, end, eng, vram)
     return Offload(layers, gpu, m.need(start, end, eng) - host)
@@ -140,7 +139,7 @@ def default_context(
         return base
     tokens = facts.n_ctx_train
     while tokens > base:
-        m = _Model.of(facts, _with_context(policy, tokens, spec.kv_cache, spec.seats))
+        m = _Model.of(facts, with_context(policy, tokens, spec.kv_cache, spec.seats))
         credit: Mapping[str, int] = {}
         if prev is not None and previous is not None and policy.credit_held:
             credit = _credits(previous.id, prev, m, res, policy)
@@ -155,16 +154,6 @@ def default_context(
             return tokens
         tokens //= 2
     return base
-
-
-def _with_context(policy: Policy, context: int, kv_cache: str = "", seats: int = 0) -> Policy:
-    if context:
-        policy = msgspec.structs.replace(policy, kv_tokens=context)
-    if seats:
-        policy = msgspec.structs.replace(policy, kv_sequences=seats)
-    if kv_cache:
-        policy = msgspec.structs.replace(policy, kv_cache=kv_cache)
-    return policy
 
 
 def place_fetching(
@@ -307,9 +296,7 @@ def place(
             "bad_spec",
             f"kv_cache {spec.kv_cache!r} is none of {', '.join(KV_CACHE_TYPES)}",
         )
-    if not 0 <= spec.seats <= MAX_SEATS:
-        raise PlacementError("bad_spec", f"seats {spec.seats} is outside 1 to {MAX_SEATS}")
-    policy = _with_context(policy, spec.context, spec.kv_cache, spec.seats)
+    policy = with_context(policy, spec.context, spec.kv_cache, spec.seats)
     m = _Model.of(facts, policy)
     res = {k: v for k, v in _by_id(nodes).items() if k not in spec.exclude}
     _check_spec(spec, m)
@@ -360,6 +347,8 @@ def _check_spec(spec: InstanceSpec, m: _Model) -> None:
     """Raise for what no node changes: a spec the model cannot have, no engine to run it."""
     if spec.min_nodes < 1:
         raise PlacementError("bad_spec", f"min_nodes must be >= 1, not {spec.min_nodes}")
+    if spec.seats > MAX_SEATS:  # fewer than none: _Model.of refuses
+        raise PlacementError("bad_spec", f"seats {spec.seats} is over {MAX_SEATS}")
     if spec.min_nodes > m.n:
         raise PlacementError(
             "bad_spec",

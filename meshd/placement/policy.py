@@ -29,6 +29,7 @@ __all__ = [
     "next_generation",
     "node_vram",
     "plan_digest",
+    "with_context",
 ]
 
 #: Backends ranked fastest first: a node runs the model on the engine of its
@@ -123,6 +124,18 @@ def instance_context(inst: Instance) -> int:
     (``Instance.context``), else (a record from before it was kept) its spec's, else
     :func:`base_context`."""
     return inst.context or inst.spec.context or base_context(inst.facts)
+
+
+def with_context(policy: Policy, context: int, kv_cache: str = "", seats: int = 0) -> Policy:
+    """``policy`` for an instance's ``context``, ``kv_cache`` and ``seats`` (0 / "":
+    the policy's own)."""
+    if context:
+        policy = msgspec.structs.replace(policy, kv_tokens=context)
+    if seats:
+        policy = msgspec.structs.replace(policy, kv_sequences=seats)
+    if kv_cache:
+        policy = msgspec.structs.replace(policy, kv_cache=kv_cache)
+    return policy
 
 
 def instance_seats(inst: Instance) -> int:
