@@ -149,7 +149,7 @@ MODULE_SIZES: dict[str, int] = {
     "meshd/node/daemon.py": 568,
     "meshd/node/diagnosis.py": 637,
     "meshd/node/supervisor.py": 493,
-    "meshd/placement/place.py": 1005,
+    "meshd/placement/place.py": 1001,
     "meshd/transport/discovery.py": 410,
     "meshd/transport/gossip.py": 462,
     "meshd/transport/wire.py": 444,

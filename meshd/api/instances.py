@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from meshd.crdt.views import InstanceSpec
-from meshd.placement.policy import KV_CACHE_TYPES
+from meshd.placement.policy import KV_CACHE_TYPES, MAX_SEATS
 from meshd.transport.dtypes import ACTIVATION_DTYPES
 
 from .bodies import parse_body
@@ -59,6 +59,9 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     context: int = 0
     #: KV cache type of the llama.cpp stages: f16, q8_0 or q4_0 (less memory per token).
     kv_cache: str = "f16"
+    #: Requests each stage holds KV for at once (0: 8); placement reserves KV for
+    #: each, and a split steps more of them in flight (micro-batches at once).
+    seats: int = 0
     #: Instances of the model to place (replicas share the requests, least busy first;
     #: no two share a node: more than the nodes can hold is a 409 and places none).
     replicas: int = 1
@@ -88,6 +91,8 @@ class PlaceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError("context must be a number of tokens (0: the default)")
         if self.kv_cache not in KV_CACHE_TYPES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}")
+        if not 0 <= self.seats <= MAX_SEATS:
+            raise ValueError(f"seats must be 1 to {MAX_SEATS} (0: the default, 8)")
         if not 1 <= self.replicas <= MAX_REPLICAS:
             raise ValueError(f"replicas must be 1 to {MAX_REPLICAS}")
         if self.engines and len(self.engines) != len(self.nodes):
@@ -112,6 +117,7 @@ async def create_instance(request: Request) -> Response:
         activations=body.activations,
         context=body.context,
         kv_cache=body.kv_cache,
+        seats=body.seats,
         draft=body.draft.strip(),
         speculate=body.speculate,
         exact=body.exact,

@@ -214,6 +214,11 @@ class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     #: KV cache type of its llama.cpp stages: ``f16``, ``q8_0`` or ``q4_0`` (about
     #: 0.53x and 0.28x the bytes: a longer context in the same memory).
     kv_cache: str = "f16"
+    #: Requests each runner holds KV for at once (0: ``placement.policy.KV_SEQUENCES``,
+    #: 8); placement reserves KV for every one of them on every stage, so more seats
+    #: take more memory, and a split keeps more requests in flight (its stages step
+    #: micro-batches of them at once).
+    seats: int = 0
     #: Which placed model drafts for it (speculative decoding): "" any that fits
     #: (see ``meshd.placement.drafts``), a model name that one only, ``none`` none.
     draft: str = ""
@@ -229,12 +234,12 @@ class InstanceSpec(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     exclude: list[str] = []
 
     def relaxed(self) -> InstanceSpec:
-        """What a repair places: the model, its context, KV cache type, draft model,
+        """What a repair places: the model, its context, KV cache type, seats, draft model,
         speculation default, exact mode and excluded nodes, no pins (a repair serves with the nodes
         left rather than not at all)."""
         return InstanceSpec(
-            model=self.model, context=self.context, kv_cache=self.kv_cache, draft=self.draft,
-            speculate=self.speculate, exact=self.exact, exclude=self.exclude,
+            model=self.model, context=self.context, kv_cache=self.kv_cache, seats=self.seats,
+            draft=self.draft, speculate=self.speculate, exact=self.exact, exclude=self.exclude,
         )  # fmt: skip
 
 

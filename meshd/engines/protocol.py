@@ -193,6 +193,10 @@ class Load(msgspec.Struct, tag="load", tag_field="event"):
     prefill_calls: int = 0
     prefill_steps: int = 0
     widest_prefill: int = 0
+    #: Seconds this stage has spent in its steps since it started, and the most
+    #: requests one step took (stage 0 of a split: one micro-batch, see the runner).
+    busy_s: float = 0.0
+    widest: int = 0
 
 
 class GenerationAdopted(msgspec.Struct, tag="generation", tag_field="event"):

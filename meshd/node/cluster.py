@@ -378,7 +378,7 @@ class ClusterView:
                     continue
                 vram = node_vram(r, st.engine)
                 used = stage_offload(
-                    inst.facts, st.start, st.end, st.engine, vram,
+                    inst.facts, st.start, st.end, st.engine, vram, seats=inst.spec.seats,
                     context=instance_context(inst), kv_cache=inst.spec.kv_cache,
                 ).gpu_bytes  # fmt: skip
                 taken[st.node] = taken.get(st.node, 0) + used

@@ -102,7 +102,7 @@ def gpu_layers(inst: Instance, i: int) -> int:
     if inst.facts is None:
         return 0
     return stage_offload(
-        inst.facts, st.start, st.end, st.engine, _vram(inst, i),
+        inst.facts, st.start, st.end, st.engine, _vram(inst, i), seats=inst.spec.seats,
         context=instance_context(inst), kv_cache=inst.spec.kv_cache,
     ).layers  # fmt: skip
 
@@ -131,7 +131,7 @@ def admit(
         need = 0
         if inst.facts is not None:
             need = stage_offload(
-                inst.facts, st.start, st.end, st.engine, _vram(inst, i),
+                inst.facts, st.start, st.end, st.engine, _vram(inst, i), seats=inst.spec.seats,
                 context=instance_context(inst), kv_cache=inst.spec.kv_cache,
             ).host_need  # fmt: skip
         if len(admitted) >= max_runners or (memory and total + need > memory):
@@ -203,7 +203,7 @@ def runner_config(
         cache_dir=str(settings.cache_dir),
         bind_host=settings.bind_host,
         n_ctx=key.n_ctx,  # the context placement chose for the instance
-        n_seq_max=settings.n_seq_max,
+        n_seq_max=inst.spec.seats or settings.n_seq_max,
         kv_cache=inst.spec.kv_cache,
         speculate=inst.spec.speculate,
         n_gpu_layers=gpu_layers(inst, i),

@@ -36,17 +36,17 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import NamedTuple
 
-import msgspec
-
 from meshd.crdt.views import Instance, InstanceSpec, Stage
 from meshd.domain.facts import ModelFacts
 
 from .errors import PlacementError, fmt_bytes
 from .policy import (
     KV_CACHE_TYPES,
+    MAX_SEATS,
     Policy,
     base_context,
     node_vram,
+    with_context,
 )
 from .predict import prompt_bytes, request_s, stage_reads
 from .resources import NodeResources
@@ -98,11 +98,13 @@ def stage_offload(
     policy: Policy | None = None,
     context: int = 0,
     kv_cache: str = "",
+    seats: int = 0,
 ) -> Offload:
     """How a stage running layers ``[start, end)`` of ``facts`` on ``engine`` uses
     ``vram`` bytes of dedicated GPU memory (see the module's **GPUs**), with ``context``
-    tokens per request in a ``kv_cache`` cache ("" / 0: the policy's)."""
-    m = _Model.of(facts, _with_context(policy or Policy(), context, kv_cache))
+    tokens per request in a ``kv_cache`` cache for ``seats`` requests ("" / 0: the
+    policy's)."""
+    m = _Model.of(facts, with_context(policy or Policy(), context, kv_cache, seats))
     eng = engine_of(engine)
     layers, gpu, host = m.offload(start, end, eng, vram)
     return Offload(layers, gpu, m.need(start, end, eng) - host)
@@ -138,7 +140,7 @@ def default_context(
         return base
     tokens = facts.n_ctx_train
     while tokens > base:
-        m = _Model.of(facts, _with_context(policy, tokens, spec.kv_cache))
+        m = _Model.of(facts, with_context(policy, tokens, spec.kv_cache, spec.seats))
         credit: Mapping[str, int] = {}
         if prev is not None and previous is not None and policy.credit_held:
             credit = _credits(previous.id, prev, m, res, policy)
@@ -153,14 +155,6 @@ def default_context(
             return tokens
         tokens //= 2
     return base
-
-
-def _with_context(policy: Policy, context: int, kv_cache: str = "") -> Policy:
-    if context:
-        policy = msgspec.structs.replace(policy, kv_tokens=context)
-    if kv_cache:
-        policy = msgspec.structs.replace(policy, kv_cache=kv_cache)
-    return policy
 
 
 def place_fetching(
@@ -303,7 +297,7 @@ def place(
             "bad_spec",
             f"kv_cache {spec.kv_cache!r} is none of {', '.join(KV_CACHE_TYPES)}",
         )
-    policy = _with_context(policy, spec.context, spec.kv_cache)
+    policy = with_context(policy, spec.context, spec.kv_cache, spec.seats)
     m = _Model.of(facts, policy)
     res = {k: v for k, v in _by_id(nodes).items() if k not in spec.exclude}
     _check_spec(spec, m)
@@ -354,6 +348,8 @@ def _check_spec(spec: InstanceSpec, m: _Model) -> None:
     """Raise for what no node changes: a spec the model cannot have, no engine to run it."""
     if spec.min_nodes < 1:
         raise PlacementError("bad_spec", f"min_nodes must be >= 1, not {spec.min_nodes}")
+    if spec.seats > MAX_SEATS:  # fewer than none: _Model.of refuses
+        raise PlacementError("bad_spec", f"seats {spec.seats} is over {MAX_SEATS}")
     if spec.min_nodes > m.n:
         raise PlacementError(
             "bad_spec",

@@ -21,12 +21,15 @@ __all__ = [
     "KV_CACHE_TYPES",
     "KV_SEQUENCES",
     "KV_TOKENS",
+    "MAX_SEATS",
     "Policy",
     "base_context",
     "instance_context",
+    "instance_seats",
     "next_generation",
     "node_vram",
     "plan_digest",
+    "with_context",
 ]
 
 #: Backends ranked fastest first: a node runs the model on the engine of its
@@ -56,6 +59,9 @@ KV_CACHE_TYPES = {"f16": 1.0, "q8_0": 34 / 64, "q4_0": 18 / 64}
 #: :func:`default_context`).
 KV_TOKENS = 4096
 KV_SEQUENCES = 8
+#: Most seats an instance may ask for (``InstanceSpec.seats``): llama.cpp holds at
+#: most 256 sequences, and each seat's KV is reserved whole.
+MAX_SEATS = 64
 
 
 class Policy(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,6 +124,24 @@ def instance_context(inst: Instance) -> int:
     (``Instance.context``), else (a record from before it was kept) its spec's, else
     :func:`base_context`."""
     return inst.context or inst.spec.context or base_context(inst.facts)
+
+
+def with_context(policy: Policy, context: int, kv_cache: str = "", seats: int = 0) -> Policy:
+    """``policy`` for an instance's ``context``, ``kv_cache`` and ``seats`` (0 / "":
+    the policy's own)."""
+    if context:
+        policy = msgspec.structs.replace(policy, kv_tokens=context)
+    if seats:
+        policy = msgspec.structs.replace(policy, kv_sequences=seats)
+    if kv_cache:
+        policy = msgspec.structs.replace(policy, kv_cache=kv_cache)
+    return policy
+
+
+def instance_seats(inst: Instance) -> int:
+    """Requests each runner of ``inst`` holds KV for: its spec's seats, else
+    :data:`KV_SEQUENCES`."""
+    return inst.spec.seats or KV_SEQUENCES
 
 
 def base_context(facts: ModelFacts | None) -> int:

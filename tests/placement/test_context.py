@@ -145,3 +145,18 @@ def test_a_repair_chooses_the_context_again_with_its_survivors_credit() -> None:
     a = node("a", "a", CPU, 8 * GiB - held, mem_total=8 * GiB, holds=["i"])
     repaired = placement(spec.relaxed(), SMOL, {"a": a}, {}, previous=inst)
     assert [s.node for s in repaired.stages] == ["a"] and repaired.context == 8192
+
+
+def test_seats_past_8_reserve_kv_for_each_and_a_repair_keeps_them() -> None:
+    nodes = {n.id: n for n in (node("a", "a", CPU, 80 * GiB), node("b", "b", CPU, 80 * GiB))}
+    ctx = {"context": 16384}
+    assert len(place(InstanceSpec(model=BIG.name, seats=4, **ctx), BIG, nodes)) == 1
+    # Each seat holds a whole context's KV: 16 of them need both nodes.
+    assert len(place(InstanceSpec(model=BIG.name, seats=16, **ctx), BIG, nodes)) == 2
+    with pytest.raises(PlacementError) as e:
+        place(InstanceSpec(model=BIG.name, seats=64, **ctx), BIG, nodes)
+    assert "KV for 16384 tokens x 64 requests" in str(e.value)
+    with pytest.raises(PlacementError) as e:
+        place(InstanceSpec(model=BIG.name, seats=65), BIG, nodes)
+    assert e.value.reason == "bad_spec"
+    assert InstanceSpec(model="m", nodes=["a"], seats=16).relaxed().seats == 16

@@ -14,7 +14,8 @@ KV slots are never held forever: a new plan generation frees the requests of old
 ones, a request idle for ``request_expiry_s`` is freed (its stage 0 died, so no cancel
 can reach this stage), and a cancel for a request this stage does not know is accepted.
 Requests in flight are batched: one engine call per step serves every request that
-has work.
+has work; stage 0 of a split steps them in micro-batches, one per stage, so the stages
+work at once (see :func:`.step.group_size`).
 
 One module a job:
 

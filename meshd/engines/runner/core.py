@@ -29,7 +29,7 @@ from .requests import Requests
 from .seats import Seats
 from .speculation import Speculation
 from .state import Counters, Refused, Request, Work
-from .step import Done, Stepper, take_batch
+from .step import Done, Stepper
 
 log = logging.getLogger("meshd.runner")
 
@@ -61,7 +61,7 @@ class RunnerCore:
         rows = cfg.kept_prefix_rows if cfg.kept_prefix_rows is not None else stage.kept_rows
         kept_rows = rows * (2 if self.first else 3) // 2 if rows else None
         self.seats = Seats(stage, cfg.n_seq_max, kept_rows, self.counters)
-        self.stepper = Stepper(stage, self.seats, self.clock, self.counters, self.last)
+        self.stepper = Stepper(stage, self.seats, self.clock, self.counters, cfg)
         self.work: collections.deque[Work] = collections.deque()
         #: Tokens one request may span: the runner's KV room per request, but never
         #: past what the model was trained for (positions beyond it are garbage).
@@ -90,10 +90,10 @@ class RunnerCore:
 
     def report_load(self) -> None:
         """Tell the supervisor how many requests hold KV here (it shows in the heartbeat)."""
-        ds = self.draft_server
-        emit(Load(active=len(self.reqs), layer_ms=round(self.clock.ms, 4),
-                  proposed=ds.proposed if ds is not None else 0,
-                  waiting=len(self.requests.waiting), **self.counters.prefills()))  # fmt: skip
+        ds, c = self.draft_server, self.counters
+        emit(Load(active=len(self.reqs), layer_ms=round(self.clock.ms, 4), busy_s=c.busy_s,
+                  proposed=ds.proposed if ds is not None else 0, widest=c.widest,
+                  waiting=len(self.requests.waiting), **c.prefills()))  # fmt: skip
 
     # -- messages ----------------------------------------------------------------------
     def handle(self, msg: wire.StageMessage, raw: list[zmq.Frame]) -> None:
@@ -284,8 +284,8 @@ class RunnerCore:
 
     # -- compute -----------------------------------------------------------------------
     def step(self) -> None:
-        """One engine call over every request that has work queued (one item each)."""
-        batch = take_batch(self.work, self.reqs, self.first or self.last, self.counters)
+        """One engine call over the work queued (see :meth:`.step.Stepper.take`)."""
+        batch = self.stepper.take(self.work, self.reqs)
         if self.output is not None:
             # Embeddings run apart (a context of their own, every row out), together.
             embeds = [(self.reqs[w.req], w) for w in batch if self.reqs[w.req].embed]

@@ -144,6 +144,11 @@ class Counters:
     prefill_calls: int = 0
     prefill_steps: int = 0
     widest_prefill: int = 0
+    #: Seconds spent stepping so far (``Load.busy_s``): beside another stage's and the
+    #: wall time, how much the stages of a split overlap.
+    busy_s: float = 0.0
+    #: The most requests one step took (``Load.widest``).
+    widest: int = 0
 
     def drop(self, reason: str) -> None:
         """Count one frame dropped for ``reason``."""

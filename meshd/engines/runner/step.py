@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshd.engines.calibrate import LayerClock
+from meshd.engines.protocol import RunnerConfig
 from meshd.engines.stage import Stage, StageInput, StageInputError
 
 from .chunks import Chunker
@@ -49,13 +50,32 @@ class Ran:
     spent: float = 0.0
 
 
+def group_size(n_held: int, n_groups: int) -> int | None:
+    """Most requests one step takes when the ``n_held`` requests are stepped in
+    ``n_groups`` micro-batches (None: every one with work).
+
+    Stage 0 of a split steps its requests in as many groups as there are stages: while the
+    next stage runs the rows of one group, stage 0 runs another's, so every stage
+    works at once (one batch of all of them would leave each stage idle while the
+    others run it). The groups form by themselves: a group's tokens come back
+    together, and that work is what the next step takes. A lone request is never
+    held back (a group of one); the later stages step what arrives, whole."""
+    if n_groups < 2:
+        return None
+    return max(1, -(-n_held // n_groups))
+
+
 def take_batch(
-    work: collections.deque[Work], reqs: dict[str, Request], restarts: bool, counters: Counters
+    work: collections.deque[Work],
+    reqs: dict[str, Request],
+    restarts: bool,
+    counters: Counters,
+    cap: int | None = None,
 ) -> list[Work]:
-    """Take the next step's items from ``work`` (one per request, oldest first; the
-    rest stay queued). Work of a released request is dropped; with ``restarts``
-    (stage 0 and the last stage, which know each request's epoch), so is work sent
-    before a restart of its request."""
+    """Take the next step's items from ``work`` (one per request, oldest first, at
+    most ``cap`` of them; the rest stay queued). Work of a released request is
+    dropped; with ``restarts`` (stage 0 and the last stage, which know each request's
+    epoch), so is work sent before a restart of its request."""
     batch: list[Work] = []
     seen: set[str] = set()
     rest: list[Work] = []
@@ -67,7 +87,7 @@ def take_batch(
         if w.epoch != r.epoch and restarts:
             counters.stale_steps += 1  # sent before its request restarted
             continue
-        if w.req in seen:
+        if w.req in seen or (cap is not None and len(batch) >= cap):
             rest.append(w)
         else:
             seen.add(w.req)
@@ -80,16 +100,28 @@ class Stepper:
     """Runs a batch through the stage."""
 
     def __init__(
-        self, stage: Stage, seats: Seats, clock: LayerClock, counters: Counters, last: bool
+        self, stage: Stage, seats: Seats, clock: LayerClock, counters: Counters, cfg: RunnerConfig
     ) -> None:
         self.stage = stage
         self.seats = seats
         self.clock = clock
         self.counters = counters
-        self.last = last
+        first = cfg.stage == 0
+        self.last = cfg.stage == cfg.n_stages - 1
+        #: Stage 0 and the last stage know each request's epoch (see :func:`take_batch`).
+        self.restarts = first or self.last
+        self.n_groups = cfg.n_stages if first else 1
         self.prefills = Prefills()
         #: Stage 0 cuts prompts into chunks (see :mod:`.chunks`), paced by the steps here.
         self.chunker = Chunker(int(getattr(stage, "n_batch", 0)))
+
+    def take(self, work: collections.deque[Work], reqs: dict[str, Request]) -> list[Work]:
+        """The next step's items: one per request with work, on stage 0 of a split one
+        micro-batch of them (see :func:`group_size`)."""
+        cap = group_size(len(reqs), self.n_groups)
+        batch = take_batch(work, reqs, self.restarts, self.counters, cap)
+        self.counters.widest = max(self.counters.widest, len(batch))
+        return batch
 
     def run(self, batch: list[Work], reqs: dict[str, Request]) -> Ran:
         """Run ``batch``: each prompt step once (the n choices of one prompt bring
@@ -129,6 +161,7 @@ class Stepper:
             news = self.clock.news(t0)
             done = [Done(w, out, 0.0) for (w, _), out in zip(run, outs, strict=True)]
         spent = round(time.perf_counter() - t0, 6)
+        self.counters.busy_s += spent
         for d, (w, k) in zip(done, run, strict=True):
             d.spent = spent
             if d.out is None:
