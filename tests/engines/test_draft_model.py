@@ -127,9 +127,17 @@ def test_greedy_output_with_a_draft_model_is_the_output_without(
         s = Sampling(temperature=0.0, max_tokens=40, ignore_eos=True)
         plain = _run(api, target, "plain", sampling=s, exact=True)
         assert not tap.asks()  # a request that does not speculate never asks
-        spec = _run(api, target, "spec", sampling=s, speculate=True)
-        assert tokens_of(spec) == tokens_of(plain)
-        assert text_of(spec) == text_of(plain)
+        # An answer that comes after its step gave up waiting is dropped (a draft
+        # model must never slow a stream): on a starved machine every answer of a run
+        # may come late. So up to 3 runs, until one held a draft of the model's; each
+        # must give the plain tokens.
+        for attempt in range(3):
+            tap.seen.clear()
+            spec = _run(api, target, f"spec-{attempt}", sampling=s, speculate=True)
+            assert tokens_of(spec) == tokens_of(plain)
+            assert text_of(spec) == text_of(plain)
+            if spec[-1].usage.model_drafted_tokens > 0:
+                break
         asks = tap.asks()
         assert asks, "stage 0 never asked the draft model"
         # The prompt went ahead at admission; each ask after carries only what the
