@@ -473,12 +473,26 @@ def wait_instance_ready(client: httpx.Client, node: Node, iid: str, timeout: flo
         time.sleep(0.1)
 
 
-def place(client: httpx.Client, node: Node, model: str, nodes: list[str]) -> str:
-    r = client.post(f"{node.api}/v1/instances", json={"model": model, "nodes": nodes})
+def place(
+    client: httpx.Client,
+    node: Node,
+    model: str,
+    nodes: list[str],
+    timeout: float = 120.0,
+    **extra: object,
+) -> str:
+    """Place ``model`` on ``nodes`` (a stage each; ``extra``: more fields of the body)
+    and wait until it serves. Raises when it ends on other nodes than asked: a stage
+    given up and repaired elsewhere (a busy machine's late heartbeats, a model a node
+    cannot fetch) would time another layout than the one the bench names."""
+    r = client.post(f"{node.api}/v1/instances", json={"model": model, "nodes": nodes, **extra})
     if r.status_code >= 300:
         raise HttpError(r.status_code, r.text)
     iid = r.json()["id"]
-    wait_instance_ready(client, node, iid, 120.0)
+    wait_instance_ready(client, node, iid, timeout)
+    stages = client.get(f"{node.api}/v1/instances/{iid}").json()["stages"]
+    if len(stages) != len(nodes):
+        raise RuntimeError(f"asked for {len(nodes)} stage(s) on {nodes}, got {stages}")
     return iid
 
 

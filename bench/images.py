@@ -31,7 +31,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import http_client, log, med, place, run_measure, spread, start_node, table
+from _common import (
+    http_client,
+    log,
+    med,
+    place,
+    run_measure,
+    spread,
+    start_node,
+    table,
+    wait_live,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -78,8 +88,19 @@ def measure(tmp: Path, args: argparse.Namespace) -> int:
     # figure measures that, not the cut.
     pin = len(os.sched_getaffinity(0)) >= 2 and shutil.which("taskset") is not None
     n0 = start_node(tmp, "n0", "images", extra=["--models", str(models)], cpus="0" if pin else "")
-    start_node(tmp, "n1", "images", peers=[n0], cpus="1" if pin else "")
+    n1 = start_node(tmp, "n1", "images", peers=[n0], cpus="1" if pin else "")
     client = http_client()
+    wait_live(client, n0, {"n0", "n1"}, 60.0)
+    # n1 fetches its slice from n0 by the facts n0's card gives (a digest in /api/tags):
+    # placed before they reach n1, its stage would be given up and the split moved.
+    deadline = time.monotonic() + 60.0
+    while True:
+        tags = {m["name"]: m["digest"] for m in client.get(n1.api + "/api/tags").json()["models"]}
+        if tags.get("split") and tags.get("whole"):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError("n1 never learnt the models' facts from n0")
+        time.sleep(0.1)
     # Named as n0 lists them (the folders' names): n1 fetches its slice by that name.
     split, whole = split.parent.name, whole.parent.name
     place(client, n0, split, ["n0", "n1"])

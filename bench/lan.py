@@ -61,7 +61,6 @@ from _common import (
     N_CTX,
     PROCS,
     READY,
-    HttpError,
     Node,
     OthersMeter,
     Proc,
@@ -80,9 +79,9 @@ from _common import (
     stream_chat,
     table,
     version,
-    wait_instance_ready,
     wait_live,
 )
+from _common import place as place_instance
 
 from meshd.models.resolve import DEFAULT_MODEL, resolve_model
 
@@ -375,16 +374,7 @@ def place(
     client: httpx.Client, node: Node, nodes: list[str], model: str = DEFAULT_MODEL, **extra: str
 ) -> str:
     """Place ``model`` on ``nodes`` (a stage each), ``extra``: more fields of the body."""
-    body = {"model": model, "nodes": nodes, **extra}
-    r = client.post(f"{node.api}/v1/instances", json=body)
-    if r.status_code >= 300:
-        raise HttpError(r.status_code, r.text)
-    iid = r.json()["id"]
-    wait_instance_ready(client, node, iid, 180.0)
-    stages = client.get(f"{node.api}/v1/instances/{iid}").json()["stages"]
-    if len(stages) != len(nodes):
-        raise RuntimeError(f"asked for {len(nodes)} stage(s) on {nodes}, got {stages}")
-    return iid
+    return place_instance(client, node, model, nodes, 180.0, **extra)
 
 
 def write_draft(src: Path, dest: Path, n_layers: int) -> Path:
