@@ -95,6 +95,11 @@ log = logging.getLogger("meshd.supervisor")
 Fetch = Callable[[Instance, int, Path, Callable[[int, int, float], None]], Awaitable[object]]
 #: Fetch progress is pushed into the heartbeat at most this often.
 FETCH_BEAT_S = 1.0
+#: How long a stage whose model is not here waits for a live node that serves its
+#: slices before it is reported ``model not available here``: a node that has just
+#: joined (or just been placed a stage) may know the plan a few heartbeats before it
+#: hears the holder's card; giving up at once would move the stage away for good.
+HOLDER_WAIT_S = 5.0
 
 
 class Supervisor:
@@ -104,8 +109,8 @@ class Supervisor:
     ``resolve_path`` (a model name -> this node's file, raising when there is none),
     ``on_status`` (called at every runner state change: the node beats soon), ``keys``
     (the cluster's, None in an open one), and ``fetch`` (a stage's slice from the nodes
-    that hold the model; None: never), tried when ``fetchable(instance)`` says some
-    live node serves it.
+    that hold the model; None: never), tried once ``fetchable(instance)`` says some
+    live node serves it (waited for up to :data:`HOLDER_WAIT_S`).
     """
 
     def __init__(
@@ -261,8 +266,10 @@ class Supervisor:
         return str(fetched), True
 
     def _slice_to_fetch(self, inst: Instance, i: int) -> Path | None:
-        """Where stage ``i``'s slice goes when fetched, or None when it cannot be."""
-        if self.fetch is None or not self.fetchable(inst):
+        """Where stage ``i``'s slice goes when fetched, or None when it cannot be (no
+        fetcher, or facts that name no file). Whether a holder is live is asked when
+        the fetch starts (:meth:`_await_holder`)."""
+        if self.fetch is None:
             return None
         return slice_to_fetch(self.settings.cache_dir, inst, i)
 
@@ -336,6 +343,12 @@ class Supervisor:
                 beat = now
                 self.on_status()
 
+        if not await self._await_holder(r, inst):
+            if r.state != "stopped":
+                log.info("stage %s/%d: no live node serves its slices", inst.id, i)
+                r.state, r.reason = "failed", MODEL_MISSING
+                self.on_status()
+            return
         t0 = time.monotonic()
         log.info("stage %s/%d: fetching its slice [%d, %d) from the nodes that hold %s",
                  inst.id, i, r.key.start, r.key.end, inst.spec.model)  # fmt: skip
@@ -357,6 +370,16 @@ class Supervisor:
                 return
             if self.runners.get((r.key.instance, r.key.stage)) is r:
                 await self._spawn(r)
+
+    async def _await_holder(self, r: RunnerProc, inst: Instance) -> bool:
+        """Whether a live node serves ``inst``'s slices within :data:`HOLDER_WAIT_S`
+        (False at once when the stage was retired meanwhile)."""
+        until = time.monotonic() + HOLDER_WAIT_S
+        while not self.fetchable(inst):
+            if r.state == "stopped" or time.monotonic() >= until:
+                return False
+            await asyncio.sleep(0.2)
+        return r.state != "stopped"
 
     async def _start(self, key: StageKey, cfg: RunnerConfig) -> RunnerProc:
         r = RunnerProc(key, cfg, generation=cfg.generation)

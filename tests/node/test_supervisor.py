@@ -2,7 +2,8 @@
 
 In this process, against the supervisor itself: its settings are the node's; a stage
 whose model is not here, or one over the node's cap, fails without a process and the
-node keeps saying so after the stage moves; a burst of plan changes is one reconcile;
+node keeps saying so after the stage moves; one whose holder this node has not heard of
+yet waits a few heartbeats for it before it gives up; a burst of plan changes is one reconcile;
 a real runner computes with the threads the free cores it is told of leave it, keeps its
 process when only the plan's generation moves, and is replaced when its range does, and
 the slice it no longer uses leaves the cache when the cache is over its quota.
@@ -22,7 +23,8 @@ from meshd.engines.threads import GOMP_DEFAULT_SPINCOUNT, default_threads
 from meshd.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 from meshd.models.facts import read_model_facts
 from meshd.models.slicing import slice_path
-from meshd.node.cluster import MODEL_MISSING, REFUSED, gave_up
+from meshd.node import supervisor as supervisor_module
+from meshd.node.cluster import FETCH_FAILED, MODEL_MISSING, REFUSED, gave_up
 from meshd.node.config import NodeConfig
 from meshd.node.stage_runners import desired_stages, undesired
 from meshd.node.supervisor import Supervisor
@@ -57,6 +59,44 @@ async def test_a_stage_whose_model_is_not_here_fails_and_stays_reported_after_it
     # The instance is deleted: nothing left to say.
     await sup.reconcile({})
     assert sup.statuses() == []
+    await sup.stop_all()
+
+
+async def test_a_stage_waits_for_a_holder_it_has_not_heard_of_yet_before_it_gives_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A node placed a stage before the holder's card reaches it must not give the
+    # stage up at once: placement would move it away from this node for good.
+    monkeypatch.setattr(supervisor_module, "HOLDER_WAIT_S", 1.5)
+    heard = asyncio.Event()
+    asked: list[int] = []
+
+    async def fetch(inst: Instance, i: int, dest: Path, progress: object) -> None:
+        asked.append(i)
+        raise OSError("the holder went away")  # what a fetch says is the fetch's
+
+    plain = supervisor(tmp_path)  # its model is nowhere here
+    settings, missing = plain.settings, plain.resolve_path
+    sup = Supervisor("a", settings, resolve_path=missing, on_status=lambda: None, fetch=fetch,
+                     fetchable=lambda inst: heard.is_set())  # fmt: skip
+    await sup.reconcile({"x": inst("x", "a")})
+    assert [s.state for s in sup.statuses()] == ["fetching"]  # waiting, not given up
+    asyncio.get_running_loop().call_later(0.5, heard.set)  # the card arrives
+    async with asyncio.timeout(10):
+        while not asked or sup.statuses()[0].state != "failed":
+            await asyncio.sleep(0.05)
+    assert asked == [0] and sup.statuses()[0].reason.startswith(FETCH_FAILED)
+    await sup.stop_all()
+    # No holder within the wait: the stage is given up as before, model missing.
+    heard.clear()
+    sup = Supervisor("a", settings, resolve_path=missing, on_status=lambda: None, fetch=fetch,
+                     fetchable=lambda inst: heard.is_set())  # fmt: skip
+    await sup.reconcile({"y": inst("y", "a")})
+    async with asyncio.timeout(10):
+        while sup.statuses()[0].state != "failed":
+            await asyncio.sleep(0.05)
+    (st,) = sup.statuses()
+    assert st.reason.startswith(MODEL_MISSING) and gave_up(st) and asked == [0]
     await sup.stop_all()
 
 
