@@ -84,6 +84,7 @@ from meshd.models.mlx_layout import (
 )
 from meshd.models.vocab import HfVocab
 
+from . import mlx_lm_light
 from .llama_stage import LlamaVocab
 from .mlx_ragged import ragged_block, ragged_model
 from .stage import (
@@ -195,9 +196,7 @@ class MlxStage:
         if last and end != spec.n_layers:
             raise ValueError(f"a last stage ends at layer {spec.n_layers}, not {end}")
 
-        import mlx.core as mx
-
-        self._mx = mx
+        mx = self._mx = mlx_lm_light.mlx_core()  # mlx-lm's models, not its tokenizers
         self.path = path
         self.start = start
         self.end = end

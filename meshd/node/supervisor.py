@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from statistics import fmean
 
@@ -53,8 +53,9 @@ from meshd.engines.threads import runner_env, runner_spincount
 from meshd.models.slicing import trim_slices
 from meshd.transport.security import CurveKeys
 
-from .cluster import CRASH_LOOP, FETCH_FAILED, MODEL_MISSING, REFUSED, gave_up
+from .cluster import CRASH_LOOP, MODEL_MISSING, REFUSED, gave_up
 from .runner_procs import RunnerProc, decode_bps, is_placed_file, public_reason, tell_drafts
+from .stage_fetch import Fetch, fetch_stage_slice
 from .stage_runners import (
     Desired,
     StageId,
@@ -90,17 +91,6 @@ __all__ = [
 
 log = logging.getLogger("meshd.supervisor")
 
-#: ``fetch(instance, stage index, destination, on_progress)``: the stage's slice from
-#: the nodes that hold the model, verified, at the destination (raises when it cannot).
-Fetch = Callable[[Instance, int, Path, Callable[[int, int, float], None]], Awaitable[object]]
-#: Fetch progress is pushed into the heartbeat at most this often.
-FETCH_BEAT_S = 1.0
-#: How long a stage whose model is not here waits for a live node that serves its
-#: slices before it is reported ``model not available here``: a node that has just
-#: joined (or just been placed a stage) may know the plan a few heartbeats before it
-#: hears the holder's card; giving up at once would move the stage away for good.
-HOLDER_WAIT_S = 5.0
-
 
 class Supervisor:
     """Starts, retunes and stops this node's runner subprocesses.
@@ -110,7 +100,7 @@ class Supervisor:
     ``on_status`` (called at every runner state change: the node beats soon), ``keys``
     (the cluster's, None in an open one), and ``fetch`` (a stage's slice from the nodes
     that hold the model; None: never), tried once ``fetchable(instance)`` says some
-    live node serves it (waited for up to :data:`HOLDER_WAIT_S`).
+    live node serves it (waited for a while: :mod:`.stage_fetch`).
     """
 
     def __init__(
@@ -333,53 +323,13 @@ class Supervisor:
     async def _fetch_then_spawn(self, r: RunnerProc, inst: Instance, i: int) -> None:
         """Fetch the stage's slice, then start its runner (unless it was retired)."""
         assert self.fetch is not None
-        beat = 0.0
-
-        def progress(done: int, total: int, rate: float) -> None:
-            nonlocal beat
-            r.fetched, r.fetch_total, r.fetch_rate = done, total, rate
-            now = time.monotonic()
-            if now - beat >= FETCH_BEAT_S:
-                beat = now
-                self.on_status()
-
-        if not await self._await_holder(r, inst):
-            if r.state != "stopped":
-                log.info("stage %s/%d: no live node serves its slices", inst.id, i)
-                r.state, r.reason = "failed", MODEL_MISSING
-                self.on_status()
+        if not await fetch_stage_slice(r, inst, i, self.fetch, self.fetchable, self.on_status):
             return
-        t0 = time.monotonic()
-        log.info("stage %s/%d: fetching its slice [%d, %d) from the nodes that hold %s",
-                 inst.id, i, r.key.start, r.key.end, inst.spec.model)  # fmt: skip
-        try:
-            await self.fetch(inst, i, Path(r.config.model_path), progress)
-        except Exception as e:
-            if r.state == "stopped":
-                return
-            r.state, r.reason = "failed", f"{FETCH_FAILED}: {public_reason(str(e))}"
-            log.warning("stage %s/%d: %s", inst.id, i, r.reason)
-            self.on_status()
-            return
-        log.info(
-            "stage %s/%d: slice fetched, %d bytes in %.1f s",
-            inst.id, i, r.fetch_total, time.monotonic() - t0,
-        )  # fmt: skip
         async with self._lock:
             if r.state == "stopped" or self._closed:
                 return
             if self.runners.get((r.key.instance, r.key.stage)) is r:
                 await self._spawn(r)
-
-    async def _await_holder(self, r: RunnerProc, inst: Instance) -> bool:
-        """Whether a live node serves ``inst``'s slices within :data:`HOLDER_WAIT_S`
-        (False at once when the stage was retired meanwhile)."""
-        until = time.monotonic() + HOLDER_WAIT_S
-        while not self.fetchable(inst):
-            if r.state == "stopped" or time.monotonic() >= until:
-                return False
-            await asyncio.sleep(0.2)
-        return r.state != "stopped"
 
     async def _start(self, key: StageKey, cfg: RunnerConfig) -> RunnerProc:
         r = RunnerProc(key, cfg, generation=cfg.generation)

@@ -494,3 +494,25 @@ def test_mixed_chains_match_llama_cpp_within_1e_4_on_f32_weights(
     finally:
         for s in stages:
             s.close()
+
+
+def test_a_stage_loads_without_mlx_lms_tokenizer_stack(tmp_path: Path, model_path: Path) -> None:
+    # A runner process starts its stage with mlx-lm's model classes only: its package's
+    # start-up imports transformers (~1.7 s of CPU a runner), which a stage never uses.
+    # In a fresh interpreter: this one has imported mlx-lm whole already.
+    import subprocess
+    import sys
+
+    dest = tmp_path / "f32.gguf"
+    write_f32_model(model_path, dest, 1, None)
+    code = (
+        "import sys\n"
+        "from meshd.engines.mlx_stage import MlxStage\n"
+        f"s = MlxStage({str(dest)!r}, start=0, end=1, first=True, last=True, n_ctx=8,"
+        " n_seq_max=1)\n"
+        "assert 'transformers' not in sys.modules, 'transformers imported'\n"
+        "import mlx_lm\n"
+        "assert callable(mlx_lm.load) and 'transformers' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

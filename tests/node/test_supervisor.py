@@ -23,7 +23,7 @@ from meshd.engines.threads import GOMP_DEFAULT_SPINCOUNT, default_threads
 from meshd.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 from meshd.models.facts import read_model_facts
 from meshd.models.slicing import slice_path
-from meshd.node import supervisor as supervisor_module
+from meshd.node import stage_fetch
 from meshd.node.cluster import FETCH_FAILED, MODEL_MISSING, REFUSED, gave_up
 from meshd.node.config import NodeConfig
 from meshd.node.stage_runners import desired_stages, undesired
@@ -67,7 +67,7 @@ async def test_a_stage_waits_for_a_holder_it_has_not_heard_of_yet_before_it_give
 ) -> None:
     # A node placed a stage before the holder's card reaches it must not give the
     # stage up at once: placement would move it away from this node for good.
-    monkeypatch.setattr(supervisor_module, "HOLDER_WAIT_S", 1.5)
+    monkeypatch.setattr(stage_fetch, "HOLDER_WAIT_S", 1.5)
     heard = asyncio.Event()
     asked: list[int] = []
 
