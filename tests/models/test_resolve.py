@@ -357,9 +357,11 @@ def test_gguf_metadata_reader_agrees_with_the_gguf_package(tmp_path: Path, endia
     assert read_metadata(path, keys=["x.str"]) == {"x.str": "héllo 🎉"}
 
 
-def test_default_model_metadata_and_chat_template_match_the_gguf_package() -> None:
+def test_default_model_metadata_and_chat_template_match_the_gguf_package(
+    model_reader: gguf.GGUFReader,
+) -> None:
     model = default_model_or_skip()
-    theirs = non_array_fields(gguf.GGUFReader(model.path))
+    theirs = non_array_fields(model_reader)
     ours = read_metadata(model.path)
     assert ours.keys() == theirs.keys()
     for key, value in theirs.items():
