@@ -8,9 +8,11 @@ to its first token); this memory-maps the file and skips what it does not need
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import mmap
+import os
 import struct
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -228,14 +230,29 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
+def _stamp(path: str | Path) -> tuple[str, int, int, int, int]:
+    """What a header read is cached by: the file's path, identity, size and mtime (a
+    file rewritten in place, as slicing never does, is read again)."""
+    st = os.stat(path)
+    return os.fspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def read_metadata(path: str | Path, *, keys: Collection[str] | None = None) -> dict[str, Any]:
     """Scalar and string key/values of a GGUF header (arrays such as the vocabulary
-    are left out), stopping early once every key of ``keys`` has been read.
+    are left out); only those of ``keys`` when given.
 
     Raises :class:`ModelFormatError` (a ``ValueError``) on a file that is not GGUF or
     whose header is truncated.
     """
-    wanted = None if keys is None else set(keys)
+    # A read walks the vocabulary (~35 ms for 100k strings) unless every key asked
+    # comes before it, and a stage's load asks ~10 times: read whole, once per file
+    # version in this process.
+    full = _all_metadata(*_stamp(path))
+    return dict(full) if keys is None else {k: full[k] for k in keys if k in full}
+
+
+@functools.lru_cache(maxsize=32)
+def _all_metadata(path: str, *_stamp: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         cur = _Cursor(buf, path)
@@ -245,11 +262,8 @@ def read_metadata(path: str | Path, *, keys: Collection[str] | None = None) -> d
                 key = cur.string()
                 kind = cur.scalar(4)
                 v = cur.value(kind, arrays=False)
-                if kind == _GGUF_ARRAY or (wanted is not None and key not in wanted):
-                    continue
-                out[key] = v
-                if wanted is not None and wanted.issubset(out):
-                    break
+                if kind != _GGUF_ARRAY:
+                    out[key] = v
         except _CORRUPT as e:
             raise _truncated(path, e) from e
     return out
@@ -257,13 +271,20 @@ def read_metadata(path: str | Path, *, keys: Collection[str] | None = None) -> d
 
 def read_header(path: Path) -> GgufHeader:
     """Read a GGUF header: every key/value (short numeric arrays included) and every
-    tensor's type, shape and size.
+    tensor's type, shape and size. Read once per file version in this process: the
+    header returned is shared, not to be changed.
 
     Raises ModelFormatError for a file that is not GGUF v2/v3 or is truncated,
     FileNotFoundError for a missing one.
     """
     if not path.is_file():
         raise FileNotFoundError(f"no model file at {path}")
+    return _read_header(*_stamp(path))
+
+
+@functools.lru_cache(maxsize=32)
+def _read_header(name: str, *_stamp: int) -> GgufHeader:
+    path = Path(name)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         cur = _Cursor(buf, path)
         try:
@@ -326,7 +347,14 @@ def read_header(path: Path) -> GgufHeader:
 def read_kv_records(path: Path) -> tuple[str, int, list[KvRecord]]:
     """The byte order (``<`` or ``>``), the GGUF version and every key/value record of
     ``path``'s header, in file order (slicing copies them). Raises ModelFormatError for
-    a file that is not GGUF v2/v3 or is truncated."""
+    a file that is not GGUF v2/v3 or is truncated. Read once per file version in this
+    process (cutting several slices of one model reads it once)."""
+    order, version, records = _read_kv_records(*_stamp(path))
+    return order, version, list(records)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_kv_records(path: str, *_stamp: int) -> tuple[str, int, tuple[KvRecord, ...]]:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         cur = _Cursor(buf, path)
         version = struct.unpack_from(cur.order + "I", buf, 4)[0]
@@ -344,7 +372,7 @@ def read_kv_records(path: Path) -> tuple[str, int, list[KvRecord]]:
                 records.append(KvRecord(key, kind, item, value, bytes(buf[start : cur.pos])))
         except _CORRUPT as e:
             raise _truncated(path, e) from e
-    return cur.order, version, records
+    return cur.order, version, tuple(records)
 
 
 def encode_kv(order: str, key: str, kind: int, value: Any, item: int | None = None) -> bytes:
