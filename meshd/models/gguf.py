@@ -19,22 +19,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from .errors import ModelFormatError
 from .quant_types import GGML_TYPES
 
 __all__ = [
     "GgufHeader",
     "KvRecord",
-    "SpecialTokens",
     "check_gguf_file",
     "encode_kv",
     "is_gguf",
     "read_header",
     "read_kv_records",
     "read_metadata",
-    "special_tokens",
 ]
 
 GGUF_MAGIC = b"GGUF"
@@ -55,14 +51,6 @@ _GGUF_MAX_DEPTH = 2
 _GGUF_MIN_BYTES = {_GGUF_STRING: 8, _GGUF_ARRAY: 12}
 #: Dimensions of a tensor at most (GGML_MAX_DIMS is 4).
 _GGUF_MAX_DIMS = 8
-
-
-class SpecialTokens(msgspec.Struct, frozen=True):
-    """Special token ids from the GGUF tokenizer metadata (None where absent)."""
-
-    bos: int | None = None
-    eos: int | None = None
-    eot: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,14 +383,3 @@ def _encode(order: str, kind: int, value: Any, item: int | None = None) -> bytes
         head = struct.pack(order + "IQ", item, len(value))
         return head + b"".join(_encode(order, item, v) for v in value)
     return struct.pack(order + _GGUF_SCALARS[kind], value)
-
-
-def special_tokens(path: Path) -> SpecialTokens:
-    """bos/eos/eot token ids from a GGUF's tokenizer metadata."""
-    kv = read_header(path).kv
-
-    def tid(key: str) -> int | None:
-        v = kv.get(f"tokenizer.ggml.{key}_token_id")
-        return None if v is None else int(v)
-
-    return SpecialTokens(bos=tid("bos"), eos=tid("eos"), eot=tid("eot"))

@@ -15,7 +15,7 @@ from meshd.domain.facts import ModelFacts
 from meshd.models.chat import chat_template_at
 from meshd.models.errors import ModelFormatError
 from meshd.models.facts import read_facts
-from meshd.models.gguf import read_header, special_tokens
+from meshd.models.gguf import read_header
 from meshd.models.hashing import file_sha256
 from tests.conftest import MODEL_SHA256
 from tests.synthetic import write_model
@@ -94,8 +94,8 @@ def test_known_sha256_is_taken_as_given(model_path: Path) -> None:
 def test_chat_template_and_special_tokens(model_path: Path) -> None:
     template = chat_template_at(model_path)
     assert template is not None and "<|im_start|>" in template
-    tokens = special_tokens(model_path)
-    assert (tokens.bos, tokens.eos) == (1, 2)
+    kv = read_header(model_path).kv
+    assert (kv["tokenizer.ggml.bos_token_id"], kv["tokenizer.ggml.eos_token_id"]) == (1, 2)
 
 
 @pytest.mark.timeout(30)
