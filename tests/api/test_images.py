@@ -42,8 +42,12 @@ def _chat(image: bytes, text: str = TEXT) -> list[dict]:
     ]}]  # fmt: skip
 
 
-def _place(owner: str, via: NodeProc, model: str, nodes: list[str]) -> str:
-    r = httpx.post(owner + "/v1/instances", json={"model": model, "nodes": nodes}, timeout=60)
+def _place(owner: NodeProc, via: NodeProc, model: str, nodes: list[str]) -> str:
+    # The nodes named must be live in the owner's view, or the placement is refused
+    # (a 400 that names them): ci69 once found b not live in a's view.
+    wait_for(lambda: all(owner.liveness().get(n) == "alive" for n in nodes), 30, 0.2)
+    r = httpx.post(owner.api + "/v1/instances", json={"model": model, "nodes": nodes},
+                   timeout=60)  # fmt: skip
     assert r.status_code == 201, r.text
     path = f"/v1/instances/{r.json()['id']}"
 
@@ -64,7 +68,7 @@ def vision(trio: dict[str, NodeProc], a_models: Path, model_path: Path) -> Itera
     """The vision model split over a and b, and a copy of it whole on a."""
     write_vision_model(a_models / "vision-split", model_path)
     write_vision_model(a_models / "vision-whole", model_path)
-    owner, via = trio["a"].api, trio["c"]
+    owner, via = trio["a"], trio["c"]
     names = {"vision-split", "vision-whole"}
     wait_for(lambda: names <= {m["id"] for m in via.get("/v1/models")["data"]}, 30, 0.1)
     placed = []
@@ -74,7 +78,7 @@ def vision(trio: dict[str, NodeProc], a_models: Path, model_path: Path) -> Itera
         yield {"split": "vision-split", "whole": "vision-whole"}
     finally:
         for path in placed:
-            httpx.delete(owner + path, timeout=10)
+            httpx.delete(owner.api + path, timeout=10)
 
 
 def _openai(client, model: str, image: bytes, **extra) -> str:
