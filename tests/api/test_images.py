@@ -43,12 +43,21 @@ def _chat(image: bytes, text: str = TEXT) -> list[dict]:
 
 
 def _place(owner: NodeProc, via: NodeProc, model: str, nodes: list[str]) -> str:
-    # The nodes named must be live in the owner's view, or the placement is refused
-    # (a 400 that names them): ci69 once found b not live in a's view.
+    # A node that lacks the model is placeable once the owner knows a holder's facts
+    # of it (it fetches its slice then); a model written a moment ago may not have
+    # them yet, and the placement is refused meanwhile (ci69: "b ... is not a live
+    # node"). Ask again until it is taken.
     wait_for(lambda: all(owner.liveness().get(n) == "alive" for n in nodes), 30, 0.2)
-    r = httpx.post(owner.api + "/v1/instances", json={"model": model, "nodes": nodes},
-                   timeout=60)  # fmt: skip
-    assert r.status_code == 201, r.text
+    body = {"model": model, "nodes": nodes}
+    sent: list[httpx.Response] = []
+
+    def taken() -> bool:
+        sent.append(httpx.post(owner.api + "/v1/instances", json=body, timeout=60))
+        assert sent[-1].status_code in (201, 400), sent[-1].text
+        return sent[-1].status_code == 201
+
+    wait_for(taken, 30, 0.5)
+    r = sent[-1]
     path = f"/v1/instances/{r.json()['id']}"
 
     def ready() -> bool:
