@@ -258,7 +258,7 @@ class Supervisor:
     def _slice_to_fetch(self, inst: Instance, i: int) -> Path | None:
         """Where stage ``i``'s slice goes when fetched, or None when it cannot be (no
         fetcher, or facts that name no file). Whether a holder is live is asked when
-        the fetch starts (:meth:`_await_holder`)."""
+        the fetch starts (:func:`.stage_fetch.await_holder`)."""
         if self.fetch is None:
             return None
         return slice_to_fetch(self.settings.cache_dir, inst, i)
